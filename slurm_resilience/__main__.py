@@ -1,0 +1,5 @@
+import sys
+
+from slurm_resilience.cli import main
+
+sys.exit(main())

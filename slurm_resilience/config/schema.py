@@ -1,0 +1,88 @@
+"""The configuration schema: one frozen dataclass per section.
+
+Each capability owns a section. Sections that belong to a larger subsystem
+live next to their code's config module and are imported here, so this file
+stays the single index of every key (``conf/config.example.yaml`` documents
+each one, and a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from slurm_resilience.config.loader import setting
+
+DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
+ENV_VAR = "SLURM_RESILIENCE_CONFIG"
+
+
+@dataclass(frozen=True)
+class SlurmSection:
+    """How the adapter reaches Slurm."""
+
+    backend: Literal["cli", "pyslurm"] = setting(
+        "cli", help="cli runs scontrol/squeue; pyslurm needs a pyslurm built for your Slurm"
+    )
+    bin_dir: str = setting("", help="directory holding scontrol/squeue/sinfo; empty: PATH")
+    timeout_s: float = setting(10.0, min=0.5, max=300, help="hard timeout of each Slurm command")
+    reason_prefix: str = setting(
+        "SR:", help="prefix of every drain reason we set; we only resume nodes whose reason has it"
+    )
+    conf: str = setting("", help="SLURM_CONF to use; empty: Slurm's own default")
+
+    def validate(self) -> None:
+        if not self.reason_prefix.strip():
+            raise ValueError("reason_prefix must not be empty: it is how we recognise our drains")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """Where hooks and daemons write their JSON lines."""
+
+    level: Literal["debug", "info", "warning", "error"] = setting("info", help="minimum level")
+    file: str = setting(
+        "/var/log/slurm-resilience/events.jsonl", help="JSON-lines log of hooks and daemons"
+    )
+    syslog: bool = setting(True, help="also send events to syslog/journald when /dev/log exists")
+
+
+@dataclass(frozen=True)
+class NodeSection:
+    """Facts about the node this process runs on."""
+
+    name: str = setting("", help="Slurm node name; empty: SLURMD_NODENAME, then the short hostname")
+    state_dir: str = setting(
+        "/var/lib/slurm-resilience", help="root-owned directory for caches, journals, state files"
+    )
+    run_dir: str = setting(
+        "/run/slurm-resilience", help="tmpfs directory for per-job sockets and heartbeat slots"
+    )
+
+
+@dataclass(frozen=True)
+class HooksSection:
+    """Bounds and failure policy of the prolog, epilog and HealthCheckProgram."""
+
+    prolog_timeout_s: float = setting(
+        20.0, min=1, max=600, help="hard limit of the whole prolog; keep under PrologEpilogTimeout"
+    )
+    epilog_timeout_s: float = setting(60.0, min=1, max=3600, help="hard limit of the whole epilog")
+    healthcheck_timeout_s: float = setting(
+        60.0, min=1, max=3600, help="hard limit of one HealthCheckProgram run"
+    )
+    on_internal_error: Literal["fail-open", "fail-closed"] = setting(
+        "fail-open",
+        help="a bug or crash in a hook step: fail-open logs it and lets the job run; "
+             "fail-closed drains the node",
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration file."""
+
+    slurm: SlurmSection = setting(default_factory=SlurmSection, help="the Slurm adapter")
+    logging: LoggingSection = setting(default_factory=LoggingSection, help="logging")
+    node: NodeSection = setting(default_factory=NodeSection, help="this node")
+    hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")

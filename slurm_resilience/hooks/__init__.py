@@ -1,0 +1,1 @@
+"""Prolog, epilog and HealthCheckProgram entry points (see ``hooks/`` for the wrappers)."""

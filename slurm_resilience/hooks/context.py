@@ -1,0 +1,80 @@
+"""What a hook step sees: the job, the node, the config, and a lazy Slurm adapter."""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from slurm_resilience.config import Config
+from slurm_resilience.slurm.adapter import SlurmAdapter, from_config
+
+HookKind = Literal["prolog", "epilog", "healthcheck"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something a step found that should take the node out of service.
+
+    ``reason`` is the drain reason without our prefix: short, actual against
+    expected (``gpu3 XID 79 (GPU fell off the bus) 12:01:07``).
+    """
+
+    step: str
+    reason: str
+    drain: bool = True
+
+
+@dataclass
+class HookContext:
+    """Inputs of one hook run. Everything from the job is untrusted."""
+
+    kind: HookKind
+    cfg: Config
+    node: str
+    env: Mapping[str, str]
+    job_id: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    user: str = ""
+    _adapter: SlurmAdapter | None = field(default=None, repr=False)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def adapter(self) -> SlurmAdapter:
+        """Created on first use, so the healthy path makes no Slurm call at all."""
+        if self._adapter is None:
+            self._adapter = from_config(self.cfg)
+        return self._adapter
+
+    @classmethod
+    def from_env(cls, kind: HookKind, cfg: Config, env: Mapping[str, str] | None = None,
+                 node: str = "") -> HookContext:
+        """Read the variables slurmd sets for Prolog/Epilog/HealthCheckProgram."""
+        env = dict(os.environ if env is None else env)
+        from slurm_resilience.config.paths import node_name
+
+        def _int(name: str) -> int | None:
+            value = env.get(name, "")
+            return int(value) if value.isdigit() else None
+
+        uid = _int("SLURM_JOB_UID")
+        user = ""
+        if uid is not None:
+            try:
+                user = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                user = ""
+        return cls(
+            kind=kind,
+            cfg=cfg,
+            node=node or node_name(cfg.node.name if not env.get("SLURMD_NODENAME") else
+                                   env["SLURMD_NODENAME"]),
+            env=env,
+            job_id=_int("SLURM_JOB_ID") or _int("SLURM_JOBID"),
+            uid=uid,
+            gid=_int("SLURM_JOB_GID"),
+            user=user,
+        )

@@ -1,0 +1,15 @@
+"""Which steps each hook runs, in order. One line per capability.
+
+A step is ``module:function`` taking a :class:`~slurm_resilience.hooks.context.HookContext`
+and returning a list of :class:`~slurm_resilience.hooks.context.Problem`. Modules are
+imported only when the hook runs, and a step must keep its own imports light
+(no torch, no boto3 on the prolog path).
+"""
+
+from __future__ import annotations
+
+PROLOG: list[str] = []
+
+EPILOG: list[str] = []
+
+HEALTHCHECK: list[str] = []

@@ -1,0 +1,129 @@
+"""The one place that runs external programs.
+
+Every call is an argv list with ``shell=False`` and a mandatory timeout, and is
+counted, so callers (the Slurm adapter, collectors, the sandbox) share one
+audited seam. Tests of callers replace :class:`Runner` with a stateful fake.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from slurm_resilience.log import get_logger
+
+log = get_logger("proc")
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The outcome of one finished command."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class CommandError(Exception):
+    """A command could not be started, timed out, or exited non-zero."""
+
+    def __init__(self, argv: Sequence[str], message: str, result: Completed | None = None):
+        self.argv = tuple(argv)
+        self.result = result
+        super().__init__(f"{argv[0]}: {message}")
+
+
+class CommandTimeout(CommandError):
+    """A command ran past its timeout and was killed."""
+
+
+@dataclass
+class Stats:
+    """Counters per program name: calls, failures, timeouts."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    timeouts: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, name: str, *, failed: bool = False, timed_out: bool = False) -> None:
+        with self.lock:
+            self.calls[name] += 1
+            if failed:
+                self.failures[name] += 1
+            if timed_out:
+                self.timeouts[name] += 1
+
+
+STATS = Stats()
+
+
+def resolve(program: str, path: str | None = None) -> str:
+    """Return the absolute path of ``program``, so argv[0] is never looked up by the shell."""
+    if os.sep in program:
+        return program
+    found = shutil.which(program, path=path)
+    if found is None:
+        msg = f"{program}: not found on PATH ({path or os.environ.get('PATH', '')})"
+        raise CommandError([program], msg)
+    return found
+
+
+class Runner:
+    """Runs argv lists with a timeout; the real implementation of the seam."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, stats: Stats = STATS):
+        self.env = dict(env) if env is not None else None
+        self.stats = stats
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        check: bool = True,
+        input_text: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Completed:
+        if not argv:
+            raise ValueError("proc.run: empty argv")
+        name = os.path.basename(argv[0])
+        full_env = self.env if env is None else {**(self.env or os.environ), **env}
+        cmd = [resolve(argv[0], (full_env or os.environ).get("PATH")), *argv[1:]]
+        start = time.monotonic()
+        try:
+            cp = subprocess.run(
+                cmd,
+                shell=False,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                input=input_text,
+                env=full_env,
+                check=False,
+                stdin=None if input_text is not None else subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            self.stats.record(name, failed=True, timed_out=True)
+            log.warning("command timed out", argv=list(argv), timeout=timeout)
+            raise CommandTimeout(argv, f"timed out after {timeout:g}s") from exc
+        except OSError as exc:
+            self.stats.record(name, failed=True)
+            raise CommandError(argv, f"couldn't start: {exc}") from exc
+        elapsed = time.monotonic() - start
+        result = Completed(tuple(argv), cp.returncode, cp.stdout, cp.stderr, elapsed)
+        failed = cp.returncode != 0
+        self.stats.record(name, failed=failed)
+        log.debug("command", argv=list(argv), rc=cp.returncode, seconds=round(elapsed, 3))
+        if failed and check:
+            detail = (cp.stderr or cp.stdout).strip() or f"exit status {cp.returncode}"
+            raise CommandError(argv, detail, result)
+        return result

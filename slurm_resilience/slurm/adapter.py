@@ -1,0 +1,253 @@
+"""The Slurm adapter: the only module that talks to Slurm.
+
+Every operation is an argv list run through :mod:`slurm_resilience.proc`
+(``shell=False``, a timeout, counted and logged). Failures come back as the
+typed exceptions in :mod:`slurm_resilience.slurm.errors`, carrying Slurm's
+message. Our drains carry a fixed reason prefix; :meth:`SlurmAdapter.resume`
+re-reads the node just before acting and never touches anyone else's drain.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from slurm_resilience.log import get_logger
+from slurm_resilience.proc import CommandError, CommandTimeout, Completed, Runner
+from slurm_resilience.slurm.errors import (
+    ForeignDrain,
+    JobNotFound,
+    NodeNotFound,
+    SlurmError,
+    SlurmTimeout,
+)
+from slurm_resilience.slurm.parse import (
+    JobInfo,
+    NodeInfo,
+    collect_hostlist,
+    parse_job,
+    parse_node,
+    parse_squeue_json,
+)
+
+log = get_logger("slurm")
+
+# Slurm keeps reasons short in sinfo's default width; longer ones are still stored.
+MAX_REASON = 200
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
+_NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
+
+
+class RunnerLike(Protocol):
+    def run(
+        self, argv: Sequence[str], *, timeout: float, check: bool = True,
+        input_text: str | None = None, env: dict[str, str] | None = None,
+    ) -> Completed: ...
+
+
+def _check_node_name(name: str) -> str:
+    if not _NODE_NAME.match(name):
+        raise ValueError(f"slurm: {name!r} is not a valid node name")
+    return name
+
+
+def _check_job_id(job_id: int | str) -> str:
+    text = str(job_id)
+    if not text.isdigit():
+        raise ValueError(f"slurm: {job_id!r} is not a job id")
+    return text
+
+
+def clean_reason(text: str) -> str:
+    """One line, printable, bounded: a reason must never break ``scontrol`` or ``sinfo``."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text[:MAX_REASON]
+
+
+class SlurmAdapter:
+    """Drain, resume, requeue and inspect through Slurm's CLI."""
+
+    def __init__(
+        self,
+        *,
+        runner: RunnerLike | None = None,
+        timeout: float = 10.0,
+        reason_prefix: str = "SR:",
+        bin_dir: str = "",
+        slurm_conf: str = "",
+    ):
+        self.runner: RunnerLike = runner or Runner()
+        self.timeout = timeout
+        self.prefix = reason_prefix
+        self.bin_dir = bin_dir
+        self.env: dict[str, str] | None = None
+        if slurm_conf:
+            self.env = {"SLURM_CONF": slurm_conf}
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _tool(self, name: str) -> str:
+        return os.path.join(self.bin_dir, name) if self.bin_dir else name
+
+    def _run(self, operation: str, argv: list[str], *, check: bool = True) -> Completed:
+        argv = [self._tool(argv[0]), *argv[1:]]
+        try:
+            result = self.runner.run(argv, timeout=self.timeout, check=check, env=self.env)
+        except CommandTimeout as exc:
+            log.error("slurm call timed out", operation=operation, argv=argv)
+            raise SlurmTimeout(operation, str(exc)) from exc
+        except CommandError as exc:
+            message = (exc.result.stderr or exc.result.stdout).strip() if exc.result else str(exc)
+            log.warning("slurm call failed", operation=operation, argv=argv, error=message)
+            if _NOT_FOUND.search(message):
+                kind = JobNotFound if "job" in operation else NodeNotFound
+                raise kind(operation, message) from exc
+            raise SlurmError(operation, message) from exc
+        log.info("slurm call", operation=operation, argv=argv, seconds=round(result.seconds, 3))
+        return result
+
+    def ours(self, reason: str) -> bool:
+        """Whether a node reason was set by this suite."""
+        return reason.startswith(self.prefix)
+
+    def with_prefix(self, reason: str) -> str:
+        reason = clean_reason(reason)
+        return reason if self.ours(reason) else clean_reason(f"{self.prefix} {reason}")
+
+    # -- nodes ------------------------------------------------------------------------------
+
+    def show_node(self, name: str) -> NodeInfo:
+        """The node's current state, reason and features."""
+        out = self._run("show node", ["scontrol", "show", "node", _check_node_name(name), "-o"])
+        for line in out.stdout.splitlines():
+            if line.startswith("NodeName="):
+                return parse_node(line)
+        raise NodeNotFound("show node", f"no record for {name} in scontrol output")
+
+    def list_nodes(self) -> list[NodeInfo]:
+        """Every node slurmctld knows."""
+        out = self._run("list nodes", ["scontrol", "show", "node", "-o"])
+        return [parse_node(line) for line in out.stdout.splitlines() if line.startswith("NodeName=")]
+
+    def drain(self, name: str, reason: str) -> str:
+        """Drain ``name`` with our prefixed reason; returns the reason set.
+
+        An existing drain by someone else is left as it is (their reason is not
+        overwritten): :class:`ForeignDrain` is raised instead.
+        """
+        node = self.show_node(name)
+        if (node.drained or node.down) and node.reason and not self.ours(node.reason):
+            raise ForeignDrain("drain", f"{name} already drained by {node.reason_user or '?'}: "
+                                        f"{node.reason!r}; leaving it")
+        text = self.with_prefix(reason)
+        self._run("drain node", ["scontrol", "update", f"NodeName={name}", "State=DRAIN",
+                                 f"Reason={text}"])
+        log.warning("node drained", target=name, reason=text)
+        return text
+
+    def resume(self, name: str) -> bool:
+        """Resume ``name`` only if its drain is ours; re-reads the reason just before acting.
+
+        Returns False when the node is not drained. Raises :class:`ForeignDrain`
+        when someone else's reason is on it.
+        """
+        node = self.show_node(name)
+        if not (node.drained or node.down):
+            return False
+        if not self.ours(node.reason):
+            raise ForeignDrain("resume", f"{name} is {node.state}+{'+'.join(sorted(node.flags))} "
+                                         f"with reason {node.reason!r} not set by us; leaving it")
+        self._run("resume node", ["scontrol", "update", f"NodeName={name}", "State=RESUME"])
+        log.warning("node resumed", target=name, previous_reason=node.reason)
+        return True
+
+    def set_features(self, name: str, available: Iterable[str], active: Iterable[str] | None = None
+                     ) -> None:
+        """Replace a node's available (and optionally active) features."""
+        argv = ["scontrol", "update", f"NodeName={_check_node_name(name)}",
+                f"AvailableFeatures={','.join(available)}"]
+        if active is not None:
+            argv.append(f"ActiveFeatures={','.join(active)}")
+        self._run("set node features", argv)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def show_job(self, job_id: int | str) -> JobInfo:
+        """The job's state, nodes, restarts and comments."""
+        out = self._run("show job", ["scontrol", "show", "job", _check_job_id(job_id), "-o"])
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("JobId=")]
+        if not lines:
+            raise JobNotFound("show job", f"no record for job {job_id}")
+        return parse_job(lines[0])
+
+    def list_jobs(self, *, node: str | None = None, user: str | None = None) -> list[JobInfo]:
+        """Jobs slurmctld still holds, from ``squeue --json``; filtered here because
+        22.05 ignores squeue's filters when printing JSON."""
+        out = self._run("list jobs", ["squeue", "--json"])
+        jobs = parse_squeue_json(out.stdout)
+        if node is not None:
+            jobs = [j for j in jobs if node in j.nodes]
+        if user is not None:
+            jobs = [j for j in jobs if j.user == user]
+        return jobs
+
+    def requeue(self, job_id: int | str) -> None:
+        """Put a running job back in the queue; it restarts with Restarts+1."""
+        self._run("requeue job", ["scontrol", "requeue", _check_job_id(job_id)])
+        log.warning("job requeued", job_id=str(job_id))
+
+    def requeue_hold(self, job_id: int | str, reason: str = "") -> None:
+        """Requeue and hold; a human (or :meth:`release`) must let it go."""
+        jid = _check_job_id(job_id)
+        self._run("requeue-hold job", ["scontrol", "requeuehold", jid])
+        if reason:
+            self.set_admin_comment(jid, reason)
+        log.warning("job requeued held", job_id=jid, reason=reason)
+
+    def release(self, job_id: int | str) -> None:
+        """Release a held job."""
+        self._run("release job", ["scontrol", "release", _check_job_id(job_id)])
+
+    def set_admin_comment(self, job_id: int | str, text: str) -> None:
+        """Set the job's AdminComment (visible to operators, not settable by users)."""
+        self._run("set admin comment", ["scontrol", "update", f"JobId={_check_job_id(job_id)}",
+                                        f"AdminComment={clean_reason(self.with_prefix(text))}"])
+
+    def set_excluded_nodes(self, job_id: int | str, nodes: Sequence[str]) -> None:
+        """Replace the job's excluded node list (a pending job will avoid them)."""
+        names = [_check_node_name(n) for n in nodes]
+        self._run("update excluded nodes", ["scontrol", "update", f"JobId={_check_job_id(job_id)}",
+                                            f"ExcNodeList={collect_hostlist(names)}"])
+
+    def exclude_nodes(self, job_id: int | str, nodes: Sequence[str]) -> tuple[str, ...]:
+        """Add ``nodes`` to the job's excluded list, keeping what was there."""
+        job = self.show_job(job_id)
+        merged = sorted(set(job.exc_nodes) | set(nodes))
+        self.set_excluded_nodes(job_id, merged)
+        return tuple(merged)
+
+    def reconfigure(self) -> None:
+        """Ask slurmctld to re-read slurm.conf."""
+        self._run("reconfigure", ["scontrol", "reconfigure"])
+
+    def ping(self) -> bool:
+        """Whether slurmctld answers."""
+        out = self._run("ping", ["scontrol", "ping"], check=False)
+        return "UP" in out.stdout
+
+
+def from_config(cfg: object) -> SlurmAdapter:
+    """Build the adapter from a loaded :class:`~slurm_resilience.config.Config`."""
+    from slurm_resilience.config.schema import Config
+
+    assert isinstance(cfg, Config)
+    s = cfg.slurm
+    if s.backend == "pyslurm":
+        from slurm_resilience.slurm.pyslurm_backend import PySlurmAdapter
+
+        return PySlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix,
+                              bin_dir=s.bin_dir, slurm_conf=s.conf)
+    return SlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix, bin_dir=s.bin_dir,
+                        slurm_conf=s.conf)
