@@ -43,7 +43,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         if only is not None and name != only:
-            sub.add_parser(name, help=f"(see slurm-resilience {name} --help)", add_help=False)
+            # Only the command being run is imported; the rest need just a name here.
+            sub.add_parser(name, add_help=False)
             continue
         importlib.import_module(module).register(sub)
     return parser

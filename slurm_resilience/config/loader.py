@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -49,9 +50,9 @@ def setting(
     default: Any = MISSING,
     *,
     default_factory: Any = MISSING,
-    help: str = "",  # noqa: A002 - mirrors argparse
-    min: float | None = None,  # noqa: A002
-    max: float | None = None,  # noqa: A002
+    help: str = "",
+    min: float | None = None,
+    max: float | None = None,
     choices: tuple[Any, ...] | None = None,
 ) -> Any:
     """A dataclass field with its documentation and range."""
@@ -63,13 +64,11 @@ def setting(
 
 def parse_size(text: str) -> int:
     """``"16GiB"`` → 17179869184. Raises ValueError with the valid units."""
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text.strip().lower().replace(" ", ""))
+    if not m or m.group(2) not in _UNITS:
         raise ValueError(f"{text!r} is not a size; use bytes or a number with one of "
                          "KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(num) * _UNITS[unit])
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def _describe(tp: Any) -> str:
@@ -109,9 +108,9 @@ class _Builder:
             return self.build_dataclass(tp, node, path)
         if origin in (Union, types.UnionType):
             args = [a for a in get_args(tp) if a is not type(None)]
-            if isinstance(node, yaml.ScalarNode) and self.scalar(node) is None:
-                if len(args) < len(get_args(tp)):
-                    return None
+            nullable = len(args) < len(get_args(tp))
+            if nullable and isinstance(node, yaml.ScalarNode) and self.scalar(node) is None:
+                return None
             if len(args) == 1:
                 return self.build(args[0], node, path)
             for arg in args:
@@ -136,7 +135,8 @@ class _Builder:
                 out[key] = self.build(vtype, vnode, f"{path}.{key}")
             return types.MappingProxyType(out)
         if not isinstance(node, yaml.ScalarNode):
-            raise self.error(node, path, f"expected {_describe(tp)}, got a {node.id}")
+            kind = "list" if isinstance(node, yaml.SequenceNode) else "mapping"
+            raise self.error(node, path, f"expected {_describe(tp)}, got a {kind}")
         value = self.scalar(node)
         if origin is Literal:
             if value not in get_args(tp):
@@ -230,8 +230,8 @@ def load_text(cls: type[T], text: str, source: str = "<string>") -> T:
         raise ConfigError(source, line, "", f"not valid YAML: {exc}") from None
     builder = _Builder(source)
     if root is None:
-        root = yaml.MappingNode("tag:yaml.org,2002:map", [])
-        root.start_mark = yaml.Mark(source, 0, 0, 0, None, None)
+        mark = yaml.Mark(source, 0, 0, 0, "", 0)
+        root = yaml.MappingNode("tag:yaml.org,2002:map", [], mark, mark)
     return builder.build_dataclass(cls, root, "")
 
 
@@ -248,7 +248,9 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def walk_keys(cls: type[Any], prefix: str = "") -> typing.Iterator[tuple[str, dataclasses.Field[Any]]]:
+def walk_keys(
+    cls: type[Any], prefix: str = ""
+) -> typing.Iterator[tuple[str, dataclasses.Field[Any]]]:
     """Every dotted key path of a config class, for docs and their tests."""
     hints = get_type_hints(cls)
     for f in fields(cls):

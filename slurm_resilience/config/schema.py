@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.loader import setting
 
 DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
@@ -86,3 +87,4 @@ class Config:
     logging: LoggingSection = setting(default_factory=LoggingSection, help="logging")
     node: NodeSection = setting(default_factory=NodeSection, help="this node")
     hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")
+    agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")

@@ -79,7 +79,7 @@ def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
         started = time.monotonic()
         try:
             found = load_step(spec)(ctx)
-        except Exception as exc:  # noqa: BLE001 - any bug in a step must not kill the hook
+        except Exception as exc:
             logger.exception("hook step crashed", step=spec)
             if ctx.cfg.hooks.on_internal_error == "fail-closed":
                 found = [Problem(spec, f"{ctx.kind} step {spec.rsplit(':', 1)[-1]} crashed: "

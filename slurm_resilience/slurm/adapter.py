@@ -129,7 +129,8 @@ class SlurmAdapter:
     def list_nodes(self) -> list[NodeInfo]:
         """Every node slurmctld knows."""
         out = self._run("list nodes", ["scontrol", "show", "node", "-o"])
-        return [parse_node(line) for line in out.stdout.splitlines() if line.startswith("NodeName=")]
+        lines = out.stdout.splitlines()
+        return [parse_node(line) for line in lines if line.startswith("NodeName=")]
 
     def drain(self, name: str, reason: str) -> str:
         """Drain ``name`` with our prefixed reason; returns the reason set.

@@ -1,0 +1,77 @@
+# slurm-resilience: the two commands a newcomer needs are `make demo` and `make test`.
+# Both run as root on Debian (bookworm): they install Debian's Slurm, munge and
+# Python packages when missing, then build the virtualenv at .venv/.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+# Debian's own python3, so jobs running as ordinary users can execute .venv/bin/python.
+PYTHON_SYS ?= /usr/bin/python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := python3 python3-venv python3-dev gcc slurmctld slurmd slurm-client munge \
+                libslurm-dev lua5.1 nvme-cli procps
+PIP_EXTRAS := dev,s3,gpu,train
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help setup apt venv lint typecheck unit integration test demo bench sandbox-down clean
+
+help:
+	@echo "make demo   bring up a local Slurm sandbox and run the main scenario"
+	@echo "make test   install what is needed, then ruff, mypy and pytest (unit + sandbox)"
+	@echo "make bench  run the benchmarks in benchmarks/ (prints ratios against references)"
+	@echo "make lint | typecheck | unit | integration | sandbox-down | clean"
+
+apt:
+	@missing=$$(for p in $(APT_PACKAGES); do \
+	    dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; \
+	  done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "make: run as root to install: $$missing" >&2; exit 1; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	@# Debian starts the packaged daemons on install; the sandbox runs its own, so stop those.
+	@for s in slurmctld slurmd munge; do \
+	  systemctl is-active --quiet $$s 2>/dev/null && systemctl stop $$s 2>/dev/null || true; \
+	done
+
+$(VENV)/.installed: setup.cfg pyproject.toml | apt
+	$(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[$(PIP_EXTRAS)]' '$(TORCH)'
+	touch $@
+
+venv: $(VENV)/.installed
+
+setup: apt venv
+
+lint: setup
+	$(VENV)/bin/ruff check slurm_resilience tests benchmarks examples
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+integration: setup
+	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
+
+test: setup lint typecheck
+	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) examples/demo.py
+
+bench: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b; done
+
+sandbox-down:
+	-$(VENV)/bin/slurm-resilience sandbox down
+
+clean: sandbox-down
+	rm -rf $(VENV) .sandbox .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,0 +1,33 @@
+"""``slurm-resilience agent``: run the node agent in the foreground (systemd runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from typing import Any
+
+from slurm_resilience import config, log
+from slurm_resilience.agent.daemon import Agent, load_services
+from slurm_resilience.agent.service import AgentContext
+from slurm_resilience.config.paths import node_name
+from slurm_resilience.slurm.adapter import from_config
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("agent", help="run the node agent (checkpoint sync, hang watching)")
+    p.add_argument("--node", default="", help="Slurm node name this agent serves "
+                   "(default: node.name from config, then SLURMD_NODENAME, then the hostname)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.load(args.config)
+    node = node_name(args.node or cfg.node.name)
+    log.configure(mode="json", level="debug" if args.verbose else cfg.logging.level,
+                  file=cfg.logging.file, use_syslog=cfg.logging.syslog, node=node)
+    ctx = AgentContext(cfg=cfg, node=node, adapter=from_config(cfg))
+    agent = Agent(ctx, load_services(ctx))
+    signal.signal(signal.SIGTERM, agent.request_stop)
+    signal.signal(signal.SIGINT, agent.request_stop)
+    agent.run()
+    return 0

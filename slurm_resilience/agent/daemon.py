@@ -1,0 +1,83 @@
+"""The agent's main loop: start services, serve the socket, tick, stop cleanly."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from slurm_resilience.agent.server import AgentServer
+from slurm_resilience.agent.service import AgentContext, Service
+from slurm_resilience.agent.services import SERVICES
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.log import get_logger
+
+log = get_logger("agent")
+
+Factory = Callable[[AgentContext], "Service | None"]
+
+
+def load_services(ctx: AgentContext, specs: list[str] | None = None) -> list[Service]:
+    services: list[Service] = []
+    for spec in SERVICES if specs is None else specs:
+        module, _, name = spec.partition(":")
+        factory: Factory = getattr(importlib.import_module(module), name)
+        svc = factory(ctx)
+        if svc is not None:
+            services.append(svc)
+            log.info("service started", service=svc.name)
+    return services
+
+
+class Agent:
+    """Runs services' ``tick`` on one loop thread and their handlers on socket threads."""
+
+    def __init__(self, ctx: AgentContext, services: list[Service]):
+        self.ctx = ctx
+        self.services = services
+        self.stop_event = threading.Event()
+        a = ctx.cfg.agent
+        self.server = AgentServer(node_path(a.socket, ctx.node), max_bytes=a.max_request_bytes,
+                                  io_timeout=a.request_timeout_s)
+        for svc in services:
+            for op, handler in svc.handlers().items():
+                self.server.route(op, handler)
+        self._next: dict[str, float] = {svc.name: 0.0 for svc in services}
+
+    def tick_once(self) -> None:
+        now = time.monotonic()
+        for svc in self.services:
+            if now < self._next[svc.name]:
+                continue
+            self._next[svc.name] = now + svc.interval_s
+            try:
+                svc.tick()
+            except Exception:
+                log.exception("service tick failed", service=svc.name)
+
+    def run(self) -> None:
+        thread = threading.Thread(target=self.server.serve_forever, name="agent-socket",
+                                  daemon=True)
+        thread.start()
+        log.info("agent running", socket=self.server.path,
+                 services=[s.name for s in self.services])
+        try:
+            while not self.stop_event.is_set():
+                self.tick_once()
+                self.stop_event.wait(self.ctx.cfg.agent.tick_s)
+        finally:
+            self.server.shutdown()
+            self.server.server_close()
+            for svc in self.services:
+                try:
+                    svc.close()
+                except Exception:
+                    log.exception("service close failed", service=svc.name)
+            log.info("agent stopped")
+
+    def request_stop(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("agent stopping", signal=signal.Signals(signum).name)
+        self.stop_event.set()

@@ -1,0 +1,6 @@
+"""Services the agent starts, in order: ``module:factory`` taking an AgentContext and
+returning a Service (or None when the service is disabled by config). One line each."""
+
+from __future__ import annotations
+
+SERVICES: list[str] = []

@@ -1,0 +1,24 @@
+"""Settings of the per-node agent daemon (``slurm-resilience agent``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurm_resilience.config.loader import setting
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    """The node agent: one root daemon per node, hosting checkpoint sync and hang watching."""
+
+    socket: str = setting(
+        "/run/slurm-resilience/agent.sock",
+        help="unix socket the agent listens on; jobs and hooks talk to it; may contain {node}",
+    )
+    tick_s: float = setting(1.0, min=0.05, max=60, help="how often the agent's loop wakes up")
+    request_timeout_s: float = setting(
+        5.0, min=0.1, max=300, help="longest a client waits for one answer from the agent"
+    )
+    max_request_bytes: int = setting(
+        65536, min=1024, max=16 * 1024 * 1024, help="largest request line accepted from a client"
+    )
