@@ -47,7 +47,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml | apt
 
 venv: $(VENV)/.installed
 
-setup: apt venv
+spank/slurm_resilience.so: spank/slurm_resilience_spank.c spank/exports.map | apt
+	$(MAKE) -s -C spank
+
+setup: apt venv spank/slurm_resilience.so
 
 lint: setup
 	$(VENV)/bin/ruff check slurm_resilience tests benchmarks examples
@@ -74,4 +77,5 @@ sandbox-down:
 	-$(VENV)/bin/slurm-resilience sandbox down
 
 clean: sandbox-down
+	$(MAKE) -s -C spank clean
 	rm -rf $(VENV) .sandbox .mypy_cache .ruff_cache .pytest_cache *.egg-info

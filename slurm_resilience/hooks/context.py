@@ -42,6 +42,15 @@ class HookContext:
     _adapter: SlurmAdapter | None = field(default=None, repr=False)
     notes: dict[str, Any] = field(default_factory=dict)
 
+    def job_option(self, name: str) -> str:
+        """A per-job option from our SPANK plugin (``--hang-timeout`` → ``HANG_TIMEOUT``).
+
+        slurmd gives the prolog/epilog the plugin's values as
+        ``SPANK_SLURM_RESILIENCE_<NAME>``; the job's own environment is never visible
+        here, which is what we want: root code reads only what the plugin validated.
+        """
+        return self.env.get(f"SPANK_SLURM_RESILIENCE_{name.upper()}", "")
+
     @property
     def adapter(self) -> SlurmAdapter:
         """Created on first use, so the healthy path makes no Slurm call at all."""
