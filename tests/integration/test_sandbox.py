@@ -1,0 +1,99 @@
+"""The sandbox and the Slurm adapter against real slurmctld, slurmd and munge."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.sandbox import control
+from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.slurm.errors import ForeignDrain
+
+pytestmark = pytest.mark.sandbox
+
+
+def reason_in_sinfo(sandbox: Sandbox, node: str) -> str:
+    out = sandbox.run(["sinfo", "-R", "-h", "-N", "-n", node, "-o", "%N|%E"]).stdout
+    return "".join(line.split("|", 1)[1] for line in out.splitlines() if line.startswith(node))
+
+
+def test_four_nodes_come_up_and_run_a_two_node_srun(sandbox: Sandbox) -> None:
+    """All four nodes are IDLE with their leaf feature and a 2-node srun runs on two of them."""
+    nodes = sandbox.adapter().list_nodes()
+    assert [n.name for n in nodes] == ["node1", "node2", "node3", "node4"]
+    assert all(control.ready(n) for n in nodes)
+    assert [n.features for n in nodes] == [("leaf01",), ("leaf01",), ("leaf02",), ("leaf02",)]
+    out = sandbox.run(["srun", "-N2", "-n2", "sh", "-c", "echo $SLURMD_NODENAME"], timeout=60)
+    names = sorted(out.stdout.split())
+    assert len(names) == 2 and len(set(names)) == 2
+    assert set(names) <= set(sandbox.nodes)
+
+
+def test_adapter_drains_and_resumes_a_node(sandbox: Sandbox) -> None:
+    """Our drain shows in sinfo -R with the SR: prefix, and resume brings the node back."""
+    ctl = sandbox.adapter()
+    ctl.drain("node2", "test: disk on fire")
+    assert reason_in_sinfo(sandbox, "node2") == "SR: test: disk on fire"
+    assert ctl.show_node("node2").drained
+    assert ctl.resume("node2") is True
+    node = ctl.show_node("node2")
+    assert not node.drained and node.state == "IDLE"
+    # slurmctld pings a resumed node first (IDLE+NOT_RESPONDING for a moment).
+    sandbox.wait_nodes_ready(timeout=15)
+    assert reason_in_sinfo(sandbox, "node2") == ""
+
+
+def test_adapter_refuses_to_resume_an_admin_drain(sandbox: Sandbox) -> None:
+    """A node an admin drained with their own reason stays drained with that reason."""
+    sandbox.run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=maintenance"])
+    ctl = sandbox.adapter()
+    with pytest.raises(ForeignDrain, match="maintenance"):
+        ctl.resume("node3")
+    with pytest.raises(ForeignDrain):
+        ctl.drain("node3", "our own reason")
+    node = ctl.show_node("node3")
+    assert node.drained and node.reason == "maintenance"
+    assert reason_in_sinfo(sandbox, "node3") == "maintenance"
+
+
+def test_adapter_requeues_a_running_batch_job_which_runs_again(sandbox: Sandbox) -> None:
+    """A requeued running job starts again: Restarts=1 and its appended output shows two runs."""
+    job = sandbox.sbatch("echo run $SLURM_RESTART_COUNT on $SLURMD_NODENAME\nsleep 300\n",
+                         args=["--open-mode=append", "--requeue", "-N1"])
+    sandbox.wait_job(job, {"RUNNING"}, timeout=30)
+    deadline = time.monotonic() + 10
+    while "run" not in sandbox.output(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sandbox.adapter().requeue(job)
+    info = sandbox.wait_job(job, {"RUNNING"}, timeout=90, poll=0.5)
+    assert info.restarts == 1
+    deadline = time.monotonic() + 10
+    while sandbox.output(job).count("run") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [ln for ln in sandbox.output(job).splitlines() if ln.startswith("run")]
+    assert len(lines) == 2, sandbox.output(job)
+    assert lines[1].startswith("run 1 on node")
+
+
+def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
+    """After down, no pid from the pid files is alive and no process mentions the state dir."""
+    assert callable(sandbox_factory)
+    box = sandbox_factory(nodes=2, leaves=1)
+    daemons = control.all_daemons(box.layout)
+    pids = [d.pid() for d in daemons]
+    assert all(pids), dict(zip([d.name for d in daemons], pids, strict=True))
+    stopped = box.stop()
+    assert len(stopped) == len(daemons)
+    for pid in pids:
+        assert pid is not None and not control.daemons.alive(pid)
+    marker = str(box.state_dir)
+    leftovers = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and control.daemons.alive(int(proc.name)):
+            argv = control.daemons.cmdline(int(proc.name))
+            if any(marker in a for a in argv):
+                leftovers.append((proc.name, argv))
+    assert leftovers == []
+    assert not list((box.state_dir / "run").glob("*.pid"))
