@@ -51,6 +51,11 @@ class HookContext:
         """
         return self.env.get(f"SPANK_SLURM_RESILIENCE_{name.upper()}", "")
 
+    def job_options(self) -> dict[str, str]:
+        """Every per-job option the SPANK plugin passed, by name."""
+        prefix = "SPANK_SLURM_RESILIENCE_"
+        return {k[len(prefix):]: v for k, v in self.env.items() if k.startswith(prefix)}
+
     @property
     def adapter(self) -> SlurmAdapter:
         """Created on first use, so the healthy path makes no Slurm call at all."""

@@ -132,5 +132,5 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
         logger.warning("hook found problems", problems=[p.reason for p in problems],
                        seconds=seconds)
         return EXIT_FAIL if kind == "prolog" and any(p.drain for p in problems) else EXIT_OK
-    logger.info("hook ok", seconds=seconds)
+    logger.info("hook ok", seconds=seconds, job_options=ctx.job_options() or None)
     return EXIT_OK

@@ -267,6 +267,9 @@ def write_files(layout: Layout) -> None:
         link.unlink()
     if lua.exists():
         link.symlink_to(lua)
+    # Our SPANK plugin (built by `make setup`), listed the way a site lists it.
+    spank = L.repo / "spank" / "slurm_resilience.so"
+    _write(L.etc / "plugstack.conf", f"optional {spank}\n" if spank.exists() else "")
     _write(L.slurm_conf, slurmconf.slurm_conf(L, job_submit_lua=lua.exists()))
     _write(L.topology_conf, slurmconf.topology_conf(L))
     (L.etc / "rclone.conf").touch()

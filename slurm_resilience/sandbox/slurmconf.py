@@ -44,6 +44,7 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
         f"SlurmdLogFile={L.log_dir}/slurmd-%n.log",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
+        f"PlugStackConfig={L.etc}/plugstack.conf",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "SelectType=select/cons_tres",
