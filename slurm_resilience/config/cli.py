@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from slurm_resilience import config
+from slurm_resilience.log import redact
 
 
 def register(sub: Any) -> None:
@@ -25,5 +26,6 @@ def run_check(args: argparse.Namespace) -> int:
     cfg = config.load(path)
     if not args.quiet:
         print(f"# {source}: valid. Effective configuration (defaults filled in):")
-        print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
+        # Secrets (S3 keys) are shown as *** so the output can be pasted into a ticket.
+        print(yaml.safe_dump(redact(config.to_dict(cfg)), sort_keys=False), end="")
     return 0

@@ -130,3 +130,11 @@ def test_config_check_prints_effective_config(tmp_path: Path) -> None:
     )
     assert "timeout_s: 4.0" in out.stdout
     assert "reason_prefix: 'SR:'" in out.stdout
+
+
+def test_config_check_hides_secrets(tmp_path: Path) -> None:
+    """Secret-looking values are printed as *** by config check."""
+    from slurm_resilience.log import redact
+
+    shown = redact({"s3": {"secret_access_key": "hunter2", "endpoint": "http://x"}})
+    assert shown == {"s3": {"secret_access_key": "***", "endpoint": "http://x"}}
