@@ -13,6 +13,7 @@ from typing import Literal
 
 from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.loader import setting
+from slurm_resilience.config.nccl import NcclSection
 
 DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
 ENV_VAR = "SLURM_RESILIENCE_CONFIG"
@@ -88,3 +89,4 @@ class Config:
     node: NodeSection = setting(default_factory=NodeSection, help="this node")
     hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")
     agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")
+    nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")

@@ -1,0 +1,114 @@
+"""The node-local result of the last NCCL test, and whether it can still be trusted.
+
+One JSON file in the node's root-owned state directory. It is written
+atomically (temp file + rename) and never through a symlink. A result is fresh
+when it passed, is younger than ``validity_s``, was measured in this boot and
+under the same settings, and nobody invalidated it (a node returning to
+service does, see :func:`invalidate`). Reading it costs one small file read, which
+is why the prolog can afford to ask on every job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_resilience.config.paths import node_path
+
+FILENAME = "nccl-result.json"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def path_for(state_dir_template: str, node: str) -> str:
+    return os.path.join(node_path(state_dir_template, node), FILENAME)
+
+
+def boot_id(path: str = BOOT_ID) -> str:
+    try:
+        with open(path, encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def read(path: str) -> dict[str, Any] | None:
+    """The cached entry; None when there is none. A corrupt file reads as none
+    (it is rewritten by the next test) but is reported by the caller via ``why``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        text = fh.read(1 << 20)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return {"corrupt": True}
+    return data if isinstance(data, dict) else {"corrupt": True}
+
+
+def write(path: str, entry: dict[str, Any]) -> None:
+    """Replace the cached entry atomically."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    tmp = os.path.join(directory, f".{FILENAME}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(entry, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def store(path: str, result: dict[str, Any], *, boot: str | None = None,
+          now: float | None = None) -> dict[str, Any]:
+    """Cache a :meth:`GateResult.to_json` with when and in which boot it was measured."""
+    entry = {**result, "cached_at": time.time() if now is None else now,
+             "boot_id": boot_id() if boot is None else boot}
+    write(path, entry)
+    return entry
+
+
+def invalidate(path: str, why: str) -> bool:
+    """Make the next chance re-test (e.g. the node was returned to service).
+    Returns False when there was nothing cached."""
+    entry = read(path)
+    if entry is None:
+        return False
+    entry["invalidated"] = why
+    write(path, entry)
+    return True
+
+
+@dataclass(frozen=True)
+class Freshness:
+    fresh: bool
+    why: str
+    age_s: float | None = None
+
+
+def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, boot: str,
+              fingerprint: str) -> Freshness:
+    """Pure: can ``entry`` stand in for a test now? ``why`` says what makes it stale."""
+    if entry is None:
+        return Freshness(False, "no cached result")
+    if entry.get("corrupt"):
+        return Freshness(False, "cached result unreadable")
+    age = now - float(entry.get("cached_at", 0.0))
+    if entry.get("invalidated"):
+        return Freshness(False, f"invalidated: {entry['invalidated']}", age)
+    if entry.get("verdict") != "pass":
+        return Freshness(False, f"last result was {entry.get('verdict', '?')}", age)
+    if boot and entry.get("boot_id") and entry.get("boot_id") != boot:
+        return Freshness(False, "node rebooted since the last test", age)
+    if entry.get("fingerprint") != fingerprint:
+        return Freshness(False, "test settings changed since the last test", age)
+    if age < 0:
+        return Freshness(False, "cached result is from the future (clock changed)", age)
+    if age > validity_s:
+        return Freshness(False, f"last test {age:.0f}s ago > {validity_s:g}s", age)
+    return Freshness(True, f"passed {age:.0f}s ago", age)

@@ -1,0 +1,207 @@
+"""Hook steps of the NCCL gate (listed in :mod:`slurm_resilience.hooks.steps`).
+
+* prolog: take the node back from idle verification, then decide from the
+  cache; only a whole-node job with a stale result (or asking for it) runs the test.
+* epilog (``nccl.epilog``): the same test for a stale result, while the node is
+  still the job's.
+* healthcheck: report a cached failure (so the node stays drained until a test
+  passes) and start idle verification in the background when it is due.
+
+Healthy prolog path: one flock on a lock file and one small JSON read; no
+torch, no Slurm call.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from slurm_resilience.config.nccl import NcclSection
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.log import get_logger
+from slurm_resilience.nccl import cache, schedule
+from slurm_resilience.slurm.errors import SlurmError
+
+log = get_logger("nccl")
+
+STEP = "nccl"
+# Time the prolog keeps for itself after the test (cache write, drain, exit).
+PROLOG_MARGIN_S = 2.0
+
+
+def lock_path(ctx: HookContext) -> str:
+    return os.path.join(node_path(ctx.cfg.node.run_dir, ctx.node), schedule.LOCK_NAME)
+
+
+def cache_path(ctx: HookContext) -> str:
+    return cache.path_for(ctx.cfg.node.state_dir, ctx.node)
+
+
+def fault_file(ctx: HookContext) -> str:
+    s: NcclSection = ctx.cfg.nccl
+    return node_path(s.fault_file, ctx.node) if s.fault_file else ""
+
+
+def current_freshness(ctx: HookContext) -> tuple[cache.Freshness, dict[str, object] | None]:
+    from slurm_resilience.nccl.gate import fingerprint
+
+    entry = cache.read(cache_path(ctx))
+    s: NcclSection = ctx.cfg.nccl
+    return cache.freshness(entry, now=time.time(), validity_s=s.validity_s,
+                           boot=cache.boot_id(), fingerprint=fingerprint(s)), entry
+
+
+def whole_node(ctx: HookContext) -> tuple[bool, str]:
+    """Does the job have the node to itself? Asks slurmctld, so only called when
+    the cheap checks already say the test would run."""
+    if ctx.job_id is None:
+        return False, "no job id in the environment"
+    try:
+        job = ctx.adapter.show_job(ctx.job_id)
+        if str(job.raw.get("OverSubscribe", "")).upper() == "NO":
+            return True, "exclusive job"
+        node = ctx.adapter.show_node(ctx.node)
+    except SlurmError as exc:
+        return False, f"couldn't ask slurmctld: {exc}"
+    if node.cpus and node.alloc_cpus >= node.cpus:
+        return True, f"job holds all {node.cpus} CPUs"
+    return False, f"node shared ({node.alloc_cpus}/{node.cpus} CPUs allocated)"
+
+
+def _problems(result_verdict: str, reasons: tuple[str, ...] | list[str]) -> list[Problem]:
+    if result_verdict == "fail":
+        return [Problem(STEP, r) for r in reasons]
+    if result_verdict == "unknown":
+        log.warning("nccl: couldn't check", reasons=list(reasons))
+    return []
+
+
+def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why: str
+                ) -> list[Problem]:
+    """Run the test now, holding ``lock``, within ``budget_s`` for all attempts."""
+    from slurm_resilience.nccl.gate import run_gate
+
+    s: NcclSection = ctx.cfg.nccl
+    per_attempt = max(budget_s / (s.retries + 1), 1.0)
+    log.info("nccl: running the test", hook=ctx.kind, why=why, timeout_s=round(per_attempt, 1))
+    try:
+        result = run_gate(s, fault_file=fault_file(ctx), timeout_s=per_attempt)
+    finally:
+        lock.release()
+    if result.verdict in ("pass", "fail"):
+        # This hook reports the failure itself: mark it so, for cached_failure().
+        extra = {"reported": time.time()} if result.verdict == "fail" else {}
+        cache.store(cache_path(ctx), {**result.to_json(), **extra})
+    return _problems(result.verdict, result.reasons)
+
+
+def prolog(ctx: HookContext) -> list[Problem]:
+    s: NcclSection = ctx.cfg.nccl
+    if not s.enabled:
+        return []
+    started = time.monotonic()
+    lock = schedule.NodeLock(lock_path(ctx))
+    handoff = schedule.take_over(lock, s.handoff_timeout_s)
+    if handoff.held:
+        ctx.notes["nccl_handoff_s"] = round(handoff.seconds, 3)
+    fresh, _entry = current_freshness(ctx)
+    decision = schedule.decide_prolog(enabled=s.prolog, fresh=fresh.fresh, stale_why=fresh.why,
+                                      asks=schedule.job_asks(ctx.env, s.prolog_always))
+    if not decision.run:
+        lock.release()
+        return []
+    whole, how = whole_node(ctx)
+    if not whole:
+        lock.release()
+        log.info("nccl: test due but not run in this prolog", why=decision.why, node_use=how)
+        return []
+    budget = ctx.cfg.hooks.prolog_timeout_s - PROLOG_MARGIN_S - (time.monotonic() - started)
+    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), decision.why)
+
+
+def epilog(ctx: HookContext) -> list[Problem]:
+    s: NcclSection = ctx.cfg.nccl
+    if not (s.enabled and s.epilog):
+        return []
+    started = time.monotonic()
+    fresh, _entry = current_freshness(ctx)
+    if fresh.fresh:
+        return []
+    whole, how = whole_node(ctx)
+    if not whole:
+        log.info("nccl: test due, left for idle verification", why=fresh.why, node_use=how)
+        return []
+    lock = schedule.NodeLock(lock_path(ctx))
+    if not lock.try_acquire():
+        return []  # someone is testing already
+    budget = ctx.cfg.hooks.epilog_timeout_s - PROLOG_MARGIN_S - (time.monotonic() - started)
+    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), fresh.why)
+
+
+def verifier_argv(ctx: HookContext) -> list[str]:
+    from slurm_resilience.hooks.runner import config_path
+
+    argv = [sys.executable, "-I", "-m", "slurm_resilience.nccl.verify", "--node", ctx.node]
+    path = config_path(ctx.env)
+    return [*argv, "--config", path] if path else argv
+
+
+def start_idle_verification(ctx: HookContext) -> int:
+    """Start the verifier detached (own session, no inherited pipes), so the health
+    run returns at once and slurmd's limit on it never cuts the test short."""
+    proc = subprocess.Popen(
+        verifier_argv(ctx), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+        env=dict(ctx.env),
+    )
+    log.info("nccl: idle verification started", pid=proc.pid)
+    return proc.pid
+
+
+def cached_failure(ctx: HookContext, entry: dict[str, object]) -> list[Problem]:
+    """A failed result drains the node (again, should the drain be lost) until a test
+    passes; but once it has been reported, a node found in service again was put back
+    by someone on purpose: that invalidates the result, and the next chance re-tests."""
+    reasons = entry.get("reasons")
+    problems = [Problem(STEP, str(r)) for r in (reasons if isinstance(reasons, list) else [])]
+    if not entry.get("reported"):
+        cache.write(cache_path(ctx), {**entry, "reported": time.time()})
+        return problems
+    try:
+        node = ctx.adapter.show_node(ctx.node)
+    except SlurmError as exc:
+        log.warning("nccl: couldn't read node state", error=str(exc))
+        return problems
+    if node.drained or node.down:
+        return problems
+    cache.invalidate(cache_path(ctx), "node returned to service")
+    log.info("nccl: node returned to service; failed result invalidated", reasons=reasons)
+    return []
+
+
+def healthcheck(ctx: HookContext) -> list[Problem]:
+    s: NcclSection = ctx.cfg.nccl
+    if not s.enabled:
+        return []
+    fresh, entry = current_freshness(ctx)
+    problems: list[Problem] = []
+    if entry is not None and entry.get("verdict") == "fail" and not entry.get("invalidated"):
+        problems = cached_failure(ctx, entry)
+        if not problems:
+            fresh, entry = current_freshness(ctx)
+    if not s.idle_verify or not schedule.idle_due(fresh=fresh.fresh, age_s=fresh.age_s,
+                                                  interval_s=s.idle_interval_s):
+        return problems
+    if schedule.holder_pid(lock_path(ctx)) is not None:
+        return problems  # a test is running
+    try:
+        idle = ctx.adapter.show_node(ctx.node).idle
+    except SlurmError as exc:
+        log.warning("nccl: couldn't read node state for idle verification", error=str(exc))
+        return problems
+    if idle:
+        start_idle_verification(ctx)
+    return problems
