@@ -14,6 +14,7 @@ from typing import Literal
 from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.loader import setting
 from slurm_resilience.config.nccl import NcclSection
+from slurm_resilience.config.topology import TopologySection
 
 DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
 ENV_VAR = "SLURM_RESILIENCE_CONFIG"
@@ -90,3 +91,5 @@ class Config:
     hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")
     agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")
+    topology: TopologySection = setting(
+        default_factory=TopologySection, help="fabric discovery and leaf pinning")
