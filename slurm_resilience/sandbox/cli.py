@@ -35,6 +35,28 @@ def register(sub: Any) -> None:
         q = ssub.add_parser(name, help=text)
         common(q)
         q.set_defaults(func=func)
+    from slurm_resilience.sandbox import faults
+
+    inj = ssub.add_parser("inject", help="break a node's stand-in hardware: "
+                                         + faults.usages())
+    common(inj)
+    inj.add_argument("node")
+    inj.add_argument("fault", help=faults.usages())
+    inj.set_defaults(func=lambda a: _faults(faults.inject, a.state_dir, a.node, a.fault))
+    heal = ssub.add_parser("heal", help="make a node's stand-in hardware healthy again")
+    common(heal)
+    heal.add_argument("node")
+    heal.set_defaults(func=lambda a: _faults(faults.heal, a.state_dir, a.node))
+
+
+def _faults(fn: Any, *args: Any) -> int:
+    from slurm_resilience.sandbox.faults import FaultError
+
+    try:
+        print(fn(*args))
+    except FaultError as exc:
+        return _fail(exc)
+    return 0
 
 
 def _fail(exc: Exception) -> int:

@@ -24,12 +24,13 @@ import yaml
 from slurm_resilience import config
 from slurm_resilience.log import get_logger
 from slurm_resilience.proc import CommandError, Runner
-from slurm_resilience.sandbox import daemons, resilience_conf, slurmconf
+from slurm_resilience.sandbox import daemons, hardware, resilience_conf, slurmconf
 from slurm_resilience.sandbox.daemons import Daemon
 from slurm_resilience.sandbox.layout import BUCKET, Layout
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
+from slurm_resilience.topology import install as topology_install
 
 log = get_logger("sandbox")
 
@@ -271,7 +272,11 @@ def write_files(layout: Layout) -> None:
     spank = L.repo / "spank" / "slurm_resilience.so"
     _write(L.etc / "plugstack.conf", f"optional {spank}\n" if spank.exists() else "")
     _write(L.slurm_conf, slurmconf.slurm_conf(L, job_submit_lua=lua.exists()))
-    _write(L.topology_conf, slurmconf.topology_conf(L))
+    # topology.conf and job_submit.lua's data come from the topology generator, as on a site.
+    topology_install.write_generated(L.etc, slurmconf.topology_conf(L),
+                                     resilience_conf.sections(L).get("topology", {}), L.slurm_conf)
+    _write(L.healthcheck_wrapper, slurmconf.healthcheck_wrapper(L))
+    L.healthcheck_wrapper.chmod(0o755)
     (L.etc / "rclone.conf").touch()
     if not L.munge_key.exists():
         fd = os.open(L.munge_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
@@ -326,6 +331,7 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
     ensure_packages(runner, install=install)
     start = time.monotonic()
     write_files(layout)
+    hardware.prepare_node_hardware(layout.state_dir, layout.node_names)
     env = daemon_env(layout)
     try:
         _start_munge(layout, env)

@@ -148,5 +148,9 @@ class Layout:
         """Pid file of one daemon, e.g. ``slurmctld``, ``slurmd-node1``, ``munged``."""
         return self.run_dir / f"{daemon}.pid"
 
+    @property
+    def healthcheck_wrapper(self) -> Path:
+        return self.etc / "healthcheck"
+
     def hook(self, name: str) -> Path:
         return self.repo / "hooks" / name

@@ -27,4 +27,70 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "state_dir": f"{node_root}/state",
             "run_dir": f"{node_root}/run",
         },
+        "nccl": {
+            # The GPU test's CPU stand-in: 2 gloo ranks, small messages, a threshold for
+            # this class of machine (healthy ~0.3 GB/s at 1MiB; nccl-slow gives ~0.01).
+            # Off by default: idle verification of 4 nodes every 30 s costs about a
+            # quarter of a 2-core host. Tests and demos turn it on with
+            # update_resilience_config({"nccl": {"enabled": True}}).
+            "enabled": False,
+            "backend": "gloo",
+            "processes": 2,
+            "sizes": ["64KiB", "1MiB"],
+            "warmup_iters": 2,
+            "iters": 5,
+            "thresholds": [{"model": "cpu", "gpus": 2, "size": "1MiB", "min_busbw_gbps": 0.05,
+                            "source": "sandbox: 2 gloo ranks on one 2-core host"}],
+            "timeout_s": 6.0,
+            "retries": 1,
+            "validity_s": 600.0,
+            "idle_interval_s": 30.0,
+            "handoff_timeout_s": 3.0,
+            "fault_file": f"{node_root}/nccl-fault.json",
+        },
+        "health": {
+            # Stand-in hardware from sandbox/hardware.py; faults: `sandbox inject`.
+            "backend": "fake",
+            "scenario_dir": f"{state}/scenarios",
+            "resume_after_passes": 2,
+            "gpu": {"expected_count": 8},
+            "xid": {"source": "file", "path": f"{node_root}/kmsg",
+                    "boot_id_file": f"{node_root}/boot_id"},
+            "infiniband": {"sysfs_root": f"{node_root}/sys/class/infiniband",
+                           "expected_hcas": [f"mlx5_{i}" for i in range(8)],
+                           "min_rate_gbps": 400},
+            "nvme": {"path": f"{node_root}/nvme", "size_limit": 100 << 30,
+                     "min_free": 10 << 30, "smart": False, "max_probe_ms": 5000},
+        },
+        "heartbeat": {
+            # Short timeouts so hang tests take seconds; cap = 60 - 10 s below "NCCL".
+            "step_timeout_s": 6.0,
+            "warmup_timeout_s": 30.0,
+            "section_timeouts_s": {"checkpoint": 30.0, "eval": 30.0},
+            "section_default_timeout_s": 30.0,
+            "nccl_timeout_s": 60.0,
+            "nccl_margin_s": 10.0,
+            "interval_s": 0.5,
+            "evidence_timeout_s": 10.0,
+            "rendezvous_dir": f"{state}/shared/hang",
+            "rendezvous_wait_s": 3.0,
+        },
+        "topology": {
+            # The sandbox's slurm.conf names each node's leaf feature after the leaf itself.
+            "leaf_feature_prefix": "",
+            # Short, so a multi-node job of another test never waits long for one leaf.
+            "wait4switch_s": 5,
+        },
+        "checkpoint": {
+            "staging_root": f"{node_root}/nvme",
+            "allowed_prefix": "s3://ckpt/{user}/",
+            "s3_endpoint": layout.s3_endpoint,
+            "s3_credentials_file": str(layout.s3_keys_file),
+            "part_size": "5MiB",
+            "retry_initial_s": 0.5,
+            "retry_max_s": 5.0,
+            "upload_interval_s": 0.5,
+            "epilog_wait_s": 10.0,
+            "stagein_timeout_s": 120.0,
+        },
     }

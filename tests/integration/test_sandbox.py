@@ -97,3 +97,31 @@ def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
                 leftovers.append((proc.name, argv))
     assert leftovers == []
     assert not list((box.state_dir / "run").glob("*.pid"))
+
+
+def test_job_of_an_unprivileged_user_runs_as_that_user(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A test user's job runs under their uid and can run this checkout's venv Python."""
+    import pwd
+    import sys
+
+    user = test_users[0]
+    job = sandbox.sbatch(f"id -un\n{sys.executable} -c 'import slurm_resilience; print(\"ok\")'\n",
+                         user=user)
+    info = sandbox.wait_job(job, timeout=60)
+    assert info.state == "COMPLETED", sandbox.output(job)
+    assert info.uid == pwd.getpwnam(user).pw_uid
+    assert sandbox.output(job).split() == [user, "ok"]
+
+
+def test_cli_env_prints_exports_for_slurm_and_s3(sandbox: Sandbox) -> None:
+    """`sandbox env` prints SLURM_CONF and the S3 endpoint, bucket and keys of this sandbox."""
+    import sys
+
+    out = sandbox.run([sys.executable, "-m", "slurm_resilience", "sandbox", "env",
+                       "--state-dir", str(sandbox.state_dir)]).stdout
+    assert f"export SLURM_CONF={sandbox.slurm_conf}" in out
+    assert f"export AWS_ENDPOINT_URL={sandbox.s3.endpoint}" in out
+    assert f"export AWS_ACCESS_KEY_ID={sandbox.s3.access_key}" in out
+    assert "export S3_BUCKET=ckpt" in out
+    assert (sandbox.state_dir / "s3" / "ckpt").is_dir()

@@ -46,9 +46,12 @@ def test_slurm_conf_wires_hooks_munge_and_ports() -> None:
     keys = conf_keys(text)
     assert keys["Prolog"] == "/src/repo/hooks/prolog"
     assert keys["Epilog"] == "/src/repo/hooks/epilog"
-    assert keys["HealthCheckProgram"] == "/src/repo/hooks/healthcheck"
+    assert keys["HealthCheckProgram"] == "/tmp/sb/etc/healthcheck"
+    wrapper = slurmconf.healthcheck_wrapper(layout)
+    assert "SLURM_CONF=/tmp/sb/etc/slurm.conf\n" in wrapper
+    assert wrapper.endswith('exec /src/repo/hooks/healthcheck "$@"\n')
     assert keys["AuthInfo"] == "socket=/tmp/sb/munge/munge.socket.2,cred_expire=10"
-    assert keys["SchedulerParameters"] == "nohold_on_prolog_fail"
+    assert keys["SchedulerParameters"].split(",")[0] == "nohold_on_prolog_fail"
     assert keys["PrologFlags"] == "Alloc"
     assert keys["SlurmctldPort"] == "21000"
     assert keys["SlurmdSpoolDir"] == "/tmp/sb/spool/%n"
@@ -125,3 +128,35 @@ def test_pid_file_of_a_foreign_process_is_not_ours(tmp_path: Path) -> None:
     assert d.pid() is None
     assert daemons.stop(d) is False
     assert not pid_file.exists()
+
+
+def test_update_resilience_config_merges_into_the_defaults(tmp_path: Path) -> None:
+    """A section update keeps the other defaults, None removes a key, and calls don't pile up."""
+    from slurm_resilience.sandbox.handle import Sandbox
+
+    layout = Layout(state_dir=tmp_path, nodes=1, leaves=1)
+    control.write_files(layout)
+    box = Sandbox(layout)
+    box.update_resilience_config({"logging": {"level": "debug", "syslog": None}})
+    cfg = config.load(str(layout.resilience_conf))
+    assert cfg.logging.level == "debug"
+    assert cfg.logging.file == f"{tmp_path}/log/slurm-resilience.jsonl"
+    assert cfg.logging.syslog is True  # removed: back to the schema default
+    box.update_resilience_config({"node": {"run_dir": "/tmp/r/{node}"}})
+    cfg = config.load(str(layout.resilience_conf))
+    assert cfg.logging.level == "info" and cfg.node.run_dir == "/tmp/r/{node}"
+
+
+def test_write_files_creates_the_tree_with_private_secrets(tmp_path: Path) -> None:
+    """up's files: per-node NVMe dirs, a 0400 munge key, 0600 S3 keys and env lines naming them."""
+    layout = Layout(state_dir=tmp_path / "sb", nodes=2, leaves=1, port_base=24000)
+    control.write_files(layout)
+    assert (layout.node_dir("node2") / "nvme").is_dir()
+    assert (layout.state_dir / "s3" / "ckpt").is_dir()
+    assert layout.munge_key.stat().st_mode & 0o777 == 0o400
+    assert layout.s3_keys_file.stat().st_mode & 0o777 == 0o600
+    assert layout.state_dir.stat().st_mode & 0o777 == 0o755
+    s3 = control.s3_info(layout)
+    lines = control.env_lines(layout)
+    assert f"export AWS_SECRET_ACCESS_KEY={s3.secret_key}" in lines
+    assert "export AWS_ENDPOINT_URL=http://127.0.0.1:24099" in lines
