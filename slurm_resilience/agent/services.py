@@ -3,4 +3,6 @@ returning a Service (or None when the service is disabled by config). One line e
 
 from __future__ import annotations
 
-SERVICES: list[str] = []
+SERVICES: list[str] = [
+    "slurm_resilience.heartbeat.watcher:factory",
+]

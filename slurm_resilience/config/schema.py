@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from slurm_resilience.config.agent import AgentSection
+from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.loader import setting
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
@@ -90,6 +91,7 @@ class Config:
     node: NodeSection = setting(default_factory=NodeSection, help="this node")
     hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")
     agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")
+    heartbeat: HeartbeatSection = setting(default_factory=HeartbeatSection, help="hang detection")
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")
     topology: TopologySection = setting(
         default_factory=TopologySection, help="fabric discovery and leaf pinning")

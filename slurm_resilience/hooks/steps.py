@@ -8,8 +8,12 @@ imported only when the hook runs, and a step must keep its own imports light
 
 from __future__ import annotations
 
-PROLOG: list[str] = []
+PROLOG: list[str] = [
+    "slurm_resilience.heartbeat.steps:prolog_run_dir",
+]
 
-EPILOG: list[str] = []
+EPILOG: list[str] = [
+    "slurm_resilience.heartbeat.steps:epilog_run_dir",
+]
 
 HEALTHCHECK: list[str] = []

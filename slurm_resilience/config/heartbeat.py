@@ -1,0 +1,117 @@
+"""Configuration of hang detection: the ``heartbeat`` section.
+
+Every timeout that can end a job is kept below PyTorch's NCCL timeout (minus a
+margin), so evidence is captured and the job requeued before PyTorch's own
+watchdog kills the processes without a word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from slurm_resilience.config.loader import setting
+
+DEFAULT_SECTIONS: Mapping[str, float] = MappingProxyType({"checkpoint": 900.0, "eval": 1800.0})
+
+
+@dataclass(frozen=True)
+class HeartbeatSection:
+    """Per-rank heartbeats and the node agent's hang watcher."""
+
+    mode: Literal["act", "observe", "off"] = setting(
+        "act", help="act: capture evidence, drain the blamed node and requeue; observe: detect "
+                    "and report only (for rollout); off: do not watch",
+    )
+    step_timeout_s: float = setting(
+        300.0, min=1, max=86400, help="a rank with no beat for this long is hung (after warm-up)"
+    )
+    warmup_timeout_s: float = setting(
+        480.0, min=1, max=86400,
+        help="timeout before the first beat and during the warm-up steps (compile, NCCL init)",
+    )
+    warmup_steps: int = setting(
+        2, min=0, max=1000, help="beats that still count as warm-up and use warmup_timeout_s"
+    )
+    section_timeouts_s: dict[str, float] = setting(
+        default_factory=lambda: DEFAULT_SECTIONS,
+        help="timeout of each named section (with section('checkpoint'): ...); a job may pass "
+             "its own timeout to section()",
+    )
+    section_default_timeout_s: float = setting(
+        1800.0, min=1, max=86400, help="timeout of a section not listed in section_timeouts_s"
+    )
+    min_timeout_s: float = setting(
+        1.0, min=0.1, max=3600, help="lower bound of any timeout a job asks for"
+    )
+    nccl_timeout_s: float = setting(
+        600.0, min=1, max=86400,
+        help="PyTorch's NCCL collective timeout on this cluster; step and warm-up timeouts "
+             "must stay below it minus nccl_margin_s",
+    )
+    nccl_margin_s: float = setting(
+        60.0, min=0, max=3600, help="time kept for evidence and requeue before NCCL's watchdog"
+    )
+    auto_tune: bool = setting(
+        False, help="derive the step timeout from observed step times (max over ranks times "
+                    "auto_tune_factor), persisted per job across restarts",
+    )
+    auto_tune_factor: float = setting(
+        10.0, min=1.5, max=1000, help="safety factor of the auto-tuned step timeout"
+    )
+    auto_tune_min_steps: int = setting(
+        20, min=2, max=100000, help="beats seen on a rank before its step times are trusted"
+    )
+    interval_s: float = setting(1.0, min=0.1, max=60, help="how often the agent reads the slots")
+    max_requeues: int = setting(
+        3, min=0, max=100, help="hang requeues per job; the next hang holds the job"
+    )
+    require_checkpoint_progress: bool = setting(
+        True, help="hold instead of requeue when the job's checkpoint did not advance since "
+                   "the previous hang requeue",
+    )
+    drain: bool = setting(True, help="drain the node blamed for a hang (mode act only)")
+    evidence_timeout_s: float = setting(
+        20.0, min=1, max=600, help="bound of all evidence capture of one incident"
+    )
+    py_spy: str = setting(
+        "", help="py-spy binary; empty: PATH, then beside the agent's Python"
+    )
+    rendezvous_dir: str = setting(
+        "", help="root-owned directory shared by all nodes' agents where each writes its "
+                 "observations of an incident, so the batch host's agent can blame across "
+                 "nodes; empty: blame from the batch host's own ranks only",
+    )
+    rendezvous_wait_s: float = setting(
+        5.0, min=0, max=120, help="how long the batch host waits for the other nodes' reports"
+    )
+    incident_dir: str = setting(
+        "", help="root-owned directory for incident reports kept by the agent; "
+                 "empty: <node.state_dir>/incidents",
+    )
+
+    @property
+    def timeout_cap_s(self) -> float:
+        """The longest step or warm-up timeout that still fires before NCCL's watchdog."""
+        return self.nccl_timeout_s - self.nccl_margin_s
+
+    def validate(self) -> None:
+        cap = self.timeout_cap_s
+        if cap <= 0:
+            raise ValueError(f"nccl_margin_s={self.nccl_margin_s:g} must be below "
+                             f"nccl_timeout_s={self.nccl_timeout_s:g}")
+        for key in ("step_timeout_s", "warmup_timeout_s"):
+            value = getattr(self, key)
+            if value > cap:
+                raise ValueError(
+                    f"{key}={value:g} must stay below nccl_timeout_s - nccl_margin_s = {cap:g}, "
+                    "or PyTorch kills the job before the evidence is captured"
+                )
+        if self.min_timeout_s > self.step_timeout_s:
+            raise ValueError(f"min_timeout_s={self.min_timeout_s:g} is above "
+                             f"step_timeout_s={self.step_timeout_s:g}")
+        for name, value in self.section_timeouts_s.items():
+            if not 0 < value <= 7 * 86400:
+                raise ValueError(f"section_timeouts_s.{name}={value:g} must be in (0, 604800]")

@@ -1,0 +1,56 @@
+"""``slurm-resilience status [--json]``: drains we own, hang incidents, requeued and held jobs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from slurm_resilience import config
+from slurm_resilience.config.paths import node_name, node_path
+from slurm_resilience.heartbeat import status as st
+from slurm_resilience.slurm.adapter import from_config
+from slurm_resilience.slurm.errors import SlurmError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="what slurm-resilience did: drains, hang incidents, "
+                                      "requeued and held jobs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--node", default="", help="node whose incident reports to list "
+                   "(default: this node)")
+    p.set_defaults(func=run)
+
+
+def collect(cfg: config.Config, node: str) -> dict[str, Any]:
+    adapter = from_config(cfg)
+    result: dict[str, Any] = {"mode": cfg.heartbeat.mode, "drains": [], "jobs": [],
+                              "incidents": [], "errors": []}
+    try:
+        result["drains"] = st.drains(adapter.list_nodes(), cfg.slurm.reason_prefix)
+    except SlurmError as exc:
+        result["errors"].append(f"drains: {exc}")
+    try:
+        result["jobs"] = st.hang_jobs(adapter.list_jobs())
+    except SlurmError as exc:
+        result["errors"].append(f"jobs: {exc}")
+    directory = st.incident_dir(node_path(cfg.node.state_dir, node),
+                                node_path(cfg.heartbeat.incident_dir, node))
+    try:
+        result["incidents"] = st.incidents(directory)
+    except PermissionError as exc:
+        result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.load(args.config)
+    node = node_name(args.node or cfg.node.name)
+    result = collect(cfg, node)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(st.render(result))
+    return 1 if result["errors"] else 0

@@ -1,0 +1,83 @@
+"""What the suite did, from Slurm's point of view plus this node's incident reports.
+
+Drains carrying our prefix, jobs whose AdminComment holds our hang ledger
+(requeued or held, with the reason), and the incident reports this node's
+agent wrote. Pure assembly here; :mod:`slurm_resilience.heartbeat.cli` prints it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from slurm_resilience.heartbeat import incident
+from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.slurm.parse import JobInfo, NodeInfo
+
+
+def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[dict[str, Any]]:
+    """Nodes drained or down with a reason we set."""
+    return [{"node": n.name, "state": "+".join([n.state, *sorted(n.flags)]), "reason": n.reason,
+             "since": n.reason_time, "hang": "hang job" in n.reason}
+            for n in nodes if (n.drained or n.down) and n.reason.startswith(prefix)]
+
+
+def hang_jobs(jobs: Sequence[JobInfo]) -> list[dict[str, Any]]:
+    """Jobs with a hang ledger: requeue count, and whether they are held and why."""
+    out = []
+    for j in jobs:
+        ledger = R.parse_ledger(j.admin_comment)
+        if ledger is None:
+            continue
+        held = j.state == "PENDING" and "held" in j.reason.lower()
+        out.append({"job_id": j.job_id, "user": j.user, "state": j.state, "reason": j.reason,
+                    "restarts": j.restarts, "hang_requeues": ledger.requeues,
+                    "held": held, "admin_comment": j.admin_comment})
+    return out
+
+
+def incidents(directory: str, limit: int = 20) -> list[dict[str, Any]]:
+    """Summaries of this node's newest incident reports."""
+    out = []
+    for rep in incident.list_reports(directory, limit):
+        if "error" in rep and "job_id" not in rep:
+            out.append(rep)
+            continue
+        decision = rep.get("decision", {})
+        out.append({
+            "job_id": rep.get("job_id"), "run": rep.get("restart"), "node": rep.get("node"),
+            "mode": rep.get("mode"), "detected_at": rep.get("detected_at"),
+            "action": decision.get("action"), "reason": decision.get("reason"),
+            "blame": rep.get("blame", {}).get("explanation", ""),
+            "files": rep.get("files", []),
+        })
+    return out
+
+
+def render(status: dict[str, Any]) -> str:
+    """Readable text of :func:`collect`'s result."""
+    lines = [f"hang watching: mode {status['mode']}"]
+    lines.append(f"drains by slurm-resilience ({len(status['drains'])}):")
+    lines += [f"  {d['node']:<14} {d['state']:<14} {d['reason']}" for d in status["drains"]]
+    lines.append(f"jobs requeued or held for hangs ({len(status['jobs'])}):")
+    for j in status["jobs"]:
+        tag = "HELD" if j["held"] else j["state"]
+        lines.append(f"  job {j['job_id']:<8} {j['user']:<10} {tag:<9} hang requeues "
+                     f"{j['hang_requeues']}  {j['admin_comment']}")
+    lines.append(f"incidents on this node ({len(status['incidents'])}):")
+    for i in status["incidents"]:
+        if "error" in i and "job_id" not in i:
+            lines.append(f"  {i.get('file')}: {i['error']}")
+            continue
+        lines.append(f"  job {i['job_id']} run {i['run']} on {i['node']}: {i['action']}: "
+                     f"{i['reason']}")
+        if i.get("blame"):
+            lines.append(f"      blame: {i['blame']}")
+    for err in status.get("errors", []):
+        lines.append(f"could not check: {err}")
+    return "\n".join(lines) + "\n"
+
+
+def incident_dir(state_dir: str, configured: str) -> str:
+    return configured or os.path.join(state_dir, "incidents")

@@ -1,0 +1,266 @@
+"""Unit tests of the root side: run directories, slot ownership checks, evidence, the watcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.config import Config
+from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.config.schema import NodeSection
+from slurm_resilience.heartbeat import evidence, jobrecord, steps
+from slurm_resilience.heartbeat import paths as P
+from slurm_resilience.heartbeat.watcher import HangWatcher, read_slots
+from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
+from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.proc import Completed
+from slurm_resilience.slurm.adapter import SlurmAdapter
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks need root")
+
+OTHER_UID = 65534  # nobody
+NODE = "node1"
+
+
+def _cfg(tmp_path: Path, **hb: object) -> Config:
+    return Config(node=NodeSection(state_dir=str(tmp_path / "state"),
+                                   run_dir=str(tmp_path / "run")),
+                  heartbeat=replace(HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
+                                                     warmup_steps=0, min_timeout_s=0.5,
+                                                     evidence_timeout_s=10,
+                                                     rendezvous_wait_s=0), **hb))
+
+
+def _ctx(cfg: Config, job_id: int = 42, uid: int = OTHER_UID) -> HookContext:
+    env = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_UID": str(uid), "SLURM_JOB_GID": str(uid),
+           "SLURM_JOB_NODELIST": "node[1-2]"}
+    return HookContext.from_env("prolog", cfg, env, node=NODE)
+
+
+def test_prolog_creates_private_user_dir_and_root_record(tmp_path: Path) -> None:
+    """The prolog makes job-<id> owned by the user with mode 0700, and a root-owned record."""
+    cfg = _cfg(tmp_path)
+    assert steps.prolog_run_dir(_ctx(cfg)) == []
+    st = os.stat(P.job_dir(cfg.node.run_dir, NODE, 42))
+    assert (st.st_uid, st.st_mode & 0o777) == (OTHER_UID, 0o700)
+    records, errors = jobrecord.read_all(P.records_dir(cfg.node.run_dir, NODE))
+    assert errors == [] and records[0].uid == OTHER_UID and records[0].nodes == ("node1", "node2")
+
+
+def test_prolog_refuses_a_symlinked_run_dir(tmp_path: Path) -> None:
+    """A symlink on the way to the run directory is not followed: nothing is created there."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "run").symlink_to(target)
+    problems = steps.prolog_run_dir(_ctx(_cfg(tmp_path)))
+    assert problems and "couldn't create heartbeat dir" in problems[0].reason
+    assert list(target.iterdir()) == []
+
+
+def test_epilog_removes_dir_without_following_links(tmp_path: Path) -> None:
+    """Cleanup deletes the job's dir and record but not what a planted symlink points to."""
+    cfg = _cfg(tmp_path)
+    steps.prolog_run_dir(_ctx(cfg))
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    jobdir = Path(P.job_dir(cfg.node.run_dir, NODE, 42))
+    (jobdir / "link").symlink_to(outside)
+    (jobdir / "sub").mkdir()
+    (jobdir / "sub" / "link2").symlink_to(outside / "keep.txt")
+    steps.epilog_run_dir(_ctx(cfg))
+    assert not jobdir.exists() and (outside / "keep.txt").read_text() == "x"
+    assert jobrecord.read_all(P.records_dir(cfg.node.run_dir, NODE))[0] == []
+
+
+def _record(uid: int, job_id: int = 42) -> jobrecord.JobRecord:
+    return jobrecord.JobRecord(job_id, uid, uid, "u", time.time(), (NODE,))
+
+
+def test_slots_not_owned_by_the_job_user_are_refused(tmp_path: Path) -> None:
+    """Only regular slot files owned by the job user count: others' files and links are refused."""
+    cfg = _cfg(tmp_path)
+    steps.prolog_run_dir(_ctx(cfg))
+    jobdir = Path(P.job_dir(cfg.node.run_dir, NODE, 42))
+    good = Heartbeat(str(jobdir / "hb-rank-0.slot"), rank=0, world_size=3, job_id=42)
+    os.chown(jobdir / "hb-rank-0.slot", OTHER_UID, OTHER_UID)
+    Heartbeat(str(jobdir / "hb-rank-1.slot"), rank=1, world_size=3, job_id=42)  # root-owned
+    (jobdir / "hb-rank-2.slot").symlink_to(jobdir / "hb-rank-0.slot")
+    views, errors = read_slots(cfg.node.run_dir, NODE, _record(OTHER_UID))
+    assert [v.rank for v in views] == [0]
+    assert any("hb-rank-1.slot" in e and "owned by uid 0" in e for e in errors)
+    assert any("hb-rank-2.slot" in e for e in errors)
+    good.close()
+
+
+def test_job_dir_with_wrong_owner_or_mode_is_ignored(tmp_path: Path) -> None:
+    """A run dir not owned by the job's user, or open to others, yields no slots at all."""
+    cfg = _cfg(tmp_path)
+    steps.prolog_run_dir(_ctx(cfg))
+    jobdir = Path(P.job_dir(cfg.node.run_dir, NODE, 42))
+    jobdir.chmod(0o755)
+    views, errors = read_slots(cfg.node.run_dir, NODE, _record(OTHER_UID))
+    assert views == [] and "mode 755" in errors[0]
+    views, errors = read_slots(cfg.node.run_dir, NODE, _record(1234))
+    assert views == [] and "expected 1234" in errors[0]
+
+
+def test_same_process_checks_start_time_and_uid() -> None:
+    """A pid is only trusted with the slot's start time and the job's uid (no pid reuse, no
+    other user's process)."""
+    me, start = os.getpid(), process_start_ticks()
+    assert evidence.same_process(me, start, os.getuid())
+    assert not evidence.same_process(me, start + 1, os.getuid())
+    assert not evidence.same_process(me, start, OTHER_UID)
+    assert not evidence.same_process(1, 0, 0)
+
+
+def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
+    """The flight recorder is triggered through the job's FIFO and its dump kept as opaque bytes."""
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_Boom(str(marker)))
+    pipe_prefix, dump_prefix = tmp_path / "nccl_pipe_", tmp_path / "nccl_trace_"
+    os.mkfifo(f"{pipe_prefix}3.pipe")
+
+    def pytorch_side() -> None:  # what PyTorch's watchdog does: read the pipe, write the dump
+        with open(f"{pipe_prefix}3.pipe", "rb") as fh:
+            fh.read(1)
+        Path(f"{dump_prefix}3").write_bytes(payload)
+
+    reader = threading.Thread(target=pytorch_side)
+    reader.start()
+    env = {**os.environ, evidence.NCCL_PIPE_ENV: str(pipe_prefix),
+           evidence.NCCL_FILE_ENV: str(dump_prefix)}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    try:
+        save = tmp_path / "saved"
+        save.mkdir()
+        fd = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
+        result = evidence.nccl_flight_recorder(proc.pid, 3, os.getuid(), fd, wait_s=5)
+        os.close(fd)
+    finally:
+        proc.kill()
+        proc.wait()
+        reader.join(5)
+    assert result["bytes"] == len(payload) and result["saved_as"] == "nccl-trace-rank3.bin"
+    assert (save / "nccl-trace-rank3.bin").read_bytes() == payload
+    assert not marker.exists()
+
+
+class _Boom:
+    """Unpickling this would create a marker file: proof that nothing was unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.mkdir, (self.path,))
+
+
+class FakeRunner:
+    """Answers ``scontrol`` like slurmctld for one running job; records every argv."""
+
+    def __init__(self, job_id: int, batch_host: str, comment: str = ""):
+        self.job_id, self.batch_host, self.comment = job_id, batch_host, comment
+        self.calls: list[list[str]] = []
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        self.calls.append(list(argv))
+        out = ""
+        if argv[1:3] == ["show", "job"]:
+            out = (f"JobId={self.job_id} JobName=t UserId=root(0) JobState=RUNNING Restarts=0 "
+                   f"BatchHost={self.batch_host} NodeList=node1 NumNodes=1 "
+                   f"AdminComment={self.comment or '(null)'} StdOut=/nonexistent/x.out")
+        elif argv[1:3] == ["show", "node"]:
+            out = f"NodeName={argv[3]} State=MIXED CPUTot=2 CPUAlloc=2 Reason=(null)"
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+HANGER = textwrap.dedent("""
+    import sys, time
+    from slurm_resilience.heartbeat.writer import Heartbeat
+    hb = Heartbeat(sys.argv[1], rank=0, world_size=1, job_id=42)
+    for step in range(3):
+        hb.beat(step)
+        time.sleep(0.05)
+    print("hanging", flush=True)
+    def stuck_forever():
+        time.sleep(600)
+    stuck_forever()
+""")
+
+
+def _hanging_job(tmp_path: Path, cfg: Config) -> subprocess.Popen[bytes]:
+    steps.prolog_run_dir(_ctx(cfg, uid=0))
+    slot = Path(P.job_dir(cfg.node.run_dir, NODE, 42)) / "hb-rank-0.slot"
+    proc = subprocess.Popen([sys.executable, "-c", HANGER, str(slot)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"hanging\n"
+    return proc
+
+
+def test_watcher_detects_hang_captures_stack_and_requeues(tmp_path: Path) -> None:
+    """A rank that stops beating is found, its stack dumped, and the job requeued once."""
+    cfg = _cfg(tmp_path)
+    runner = FakeRunner(42, NODE)
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    proc = _hanging_job(tmp_path, cfg)
+    try:
+        time.sleep(1.3)
+        watcher.tick()
+        assert [r.state for r in watcher.jobs[42].verdict.ranks] == ["hung"]
+        watcher.close()
+        watcher.tick()  # the same run is never handled twice
+        watcher.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    requeues = [c for c in runner.calls if c[1] == "requeue"]
+    assert requeues == [["scontrol", "requeue", "42"]]
+    report = json.loads(next((tmp_path / "state" / "incidents").glob("*.json")).read_text())
+    assert report["decision"]["action"] == "requeue"
+    assert "stuck_forever" in report["evidence"][NODE]["ranks"][0]["stack"]
+    text = next((tmp_path / "state" / "incidents").glob("*.txt")).read_text()
+    assert "rank    0 on node1" in text and "stuck_forever" in text
+
+
+def test_observe_mode_reports_without_acting(tmp_path: Path) -> None:
+    """In observe mode the incident is written but nothing is drained or requeued."""
+    cfg = _cfg(tmp_path, mode="observe")
+    runner = FakeRunner(42, NODE)
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    proc = _hanging_job(tmp_path, cfg)
+    try:
+        time.sleep(1.3)
+        watcher.tick()
+        watcher.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [c for c in runner.calls if c[1] in ("requeue", "requeuehold", "update")]
+    report = json.loads(next((tmp_path / "state" / "incidents").glob("*.json")).read_text())
+    assert report["decision"]["action"] == "report"
+
+
+def test_other_users_cannot_report_or_see_a_job(tmp_path: Path) -> None:
+    """hang.report from a uid other than the job's is refused; hang.status hides the job."""
+    cfg = _cfg(tmp_path)
+    steps.prolog_run_dir(_ctx(cfg))
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    watcher.tick()
+    with pytest.raises(RequestError, match="belongs to uid 65534, not to uid 1234"):
+        watcher.handle_report({"job_id": 42}, Peer(pid=1, uid=1234, gid=1234))
+    assert watcher.handle_status({}, Peer(pid=1, uid=1234, gid=1234))["jobs"] == []
+    assert watcher.handle_status({}, Peer(pid=1, uid=OTHER_UID, gid=1))["jobs"][0]["job_id"] == 42
