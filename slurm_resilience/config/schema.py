@@ -13,6 +13,7 @@ from typing import Literal
 
 from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.config.health import HealthSection
 from slurm_resilience.config.loader import setting
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
@@ -90,6 +91,7 @@ class Config:
     logging: LoggingSection = setting(default_factory=LoggingSection, help="logging")
     node: NodeSection = setting(default_factory=NodeSection, help="this node")
     hooks: HooksSection = setting(default_factory=HooksSection, help="prolog/epilog/healthcheck")
+    health: HealthSection = setting(default_factory=HealthSection, help="node health gate")
     agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")
     heartbeat: HeartbeatSection = setting(default_factory=HeartbeatSection, help="hang detection")
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")

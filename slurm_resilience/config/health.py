@@ -1,0 +1,166 @@
+"""Configuration of the node health gate (``health:``): one section per check.
+
+Every check has ``enabled`` (its kill switch), its thresholds, and
+``on_unknown``: what a "could not check" result means for the node.
+``fail-closed`` drains it (the check is essential and the hardware did not
+answer), ``fail-open`` only reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from slurm_resilience.config.loader import ByteSize, setting
+
+Policy = Literal["fail-open", "fail-closed"]
+
+
+@dataclass(frozen=True)
+class GpuCheckSection:
+    """GPU health through NVML."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting(
+        "fail-closed", help="NVML not answering (driver not loaded, timeout) drains the node "
+                            "(fail-closed) or is only reported (fail-open)")
+    expected_count: int = setting(
+        -1, min=-1, max=64,
+        help="GPUs this node must show; -1: the gpu count in SLURM_JOB_GPUS/gres when known, "
+             "else no count check; 0: this node has no GPUs (the GPU checks are skipped)")
+    max_volatile_uncorrectable_ecc: int = setting(
+        0, min=0, help="volatile (since driver load) uncorrectable ECC errors tolerated")
+    max_aggregate_uncorrectable_ecc: int = setting(
+        -1, min=-1, help="lifetime uncorrectable ECC errors tolerated; -1: not checked")
+    max_retired_pages: int = setting(
+        60, min=0, help="retired pages (single + double bit) tolerated on pre-Ampere GPUs")
+    fail_on_retired_pages_pending: bool = setting(
+        True, help="pages waiting for retirement (a GPU reset applies them) fail the node")
+    fail_on_remap_pending: bool = setting(
+        True, help="rows waiting to be remapped (a GPU reset applies them) fail the node")
+    max_temperature_c: int = setting(85, min=30, max=120, help="GPU core temperature limit")
+    sw_thermal_warn_runs: int = setting(
+        3, min=1, max=100,
+        help="consecutive runs with SW thermal slowdown before it is reported (warn)")
+    check_pcie: bool = setting(True, help="PCIe generation/width below the device maximum fails")
+    expected_nvlinks: int = setting(
+        -1, min=-1, max=36,
+        help="active NVLinks each GPU must have; -1: every link NVML reports must be active; "
+             "0: no NVLink check")
+    leftover_processes: bool = setting(
+        True, help="prolog only: compute processes left on a GPU by a previous job fail")
+    leftover_memory: ByteSize = setting(
+        ByteSize(1 << 30),
+        help="prolog only: GPU memory in use above this (with no job running) fails")
+    fabric_manager: Literal["auto", "required", "off"] = setting(
+        "auto", help="NVSwitch fabric state: auto checks it where NVML reports it, "
+                     "required fails when it is not reported")
+
+
+@dataclass(frozen=True)
+class XidCheckSection:
+    """NVIDIA Xid events from the kernel log."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="kernel log unreadable: drain or only report")
+    source: Literal["kmsg", "journal", "file"] = setting(
+        "kmsg", help="kmsg reads /dev/kmsg; journal runs journalctl -k; file reads `path`")
+    path: str = setting(
+        "/dev/kmsg", help="file read when source is kmsg or file; may hold {node}. A file in "
+                          "/dev/kmsg record format or dmesg/syslog text lines")
+    boot_id_file: str = setting(
+        "/proc/sys/kernel/random/boot_id",
+        help="identifies the boot; events of an earlier boot are forgotten (a reboot resets GPUs)")
+    window_s: int = setting(
+        86400, min=60, help="a fatal Xid fails the node for this long after it happened")
+    fatal: tuple[int, ...] = setting(
+        default_factory=tuple,
+        help="Xid codes that drain the node; empty: the built-in list (see xid_catalog.py)")
+    extra_fatal: tuple[int, ...] = setting(
+        default_factory=tuple, help="Xid codes added to the fatal list")
+    not_fatal: tuple[int, ...] = setting(
+        default_factory=tuple, help="Xid codes removed from the fatal list")
+    max_read_bytes: ByteSize = setting(
+        ByteSize(4 << 20), min=4096, help="most bytes of the kernel log read per run")
+
+
+@dataclass(frozen=True)
+class InfinibandCheckSection:
+    """InfiniBand HCAs and ports from sysfs."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-closed", help="sysfs unreadable: drain or only report")
+    sysfs_root: str = setting(
+        "/sys/class/infiniband", help="where the HCAs are listed; may hold {node}")
+    expected_hcas: tuple[str, ...] = setting(
+        default_factory=tuple,
+        help="HCAs that must be present, e.g. [mlx5_0, mlx5_1]; empty: every HCA found with "
+             "link_layer InfiniBand (then a missing one is not noticed)")
+    ports: tuple[int, ...] = setting(default_factory=lambda: (1,), help="ports checked per HCA")
+    min_rate_gbps: float = setting(
+        0.0, min=0, help="lowest acceptable rate, e.g. 400 for NDR; 0: not checked")
+    max_counter_delta: dict[str, int] = setting(
+        default_factory=lambda: {
+            "symbol_error": 100, "link_downed": 0, "link_error_recovery": 10,
+            "port_rcv_errors": 100, "excessive_buffer_overrun_errors": 10,
+        },
+        help="error counters (counters/<name>) and the rise tolerated between two runs; "
+             "link_downed counts link flaps")
+
+
+@dataclass(frozen=True)
+class NvmeCheckSection:
+    """The local NVMe / checkpoint staging disk."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="probe impossible: drain or only report")
+    path: str = setting(
+        "", help="mount point (or directory on it) that checkpoint staging writes to; "
+                 "may hold {node}; empty: no staging disk, nothing checked")
+    require_mountpoint: bool = setting(
+        False, help="path itself must be a mount point (catches a disk that failed to mount "
+                    "and left the empty directory)")
+    min_free: ByteSize = setting(ByteSize(50 << 30), help="free space below this fails")
+    size_limit: ByteSize = setting(
+        ByteSize(0),
+        help="treat the disk as this big (0: its real size). Used by the sandbox, where "
+             "every node's directory shares one filesystem")
+    probe: bool = setting(True, help="write+fsync a small file and time it")
+    max_probe_ms: float = setting(500.0, min=1, help="write+fsync latency limit")
+    smart: bool = setting(
+        True, help="read `nvme smart-log -o json` when nvme-cli is installed")
+    device: str = setting("/dev/nvme0", help="device for nvme smart-log")
+    max_percentage_used: int = setting(
+        95, min=1, max=255, help="NVMe endurance used (percentage_used) above this fails")
+
+
+@dataclass(frozen=True)
+class HealthSection:
+    """The node health gate run by the prolog, epilog and HealthCheckProgram."""
+
+    backend: Literal["nvml", "fake"] = setting(
+        "nvml", help="nvml uses pynvml (nvidia-ml-py); fake uses the scenario-driven stand-in")
+    scenario_dir: str = setting(
+        "", help="fake backend: directory with one <node>.json (or .yaml) scenario per node")
+    collector_timeout_s: float = setting(
+        5.0, min=0.1, max=120,
+        help="hard limit of each collector; a collector past it (e.g. a driver call stuck "
+             "in D-state) is a finding")
+    state_dir: str = setting(
+        "", help="state files (Xid events, IB counters, pass streaks); may hold {node}; "
+                 "empty: <node.state_dir>/health")
+    resume_after_passes: int = setting(
+        3, min=1, max=100,
+        help="HealthCheckProgram resumes a node we drained after this many consecutive passes")
+    release_held_jobs: bool = setting(
+        True, help="HealthCheckProgram releases jobs held 'launch failed requeued held' on a "
+                   "node we drained (for sites that cannot set nohold_on_prolog_fail)")
+    gpu: GpuCheckSection = setting(default_factory=GpuCheckSection, help="GPU checks")
+    xid: XidCheckSection = setting(default_factory=XidCheckSection, help="Xid checks")
+    infiniband: InfinibandCheckSection = setting(
+        default_factory=InfinibandCheckSection, help="InfiniBand checks")
+    nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")
+
+    def validate(self) -> None:
+        if self.backend == "fake" and not self.scenario_dir:
+            raise ValueError("backend fake needs scenario_dir")

@@ -1,0 +1,545 @@
+"""A scenario-driven stand-in for ``pynvml`` (nvidia-ml-py).
+
+It implements the calls :mod:`slurm_resilience.health.collectors.nvml` makes,
+with pynvml's names, constants and :class:`NVMLError` codes (the numeric values
+are NVML's: NOT_SUPPORTED 3, GPU_IS_LOST 15, ...). A scenario is one JSON (or
+YAML) file per node, ``<scenario_dir>/<node>.json``::
+
+    {"driver_version": "565.57.01",
+     "init_error": null,                       # e.g. "DRIVER_NOT_LOADED"
+     "hang": null,                             # {"function": "...", "seconds": 30}
+     "gpus": [{"name": ..., "pci_bus_id": "00000000:18:00.0", "lost": false,
+               "errors": {"nvmlDeviceGetTemperature": "TIMEOUT"}, ...}, ...]}
+
+``retired_pages: null`` stands for a GPU without page retirement (Ampere and
+later answer NOT_SUPPORTED, as the real H100 captures show ``N/A``). A missing
+scenario file behaves like a node without the NVIDIA driver.
+:func:`scenario_from_nvidia_smi` builds a scenario from real ``nvidia-smi -q``
+output, which is how the stand-in is checked against reality.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# -- constants, with NVML's values -------------------------------------------------------------
+
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_ALREADY_INITIALIZED = 5
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+NVML_ERROR_INSUFFICIENT_POWER = 8
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_IRQ_ISSUE = 11
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_CORRUPTED_INFOROM = 14
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_OPERATING_SYSTEM = 17
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_MEMORY = 20
+NVML_ERROR_NO_DATA = 21
+NVML_ERROR_UNKNOWN = 999
+
+NVML_FEATURE_DISABLED = 0
+NVML_FEATURE_ENABLED = 1
+NVML_TEMPERATURE_GPU = 0
+NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_AGGREGATE_ECC = 1
+NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0
+NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+NVML_NVLINK_MAX_LINKS = 36
+NVML_GPU_FABRIC_UUID_LEN = 16
+NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_STATE_NOT_STARTED = 1
+NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
+NVML_GPU_FABRIC_STATE_COMPLETED = 3
+
+nvmlClocksThrottleReasonGpuIdle = 0x0000000000000001
+nvmlClocksThrottleReasonApplicationsClocksSetting = 0x0000000000000002
+nvmlClocksThrottleReasonSwPowerCap = 0x0000000000000004
+nvmlClocksThrottleReasonHwSlowdown = 0x0000000000000008
+nvmlClocksThrottleReasonSyncBoost = 0x0000000000000010
+nvmlClocksThrottleReasonSwThermalSlowdown = 0x0000000000000020
+nvmlClocksThrottleReasonHwThermalSlowdown = 0x0000000000000040
+nvmlClocksThrottleReasonHwPowerBrakeSlowdown = 0x0000000000000080
+nvmlClocksThrottleReasonDisplayClockSetting = 0x0000000000000100
+nvmlClocksThrottleReasonNone = 0x0000000000000000
+
+_ERROR_STRINGS = {
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+    NVML_ERROR_CORRUPTED_INFOROM: "Corrupted infoROM",
+    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+    NVML_ERROR_UNKNOWN: "Unknown Error",
+}
+
+
+class NVMLError(Exception):
+    """pynvml's exception: ``.value`` is the NVML return code."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _ERROR_STRINGS.get(self.value, f"Unknown Error {self.value}")
+
+
+def error_code(name: str) -> int:
+    """``"GPU_IS_LOST"`` → 15; scenarios name errors, the stand-in raises codes."""
+    value = globals().get(f"NVML_ERROR_{name.upper()}")
+    if not isinstance(value, int):
+        raise ValueError(f"fake nvml: unknown NVML error name {name!r}")
+    return value
+
+
+class c_nvmlGpuFabricInfo_t(ctypes.Structure):
+    _fields_ = [
+        ("clusterUuid", ctypes.c_uint8 * NVML_GPU_FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint),
+    ]
+
+
+@dataclass(frozen=True)
+class _PciInfo:
+    busId: bytes
+    bus: int
+    device: int
+    domain: int
+
+
+@dataclass(frozen=True)
+class _Memory:
+    total: int
+    free: int
+    used: int
+
+
+@dataclass(frozen=True)
+class _Process:
+    pid: int
+    usedGpuMemory: int | None
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+# PCI bus ids of the 8 GPUs in the real healthy 8x H100 capture.
+H100_BUS_IDS = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
+H100_MEMORY = 81559 << 20
+
+
+def default_gpu(index: int) -> dict[str, Any]:
+    """A healthy H100 SXM as the real ``nvidia-smi -q`` capture shows it."""
+    bus = H100_BUS_IDS[index] if index < len(H100_BUS_IDS) else f"{0xE0 + index:02X}"
+    return {
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": f"GPU-5a3e0d6c-0000-4000-8000-{index:012x}",
+        "pci_bus_id": f"00000000:{bus}:00.0",
+        "ecc": {"volatile_uncorrected": 0, "aggregate_uncorrected": 0},
+        "retired_pages": None,
+        "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False,
+                          "failure": False},
+        "throttle_reasons": nvmlClocksThrottleReasonGpuIdle,
+        "temperature_c": 30,
+        "pcie": {"gen": 5, "gen_max": 5, "width": 16, "width_max": 16},
+        "nvlinks": 18,
+        "nvlinks_down": [],
+        "memory": {"total": H100_MEMORY, "used": 1 << 20},
+        "processes": [],
+        "fabric": {"state": NVML_GPU_FABRIC_STATE_COMPLETED, "status": NVML_SUCCESS},
+        "lost": False,
+        "errors": {},
+    }
+
+
+def default_scenario(gpus: int = 8) -> dict[str, Any]:
+    return {"driver_version": "565.57.01", "init_error": None, "hang": None,
+            "gpus": [default_gpu(i) for i in range(gpus)]}
+
+
+def scenario_path(scenario_dir: str, node: str) -> str:
+    for ext in (".json", ".yaml", ".yml"):
+        path = os.path.join(scenario_dir, node + ext)
+        if os.path.exists(path):
+            return path
+    return os.path.join(scenario_dir, node + ".json")
+
+
+def read_scenario(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"fake nvml: {path}: a scenario must be a mapping")
+    return data
+
+
+def write_scenario(path: str, scenario: dict[str, Any]) -> None:
+    """Atomic, so a hook never reads half a scenario."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(scenario, fh, indent=1)
+    os.replace(tmp, path)
+
+
+_scenario: dict[str, Any] | None = None
+_scenario_path = ""
+_initialised = False
+
+
+def use_scenario(path: str) -> None:
+    """Select the scenario file the next :func:`nvmlInit` reads."""
+    global _scenario_path
+    _scenario_path = path
+
+
+# -- the pynvml calls --------------------------------------------------------------------------
+
+
+def _maybe_hang(function: str) -> None:
+    hang = (_scenario or {}).get("hang")
+    if hang and hang.get("function") == function:
+        time.sleep(float(hang.get("seconds", 3600)))
+
+
+def _gpu(handle: _Handle, function: str) -> dict[str, Any]:
+    if not _initialised or _scenario is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    _maybe_hang(function)
+    gpus = _scenario["gpus"]
+    if handle.index >= len(gpus):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    gpu: dict[str, Any] = gpus[handle.index]
+    if gpu.get("lost"):
+        raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+    err = gpu.get("errors", {}).get(function)
+    if err:
+        raise NVMLError(error_code(err))
+    return gpu
+
+
+def nvmlInit() -> None:
+    global _scenario, _initialised
+    _scenario = read_scenario(_scenario_path) if _scenario_path else None
+    if _scenario is None:
+        raise NVMLError(NVML_ERROR_DRIVER_NOT_LOADED)
+    _maybe_hang("nvmlInit")
+    if _scenario.get("init_error"):
+        raise NVMLError(error_code(_scenario["init_error"]))
+    _initialised = True
+
+
+def nvmlShutdown() -> None:
+    global _initialised
+    if not _initialised:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    _initialised = False
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    if not _initialised or _scenario is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    return str(_scenario.get("driver_version", "565.57.01"))
+
+
+def nvmlDeviceGetCount() -> int:
+    if not _initialised or _scenario is None:
+        raise NVMLError(NVML_ERROR_UNINITIALIZED)
+    _maybe_hang("nvmlDeviceGetCount")
+    return len(_scenario["gpus"])
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
+    handle = _Handle(index)
+    _gpu(handle, "nvmlDeviceGetHandleByIndex")
+    return handle
+
+
+def nvmlDeviceGetPciInfo(handle: _Handle) -> _PciInfo:
+    bus_id = _gpu(handle, "nvmlDeviceGetPciInfo")["pci_bus_id"]
+    dom, bus, rest = bus_id.split(":")
+    return _PciInfo(bus_id.encode(), int(bus, 16), int(rest.split(".")[0], 16), int(dom, 16))
+
+
+def nvmlDeviceGetName(handle: _Handle) -> str:
+    return str(_gpu(handle, "nvmlDeviceGetName")["name"])
+
+
+def nvmlDeviceGetUUID(handle: _Handle) -> str:
+    return str(_gpu(handle, "nvmlDeviceGetUUID")["uuid"])
+
+
+def nvmlDeviceGetTotalEccErrors(handle: _Handle, errorType: int, counterType: int
+                                ) -> int:
+    ecc = _gpu(handle, "nvmlDeviceGetTotalEccErrors").get("ecc")
+    if ecc is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    kind = "volatile" if counterType == NVML_VOLATILE_ECC else "aggregate"
+    what = "uncorrected" if errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED else "corrected"
+    return int(ecc.get(f"{kind}_{what}", 0))
+
+
+def nvmlDeviceGetRetiredPages(handle: _Handle, sourceFilter: int) -> list[int]:
+    pages = _gpu(handle, "nvmlDeviceGetRetiredPages").get("retired_pages")
+    if pages is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    key = "sbe" if sourceFilter == NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS \
+        else "dbe"
+    return [int(a) for a in pages.get(key, [])]
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(handle: _Handle) -> int:
+    pages = _gpu(handle, "nvmlDeviceGetRetiredPagesPendingStatus").get("retired_pages")
+    if pages is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return NVML_FEATURE_ENABLED if pages.get("pending") else NVML_FEATURE_DISABLED
+
+
+def nvmlDeviceGetRemappedRows(handle: _Handle) -> tuple[int, int, int, int]:
+    rows = _gpu(handle, "nvmlDeviceGetRemappedRows").get("remapped_rows")
+    if rows is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return (int(rows["correctable"]), int(rows["uncorrectable"]), int(bool(rows["pending"])),
+            int(bool(rows["failure"])))
+
+
+def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
+    return int(_gpu(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")["throttle_reasons"])
+
+
+def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
+    gpu = _gpu(handle, "nvmlDeviceGetTemperature")
+    if sensor != NVML_TEMPERATURE_GPU:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return int(gpu["temperature_c"])
+
+
+def _pcie(handle: _Handle, function: str, key: str) -> int:
+    pcie = _gpu(handle, function).get("pcie")
+    if pcie is None or pcie.get(key) is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return int(pcie[key])
+
+
+def nvmlDeviceGetCurrPcieLinkGeneration(handle: _Handle) -> int:
+    return _pcie(handle, "nvmlDeviceGetCurrPcieLinkGeneration", "gen")
+
+
+def nvmlDeviceGetMaxPcieLinkGeneration(handle: _Handle) -> int:
+    return _pcie(handle, "nvmlDeviceGetMaxPcieLinkGeneration", "gen_max")
+
+
+def nvmlDeviceGetCurrPcieLinkWidth(handle: _Handle) -> int:
+    return _pcie(handle, "nvmlDeviceGetCurrPcieLinkWidth", "width")
+
+
+def nvmlDeviceGetMaxPcieLinkWidth(handle: _Handle) -> int:
+    return _pcie(handle, "nvmlDeviceGetMaxPcieLinkWidth", "width_max")
+
+
+def nvmlDeviceGetNvLinkState(handle: _Handle, link: int) -> int:
+    gpu = _gpu(handle, "nvmlDeviceGetNvLinkState")
+    links = int(gpu.get("nvlinks", 0))
+    if links == 0:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    if link >= links:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    down = gpu.get("nvlinks_down", [])
+    return NVML_FEATURE_DISABLED if link in down else NVML_FEATURE_ENABLED
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[_Process]:
+    procs = _gpu(handle, "nvmlDeviceGetComputeRunningProcesses").get("processes", [])
+    return [_Process(int(p["pid"]), p.get("used_bytes")) for p in procs]
+
+
+def nvmlDeviceGetMemoryInfo(handle: _Handle) -> _Memory:
+    mem = _gpu(handle, "nvmlDeviceGetMemoryInfo")["memory"]
+    total, used = int(mem["total"]), int(mem["used"])
+    return _Memory(total, total - used, used)
+
+
+def nvmlDeviceGetGpuFabricInfo(handle: _Handle, gpuFabricInfo: Any) -> int:
+    fab = _gpu(handle, "nvmlDeviceGetGpuFabricInfo").get("fabric")
+    if fab is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    info = gpuFabricInfo._obj if hasattr(gpuFabricInfo, "_obj") else gpuFabricInfo
+    info.state = int(fab["state"])
+    info.status = int(fab.get("status", 0))
+    return NVML_SUCCESS
+
+
+# -- building scenarios from real nvidia-smi -q output ----------------------------------------
+
+_LINE = re.compile(r"^(?P<indent> *)(?P<key>[^:]+?)\s*(?::\s*(?P<value>.*?))?\s*$")
+
+
+def _tree(lines: list[str]) -> dict[str, Any]:
+    """nvidia-smi -q's indented ``Key : Value`` blocks as nested dicts."""
+    root: dict[str, Any] = {}
+    stack: list[tuple[int, dict[str, Any]]] = [(-1, root)]
+    for line in lines:
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        indent = len(m["indent"])
+        while stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1]
+        if m["value"] is None:
+            child: dict[str, Any] = {}
+            parent[m["key"]] = child
+            stack.append((indent, child))
+        else:
+            parent[m["key"]] = m["value"]
+    return root
+
+
+def _num(text: Any) -> int | None:
+    m = re.match(r"^\s*(\d+)", str(text)) if text is not None else None
+    return int(m.group(1)) if m else None
+
+
+_REASON_BITS = {
+    "Idle": nvmlClocksThrottleReasonGpuIdle,
+    "Applications Clocks Setting": nvmlClocksThrottleReasonApplicationsClocksSetting,
+    "SW Power Cap": nvmlClocksThrottleReasonSwPowerCap,
+    "HW Slowdown": nvmlClocksThrottleReasonHwSlowdown,
+    "HW Thermal Slowdown": nvmlClocksThrottleReasonHwThermalSlowdown,
+    "HW Power Brake Slowdown": nvmlClocksThrottleReasonHwPowerBrakeSlowdown,
+    "Sync Boost": nvmlClocksThrottleReasonSyncBoost,
+    "SW Thermal Slowdown": nvmlClocksThrottleReasonSwThermalSlowdown,
+    "Display Clock Setting": nvmlClocksThrottleReasonDisplayClockSetting,
+}
+
+
+def _reasons(block: dict[str, Any]) -> int:
+    bits = 0
+    for key, value in block.items():
+        if isinstance(value, dict):
+            bits |= _reasons(value)
+        elif value == "Active":
+            bits |= _REASON_BITS.get(key, 0)
+    return bits
+
+
+def _ecc_uncorrected(block: Any) -> int | None:
+    if not isinstance(block, dict):
+        return None
+    if "DRAM Uncorrectable" in block:  # Ampere and later
+        total = 0
+        for key in ("DRAM Uncorrectable", "SRAM Uncorrectable Parity",
+                    "SRAM Uncorrectable SEC-DED", "SRAM Uncorrectable"):
+            total += _num(block.get(key)) or 0
+        return total
+    double = block.get("Double Bit")  # Volta: Single/Double Bit x location, with a Total
+    return _num(double.get("Total")) if isinstance(double, dict) else None
+
+
+def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
+    pci = block.get("PCI", {})
+    link = pci.get("GPU Link Info", {})
+    gen, width = link.get("PCIe Generation", {}), link.get("Link Width", {})
+    ecc = block.get("ECC Errors", {})
+    retired = block.get("Retired Pages")
+    remap = block.get("Remapped Rows")
+    fb = block.get("FB Memory Usage", {})
+    fabric = block.get("Fabric")
+    reasons = block.get("Clocks Event Reasons") or block.get("Clocks Throttle Reasons") or {}
+    gpu: dict[str, Any] = {
+        "name": block.get("Product Name"),
+        "uuid": block.get("GPU UUID"),
+        "pci_bus_id": bus_id,
+        "ecc": {"volatile_uncorrected": _ecc_uncorrected(ecc.get("Volatile")) or 0,
+                "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0},
+        "retired_pages": None,
+        "remapped_rows": None,
+        "throttle_reasons": _reasons(reasons),
+        "temperature_c": _num(block.get("Temperature", {}).get("GPU Current Temp")),
+        "pcie": {"gen": _num(gen.get("Current")), "gen_max": _num(gen.get("Max")),
+                 "width": _num(width.get("Current")), "width_max": _num(width.get("Max"))},
+        "nvlinks": 0,
+        "nvlinks_down": [],
+        "memory": {"total": (_num(fb.get("Total")) or 0) << 20,
+                   "used": (_num(fb.get("Used")) or 0) << 20},
+        "processes": [],
+        "fabric": None,
+        "lost": False,
+        "errors": {},
+    }
+    if isinstance(retired, dict) and _num(retired.get("Single Bit ECC")) is not None:
+        sbe = _num(retired.get("Single Bit ECC")) or 0
+        dbe = _num(retired.get("Double Bit ECC")) or 0
+        gpu["retired_pages"] = {"sbe": list(range(sbe)), "dbe": list(range(dbe)),
+                                "pending": retired.get("Pending Page Blacklist") == "Yes"}
+    if isinstance(remap, dict):
+        gpu["remapped_rows"] = {
+            "correctable": _num(remap.get("Correctable Error")) or 0,
+            "uncorrectable": _num(remap.get("Uncorrectable Error")) or 0,
+            "pending": remap.get("Pending") == "Yes",
+            "failure": remap.get("Remapping Failure Occurred") == "Yes"}
+    if isinstance(fabric, dict):
+        states = {"N/A": 0, "Not Supported": 0, "Not Started": 1, "In Progress": 2,
+                  "Completed": 3}
+        gpu["fabric"] = {"state": states.get(str(fabric.get("State")), 0),
+                         "status": 0 if fabric.get("Status") in ("Success", "N/A") else 999}
+    return gpu
+
+
+def scenario_from_nvidia_smi(text: str) -> dict[str, Any]:
+    """A scenario reproducing what a real ``nvidia-smi -q`` capture shows."""
+    blocks: list[tuple[str, list[str]]] = []
+    driver = ""
+    for line in text.splitlines():
+        if line.startswith("GPU ") and re.match(r"^GPU [0-9A-Fa-f]{8}:", line):
+            blocks.append((line.split()[1], []))
+        elif blocks:
+            blocks[-1][1].append(line)
+        elif line.startswith("Driver Version"):
+            driver = line.split(":", 1)[1].strip()
+    gpus = [_gpu_from_smi(bus, _tree(lines)) for bus, lines in blocks]
+    return {"driver_version": driver, "init_error": None, "hang": None,
+            "gpus": copy.deepcopy(gpus)}

@@ -1,0 +1,81 @@
+"""A fake ``/sys/class/infiniband`` tree in the kernel's format.
+
+Same layout and file contents as a real capture from an H100 node with CX7 HCAs
+(``<hca>/{hca_type,fw_ver,board_id}``, ``<hca>/ports/<n>/{state,phys_state,rate,
+link_layer}``, ``ports/<n>/counters/*``): ``4: ACTIVE``, ``5: LinkUp``,
+``400 Gb/sec (4X NDR)``. Real sysfs entries under the class directory are
+symlinks into ``/sys/devices``; here they are plain directories. Values end
+with a newline, as sysfs attributes do.
+"""
+
+from __future__ import annotations
+
+import os
+
+# counters/ files of an mlx5 port, as in the real capture.
+COUNTERS = (
+    "VL15_dropped", "excessive_buffer_overrun_errors", "link_downed", "link_error_recovery",
+    "local_link_integrity_errors", "multicast_rcv_packets", "multicast_xmit_packets",
+    "port_rcv_constraint_errors", "port_rcv_data", "port_rcv_errors", "port_rcv_packets",
+    "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors",
+    "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards", "port_xmit_packets",
+    "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets",
+)
+STATES = {"DOWN": "1: DOWN", "INIT": "2: INIT", "ARMED": "3: ARMED", "ACTIVE": "4: ACTIVE"}
+PHYS_STATES = {"Sleep": "1: Sleep", "Polling": "2: Polling", "Disabled": "3: Disabled",
+               "LinkUp": "5: LinkUp", "LinkErrorRecovery": "6: LinkErrorRecovery"}
+RATE_NDR = "400 Gb/sec (4X NDR)"
+RATE_DOWN = "40 Gb/sec (4X QDR)"  # what a down mlx5 port reports, as in the ibstat captures
+
+
+def _write(path: str, value: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="ascii") as fh:
+        fh.write(value + "\n")
+    os.replace(tmp, path)
+
+
+def add_hca(root: str, hca: str, *, ports: int = 1, rate: str = RATE_NDR,
+            hca_type: str = "MT4129", fw_ver: str = "28.41.1000",
+            board_id: str = "MT_0000000838") -> None:
+    """One ConnectX-7 HCA with its ports ACTIVE/LinkUp and zeroed counters."""
+    base = os.path.join(root, hca)
+    _write(os.path.join(base, "hca_type"), hca_type)
+    _write(os.path.join(base, "fw_ver"), fw_ver)
+    _write(os.path.join(base, "board_id"), board_id)
+    for port in range(1, ports + 1):
+        set_port(root, hca, port, state="ACTIVE", phys_state="LinkUp", rate=rate)
+        _write(os.path.join(base, "ports", str(port), "link_layer"), "InfiniBand")
+        for name in COUNTERS:
+            _write(os.path.join(base, "ports", str(port), "counters", name), "0")
+
+
+def set_port(root: str, hca: str, port: int, *, state: str, phys_state: str,
+             rate: str | None = None) -> None:
+    pdir = os.path.join(root, hca, "ports", str(port))
+    _write(os.path.join(pdir, "state"), STATES[state])
+    _write(os.path.join(pdir, "phys_state"), PHYS_STATES[phys_state])
+    if rate is not None:
+        _write(os.path.join(pdir, "rate"), rate)
+
+
+def port_down(root: str, hca: str, port: int) -> None:
+    """The cable pulled: DOWN/Disabled, as ``ibstat`` shows a dead CX7 port."""
+    set_port(root, hca, port, state="DOWN", phys_state="Disabled", rate=RATE_DOWN)
+
+
+def add_to_counter(root: str, hca: str, port: int, name: str, delta: int) -> int:
+    path = os.path.join(root, hca, "ports", str(port), "counters", name)
+    with open(path, encoding="ascii") as fh:
+        value = int(fh.read().strip() or 0) + delta
+    _write(path, str(value))
+    return value
+
+
+def build(root: str, hcas: int = 8, *, rate: str = RATE_NDR) -> list[str]:
+    """``mlx5_0`` .. ``mlx5_{hcas-1}``, all healthy."""
+    names = [f"mlx5_{i}" for i in range(hcas)]
+    for name in names:
+        add_hca(root, name, rate=rate)
+    return names

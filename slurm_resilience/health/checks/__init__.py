@@ -1,0 +1,1 @@
+"""Checks: pure functions ``(snapshot, settings, previous state) -> CheckResult``."""

@@ -1,0 +1,57 @@
+"""Checks of the local NVMe / checkpoint staging disk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slurm_resilience.config.health import NvmeCheckSection
+from slurm_resilience.health.findings import (
+    CheckResult,
+    Finding,
+    fail,
+    human_size,
+    ok,
+    unknown,
+    warn,
+)
+
+NAME = "nvme"
+
+
+def check(snap: dict[str, Any], cfg: NvmeCheckSection, state: dict[str, Any]) -> CheckResult:
+    path = snap.get("path", cfg.path)
+    if snap.get("error"):
+        return CheckResult([unknown(NAME, "nvme", f"nvme: {snap['error']}")], state)
+    if not snap.get("exists"):
+        return CheckResult([fail(NAME, "nvme", f"nvme {path} missing (expected a directory)")],
+                           state)
+    out: list[Finding] = []
+    if cfg.require_mountpoint and not snap.get("mountpoint"):
+        out.append(fail(NAME, "nvme", f"nvme {path} not mounted (expected a mount point)"))
+    if snap.get("read_only"):
+        out.append(fail(NAME, "nvme", f"nvme {path} read-only (expected writable)"))
+    free, total = snap.get("free"), snap.get("total")
+    if free is not None and free < cfg.min_free:
+        out.append(fail(NAME, "nvme", f"nvme {human_size(free)} free of {human_size(total or 0)} "
+                                      f"(expected >={human_size(cfg.min_free)})",
+                        free=free, total=total))
+    if snap.get("probe_error"):
+        out.append(fail(NAME, "nvme", f"nvme {snap['probe_error']}"))
+    probe = snap.get("probe_ms")
+    if probe is not None and probe > cfg.max_probe_ms:
+        out.append(warn(NAME, "nvme", f"nvme write+fsync {probe:.0f}ms "
+                                      f"(expected <={cfg.max_probe_ms:.0f}ms)"))
+    smart = snap.get("smart") or {}
+    if smart.get("error"):
+        out.append(unknown(NAME, "nvme-smart", f"nvme {smart['error']}"))
+    if smart.get("critical_warning"):
+        out.append(fail(NAME, "nvme-smart", f"nvme critical warning "
+                                            f"0x{smart['critical_warning']:02x} (expected 0)"))
+    used = smart.get("percentage_used")
+    if used is not None and used > cfg.max_percentage_used:
+        out.append(fail(NAME, "nvme-smart", f"nvme {used}% endurance used "
+                                            f"(expected <={cfg.max_percentage_used}%)"))
+    if not out:
+        out.append(ok(NAME, "nvme", f"nvme {path} {human_size(free or 0)} free"
+                                    + (f", probe {probe:.1f}ms" if probe is not None else "")))
+    return CheckResult(out, state)

@@ -1,0 +1,1 @@
+"""Collectors: do the I/O, return plain JSON-serialisable snapshots, judge nothing."""

@@ -1,0 +1,196 @@
+"""Hook steps of the health gate: ``prolog``, ``epilog`` and ``healthcheck``.
+
+Prolog and epilog only read (no slurmctld call unless the node is sick).
+HealthCheckProgram runs every check, resumes a node the gate drained once it
+has passed ``resume_after_passes`` runs in a row, and releases jobs held
+because our prolog failed. It never touches a drain whose reason is not
+entirely one the gate itself set, nor a node in a state it does not know.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+from slurm_resilience import log
+from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
+
+STEP = "health"
+OURS = "drains"  # state file: reasons we drained with, jobs our prolog failed
+_GRES_GPU = re.compile(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)")
+# Node states the healthcheck understands well enough to resume from.
+_RESUMABLE_STATES = {"IDLE", "MIXED", "ALLOCATED"}
+_RESUMABLE_FLAGS = {"DRAIN", "DRAINING", "DRAINED"}
+_HELD_REASON = "launch failed requeued held"
+
+
+def gres_gpus(gres: str) -> int | None:
+    """``gpu:h100:8(S:0-1)`` → 8; sums several gpu entries; None without gpu gres."""
+    counts = [int(n) for n in _GRES_GPU.findall(gres)]
+    return sum(counts) if counts else None
+
+
+def job_gpus(env: dict[str, str] | Any) -> int | None:
+    """A lower bound from the job: GPU ids it was given (``SLURM_JOB_GPUS=0,3``) must exist."""
+    ids = [int(x) for x in str(env.get("SLURM_JOB_GPUS", "")).split(",") if x.strip().isdigit()]
+    return max(ids) + 1 if ids else None
+
+
+def _store(ctx: HookContext) -> Any:
+    from slurm_resilience.health.gate import StateStore, state_dir
+
+    return StateStore(state_dir(ctx.cfg, ctx.node))
+
+
+def _remember(ctx: HookContext, reason: str) -> None:
+    """Note which drain reason is ours and, in the prolog, which job we failed."""
+    store = _store(ctx)
+    fd = store.lock()
+    try:
+        ours = store.load(OURS)
+        ours["reasons"] = sorted(set(ours.get("reasons", [])) | set(reason.split("; ")))[-50:]
+        ours["streak"] = 0
+        if ctx.kind == "prolog" and ctx.job_id is not None:
+            held = [j for j in ours.get("failed_jobs", []) if j != ctx.job_id]
+            ours["failed_jobs"] = ([*held, ctx.job_id])[-50:]
+        store.save(OURS, ours)
+    finally:
+        os.close(fd)
+
+
+def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | None = None
+          ) -> list[Problem]:
+    from slurm_resilience.health import gate
+
+    report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start)
+    logger = log.get_logger("health", hook=ctx.kind)
+    notable = [f.to_dict() for f in report.findings if f.severity > 0]
+    if report.verdict.healthy:
+        if notable:
+            logger.info("health findings", findings=notable)
+        return []
+    reason = report.verdict.reason()
+    logger.warning("health gate failed", reason=reason, findings=notable,
+                   seconds=report.seconds)
+    _remember(ctx, reason)
+    return [Problem(STEP, reason)]
+
+
+def prolog(ctx: HookContext) -> list[Problem]:
+    """Passive checks before the job starts; silent when healthy."""
+    if ctx.job_id is not None:
+        _note_job_start(ctx)
+    return _gate(ctx, "prolog", job_gpus(ctx.env))
+
+
+def _note_job_start(ctx: HookContext) -> None:
+    store = _store(ctx)
+    starts = store.load("jobs")
+    now = time.time()
+    starts = {k: v for k, v in starts.items() if now - float(v) < 30 * 86400}
+    starts[str(ctx.job_id)] = now
+    store.save("jobs", starts)
+
+
+def epilog(ctx: HookContext) -> list[Problem]:
+    """The prolog's checks plus the Xids raised while the job ran."""
+    start = None
+    if ctx.job_id is not None:
+        value = _store(ctx).load("jobs").get(str(ctx.job_id))
+        start = float(value) if value is not None else None
+    return _gate(ctx, "epilog", job_gpus(ctx.env), job_start=start)
+
+
+def healthcheck(ctx: HookContext) -> list[Problem]:
+    """Every check; then resume our drain after N passes and release jobs we got held."""
+    h = ctx.cfg.health
+    expected = None
+    logger = log.get_logger("health", hook=ctx.kind)
+    node = None
+    if h.gpu.expected_count < 0:
+        try:
+            node = ctx.adapter.show_node(ctx.node)
+            expected = gres_gpus(node.gres)
+        except SlurmError as exc:
+            logger.warning("couldn't read the node's gres; GPU count not checked", error=str(exc))
+    problems = _gate(ctx, "healthcheck", expected)
+    if problems:
+        return problems
+    store = _store(ctx)
+    fd = store.lock()
+    try:
+        ours = store.load(OURS)
+        ours["streak"] = int(ours.get("streak", 0)) + 1
+        store.save(OURS, ours)
+    finally:
+        os.close(fd)
+    if h.release_held_jobs and ours.get("failed_jobs"):
+        _release_held(ctx, ours)
+    if ours["streak"] >= h.resume_after_passes and ours.get("reasons"):
+        _maybe_resume(ctx, ours)
+    return []
+
+
+def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
+    logger = log.get_logger("health", hook=ctx.kind)
+    adapter = ctx.adapter
+    try:
+        node = adapter.show_node(ctx.node)
+    except SlurmError as exc:
+        logger.warning("couldn't read node state; not resuming", error=str(exc))
+        return
+    if not node.drained:
+        return
+    if node.state not in _RESUMABLE_STATES or not node.flags <= _RESUMABLE_FLAGS:
+        logger.info("node in a state we don't resume from", state=node.state,
+                    flags=sorted(node.flags))
+        return
+    if not adapter.ours(node.reason):
+        return  # someone else's drain: never ours to lift
+    parts = node.reason[len(adapter.prefix):].strip().split("; ")
+    if not set(parts) <= set(ours.get("reasons", [])):
+        logger.info("drain reason not the health gate's; not resuming", reason=node.reason)
+        return
+    try:
+        if adapter.resume(ctx.node):
+            logger.warning("node healthy again: resumed", passes=ours["streak"],
+                           previous_reason=node.reason)
+    except ForeignDrain as exc:
+        logger.info("drain changed hands before resume; left alone", error=str(exc))
+
+
+def _release_held(ctx: HookContext, ours: dict[str, Any]) -> None:
+    """Release jobs our failed prolog got requeued *held* (no nohold_on_prolog_fail)."""
+    logger = log.get_logger("health", hook=ctx.kind)
+    keep: list[int] = []
+    for job_id in ours.get("failed_jobs", []):
+        try:
+            job = ctx.adapter.show_job(job_id)
+        except JobNotFound:
+            continue
+        except SlurmError as exc:
+            logger.warning("couldn't read a job our prolog failed", job_id=job_id,
+                           error=str(exc))
+            keep.append(job_id)
+            continue
+        reason = job.reason.replace("_", " ").lower()
+        if job.state == "PENDING" and reason == _HELD_REASON:
+            try:
+                ctx.adapter.release(job_id)
+                logger.warning("released job held after our prolog failed", job_id=job_id)
+            except SlurmError as exc:
+                logger.warning("couldn't release held job", job_id=job_id, error=str(exc))
+                keep.append(job_id)
+        elif job.state == "PENDING" and job.restarts == 0:
+            keep.append(job_id)  # not requeued yet: look again next run
+    store = _store(ctx)
+    fd = store.lock()
+    try:
+        current = store.load(OURS)
+        current["failed_jobs"] = keep
+        store.save(OURS, current)
+    finally:
+        os.close(fd)

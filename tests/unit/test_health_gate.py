@@ -1,0 +1,188 @@
+"""The gate end to end on stand-in hardware: collectors in children, checks, verdict, CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from slurm_resilience import config
+from slurm_resilience.cli import main as cli_main
+from slurm_resilience.config import Config
+from slurm_resilience.fakes import nvml
+from slurm_resilience.health import childproc, gate
+from slurm_resilience.health.findings import Severity, fail, unknown
+from slurm_resilience.health.verdict import decide
+from slurm_resilience.sandbox import faults, hardware
+
+NODE = "node1"
+
+
+def conf(tmp_path: Path, **health: Any) -> dict[str, Any]:
+    root = f"{tmp_path}/nodes/{{node}}"
+    section: dict[str, Any] = {
+        "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios", "collector_timeout_s": 3,
+        "gpu": {"expected_count": 8},
+        "xid": {"source": "file", "path": f"{root}/kmsg", "boot_id_file": f"{root}/boot_id"},
+        "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,
+                       "expected_hcas": [f"mlx5_{i}" for i in range(8)]},
+        "nvme": {"path": f"{root}/nvme", "size_limit": 100 << 30, "min_free": 10 << 30,
+                 "smart": False},
+    }
+    for key, value in health.items():
+        if isinstance(value, dict):
+            section.setdefault(key, {}).update(value)
+        else:
+            section[key] = value
+    return {"node": {"state_dir": f"{root}/state"},
+            "logging": {"file": f"{tmp_path}/log.jsonl", "syslog": False},
+            "health": section}
+
+
+def load(tmp_path: Path, **health: Any) -> Config:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(conf(tmp_path, **health)))
+    return config.load(str(path))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Path:
+    hardware.prepare_node_hardware(tmp_path, [NODE])
+    return tmp_path
+
+
+def blocking(report: gate.GateReport) -> list[str]:
+    return [f.message for f in report.verdict.blocking]
+
+
+def test_healthy_stand_ins_pass_every_check(node: Path) -> None:
+    """8 GPUs, 8 HCAs, an empty kernel log and an empty NVMe: healthy, every check ran."""
+    report = gate.run(load(node), NODE, "healthcheck")
+    assert report.verdict.healthy, blocking(report)
+    assert {f.check for f in report.findings} == set(gate.CHECKS)
+
+
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("gpu-xid:3:79", "gpu3 lost (NVML GPU_IS_LOST; expected present)"),
+    ("gpu-ecc:2", "gpu2 1 uncorrectable ECC errors (expected <=0)"),
+    ("gpu-missing:5", "7 GPUs visible (expected 8)"),
+    ("gpu-throttle:1:hw_thermal", "gpu1 HW thermal slowdown (expected none)"),
+    ("gpu-remap-pending:6", "gpu6 row remap pending (reset the GPU)"),
+    ("ib-down:mlx5_2:1", "mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"),
+    ("nvme-full", "nvme 0B free of 100.0GiB (expected >=10.0GiB)"),
+])
+def test_each_injected_fault_blocks_with_its_reason(node: Path, fault: str, reason: str) -> None:
+    """Every sandbox fault makes the gate fail with a reason naming actual and expected."""
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")  # baselines
+    faults.inject(node, NODE, fault)
+    report = gate.run(cfg, NODE, "prolog")
+    assert reason in blocking(report)
+    faults.heal(node, NODE)
+    assert gate.run(cfg, NODE, "prolog").verdict.healthy
+
+
+def test_xid_79_reason_names_gpu_xid_meaning_and_time(node: Path) -> None:
+    """After Xid 79 on GPU 3 the reason names it: ``gpu3 XID 79 (GPU fell off the bus) HH:MM:SS``.
+
+    The lost GPU no longer reports its PCI address; the gate remembers it from earlier runs.
+    """
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:3:79")
+    report = gate.run(cfg, NODE, "prolog")
+    xid = [f for f in report.verdict.blocking if f.check == "xid"]
+    assert len(xid) == 1
+    assert xid[0].message.startswith("gpu3 XID 79 (GPU fell off the bus) ")
+    assert time.strptime(xid[0].message.rsplit(" ", 1)[1], "%H:%M:%S")
+    assert "gpu3 XID 79 (GPU fell off the bus)" in report.verdict.reason()
+
+
+def test_ib_errors_fail_against_the_previous_run(node: Path) -> None:
+    """ib-errors raises symbol_error by 1000 since the previous run: a failure."""
+    cfg = load(node)
+    assert gate.run(cfg, NODE, "healthcheck").verdict.healthy
+    faults.inject(node, NODE, "ib-errors:mlx5_4:1")
+    assert blocking(gate.run(cfg, NODE, "healthcheck")) == [
+        "mlx5_4 port1 symbol_error +1000 (expected <=100)"]
+
+
+def test_hung_collector_is_a_failure_and_the_gate_returns(node: Path) -> None:
+    """An NVML call that never returns is killed at the timeout and fails the node."""
+    scen = nvml.read_scenario(str(hardware.locate(node, NODE).scenario))
+    assert scen is not None
+    scen["hang"] = {"function": "nvmlDeviceGetCount", "seconds": 60}
+    nvml.write_scenario(str(hardware.locate(node, NODE).scenario), scen)
+    started = time.monotonic()
+    report = gate.run(load(node, collector_timeout_s=0.5), NODE, "prolog")
+    assert time.monotonic() - started < 5
+    assert blocking(report) == ["gpu collector hung: no answer within 0.5s"]
+
+
+def test_kill_switch_skips_a_check(node: Path) -> None:
+    """A disabled check is not run, so its fault does not block."""
+    faults.inject(node, NODE, "ib-down:mlx5_0:1")
+    report = gate.run(load(node, infiniband={"enabled": False}), NODE, "prolog")
+    assert report.verdict.healthy
+    assert "infiniband" not in {f.check for f in report.findings}
+
+
+def test_prolog_is_passive(node: Path) -> None:
+    """The prolog runs no write probe; the healthcheck does."""
+    cfg = load(node)
+    report = gate.run(cfg, NODE, "prolog")
+    assert not any("probe" in f.message for f in report.findings)
+    report = gate.run(cfg, NODE, "healthcheck")
+    assert any("probe" in f.message for f in report.findings if f.check == "nvme")
+
+
+def test_verdict_policy_for_could_not_check() -> None:
+    """Unknown blocks under fail-closed and is only reported under fail-open."""
+    findings = [unknown("xid", "kernel-log", "couldn't read")]
+    assert not decide(findings, {"xid": "fail-closed"}).healthy
+    assert decide(findings, {"xid": "fail-open"}).healthy
+    assert not decide([fail("nvme", "nvme", "full")], {"nvme": "fail-open"}).healthy
+
+
+def test_reason_is_short_with_a_count_of_the_rest() -> None:
+    """More than three blocking findings are summarised as ``+N more``."""
+    v = decide([fail("gpu", f"gpu{i}", f"gpu{i} lost") for i in range(5)], {})
+    assert v.reason() == "gpu0 lost; gpu1 lost; gpu2 lost; +2 more"
+
+
+def test_children_run_in_parallel_and_errors_come_back() -> None:
+    """Collectors run concurrently; an exception in one is reported, not raised."""
+
+    def slow() -> dict[str, Any]:
+        time.sleep(0.3)
+        return {"ok": True}
+
+    def broken() -> dict[str, Any]:
+        raise OSError("disk on fire")
+
+    started = time.monotonic()
+    out = childproc.run_all({"a": slow, "b": slow, "c": broken}, 5)
+    assert time.monotonic() - started < 0.55
+    assert out["a"].value == {"ok": True} and out["b"].value == {"ok": True}
+    assert out["c"].error == "OSError: disk on fire" and not out["c"].timed_out
+
+
+def test_check_cli_prints_a_table_and_json(node: Path, capsys: pytest.CaptureFixture[str]
+                                           ) -> None:
+    """``slurm-resilience check`` lists every finding; --json is machine-readable; rc 1 if sick."""
+    load(node)
+    cfg_path = str(node / "config.yaml")
+    assert cli_main(["--config", cfg_path, "check", "--node", NODE]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["SEVERITY", "CHECK", "SUBJECT", "MESSAGE"]
+    assert "mlx5_7 port1 ACTIVE LinkUp" in out and f"{NODE}: healthy" in out
+    faults.inject(node, NODE, "gpu-xid:3:79")
+    assert cli_main(["--config", cfg_path, "check", "--json", "--node", NODE]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["healthy"] is False
+    assert any(f["severity"] == "fail" and f["subject"] == "gpu3" for f in data["findings"])
+    assert Severity.FAIL.label == "fail"

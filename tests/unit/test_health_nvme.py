@@ -1,0 +1,97 @@
+"""NVMe / staging disk: collector on a real directory, SMART parsing of real captures, check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from conftest import REAL_FIXTURES
+
+from slurm_resilience.config.health import NvmeCheckSection
+from slurm_resilience.health.checks import nvme as nvme_check
+from slurm_resilience.health.collectors import nvme as collector
+from slurm_resilience.health.findings import Severity
+
+NVME = REAL_FIXTURES / "nvme"
+
+
+def run(snap: dict[str, Any], cfg: NvmeCheckSection | None = None) -> list[Any]:
+    return nvme_check.check(snap, cfg or NvmeCheckSection(min_free=1 << 20), {}).findings
+
+
+def fails(findings: list[Any]) -> list[str]:
+    return [f.message for f in findings if f.severity is Severity.FAIL]
+
+
+def test_writable_directory_with_space_passes(tmp_path: Path) -> None:
+    """A writable directory with free space passes, with a write+fsync probe time."""
+    snap = collector.collect(str(tmp_path), smart=False)
+    assert snap["exists"] and snap["probe_ms"] is not None and snap["probe_error"] is None
+    assert not fails(run(snap))
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+
+
+def test_missing_directory_fails(tmp_path: Path) -> None:
+    """A staging path that does not exist fails."""
+    assert fails(run(collector.collect(str(tmp_path / "nope")))) == [
+        f"nvme {tmp_path / 'nope'} missing (expected a directory)"]
+
+
+def test_not_a_mount_point_fails_when_required(tmp_path: Path) -> None:
+    """With require_mountpoint a plain directory fails (the disk did not mount)."""
+    snap = collector.collect(str(tmp_path), active=False)
+    cfg = NvmeCheckSection(require_mountpoint=True, min_free=0)
+    assert fails(run(snap, cfg)) == [f"nvme {tmp_path} not mounted (expected a mount point)"]
+
+
+def test_full_disk_fails_using_the_size_limit(tmp_path: Path) -> None:
+    """Files filling the configured size leave less than min_free: a failure with sizes."""
+    with open(tmp_path / "fill", "wb") as fh:
+        fh.truncate(95 << 30)  # sparse: apparent size counts, no disk used
+    snap = collector.collect(str(tmp_path), size_limit=100 << 30, active=False)
+    assert snap["free"] == 5 << 30
+    assert fails(run(snap, NvmeCheckSection(min_free=10 << 30))) == [
+        "nvme 5.0GiB free of 100.0GiB (expected >=10.0GiB)"]
+    assert not fails(run(snap, NvmeCheckSection(min_free=4 << 30)))
+
+
+def test_unwritable_directory_fails(tmp_path: Path) -> None:
+    """A probe that cannot create its file fails (read-only or broken disk)."""
+    snap = {"path": str(tmp_path), "exists": True, "error": None, "free": 1 << 40,
+            "total": 1 << 41, "probe_ms": None,
+            "probe_error": f"couldn't create a file in {tmp_path}: Read-only file system"}
+    assert fails(run(snap)) == [f"nvme couldn't create a file in {tmp_path}: "
+                                "Read-only file system"]
+
+
+def test_slow_probe_warns() -> None:
+    """A write+fsync slower than max_probe_ms is a warning."""
+    snap = {"path": "/x", "exists": True, "error": None, "free": 1 << 40, "total": 1 << 41,
+            "probe_ms": 900.0}
+    findings = run(snap)
+    assert [f.severity for f in findings] == [Severity.WARN]
+
+
+def test_smart_logs_of_real_drives_parse() -> None:
+    """critical_warning, percentage_used and media_errors come out of real smartctl JSON."""
+    got = {p.name: collector.parse_smart(p.read_text()) for p in sorted(NVME.glob("*.json"))}
+    assert got["smartctl-a-json_nvme_sabrent-rocket4-1tb_healthy.json"]["critical_warning"] == 0
+    assert got["smartctl-x-j_nvme_samsung-970evo_media-errors.json"]["media_errors"] == 7
+    assert got["smartctl-a-j_nvme_corsair-force-mp510_err-log-entries.json"][
+        "percentage_used"] == 1
+    nvme_cli = '{"critical_warning": 4, "temperature": 310, "percent_used": 3}'
+    assert collector.parse_smart(nvme_cli) == {"critical_warning": 4, "percentage_used": 3,
+                                               "media_errors": None}
+
+
+def test_smart_critical_warning_and_wear_fail() -> None:
+    """A critical warning or endurance used past the limit fails; a healthy log passes."""
+    base = {"path": "/x", "exists": True, "error": None, "free": 1 << 40, "total": 1 << 41}
+    healthy = collector.parse_smart(
+        (NVME / "smartctl-a-json_nvme_sabrent-rocket4-1tb_healthy.json").read_text())
+    assert not fails(run({**base, "smart": healthy}))
+    assert fails(run({**base, "smart": {"critical_warning": 4, "percentage_used": 3}})) == [
+        "nvme critical warning 0x04 (expected 0)"]
+    assert fails(run({**base, "smart": {"critical_warning": 0, "percentage_used": 99}})) == [
+        "nvme 99% endurance used (expected <=95%)"]
