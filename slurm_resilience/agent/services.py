@@ -5,4 +5,5 @@ from __future__ import annotations
 
 SERVICES: list[str] = [
     "slurm_resilience.heartbeat.watcher:factory",
+    "slurm_resilience.checkpoint.uploader:factory",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from slurm_resilience.config.agent import AgentSection
+from slurm_resilience.config.checkpoint import CheckpointSection
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.health import HealthSection
 from slurm_resilience.config.loader import setting
@@ -94,6 +95,8 @@ class Config:
     health: HealthSection = setting(default_factory=HealthSection, help="node health gate")
     agent: AgentSection = setting(default_factory=AgentSection, help="the node agent daemon")
     heartbeat: HeartbeatSection = setting(default_factory=HeartbeatSection, help="hang detection")
+    checkpoint: CheckpointSection = setting(
+        default_factory=CheckpointSection, help="checkpoint staging (NVMe tier, S3 tier)")
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")
     topology: TopologySection = setting(
         default_factory=TopologySection, help="fabric discovery and leaf pinning")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 PROLOG: list[str] = [
     "slurm_resilience.heartbeat.steps:prolog_run_dir",
+    "slurm_resilience.checkpoint.steps:prolog",
 ]
 
 EPILOG: list[str] = [
     "slurm_resilience.heartbeat.steps:epilog_run_dir",
+    "slurm_resilience.checkpoint.steps:epilog",
 ]
 
 HEALTHCHECK: list[str] = []

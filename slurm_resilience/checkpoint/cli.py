@@ -1,0 +1,114 @@
+"""``slurm-resilience ckpt ls|verify|pull URI``: look at a run's checkpoints in S3."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from slurm_resilience import config
+from slurm_resilience.checkpoint.commit import CheckpointError, step_name
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("ckpt", help="list, verify or download a run's checkpoints in S3")
+    csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ls = csub.add_parser("ls", help="list complete steps (COMMIT.json present) and their size")
+    ls.add_argument("uri")
+    ls.set_defaults(func=_guarded(run_ls))
+    ver = csub.add_parser("verify", help="download and check every file of a step "
+                                         "(default: the newest) against its manifest")
+    ver.add_argument("uri")
+    ver.add_argument("--step", type=int, default=None)
+    ver.add_argument("--all", action="store_true", help="verify every complete step")
+    ver.set_defaults(func=_guarded(run_verify))
+    pull = csub.add_parser("pull", help="download the newest verified step into a directory")
+    pull.add_argument("uri")
+    pull.add_argument("dest")
+    pull.add_argument("--step", type=int, default=None)
+    pull.set_defaults(func=_guarded(run_pull))
+
+
+def _guarded(fn: Any) -> Any:
+    """Print checkpoint errors as one line (exit 2) instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(fn(args))
+        except CheckpointError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from slurm_resilience.checkpoint.s3 import S3
+    from slurm_resilience.checkpoint.uploader import s3_settings
+
+    settings = s3_settings(config.load(args.config))
+    if settings.credentials_file and not os.access(settings.credentials_file, os.R_OK):
+        settings = replace(settings, credentials_file="")  # users bring their own credentials
+    return S3(replace(settings, attempts=2))
+
+
+def _uri(text: str) -> Any:
+    from slurm_resilience.checkpoint.prefix import parse_uri
+
+    return parse_uri(text)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    from slurm_resilience.checkpoint.stagein import remote_steps
+
+    uri = _uri(args.uri)
+    steps = remote_steps(_client(args), uri)
+    if not steps:
+        print(f"{uri}: no complete step")
+        return 1
+    for step in sorted(steps):
+        objs = steps[step]
+        print(f"{step_name(step)}  {sum(objs.values()):>14,d} bytes  {len(objs)} objects")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from slurm_resilience.checkpoint.stagein import remote_steps, verify_remote
+
+    uri = _uri(args.uri)
+    s3 = _client(args)
+    steps = sorted(remote_steps(s3, uri))
+    if args.step is not None:
+        steps = [s for s in steps if s == args.step]
+    elif not args.all:
+        steps = steps[-1:]
+    if not steps:
+        print(f"{uri}: no complete step to verify")
+        return 1
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as scratch:
+        for step in steps:
+            try:
+                problems = verify_remote(s3, uri, step, Path(scratch))
+            except CheckpointError as exc:
+                problems = [str(exc)]
+            if problems:
+                failed += 1
+                print(f"{step_name(step)}: FAILED")
+                for p in problems:
+                    print(f"  {p}")
+            else:
+                print(f"{step_name(step)}: ok")
+    return 1 if failed else 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from slurm_resilience.checkpoint.stagein import pull
+
+    step = pull(_client(args), _uri(args.uri), Path(args.dest), args.step)
+    print(f"{step_name(step)} -> {Path(args.dest) / step_name(step)}")
+    return 0

@@ -1,0 +1,415 @@
+"""The local commit protocol and the manifests that describe a committed step.
+
+A job's staging dir holds one directory per step; each rank commits its part::
+
+    step-00000015/rank-00000.tmp/   a save in progress (ignored, cleaned later)
+    step-00000015/rank-00000/       committed: the rank's files + MANIFEST.json
+    step-00000015/COMMIT.json       global marker: every rank committed (written last)
+
+A rank's part is written into ``rank-R.tmp/``, each file fsynced, then a manifest
+(paths, sizes, CRC32C) is written and fsynced, the directory renamed to ``rank-R/``
+and the parent fsynced. A committed part or step is never overwritten. The same
+names are used under the run's S3 URI, where COMMIT.json is uploaded last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+
+MANIFEST = "MANIFEST.json"
+COMMIT = "COMMIT.json"
+FORMAT = 1
+CHECKSUM = "crc32c"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_RANK_RE = re.compile(r"^rank-(\d{5,})$")
+_CHUNK = 8 * 1024 * 1024
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be saved, found, or trusted; the message says which and why."""
+
+
+class StepExists(CheckpointError):
+    """A committed step or rank part already exists and is never overwritten."""
+
+
+def step_name(step: int) -> str:
+    if step < 0:
+        raise CheckpointError(f"checkpoint: step {step} must be >= 0")
+    return f"step-{step:08d}"
+
+
+def rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_rank(name: str) -> int | None:
+    m = _RANK_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def check_relpath(path: str) -> str:
+    """A manifest path: relative, '/'-separated, no '.', '..' or empty parts."""
+    parts = path.split("/")
+    if (not path or path.startswith("/") or "\\" in path or "\x00" in path
+            or any(p in ("", ".", "..") for p in parts)):
+        raise CheckpointError(f"checkpoint: manifest: path {path!r} is not a plain relative path")
+    return path
+
+
+def crc_hex(value: int) -> str:
+    return f"{value:08x}"
+
+
+def _load_native() -> Any:
+    """The crc32c library google-crc32c ships, called through ctypes for writable buffers.
+
+    The extension module only accepts read-only buffers (``bytes``); torch.save hands
+    us writable memoryviews of tensor storage, and copying them would double the cost.
+    """
+    import ctypes
+    import glob
+
+    libs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(google_crc32c.__file__)),
+                                  "google_crc32c.libs", "libcrc32c*.so*"))
+    if not libs:
+        return None
+    try:
+        lib = ctypes.CDLL(libs[0])
+        fn = lib.crc32c_extend
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_NATIVE_EXTEND = _load_native()
+
+
+def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    """Extend a CRC32C with ``data`` without copying it."""
+    if isinstance(data, bytes):
+        return int(google_crc32c.extend(crc, data))
+    view = memoryview(data).cast("B")
+    if _NATIVE_EXTEND is not None and not view.readonly and view.contiguous and len(view):
+        import ctypes
+
+        buf = (ctypes.c_char * len(view)).from_buffer(view)
+        return int(_NATIVE_EXTEND(crc, ctypes.addressof(buf), len(view)))
+    return int(google_crc32c.extend(crc, bytes(view)))
+
+
+class Crc32c:
+    """Streaming CRC32C (hardware-accelerated through google-crc32c's C library)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self.value = crc32c_extend(self.value, data)
+
+    def hexdigest(self) -> str:
+        return crc_hex(self.value)
+
+
+def file_crc32c(fd_or_path: int | str | os.PathLike[str]) -> tuple[int, str]:
+    """(size, crc32c hex) of a file, read in large chunks."""
+    crc = Crc32c()
+    size = 0
+    own = not isinstance(fd_or_path, int)
+    fd = os.open(fd_or_path, os.O_RDONLY | os.O_NOFOLLOW) if own else int(fd_or_path)  # type: ignore[arg-type]
+    try:
+        offset = 0
+        while True:
+            chunk = os.pread(fd, _CHUNK, offset)
+            if not chunk:
+                break
+            crc.update(chunk)
+            size += len(chunk)
+            offset += len(chunk)
+    finally:
+        if own:
+            os.close(fd)
+    return size, crc.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    crc32c: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one rank committed for one step."""
+
+    step: int
+    rank: int
+    files: tuple[FileEntry, ...]
+
+    def to_json(self) -> bytes:
+        doc = {"format": FORMAT, "checksum": CHECKSUM, "step": self.step, "rank": self.rank,
+               "files": [{"path": f.path, "size": f.size, "crc32c": f.crc32c}
+                         for f in self.files]}
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT or doc.get("checksum") != CHECKSUM:
+                raise ValueError(f"format {doc.get('format')!r}/{doc.get('checksum')!r} "
+                                 f"is not {FORMAT}/{CHECKSUM}")
+            files = tuple(
+                FileEntry(check_relpath(str(f["path"])), int(f["size"]), str(f["crc32c"]))
+                for f in doc["files"]
+            )
+            step, rank = int(doc["step"]), int(doc["rank"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint: {where}: not a valid manifest: {exc}") from None
+        names = [f.path for f in files]
+        if len(set(names)) != len(names) or MANIFEST in names:
+            raise CheckpointError(f"checkpoint: {where}: duplicate or reserved file names")
+        return cls(step=step, rank=rank, files=files)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """Every rank of the step committed its part; written after a barrier."""
+
+    step: int
+    world_size: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT, "step": self.step,
+                           "world_size": self.world_size}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = "commit marker") -> CommitMarker:
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format {doc.get('format')!r} is not {FORMAT}")
+            marker = cls(step=int(doc["step"]), world_size=int(doc["world_size"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint: {where}: not a valid commit marker: {exc}"
+                                  ) from None
+        if marker.world_size < 1:
+            raise CheckpointError(f"checkpoint: {where}: world_size {marker.world_size} < 1")
+        return marker
+
+
+# -- durable writes ----------------------------------------------------------------------------
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write a small file atomically: temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class ChecksummingWriter:
+    """A binary file object that computes CRC32C as it writes, for torch.save."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self.crc = Crc32c()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc.update(view)
+        n = len(view)
+        while view:
+            view = view[os.write(self.fd, view):]
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        """Data goes straight to the fd; durability comes from close(fsync=True)."""
+
+    def close(self, fsync: bool = True) -> FileEntry:
+        try:
+            if fsync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return FileEntry(self.path.name, self.size, self.crc.hexdigest())
+
+
+# -- the protocol ----------------------------------------------------------------------------
+
+def part_dirs(job_dir: Path, step: int, rank: int) -> tuple[Path, Path]:
+    """(tmp dir, final dir) of one rank's part of one step."""
+    sdir = job_dir / step_name(step)
+    return sdir / f"{rank_name(rank)}.tmp", sdir / rank_name(rank)
+
+
+def begin_part(job_dir: Path, step: int, rank: int) -> Path:
+    """Create a fresh ``rank-R.tmp/`` for a save; a committed part is never overwritten."""
+    tmp, final = part_dirs(job_dir, step, rank)
+    if final.exists() or (tmp.parent / COMMIT).exists():
+        raise StepExists(f"checkpoint: save: step {step} rank {rank} is already committed "
+                         f"in {tmp.parent}; committed steps are never overwritten")
+    tmp.parent.mkdir(mode=0o700, exist_ok=True)
+    if tmp.exists():
+        remove_tree(tmp)  # left by a crashed save of this same step
+    tmp.mkdir(mode=0o700)
+    return tmp
+
+
+def _walk_files(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel = os.path.relpath(dirpath, root)
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full):
+                raise CheckpointError(f"checkpoint: commit: {full} is a symlink; "
+                                      "checkpoint files must be regular files")
+            yield name if rel == "." else f"{rel}/{name}"
+        for d in dirnames:
+            if os.path.islink(os.path.join(dirpath, d)):
+                raise CheckpointError(f"checkpoint: commit: {dirpath}/{d} is a symlink")
+
+
+def commit_part(tmp: Path, step: int, rank: int,
+                known: Iterable[FileEntry] = ()) -> Manifest:
+    """fsync and checksum every file in ``tmp``, write the manifest, rename, fsync the parent.
+
+    ``known`` holds entries already checksummed while writing, so they are not re-read.
+    """
+    known_by_path = {k.path: k for k in known}
+    entries: list[FileEntry] = []
+    for rel in _walk_files(tmp):
+        if rel == MANIFEST:
+            raise CheckpointError(f"checkpoint: commit: {MANIFEST} is a reserved name")
+        check_relpath(rel)
+        full = tmp / rel
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            entry = known_by_path.get(rel)
+            if entry is None or entry.size != os.fstat(fd).st_size:
+                size, crc = file_crc32c(fd)
+                entry = FileEntry(rel, size, crc)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        entries.append(entry)
+    for dirpath, _dirs, _files in os.walk(tmp):
+        fsync_dir(dirpath)
+    manifest = Manifest(step=step, rank=rank, files=tuple(entries))
+    write_durable(tmp / MANIFEST, manifest.to_json())
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if final.exists():
+        raise StepExists(f"checkpoint: commit: {final} already exists; not overwriting")
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return manifest
+
+
+def write_commit_marker(job_dir: Path, step: int, world_size: int) -> None:
+    """The step is complete on this node: all ranks committed (the caller held a barrier)."""
+    sdir = job_dir / step_name(step)
+    sdir.mkdir(mode=0o700, exist_ok=True)
+    marker = sdir / COMMIT
+    if marker.exists():
+        return
+    write_durable(marker, CommitMarker(step, world_size).to_json())
+
+
+def read_manifest(part_dir: Path) -> Manifest:
+    with open(part_dir / MANIFEST, "rb") as fh:
+        return Manifest.from_json(fh.read(), str(part_dir / MANIFEST))
+
+
+def read_marker(step_dir: Path) -> CommitMarker:
+    with open(step_dir / COMMIT, "rb") as fh:
+        return CommitMarker.from_json(fh.read(), str(step_dir / COMMIT))
+
+
+def verify_part(part_dir: Path, expect_step: int | None = None) -> Manifest:
+    """Check every file of a committed part against its manifest; raises on any mismatch."""
+    manifest = read_manifest(part_dir)
+    if expect_step is not None and manifest.step != expect_step:
+        raise CheckpointError(f"checkpoint: verify: {part_dir}: manifest says step "
+                              f"{manifest.step}, expected {expect_step}")
+    for f in manifest.files:
+        try:
+            size, crc = file_crc32c(part_dir / f.path)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint: verify: couldn't read {part_dir / f.path}: "
+                                  f"{exc.strerror}") from None
+        if size != f.size or crc != f.crc32c:
+            raise CheckpointError(f"checkpoint: verify: {part_dir / f.path}: size {size} "
+                                  f"crc32c {crc}, expected size {f.size} crc32c {f.crc32c}")
+    return manifest
+
+
+def committed_steps(job_dir: Path) -> list[int]:
+    """Steps with a global commit marker, oldest first (not yet verified)."""
+    try:
+        names = os.listdir(job_dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        step = parse_step(name)
+        if step is not None and os.path.isfile(job_dir / name / COMMIT) \
+                and not os.path.islink(job_dir / name):
+            out.append(step)
+    return sorted(out)
+
+
+def verify_step(job_dir: Path, step: int, ranks: Iterable[int] | None = None) -> CommitMarker:
+    """A complete step: marker present, and the given ranks' parts (default: all) verify."""
+    sdir = job_dir / step_name(step)
+    marker = read_marker(sdir)
+    if marker.step != step:
+        raise CheckpointError(f"checkpoint: verify: {sdir}: marker says step {marker.step}")
+    for rank in (range(marker.world_size) if ranks is None else ranks):
+        verify_part(sdir / rank_name(rank), step)
+    return marker
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory tree of our own making, never following symlinks."""
+    from slurm_resilience.checkpoint.staging import remove_tree_nofollow
+
+    remove_tree_nofollow(path)

@@ -1,0 +1,228 @@
+"""Root-side handling of job staging dirs: create, open, clean, never through a symlink.
+
+A staging dir belongs to the job's user, who can plant anything in it (symlinks
+to /etc, fifos, hard links to files they do not own). Root code therefore walks
+it only with directory file descriptors: every component is opened with
+O_NOFOLLOW relative to its parent's fd, and every file is checked with fstat
+(regular file, owned by the job's user) on the fd that is then read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from slurm_resilience.checkpoint.commit import CheckpointError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def job_dir_name(job_id: int) -> str:
+    if job_id <= 0:
+        raise CheckpointError(f"checkpoint: staging: job id {job_id} is not valid")
+    return f"job-{job_id}"
+
+
+def job_dir(root: str | os.PathLike[str], job_id: int) -> Path:
+    return Path(root) / job_dir_name(job_id)
+
+
+def _open_root(root: str) -> int:
+    """Open the staging root: it must be a real directory owned by root, not a link."""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CheckpointError(f"checkpoint: staging: {root} is not a real directory "
+                                  "(symlink?)") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise CheckpointError(f"checkpoint: staging: root {root} must be owned by uid "
+                              f"{os.geteuid()} and not group/world-writable "
+                              f"(owner {st.st_uid}, mode {oct(st.st_mode & 0o7777)})")
+    return fd
+
+
+def ensure_root(root: str) -> None:
+    """Create the staging root (mode 0755) if missing, then check it."""
+    os.makedirs(root, mode=0o755, exist_ok=True)
+    os.close(_open_root(root))
+
+
+def create_job_dir(root: str, job_id: int, uid: int, gid: int) -> Path:
+    """Create (or adopt) ``<root>/job-<id>`` owned by uid:gid, mode 0700, via fds only."""
+    ensure_root(root)
+    name = job_dir_name(job_id)
+    rfd = _open_root(root)
+    try:
+        with contextlib.suppress(FileExistsError):
+            # A requeued job keeps what is there, but only if it is a plain dir (below).
+            os.mkdir(name, 0o700, dir_fd=rfd)
+        try:
+            dfd = os.open(name, _DIR_FLAGS, dir_fd=rfd)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint: prolog: couldn't open {root}/{name}: "
+                                  f"{os.strerror(exc.errno or 0)} (not a real directory?)"
+                                  ) from None
+        try:
+            st = os.fstat(dfd)
+            if st.st_uid not in (uid, os.geteuid()):
+                raise CheckpointError(f"checkpoint: prolog: {root}/{name} is owned by uid "
+                                      f"{st.st_uid}, expected {uid}")
+            os.fchown(dfd, uid, gid)
+            os.fchmod(dfd, 0o700)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(rfd)
+    return Path(root) / name
+
+
+@contextmanager
+def open_job_dir(root: str, job_id: int) -> Iterator[int]:
+    """An fd of the job's staging dir, opened without following any link."""
+    rfd = _open_root(root)
+    try:
+        dfd = os.open(job_dir_name(job_id), _DIR_FLAGS, dir_fd=rfd)
+    finally:
+        os.close(rfd)
+    try:
+        yield dfd
+    finally:
+        os.close(dfd)
+
+
+def open_dir_at(dir_fd: int, relpath: str) -> int:
+    """Walk ``a/b/c`` from ``dir_fd`` one component at a time with O_NOFOLLOW."""
+    fd = os.dup(dir_fd)
+    try:
+        for part in relpath.split("/"):
+            if part in ("", ".", ".."):
+                raise CheckpointError(f"checkpoint: path {relpath!r} is not plain")
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_owned_file(dir_fd: int, relpath: str, uid: int) -> int:
+    """Open a regular file under ``dir_fd`` that belongs to ``uid``; never a link or device."""
+    head, _, name = relpath.rpartition("/")
+    pfd = open_dir_at(dir_fd, head) if head else os.dup(dir_fd)
+    try:
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=pfd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CheckpointError(f"checkpoint: {relpath} is a symlink; refusing it"
+                                      ) from None
+            raise
+    finally:
+        os.close(pfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+        os.close(fd)
+        raise CheckpointError(
+            f"checkpoint: {relpath}: refusing a file that is not a regular file with one link "
+            f"owned by uid {uid} (mode {oct(st.st_mode)}, owner {st.st_uid}, "
+            f"links {st.st_nlink})")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _rmtree_at(dir_fd: int) -> None:
+    for entry in os.scandir(dir_fd):
+        st = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                _rmtree_at(sub)
+            finally:
+                os.close(sub)
+            os.rmdir(entry.name, dir_fd=dir_fd)
+        else:
+            os.unlink(entry.name, dir_fd=dir_fd)  # a link is removed, never its target
+
+
+def remove_tree_nofollow(path: str | os.PathLike[str]) -> None:
+    """Delete a tree; symlinks inside are unlinked, their targets never touched."""
+    path = os.fspath(path)
+    parent, name = os.path.split(path.rstrip("/"))
+    pfd = os.open(parent or ".", _DIR_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=pfd)
+            return
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        try:
+            _rmtree_at(dfd)
+        finally:
+            os.close(dfd)
+        os.rmdir(name, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+def remove_at(dir_fd: int, name: str) -> None:
+    """Remove one entry (tree or file) of an fd-opened dir without following links."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        sub = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            _rmtree_at(sub)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def remove_job_dir(root: str, job_id: int) -> bool:
+    """Delete a job's staging dir (root side); False when it did not exist."""
+    rfd = _open_root(root)
+    try:
+        try:
+            remove_at(rfd, job_dir_name(job_id))
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(rfd)
+
+
+def clean_tmp(root: str, job_id: int) -> list[str]:
+    """Remove crashed saves (``*.tmp`` parts) and anything that is not a dir or file."""
+    removed: list[str] = []
+    with open_job_dir(root, job_id) as jfd:
+        for entry in os.scandir(jfd):
+            st = os.stat(entry.name, dir_fd=jfd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                if not stat.S_ISREG(st.st_mode):
+                    os.unlink(entry.name, dir_fd=jfd)
+                    removed.append(entry.name)
+                continue
+            sfd = os.open(entry.name, _DIR_FLAGS, dir_fd=jfd)
+            try:
+                for sub in os.scandir(sfd):
+                    sst = os.stat(sub.name, dir_fd=sfd, follow_symlinks=False)
+                    if sub.name.endswith(".tmp") or stat.S_ISLNK(sst.st_mode):
+                        remove_at(sfd, sub.name)
+                        removed.append(f"{entry.name}/{sub.name}")
+            finally:
+                os.close(sfd)
+    return removed

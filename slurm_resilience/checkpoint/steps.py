@@ -1,0 +1,83 @@
+"""Prolog and epilog steps of checkpoint staging (light imports: no torch, no boto3)."""
+
+from __future__ import annotations
+
+import time
+
+from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.staging import clean_tmp, create_job_dir, remove_job_dir
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.log import get_logger
+
+log = get_logger("checkpoint.hooks")
+
+
+def prolog(ctx: HookContext) -> list[Problem]:
+    """Create the job's staging dir (owner = job user, 0700, no links) and tell the agent."""
+    ck = ctx.cfg.checkpoint
+    if not ck.enabled or ctx.job_id is None or ctx.uid is None:
+        return []
+    root = node_path(ck.staging_root, ctx.node)
+    gid = ctx.gid if ctx.gid is not None else ctx.uid
+    try:
+        create_job_dir(root, ctx.job_id, ctx.uid, gid)
+    except (CheckpointError, OSError) as exc:
+        return [Problem("checkpoint", f"ckpt staging dir under {root} unusable: {exc}")]
+    try:
+        call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start", timeout=5.0,
+             job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user)
+    except (AgentUnavailable, AgentRefused) as exc:
+        # Training still works locally; the job just gets no stage-in or S3 sync.
+        log.warning("prolog: couldn't ask the agent to stage in", error=str(exc))
+    return []
+
+
+def epilog(ctx: HookContext) -> list[Problem]:
+    """Wait (bounded) for pending uploads, hand the rest to the agent, clean safely."""
+    ck = ctx.cfg.checkpoint
+    if not ck.enabled or ctx.job_id is None:
+        return []
+    root = node_path(ck.staging_root, ctx.node)
+    sock = node_path(ctx.cfg.agent.socket, ctx.node)
+    try:
+        answer = call(sock, "ckpt.job_end", timeout=5.0, job_id=ctx.job_id)
+    except (AgentUnavailable, AgentRefused) as exc:
+        log.warning("epilog: couldn't reach the agent; keeping the staging dir", error=str(exc))
+        _clean(root, ctx.job_id)
+        return []
+    pending = list(answer.get("pending", []))
+    deadline = time.monotonic() + ck.epilog_wait_s
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            pending = list(call(sock, "ckpt.status", timeout=5.0, job_id=ctx.job_id)
+                           .get("pending", []))
+        except AgentRefused:
+            pending = []  # the agent already finished and forgot the job
+        except AgentUnavailable as exc:
+            log.warning("epilog: agent went away while waiting", error=str(exc))
+            break
+    _clean(root, ctx.job_id)
+    if pending:
+        log.warning("epilog: uploads still pending; the agent finishes them after the job",
+                    pending_steps=pending, waited_s=ck.epilog_wait_s)
+    elif answer.get("uri"):
+        try:
+            remove_job_dir(root, ctx.job_id)  # everything is safe in S3
+        except (CheckpointError, OSError) as exc:
+            log.warning("epilog: couldn't remove staging dir", error=str(exc))
+    return []
+
+
+def _clean(root: str, job_id: int) -> None:
+    try:
+        removed = clean_tmp(root, job_id)
+    except FileNotFoundError:
+        return
+    except (CheckpointError, OSError) as exc:
+        log.warning("epilog: couldn't clean staging dir", error=str(exc))
+        return
+    if removed:
+        log.info("epilog: removed crashed saves and links", removed=removed)

@@ -1,0 +1,422 @@
+"""The agent's checkpoint service: register jobs, stage in, upload committed steps, retain.
+
+Requests (unix socket, caller known by SO_PEERCRED):
+
+* ``ckpt.job_start`` (root, from the prolog): the job's owner and staging root;
+* ``ckpt.register`` (the job's user): the run URI; checked against the user's
+  allowed prefix, then stage-in starts;
+* ``ckpt.status`` (the job's user or root): stage-in state and pending steps;
+* ``ckpt.job_end`` (root, from the epilog): the job ended; the agent keeps
+  uploading what is pending, then removes the staging dir.
+
+``tick`` hands one pass over all jobs to a worker thread: upload each committed
+step (files, then rank manifests, then COMMIT.json once every rank's manifest
+is in S3), then apply retention.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
+from slurm_resilience.checkpoint.commit import (
+    COMMIT,
+    MANIFEST,
+    CheckpointError,
+    Crc32c,
+    rank_name,
+    step_name,
+)
+from slurm_resilience.checkpoint.journal import JobRecord, Journal, new_record, pending_steps
+from slurm_resilience.checkpoint.prefix import S3Uri, check_run_uri, parse_uri
+from slurm_resilience.checkpoint.rootfs import committed_steps_at, read_small, read_step
+from slurm_resilience.checkpoint.s3 import S3, S3Settings, TransientS3Error
+from slurm_resilience.checkpoint.staging import (
+    open_dir_at,
+    open_job_dir,
+    open_owned_file,
+    remove_at,
+    remove_job_dir,
+)
+from slurm_resilience.config import Config
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.log import get_logger
+
+log = get_logger("checkpoint.uploader")
+
+PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
+ORPHAN_AGE_S = 24 * 3600.0
+
+
+def s3_settings(cfg: Config) -> S3Settings:
+    ck = cfg.checkpoint
+    return S3Settings(endpoint=ck.s3_endpoint, region=ck.s3_region,
+                      credentials_file=ck.s3_credentials_file, part_size=int(ck.part_size),
+                      concurrency=ck.concurrency, rate_limit=int(ck.rate_limit),
+                      retry_initial_s=ck.retry_initial_s, retry_max_s=ck.retry_max_s,
+                      request_timeout_s=ck.request_timeout_s)
+
+
+class Uploader:
+    """The ``checkpoint`` service of the node agent."""
+
+    name = "checkpoint"
+
+    def __init__(self, cfg: Config, node: str, s3: S3 | None = None):
+        self.cfg = cfg
+        self.ck = cfg.checkpoint
+        self.node = node
+        self.interval_s = self.ck.upload_interval_s
+        self.staging_root = node_path(self.ck.staging_root, node)
+        jdir = self.ck.journal_dir or os.path.join(cfg.node.state_dir, "ckpt-journal")
+        self.journal = Journal(node_path(jdir, node))
+        self.jobs: dict[int, JobRecord] = self.journal.load_all()
+        self._s3 = s3
+        self.lock = threading.RLock()
+        self.worker: threading.Thread | None = None
+        self.stageins: dict[int, threading.Thread] = {}
+        self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
+        self.orphans_checked: dict[int, float] = {}
+        self.stopping = threading.Event()
+        for rec in self.jobs.values():
+            if rec.get("stagein", {}).get("state") == "running":
+                rec["stagein"] = {"state": "pending"}  # interrupted by a restart: redo it
+        log.info("checkpoint uploader started", jobs=sorted(self.jobs),
+                 pending={j: pending_steps(r) for j, r in self.jobs.items() if pending_steps(r)})
+
+    @property
+    def s3(self) -> S3:
+        if self._s3 is None:
+            self._s3 = S3(s3_settings(self.cfg))
+        return self._s3
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"ckpt.job_start": self.on_job_start, "ckpt.register": self.on_register,
+                "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end}
+
+    def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
+        try:
+            job_id = int(request["job_id"])
+        except (KeyError, TypeError, ValueError):
+            raise RequestError("checkpoint: request needs an integer job_id") from None
+        if root_only and peer.uid != 0:
+            raise RequestError(f"checkpoint: only root may do this (you are uid {peer.uid})")
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            raise RequestError(f"checkpoint: job {job_id} has no staging dir on node "
+                               f"{self.node} (did the prolog run?)")
+        if peer.uid not in (0, int(rec["uid"])):
+            raise RequestError(f"checkpoint: job {job_id} belongs to uid {rec['uid']}, "
+                               f"not to you (uid {peer.uid})")
+        return rec
+
+    def on_job_start(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        if peer.uid != 0:
+            raise RequestError(f"checkpoint: only root may start a job (you are uid {peer.uid})")
+        try:
+            job_id, uid, gid = int(request["job_id"]), int(request["uid"]), int(request["gid"])
+            user = str(request["user"])
+        except (KeyError, TypeError, ValueError):
+            raise RequestError("checkpoint: job_start needs job_id, uid, gid, user") from None
+        with self.lock:
+            rec = self.jobs.get(job_id)
+            if rec is None or int(rec["uid"]) != uid:
+                rec = new_record(job_id, uid, gid, user, self.staging_root)
+            else:  # a requeued job on the same node
+                rec["state"], rec["ended_at"] = "active", None
+                rec["stagein"] = {"state": "pending"}
+            self.jobs[job_id] = rec
+            self.journal.write(rec)
+            if rec.get("uri"):
+                self._start_stagein(rec)
+        return {"ok": True}
+
+    def on_register(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        rec = self._job(request, peer)
+        uri = str(request.get("uri", ""))
+        try:
+            run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
+        except CheckpointError as exc:
+            log.warning("run URI refused", job_id=rec["job_id"], uri=uri, error=str(exc))
+            raise RequestError(str(exc)) from None
+        with self.lock:
+            if rec.get("uri") and rec["uri"] != str(run):
+                raise RequestError(f"checkpoint: job {rec['job_id']} already uses {rec['uri']}, "
+                                   f"not {run}")
+            rec["uri"] = str(run)
+            self.journal.write(rec)
+            if rec["stagein"].get("state") == "pending":
+                self._start_stagein(rec)
+        return {"ok": True, "uri": str(run)}
+
+    def on_status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        rec = self._job(request, peer)
+        with self.lock:
+            si = dict(rec.get("stagein", {}))
+            return {"ok": True, "stagein": si.get("state", "none"), "step": si.get("step"),
+                    "source": si.get("source"), "error": si.get("error"),
+                    "pending": pending_steps(rec), "uri": rec.get("uri")}
+
+    def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        rec = self._job(request, peer, root_only=True)
+        with self.lock:
+            rec["state"], rec["ended_at"] = "ended", time.time()
+            self.journal.write(rec)
+            self.backoff.pop(int(rec["job_id"]), None)  # try at once
+            return {"ok": True, "pending": pending_steps(rec), "uri": rec.get("uri")}
+
+    # -- stage-in ---------------------------------------------------------------------------
+
+    def _start_stagein(self, rec: JobRecord) -> None:
+        job_id = int(rec["job_id"])
+        rec["stagein"] = {"state": "running", "started": time.time()}
+        self.journal.write(rec)
+        t = threading.Thread(target=self._stagein, args=(rec,), name=f"stagein-{job_id}",
+                             daemon=True)
+        self.stageins[job_id] = t
+        t.start()
+
+    def _stagein(self, rec: JobRecord) -> None:
+        from slurm_resilience.checkpoint.stagein import stage_in
+
+        started = time.monotonic()
+        try:
+            uri = parse_uri(rec["uri"]) if rec.get("uri") else None
+            with open_job_dir(rec["staging_root"], int(rec["job_id"])) as jfd:
+                step, source = stage_in(self.s3 if uri else None, uri, jfd, int(rec["uid"]),
+                                        int(rec["gid"]))
+            result: dict[str, Any] = {"state": "done", "step": step, "source": source,
+                                      "seconds": round(time.monotonic() - started, 3)}
+            if source == "s3" and step is not None:
+                with self.lock:  # already in S3: never upload it again
+                    rec["steps"][str(step)] = {"state": "committed", "staged_in": True}
+        except (CheckpointError, OSError) as exc:
+            result = {"state": "failed", "error": str(exc)}
+            log.error("stage-in failed", job_id=rec["job_id"], error=str(exc))
+        with self.lock:
+            rec["stagein"] = result
+            self.journal.write(rec)
+        log.info("stage-in finished", job_id=rec["job_id"], **result)
+
+    # -- uploads ----------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        if self.worker is not None and self.worker.is_alive():
+            return
+        self.worker = threading.Thread(target=self.run_pass, name="ckpt-upload", daemon=True)
+        self.worker.start()
+
+    def run_pass(self) -> None:
+        """One pass over every known job (the worker thread; also callable from tests)."""
+        for job_id in sorted(self.jobs):
+            if self.stopping.is_set():
+                return
+            rec = self.jobs[job_id]
+            next_try, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
+            if time.monotonic() < next_try:
+                continue
+            try:
+                self.sync_job(rec)
+                self.backoff.pop(job_id, None)
+            except TransientS3Error as exc:
+                self.backoff[job_id] = (time.monotonic() + delay,
+                                        min(delay * 2, self.ck.retry_max_s))
+                log.warning("S3 unreachable; uploads wait", job_id=job_id,
+                            retry_in_s=round(delay, 1), pending=pending_steps(rec),
+                            error=str(exc))
+            except (CheckpointError, OSError) as exc:
+                log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
+                self.backoff[job_id] = (time.monotonic() + delay,
+                                        min(delay * 2, self.ck.retry_max_s))
+
+    def sync_job(self, rec: JobRecord) -> None:
+        job_id = int(rec["job_id"])
+        root = rec["staging_root"]
+        try:
+            with open_job_dir(root, job_id) as jfd:
+                if os.fstat(jfd).st_uid != int(rec["uid"]):
+                    raise CheckpointError(f"checkpoint: job {job_id}: staging dir is not owned "
+                                          f"by uid {rec['uid']}")
+                if rec.get("uri") and rec["stagein"].get("state") not in ("running", "pending"):
+                    uri = parse_uri(rec["uri"])
+                    self._note_local_steps(rec, jfd)  # pending even while S3 is down
+                    self._abort_orphans(rec, uri)
+                    for step in committed_steps_at(jfd):
+                        st = rec["steps"].get(str(step), {})
+                        if st.get("state") not in ("committed", "rejected", "pruned"):
+                            self.upload_step(rec, jfd, uri, step)
+                    self._retain_remote(rec, uri)
+                self._retain_local(rec, jfd)
+        except FileNotFoundError:
+            if rec["state"] == "ended":
+                self._forget(rec)
+            return
+        if rec["state"] == "ended":
+            self._finish_ended(rec)
+
+    def _note_local_steps(self, rec: JobRecord, jfd: int) -> None:
+        changed = False
+        with self.lock:
+            for step in committed_steps_at(jfd):
+                if str(step) not in rec["steps"]:
+                    rec["steps"][str(step)] = {"state": "pending", "files": {},
+                                               "since": time.time()}
+                    changed = True
+            if changed:
+                self.journal.write(rec)
+
+    def upload_step(self, rec: JobRecord, jfd: int, uri: S3Uri, step: int) -> None:
+        uid = int(rec["uid"])
+        sname = step_name(step)
+        steps = rec["steps"]
+        st = steps.setdefault(str(step), {"state": "pending", "files": {}, "since": time.time()})
+        st.setdefault("files", {})
+        try:
+            marker, manifests = read_step(jfd, step, uid)
+        except (CheckpointError, OSError) as exc:
+            self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
+            return
+        st["world_size"] = marker.world_size
+        sfd = open_dir_at(jfd, sname)
+        try:
+            for rank, manifest in manifests.items():
+                for f in manifest.files:
+                    key = uri.join(sname, rank_name(rank), f.path)
+                    frec = st["files"].setdefault(key, {"done": False})
+                    if frec["done"]:
+                        continue
+                    try:
+                        fd = open_owned_file(sfd, f"{rank_name(rank)}/{f.path}", uid)
+                    except (CheckpointError, OSError) as exc:
+                        self._reject(rec, step, f"{rank_name(rank)}/{f.path}: {exc}")
+                        return
+                    try:
+                        if os.fstat(fd).st_size != f.size:
+                            self._reject(rec, step, f"{rank_name(rank)}/{f.path}: size "
+                                         f"{os.fstat(fd).st_size}, manifest says {f.size}")
+                            return
+                        self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
+                                          lambda: self.journal.write(rec))
+                    finally:
+                        os.close(fd)
+                    frec["done"] = True
+                    self.journal.write(rec)
+                mkey = uri.join(sname, rank_name(rank), MANIFEST)
+                if not st["files"].get(mkey, {}).get("done"):
+                    body = read_small(sfd, f"{rank_name(rank)}/{MANIFEST}", uid)
+                    crc = Crc32c()
+                    crc.update(body)
+                    self.s3.put_bytes(uri.bucket, mkey, body, crc.hexdigest())
+                    st["files"][mkey] = {"done": True}
+                    self.journal.write(rec)
+        finally:
+            os.close(sfd)
+        # COMMIT.json goes up last, once every rank (from every node) has its manifest there.
+        prefix = uri.join(sname) + "/"
+        keys = self.s3.list_keys(uri.bucket, prefix)
+        have = {r for r in range(marker.world_size)
+                if f"{prefix}{rank_name(r)}/{MANIFEST}" in keys}
+        if len(have) < marker.world_size:
+            st["state"] = "waiting-peers"
+            self.journal.write(rec)
+            log.info("step waits for other nodes' ranks", job_id=rec["job_id"], step=step,
+                     ranks_in_s3=len(have), world_size=marker.world_size)
+            return
+        body = marker.to_json()
+        crc = Crc32c()
+        crc.update(body)
+        self.s3.put_bytes(uri.bucket, uri.join(sname, COMMIT), body, crc.hexdigest())
+        st["state"] = "committed"
+        st["files"] = {}
+        st["committed_at"] = time.time()
+        self.journal.write(rec)
+        log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
+
+    def _reject(self, rec: JobRecord, step: int, why: str) -> None:
+        """A step we must not upload (a link, a foreign file, a bad manifest): never retried."""
+        log.error("refusing to upload step", job_id=rec["job_id"], step=step, reason=why)
+        rec["steps"][str(step)] = {"state": "rejected", "reason": why}
+        self.journal.write(rec)
+
+    def _abort_orphans(self, rec: JobRecord, uri: S3Uri) -> None:
+        """Abort multipart uploads under the run that no journal record will finish."""
+        job_id = int(rec["job_id"])
+        if time.monotonic() - self.orphans_checked.get(job_id, -1e9) < 600:
+            return
+        self.orphans_checked[job_id] = time.monotonic()
+        ours: dict[str, str] = {}
+        for st in rec["steps"].values():
+            for key, frec in st.get("files", {}).items():
+                if frec.get("upload_id"):
+                    ours[key] = frec["upload_id"]
+        for key, upload_id in self.s3.multipart_uploads(uri.bucket, uri.join() + "/"):
+            # Another id for a key we upload is ours from before a crash; other keys may be
+            # another node's upload in progress, so those are left to the age rule.
+            if key in ours and ours[key] != upload_id:
+                log.info("aborting orphaned multipart upload", key=key, upload_id=upload_id)
+                self.s3.abort(uri.bucket, key, upload_id)
+
+    def _retain_local(self, rec: JobRecord, jfd: int) -> None:
+        steps = committed_steps_at(jfd)
+        keep = set(steps[-self.ck.keep_local:])
+        for step in steps:
+            if step in keep:
+                continue
+            st = rec["steps"].get(str(step), {})
+            if rec.get("uri") and st.get("state") not in ("committed", "pruned"):
+                continue  # not safe in S3 yet
+            remove_at(jfd, step_name(step))
+            log.info("removed local step (retention)", job_id=rec["job_id"], step=step)
+
+    def _retain_remote(self, rec: JobRecord, uri: S3Uri) -> None:
+        if self.ck.keep_remote <= 0:
+            return
+        committed = sorted(int(s) for s, st in rec["steps"].items()
+                           if st.get("state") == "committed")
+        for step in committed[:-self.ck.keep_remote]:
+            prefix = uri.join(step_name(step)) + "/"
+            keys = sorted(self.s3.list_keys(uri.bucket, prefix))
+            marker = prefix + COMMIT
+            # The commit marker goes first, so a half-deleted step is never taken as complete.
+            self.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
+            self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
+            rec["steps"][str(step)] = {"state": "pruned"}
+            self.journal.write(rec)
+            log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step)
+
+    def _finish_ended(self, rec: JobRecord) -> None:
+        pending = pending_steps(rec)
+        age = time.time() - float(rec.get("ended_at") or time.time())
+        if pending and age > PEER_WAIT_S and all(
+                rec["steps"][str(s)].get("state") == "waiting-peers" for s in pending):
+            for s in pending:
+                rec["steps"][str(s)]["state"] = "rejected"
+                rec["steps"][str(s)]["reason"] = "other ranks never reached S3"
+            pending = []
+        if pending or not rec.get("uri"):
+            return
+        if remove_job_dir(rec["staging_root"], int(rec["job_id"])):
+            log.info("removed staging dir of ended job", job_id=rec["job_id"])
+        self._forget(rec)
+
+    def _forget(self, rec: JobRecord) -> None:
+        with self.lock:
+            self.jobs.pop(int(rec["job_id"]), None)
+            self.journal.delete(int(rec["job_id"]))
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.worker is not None:
+            self.worker.join(timeout=5)
+
+
+def factory(ctx: AgentContext) -> Uploader | None:
+    """The agent's service factory: None when checkpoint staging is disabled."""
+    if not ctx.cfg.checkpoint.enabled:
+        return None
+    return Uploader(ctx.cfg, ctx.node)

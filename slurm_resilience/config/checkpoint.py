@@ -1,0 +1,61 @@
+"""Configuration of checkpoint staging: local NVMe tier, S3 tier, stage-in, retention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurm_resilience.config.loader import ByteSize, setting
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Where checkpoints are staged on the node and how the agent syncs them to S3."""
+
+    enabled: bool = setting(
+        False, help="create staging dirs in the prolog and run the agent's uploader")
+    staging_root: str = setting(
+        "/local/slurm-resilience/ckpt",
+        help="node-local (NVMe) root of per-job staging dirs; root-owned; may contain {node}",
+    )
+    allowed_prefix: str = setting(
+        "",
+        help="S3 prefix template a job may write under, e.g. s3://bucket/{user}/; "
+             "empty: no S3 tier (local only)",
+    )
+    s3_endpoint: str = setting("", help="S3 endpoint URL; empty: AWS's default for the region")
+    s3_region: str = setting("us-east-1", help="S3 region name")
+    s3_credentials_file: str = setting(
+        "",
+        help="root-only file with 'ACCESS_KEY_ID SECRET_ACCESS_KEY' on one line; "
+             "empty: boto3's default credential chain",
+    )
+    part_size: ByteSize = setting(
+        ByteSize(64 * 1024**2), min=5 * 1024**2, max=5 * 1024**3,
+        help="multipart part size (S3 minimum 5MiB)",
+    )
+    concurrency: int = setting(8, min=1, max=128, help="parallel part uploads/downloads per file")
+    rate_limit: ByteSize = setting(
+        ByteSize(0), min=0, help="upload bandwidth cap in bytes/s per node; 0: unlimited"
+    )
+    retry_initial_s: float = setting(1.0, min=0.01, max=60, help="first retry backoff")
+    retry_max_s: float = setting(60.0, min=0.1, max=3600, help="longest retry backoff")
+    request_timeout_s: float = setting(30.0, min=1, max=600, help="S3 connect/read timeout")
+    upload_interval_s: float = setting(
+        2.0, min=0.1, max=600, help="how often the agent looks for newly committed steps"
+    )
+    keep_local: int = setting(
+        2, min=1, max=1000,
+        help="committed steps kept on the node; older ones are deleted once verified in S3",
+    )
+    keep_remote: int = setting(0, min=0, help="steps kept in S3 per run; 0: keep all")
+    epilog_wait_s: float = setting(
+        30.0, min=0, max=3600,
+        help="how long the epilog waits for the job's pending uploads before handing them "
+             "to the agent",
+    )
+    stagein_timeout_s: float = setting(
+        600.0, min=1, max=86400, help="how long load_latest() waits for the agent's stage-in"
+    )
+    journal_dir: str = setting(
+        "", help="durable upload journal; empty: <node.state_dir>/ckpt-journal; may contain {node}"
+    )

@@ -1,0 +1,153 @@
+"""CheckpointManager: background saves, snapshots, load_latest, multi-rank commit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_resilience.checkpoint.commit import CheckpointError, committed_steps
+from slurm_resilience.checkpoint.manager import CheckpointManager
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(value: float) -> dict[str, object]:
+    return {"model": {"w": torch.full((64, 64), value)}, "opt": {"step": int(value),
+                                                                 "m": [torch.ones(3) * value]}}
+
+
+def test_save_snapshots_then_load_latest_returns_newest(tmp_path: Path) -> None:
+    """State mutated right after save() does not leak into the checkpoint; newest step loads."""
+    mgr = CheckpointManager(tmp_path)
+    st = _state(1.0)
+    mgr.save(5, st)
+    st["model"]["w"].fill_(99.0)  # type: ignore[index]
+    mgr.save(10, _state(2.0))
+    mgr.wait()
+    assert committed_steps(tmp_path) == [5, 10]
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 10
+    assert torch.equal(loaded.state["model"]["w"], torch.full((64, 64), 2.0))
+    assert loaded.state["opt"]["step"] == 2
+    mgr2 = CheckpointManager(tmp_path)
+    os.rename(tmp_path / "step-00000010", tmp_path / "gone")
+    old = mgr2.load_latest()
+    assert old is not None and old.step == 5 and float(old.state["model"]["w"][0, 0]) == 1.0
+
+
+def test_load_latest_skips_corrupt_step(tmp_path: Path) -> None:
+    """A newest step whose file no longer matches its manifest falls back to the previous one."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    mgr.wait()
+    f = tmp_path / "step-00000002" / "rank-00000" / "state.pt"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 1
+
+
+def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
+    """An empty staging dir means a fresh start."""
+    assert CheckpointManager(tmp_path).load_latest() is None
+
+
+def test_directory_commits_framework_files(tmp_path: Path) -> None:
+    """Files written inside directory(step) are committed with a manifest and loaded by path."""
+    mgr = CheckpointManager(tmp_path)
+    with mgr.directory(7) as d:
+        (d / "shard-0.distcp").write_bytes(b"a" * 10)
+        (d / "meta").mkdir()
+        (d / "meta" / ".metadata").write_bytes(b"m")
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 7 and loaded.state is None
+    assert (loaded.path / "meta" / ".metadata").read_bytes() == b"m"
+
+
+def test_failed_directory_save_commits_nothing(tmp_path: Path) -> None:
+    """An exception inside directory(step) leaves no complete step."""
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(RuntimeError), mgr.directory(3) as d:
+        (d / "x").write_bytes(b"1")
+        raise RuntimeError("framework failed")
+    assert committed_steps(tmp_path) == []
+
+
+def test_missing_staging_dir_is_a_clear_error(tmp_path: Path) -> None:
+    """Without the prolog's staging dir the manager says what is missing."""
+    with pytest.raises(CheckpointError, match="does not exist; the prolog creates it"):
+        CheckpointManager(tmp_path / "nope")
+
+
+def test_from_env_rejects_uri_outside_user_prefix(tmp_path: Path) -> None:
+    """A run URI outside the caller's allowed prefix fails at from_env, before any write."""
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"checkpoint:\n  allowed_prefix: s3://ckpt/{{user}}/\n"
+                    f"  staging_root: {tmp_path}\n")
+    env = {"SLURM_RESILIENCE_CONFIG": str(conf), "SLURM_RESILIENCE_CKPT_DIR": str(tmp_path),
+           "SLURM_RESILIENCE_CKPT_URI": "s3://ckpt/someone-else/run"}
+    with pytest.raises(CheckpointError, match="outside the prefix"):
+        CheckpointManager.from_env(env)
+    assert sorted(os.listdir(tmp_path)) == ["c.yaml"]
+
+
+def test_save_killed_mid_write_leaves_previous_step(tmp_path: Path) -> None:
+    """A process killed while writing step 2 leaves only .tmp; load_latest returns step 1."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        from slurm_resilience.checkpoint import commit, manager
+        mgr = manager.CheckpointManager({str(tmp_path)!r})
+        mgr.save(1, {{"w": torch.ones(300000)}}); mgr.wait()
+        real = commit.ChecksummingWriter.write
+        def dying(self, data):
+            if self.size > 500000:
+                os._exit(9)  # like SIGKILL: no cleanup, no flush
+            return real(self, data)
+        commit.ChecksummingWriter.write = dying
+        mgr.save(2, {{"w": torch.zeros(300000)}}); mgr.wait()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    assert (tmp_path / "step-00000002" / "rank-00000.tmp").is_dir()
+    loaded = CheckpointManager(tmp_path).load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert float(loaded.state["w"][0]) == 1.0
+
+
+def test_two_ranks_commit_only_when_both_committed(tmp_path: Path) -> None:
+    """With 2 gloo ranks the marker appears after both parts; a failing rank blocks it."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch, torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=rank,
+                                world_size=2)
+        from slurm_resilience.checkpoint.manager import CheckpointManager
+        mgr = CheckpointManager({str(tmp_path / 'job')!r}, rank=rank, world_size=2)
+        mgr.save(1, {{"w": torch.full((10,), float(rank))}}); mgr.wait()
+        bad = (lambda: 0) if rank == 1 else 0  # rank 1 cannot pickle its state
+        try:
+            mgr.save(2, {{"w": torch.zeros(1), "bad": bad}}); mgr.wait()
+        except Exception as exc:
+            print("save2 failed:", exc)
+        got = mgr.load_latest()
+        print("loaded", rank, got.step, float(got.state["w"][0]))
+        dist.destroy_process_group()
+    """)
+    (tmp_path / "job").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    assert committed_steps(tmp_path / "job") == [1]
+    assert "loaded 0 1 0.0" in outs[0][0] and "loaded 1 1 1.0" in outs[1][0]
+    assert "only 1 of 2 ranks committed" in outs[0][0]
