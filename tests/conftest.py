@@ -89,14 +89,18 @@ def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = Non
     make_traversable(REPO)
     state = Path(tempfile.mkdtemp(prefix="sr-sandbox-", dir="/tmp"))
     state.chmod(0o755)
-    layout = Layout(state_dir=state, nodes=nodes, leaves=leaves,
-                    port_base=free_port_base(nodes), repo=REPO,
-                    slurm_overrides=tuple((slurm_overrides or {}).items()))
-    try:
-        return Sandbox.start(layout)
-    except SandboxError as exc:
-        _unavailable(str(exc))
-        raise  # not reached: _unavailable skips or fails
+    error: SandboxError | None = None
+    # A second try on other ports: a concurrent test run may have taken the free ones.
+    for _ in range(2):
+        layout = Layout(state_dir=state, nodes=nodes, leaves=leaves,
+                        port_base=free_port_base(nodes), repo=REPO,
+                        slurm_overrides=tuple((slurm_overrides or {}).items()))
+        try:
+            return Sandbox.start(layout)
+        except SandboxError as exc:
+            error = exc
+    _unavailable(str(error))
+    raise AssertionError("not reached: _unavailable skips or fails")
 
 
 def _finish(box: Sandbox) -> None:

@@ -439,15 +439,12 @@ def tail(path: Path, lines: int = 15) -> str:
 def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
     """Stop every daemon named by a pid file in the state directory; returns their names.
 
-    Extras first, then slurmd, slurmctld and last munged, which the others need
-    to shut down cleanly.
+    All but munged at once, then munged, which the others may need while shutting down.
     """
-    order = list(reversed(all_daemons(layout)))
-    stopped = []
-    for d in order:
-        if daemons.stop(d, grace=grace):
-            stopped.append(d.name)
-    return stopped
+    everything = list(reversed(all_daemons(layout)))
+    munge = [d for d in everything if d.program == "munged"]
+    rest = [d for d in everything if d.program != "munged"]
+    return daemons.stop_all(rest, grace=grace) + daemons.stop_all(munge, grace=grace)
 
 
 def status(layout: Layout) -> str:

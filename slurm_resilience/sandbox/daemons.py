@@ -123,22 +123,33 @@ def start_forking(argv: Sequence[str], *, env: Mapping[str, str], log_file: Path
 
 def stop(daemon: Daemon, *, grace: float = 5.0) -> bool:
     """TERM the daemon, KILL it after ``grace`` seconds; True when something was stopped."""
-    pid = daemon.pid()
-    if pid is None:
-        daemon.pid_file.unlink(missing_ok=True)
-        return False
-    _signal(pid, signal.SIGTERM)
+    return bool(stop_all([daemon], grace=grace))
+
+
+def stop_all(group: Sequence[Daemon], *, grace: float = 5.0) -> list[str]:
+    """Stop several daemons at once (TERM, then KILL after ``grace``); returns the names of
+    those that were running."""
+    pids: dict[int, Daemon] = {}
+    for daemon in group:
+        pid = daemon.pid()
+        if pid is None:
+            daemon.pid_file.unlink(missing_ok=True)
+        else:
+            pids[pid] = daemon
+            _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while alive(pid) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if alive(pid) and matches(pid, daemon.program, daemon.marker):
-        log.warning("daemon ignored SIGTERM; killing", daemon=daemon.name, pid=pid)
-        _signal(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    daemon.pid_file.unlink(missing_ok=True)
-    return True
+    for pid, daemon in pids.items():
+        if alive(pid) and matches(pid, daemon.program, daemon.marker):
+            log.warning("daemon ignored SIGTERM; killing", daemon=daemon.name, pid=pid)
+            _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for daemon in pids.values():
+        daemon.pid_file.unlink(missing_ok=True)
+    return [d.name for d in pids.values()]
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
