@@ -33,6 +33,8 @@ from slurm_resilience.health.findings import CheckResult, Finding, Severity, fai
 from slurm_resilience.health.verdict import Verdict, decide
 
 CHECKS = ("gpu", "xid", "infiniband", "nvme")
+# Order of findings in a drain reason: an Xid names the event behind a GPU's state.
+_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme")
 
 
 @dataclass
@@ -196,7 +198,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         os.close(lock_fd)
     seconds["total"] = time.monotonic() - started
     policies = {name: sections[name].on_unknown for name in CHECKS}
-    findings.sort(key=lambda f: (-int(f.severity), CHECKS.index(f.check), f.subject))
+    findings.sort(key=lambda f: (-int(f.severity), _REASON_ORDER.index(f.check), f.subject))
     return GateReport(kind, node, decide(findings, policies), seconds)
 
 

@@ -9,13 +9,17 @@ imported only when the hook runs, and a step must keep its own imports light
 from __future__ import annotations
 
 PROLOG: list[str] = [
+    "slurm_resilience.health.steps:prolog",
     "slurm_resilience.heartbeat.steps:prolog_run_dir",
     "slurm_resilience.checkpoint.steps:prolog",
 ]
 
 EPILOG: list[str] = [
+    "slurm_resilience.health.steps:epilog",
     "slurm_resilience.heartbeat.steps:epilog_run_dir",
     "slurm_resilience.checkpoint.steps:epilog",
 ]
 
-HEALTHCHECK: list[str] = []
+HEALTHCHECK: list[str] = [
+    "slurm_resilience.health.steps:healthcheck",
+]

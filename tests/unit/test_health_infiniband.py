@@ -129,3 +129,16 @@ def test_link_flaps_are_counted(tmp_path: Path) -> None:
     sysfs.add_to_counter(root, "mlx5_0", 1, "link_downed", 2)
     assert fails(run(collector.collect(root, COUNTERS), state=state)[0]) == [
         "mlx5_0 port1 link flapped 2x (link_downed +2, expected <=0)"]
+
+
+def test_a_down_port_is_not_also_reported_as_a_flap(tmp_path: Path) -> None:
+    """While a port is DOWN its link_downed tick is part of that finding, not a flap."""
+    root = str(tmp_path)
+    sysfs.build(root, 1)
+    _, state = run(collector.collect(root, COUNTERS))
+    sysfs.port_down(root, "mlx5_0", 1)
+    sysfs.add_to_counter(root, "mlx5_0", 1, "link_downed", 1)
+    findings, state = run(collector.collect(root, COUNTERS), state=state)
+    assert fails(findings) == ["mlx5_0 port1 DOWN (expected ACTIVE)"]
+    sysfs.set_port(root, "mlx5_0", 1, state="ACTIVE", phys_state="LinkUp")
+    assert not fails(run(collector.collect(root, COUNTERS), state=state)[0])

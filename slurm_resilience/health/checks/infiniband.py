@@ -111,6 +111,9 @@ def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, An
             key = f"{hca}/{port}"
             found, baseline[key] = _counters(subject, pinfo.get("counters", {}),
                                              prev_all.get(key, {}), dict(cfg.max_counter_delta))
+            if state_word != "ACTIVE":
+                # The link is down now: that is the finding, not the link_downed tick it caused.
+                found = [f for f in found if "link flapped" not in f.message]
             findings.extend(found)
             if len(findings) == before:
                 findings.append(ok(NAME, subject, f"{subject} ACTIVE LinkUp "

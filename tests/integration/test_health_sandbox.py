@@ -1,0 +1,91 @@
+"""The health gate in the real sandbox: faults drain nodes, jobs move on, healthy nodes return."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from slurm_resilience.sandbox import faults
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture
+def box(sandbox: Sandbox) -> Iterator[Sandbox]:
+    """The session sandbox; every node's stand-in hardware is healed afterwards."""
+    yield sandbox
+    for node in sandbox.nodes:
+        faults.heal(sandbox.state_dir, node)
+
+
+def wait_reason(box: Sandbox, node: str, text: str, timeout: float = 40.0) -> str:
+    """Wait until ``node`` is drained with a reason containing ``text``; return the reason."""
+    ctl = box.adapter()
+    deadline = time.monotonic() + timeout
+    while True:
+        info = ctl.show_node(node)
+        if info.drained and text in info.reason:
+            return info.reason
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{node} is {info.state}+{sorted(info.flags)} reason "
+                               f"{info.reason!r}; expected a drain with {text!r}")
+        time.sleep(0.5)
+
+
+def wait_resumed(box: Sandbox, node: str, timeout: float = 60.0) -> None:
+    ctl = box.adapter()
+    deadline = time.monotonic() + timeout
+    while ctl.show_node(node).drained:
+        if time.monotonic() > deadline:
+            info = ctl.show_node(node)
+            raise TimeoutError(f"{node} still drained after {timeout:g}s: {info.reason!r}")
+        time.sleep(0.5)
+
+
+def test_xid79_drains_node_and_the_job_completes_elsewhere_then_node_resumes(box: Sandbox
+                                                                           ) -> None:
+    """Xid 79 on node1's GPU 3: the prolog drains node1 naming GPU, Xid and meaning, the
+    2-node job is requeued onto other nodes and completes; healed, node1 is resumed by
+    the HealthCheckProgram while an admin's "maintenance" drain on node3 is left alone."""
+    print(faults.inject(box.state_dir, "node1", "gpu-xid:3:79"))
+    job = box.sbatch("srun sh -c 'echo $SLURMD_NODENAME'\n", args=["-N2", "--requeue"])
+    reason = wait_reason(box, "node1", "gpu3 XID 79 (GPU fell off the bus)")
+    print(f"node1 drained: {reason}")
+    assert reason.startswith("SR: gpu3 XID 79 (GPU fell off the bus) ")
+    info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120, poll=0.5)
+    print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)")
+    assert info.state == "COMPLETED"
+    assert info.restarts >= 1, "the job never landed on node1"
+    assert "node1" not in info.nodes and len(info.nodes) == 2
+    assert sorted(box.output(job).split()) == sorted(info.nodes)
+
+    box.run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=maintenance"])
+    print(faults.heal(box.state_dir, "node1"))
+    started = time.monotonic()
+    wait_resumed(box, "node1", timeout=90)
+    print(f"node1 resumed by the HealthCheckProgram {time.monotonic() - started:.0f}s "
+          "after healing")
+    time.sleep(11)  # at least one more health check on node3 after node1's resume
+    node3 = box.adapter().show_node("node3")
+    assert node3.drained and node3.reason == "maintenance"
+
+
+def test_ib_port_down_and_full_nvme_drain_with_their_reasons(box: Sandbox) -> None:
+    """The HealthCheckProgram drains node2 for an IB port DOWN and node4 for a full NVMe."""
+    print(faults.inject(box.state_dir, "node2", "ib-down:mlx5_2:1"))
+    print(faults.inject(box.state_dir, "node4", "nvme-full"))
+    ib = wait_reason(box, "node2", "mlx5_2 port1 DOWN")
+    nvme = wait_reason(box, "node4", "nvme ")
+    print(f"node2: {ib}\nnode4: {nvme}")
+    assert ib == "SR: mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"
+    assert nvme == "SR: nvme 0B free of 100.0GiB (expected >=10.0GiB)"
+
+
+def test_healthy_prolog_is_silent_and_jobs_run(box: Sandbox) -> None:
+    """With healthy stand-ins a 2-node job runs and no node is drained."""
+    job = box.sbatch("srun true\n", args=["-N2"])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    assert not [n.name for n in box.adapter().list_nodes() if n.drained]
