@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def _faults(fn: Any, *args: Any) -> int:
 
 
 def _fail(exc: Exception) -> int:
-    print(exc)
+    print(exc, file=sys.stderr)
     return 1
 
 
@@ -71,6 +72,11 @@ def run_up(args: argparse.Namespace) -> int:
         print(control.up(layout, install=not args.no_install))
     except (control.SandboxError, ValueError) as exc:
         return _fail(exc)
+    for path in (layout.state_dir, layout.repo):
+        blocked = control.unreachable_ancestor(path)
+        if blocked is not None:
+            print(f"note: {blocked} is not traversable by other users, so jobs of non-root "
+                  f"users cannot reach {path} (chmod o+x {blocked} to allow it)")
     s3 = control.s3_info(layout)
     print(f"S3 endpoint {s3.endpoint} bucket {s3.bucket} access key {s3.access_key} "
           f"secret key {s3.secret_key}")

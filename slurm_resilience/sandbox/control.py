@@ -317,6 +317,9 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
        runner: Runner | None = None) -> str:
     """Start the sandbox; returns a one-line summary. Already up with this layout: no-op."""
     runner = runner or Runner()
+    if os.geteuid() != 0:
+        raise SandboxError("sandbox: up: needs root: slurmd runs jobs as their users and "
+                           "hooks as root, as on a real node")
     if layout.state_dir.exists() and (layout.state_dir / LAYOUT_FILE).exists():
         old = load_layout(layout.state_dir)
         state = running(old)
@@ -346,6 +349,18 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
         raise
     return (f"sandbox up in {time.monotonic() - start:.1f}s: {layout.nodes} nodes, "
             f"{layout.leaves} leaves, state {layout.state_dir}")
+
+
+def unreachable_ancestor(path: Path) -> Path | None:
+    """The first ancestor of ``path`` that other users cannot traverse, if any.
+
+    Jobs of ordinary users read their scripts and outputs in the state dir and may
+    run this checkout's Python; under e.g. /root (0700) they cannot.
+    """
+    for parent in [*reversed(path.parents), path]:
+        if parent.exists() and not parent.stat().st_mode & 0o001:
+            return parent
+    return None
 
 
 def _start_munge(layout: Layout, env: dict[str, str]) -> None:

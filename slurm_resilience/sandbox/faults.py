@@ -193,3 +193,7 @@ def heal(state_dir: Path, node: str) -> str:
     for healer in HEALERS:
         healer(hw)
     return f"{node}: stand-in hardware healthy again (as after a reboot)"
+
+
+# Faults of other capabilities register themselves (last: they call register()).
+import slurm_resilience.nccl.sandbox_faults  # noqa: E402, F401

@@ -160,3 +160,21 @@ def test_write_files_creates_the_tree_with_private_secrets(tmp_path: Path) -> No
     lines = control.env_lines(layout)
     assert f"export AWS_SECRET_ACCESS_KEY={s3.secret_key}" in lines
     assert "export AWS_ENDPOINT_URL=http://127.0.0.1:24099" in lines
+
+
+def test_unreachable_ancestor_names_the_closed_directory() -> None:
+    """A 0700 directory on the way to the state dir is named; an open path gives None."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="sr-unit-", dir="/tmp"))  # pytest's tmp root is 0700
+    try:
+        top.chmod(0o755)
+        closed = top / "closed"
+        (closed / "repo").mkdir(parents=True)
+        closed.chmod(0o700)
+        assert control.unreachable_ancestor(closed / "repo") == closed
+        closed.chmod(0o711)
+        assert control.unreachable_ancestor(closed / "repo") is None
+    finally:
+        shutil.rmtree(top)
