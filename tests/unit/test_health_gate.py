@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,6 @@ import pytest
 import yaml
 
 from slurm_resilience import config
-from slurm_resilience.cli import main as cli_main
 from slurm_resilience.config import Config
 from slurm_resilience.fakes import nvml
 from slurm_resilience.health import childproc, gate
@@ -171,18 +172,20 @@ def test_children_run_in_parallel_and_errors_come_back() -> None:
     assert out["c"].error == "OSError: disk on fire" and not out["c"].timed_out
 
 
-def test_check_cli_prints_a_table_and_json(node: Path, capsys: pytest.CaptureFixture[str]
-                                           ) -> None:
+def test_check_cli_prints_a_table_and_json(node: Path) -> None:
     """``slurm-resilience check`` lists every finding; --json is machine-readable; rc 1 if sick."""
     load(node)
-    cfg_path = str(node / "config.yaml")
-    assert cli_main(["--config", cfg_path, "check", "--node", NODE]) == 0
-    out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["SEVERITY", "CHECK", "SUBJECT", "MESSAGE"]
-    assert "mlx5_7 port1 ACTIVE LinkUp" in out and f"{NODE}: healthy" in out
+    argv = [sys.executable, "-m", "slurm_resilience", "--config", str(node / "config.yaml"),
+            "check", "--node", NODE]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].split() == ["SEVERITY", "CHECK", "SUBJECT", "MESSAGE"]
+    assert "mlx5_7 port1 ACTIVE LinkUp" in out.stdout and f"{NODE}: healthy" in out.stdout
     faults.inject(node, NODE, "gpu-xid:3:79")
-    assert cli_main(["--config", cfg_path, "check", "--json", "--node", NODE]) == 1
-    data = json.loads(capsys.readouterr().out)
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 1, out.stderr
+    data = json.loads(out.stdout)
     assert data["healthy"] is False
     assert any(f["severity"] == "fail" and f["subject"] == "gpu3" for f in data["findings"])
     assert Severity.FAIL.label == "fail"
