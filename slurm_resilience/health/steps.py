@@ -117,9 +117,15 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         except SlurmError as exc:
             logger.warning("couldn't read the node's gres; GPU count not checked", error=str(exc))
     problems = _gate(ctx, "healthcheck", expected)
+    store = _store(ctx)
+    if h.release_held_jobs:
+        # Whether or not this node is healthy now: the node is drained, so a released
+        # job is scheduled elsewhere.
+        failed = store.load(OURS).get("failed_jobs")
+        if failed:
+            _release_held(ctx, failed)
     if problems:
         return problems
-    store = _store(ctx)
     fd = store.lock()
     try:
         ours = store.load(OURS)
@@ -127,8 +133,6 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         store.save(OURS, ours)
     finally:
         os.close(fd)
-    if h.release_held_jobs and ours.get("failed_jobs"):
-        _release_held(ctx, ours)
     if ours["streak"] >= h.resume_after_passes and ours.get("reasons"):
         _maybe_resume(ctx, ours)
     return []
@@ -162,11 +166,11 @@ def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
         logger.info("drain changed hands before resume; left alone", error=str(exc))
 
 
-def _release_held(ctx: HookContext, ours: dict[str, Any]) -> None:
+def _release_held(ctx: HookContext, failed_jobs: list[int]) -> None:
     """Release jobs our failed prolog got requeued *held* (no nohold_on_prolog_fail)."""
     logger = log.get_logger("health", hook=ctx.kind)
     keep: list[int] = []
-    for job_id in ours.get("failed_jobs", []):
+    for job_id in failed_jobs:
         try:
             job = ctx.adapter.show_job(job_id)
         except JobNotFound:

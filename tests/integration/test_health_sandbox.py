@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -89,3 +90,21 @@ def test_healthy_prolog_is_silent_and_jobs_run(box: Sandbox) -> None:
     job = box.sbatch("srun true\n", args=["-N2"])
     assert box.wait_job(job, timeout=60).state == "COMPLETED"
     assert not [n.name for n in box.adapter().list_nodes() if n.drained]
+
+
+def test_jobs_held_by_our_failed_prolog_are_released_without_nohold(sandbox_factory: Any
+                                                                   ) -> None:
+    """Without nohold_on_prolog_fail Slurm holds the requeued job; the healthcheck releases
+    it and it runs on the healthy node."""
+    box = sandbox_factory(nodes=2, leaves=1,
+                          slurm_overrides={"SchedulerParameters": "bf_interval=2"})
+    assert "nohold_on_prolog_fail" not in box.slurm_conf.read_text()
+    print(faults.inject(box.state_dir, "node1", "gpu-ecc:0"))
+    job = box.sbatch("echo ran on $SLURMD_NODENAME\n", args=["-N1", "--requeue"])
+    reason = wait_reason(box, "node1", "gpu0 XID 48 (double-bit ECC error)")
+    print(f"node1 drained: {reason}")
+    info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120, poll=0.5)
+    print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)")
+    assert info.state == "COMPLETED" and info.nodes == ("node2",) and info.restarts >= 1
+    events = (box.state_dir / "log" / "slurm-resilience.jsonl").read_text()
+    assert "released job held after our prolog failed" in events
