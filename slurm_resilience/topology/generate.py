@@ -51,9 +51,10 @@ def leaf_feature(cfg: TopologySection, leaf: str) -> str:
 def merged_features(current: Sequence[str], cfg: TopologySection, leaf: str | None
                     ) -> list[str]:
     """A node's features with every old leaf feature replaced by ``leaf``'s."""
-    keep = [f for f in current if not (cfg.leaf_feature_prefix and
-                                       f.startswith(cfg.leaf_feature_prefix))]
-    return keep + ([leaf_feature(cfg, leaf)] if leaf else [])
+    mine = leaf_feature(cfg, leaf) if leaf else None
+    keep = [f for f in current if f != mine and not (cfg.leaf_feature_prefix and
+                                                     f.startswith(cfg.leaf_feature_prefix))]
+    return keep + ([mine] if mine else [])
 
 
 def features_snippet(fabric: Fabric, cfg: TopologySection,
