@@ -29,12 +29,19 @@ from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.checks import infiniband as ib_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
-from slurm_resilience.health.findings import CheckResult, Finding, Severity, fail, unknown
+from slurm_resilience.health.findings import (
+    CheckResult,
+    Finding,
+    Severity,
+    fail,
+    unknown,
+    warn,
+)
 from slurm_resilience.health.verdict import Verdict, decide
 
 CHECKS = ("gpu", "xid", "infiniband", "nvme")
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme")
+_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme", "gate")
 
 
 @dataclass
@@ -72,6 +79,8 @@ class StateStore:
         return os.path.join(self.directory, f"{name}.json")
 
     def load(self, name: str) -> dict[str, Any]:
+        if not self.directory:
+            return {}
         try:
             fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -84,6 +93,8 @@ class StateStore:
         return data if isinstance(data, dict) else {}
 
     def save(self, name: str, data: dict[str, Any]) -> None:
+        if not self.directory:
+            return  # no usable state directory: this run keeps nothing
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         tmp = self._path(f".{name}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -165,7 +176,15 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     seconds = {name: o.seconds for name, o in outcomes.items()}
     findings: list[Finding] = []
     store = StateStore(state_dir(cfg, node))
-    lock_fd = store.lock()
+    try:
+        lock_fd = store.lock()
+    except OSError as exc:
+        # Not root (a user running `check`), or the state disk is broken: judge this
+        # run on its own; counter deltas and Xid history need the state.
+        findings.append(warn("gate", "state", f"couldn't open state in {store.directory}: "
+                                              f"{exc.strerror}; checks run without history"))
+        store = StateStore("")
+        lock_fd = -1
     try:
         snaps: dict[str, dict[str, Any]] = {}
         for name in wanted:
@@ -195,9 +214,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 store.save(name, result.state)
             findings.extend(result.findings)
     finally:
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
     seconds["total"] = time.monotonic() - started
-    policies = {name: sections[name].on_unknown for name in CHECKS}
+    policies: dict[str, str] = {name: sections[name].on_unknown for name in CHECKS}
     findings.sort(key=lambda f: (-int(f.severity), _REASON_ORDER.index(f.check), f.subject))
     return GateReport(kind, node, decide(findings, policies), seconds)
 

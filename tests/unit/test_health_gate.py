@@ -189,3 +189,13 @@ def test_check_cli_prints_a_table_and_json(node: Path) -> None:
     assert data["healthy"] is False
     assert any(f["severity"] == "fail" and f["subject"] == "gpu3" for f in data["findings"])
     assert Severity.FAIL.label == "fail"
+
+
+def test_unusable_state_dir_runs_without_history(node: Path) -> None:
+    """A state directory that cannot be opened is a warning; the checks still run."""
+    blocker = node / "not-a-dir"
+    blocker.write_text("")
+    report = gate.run(load(node, state_dir=str(blocker / "health")), NODE, "prolog")
+    assert report.verdict.healthy
+    assert [f.message for f in report.findings if f.check == "gate"] == [
+        f"couldn't open state in {blocker}/health: Not a directory; checks run without history"]

@@ -15,6 +15,9 @@ from types import ModuleType
 from typing import Any
 
 _NOT_SUPPORTED = 3
+# A driver older than the call answers FUNCTION_NOT_FOUND: as good as NOT_SUPPORTED.
+_FUNCTION_NOT_FOUND = 13
+_ABSENT = (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
 _INVALID_ARGUMENT = 2
 _GPU_IS_LOST = 15
 # nvmlInit answers these on a machine without the NVIDIA driver or library.
@@ -61,7 +64,7 @@ class _Gpu:
             return fn(self.handle, *args)
         except self.nv.NVMLError as exc:
             code = getattr(exc, "value", None)
-            if code == _NOT_SUPPORTED:
+            if code in _ABSENT:
                 return None
             if code == _GPU_IS_LOST:
                 self.record["lost"] = True
@@ -132,7 +135,7 @@ def _nvlinks(nv: ModuleType, handle: Any, record: dict[str, Any]) -> list[bool] 
             states.append(bool(nv.nvmlDeviceGetNvLinkState(handle, link)))
         except nv.NVMLError as exc:
             code = getattr(exc, "value", None)
-            if code in (_NOT_SUPPORTED, _INVALID_ARGUMENT):
+            if code in (*_ABSENT, _INVALID_ARGUMENT):
                 break  # past the last link this GPU has
             if code == _GPU_IS_LOST:
                 record["lost"] = True
