@@ -164,6 +164,17 @@ class Uploader:
 
     def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer, root_only=True)
+        if rec.get("uri"):
+            # Steps committed since the last pass must count as pending before the epilog
+            # decides whether the staging dir may go.
+            try:
+                with open_job_dir(rec["staging_root"], int(rec["job_id"])) as jfd:
+                    self._note_local_steps(rec, jfd)
+            except FileNotFoundError:
+                pass
+            except (CheckpointError, OSError) as exc:
+                raise RequestError(f"checkpoint: job_end: couldn't scan the staging dir of job "
+                                   f"{rec['job_id']}: {exc}") from None
         with self.lock:
             rec["state"], rec["ended_at"] = "ended", time.time()
             self.journal.write(rec)

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""A small, real PyTorch training job that survives crashes, hangs and requeues.
+
+Copy it as a starting point. It trains an MLP with DDP (gloo on CPU, NCCL works the
+same on GPUs) and uses:
+
+* ``slurm_resilience.checkpoint.CheckpointManager``: ``save()`` stalls only for a
+  host-memory snapshot; the node agent syncs committed steps to S3, and on a
+  restart (requeue, or a new job with the same ``SLURM_RESILIENCE_CKPT_URI``)
+  ``load_latest()`` returns the newest step that verifies;
+* ``slurm_resilience.heartbeat``: one ``beat(step)`` per iteration and a
+  ``section("checkpoint")`` around saves, so the agent can tell a hang from a
+  slow phase.
+
+Run it under srun, e.g.::
+
+    export SLURM_RESILIENCE_CKPT_URI=s3://ckpt/$USER/my-run
+    sbatch -N2 --requeue --open-mode=append --wrap \
+        "srun --kill-on-bad-exit=1 python examples/train.py --steps 100 --ckpt-every 5"
+
+Fault flags (``--crash-at-step``, ``--hang-at-step``) fire only on the first run
+(``SLURM_RESTART_COUNT`` unset or 0) unless ``--fault-every-run`` is given, so a
+requeued job can finish. The last line is ``done step=N resumed_from=M restarts=R``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from slurm_resilience import heartbeat
+from slurm_resilience.checkpoint import CheckpointManager
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="train until this step")
+    p.add_argument("--ckpt-every", type=int, default=5, help="checkpoint every K steps")
+    p.add_argument("--state-mb", type=float, default=4.0,
+                   help="size of model + optimizer state in MB (per rank)")
+    p.add_argument("--step-seconds", type=float, default=0.1,
+                   help="extra time per step, standing in for real compute")
+    p.add_argument("--crash-at-step", type=int, default=-1, help="all ranks exit(17) at step S")
+    p.add_argument("--hang-at-step", type=int, default=-1, help="stop making progress at step S")
+    p.add_argument("--hang-after", type=int, default=-1,
+                   help="hang this many steps after the step resumed from")
+    p.add_argument("--hang-rank", type=int, default=0, help="the rank that hangs")
+    p.add_argument("--checkpoint-seconds", type=float, default=0.0,
+                   help="make the first checkpoint section last this long (a slow save)")
+    p.add_argument("--fault-every-run", action="store_true",
+                   help="fire fault flags on requeued runs too")
+    return p.parse_args(argv)
+
+
+def _env_int(*names: str, default: int = 0) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def init_distributed() -> tuple[int, int]:
+    """Rendezvous from Slurm's variables: MASTER_ADDR/MASTER_PORT if set, else the job's
+    first node (or loopback when node names do not resolve, as in a one-host sandbox)."""
+    rank = _env_int("RANK", "SLURM_PROCID")
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    job = _env_int("SLURM_JOB_ID")
+    restarts = _env_int("SLURM_RESTART_COUNT")
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not addr:
+        addr = "127.0.0.1"
+        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        if nodelist:
+            import hostlist
+
+            first = hostlist.expand_hostlist(nodelist)[0]
+            try:
+                socket.gethostbyname(first)
+                addr = first
+            except OSError:
+                addr = "127.0.0.1"
+    port = int(os.environ.get("MASTER_PORT") or 20000 + (job * 13 + restarts * 7) % 9000)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world)
+    return rank, world
+
+
+def build(state_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    # Two d-by-d layers; Adam keeps two moments, so the state is about 3x the parameters.
+    d = max(8, int(math.sqrt(state_mb * 1e6 / (3 * 4 * 2))))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    rank, _world = init_distributed()
+    restarts = _env_int("SLURM_RESTART_COUNT")
+    faulty = restarts == 0 or a.fault_every_run
+    model, opt = build(a.state_mb)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ckpt = CheckpointManager.from_env()
+
+    resumed = ckpt.load_latest()  # waits for the agent's stage-in first
+    start = 0
+    if resumed is not None:
+        model.load_state_dict(resumed.state["model"])
+        opt.load_state_dict(resumed.state["optimizer"])
+        start = resumed.step
+    heartbeat.checkpointed(start)
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    print(f"rank {rank} running step={start + 1} at={time.time():.3f} restarts={restarts} "
+          f"node={node}", flush=True)
+    hang_at = a.hang_at_step if a.hang_at_step >= 0 else (
+        start + a.hang_after if a.hang_after >= 0 else -1)
+    d = model[0].in_features
+    gen = torch.Generator().manual_seed(1234 + rank)
+
+    for step in range(start + 1, a.steps + 1):
+        if faulty and step == a.crash_at_step:
+            print(f"rank {rank} crashing at step={step}", flush=True)
+            os._exit(17)
+        if faulty and step == hang_at and rank == a.hang_rank:
+            print(f"rank {rank} hanging at step={step} at={time.time():.3f}", flush=True)
+            while True:  # no progress, like a rank stuck in a dead collective
+                time.sleep(3600)
+        # -- one training step ----------------------------------------------------------
+        x = torch.randn(32, d, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), x.flip(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(a.step_seconds)
+        heartbeat.beat(step)
+        # -- checkpoint -------------------------------------------------------------------
+        if step % a.ckpt_every == 0:
+            with heartbeat.section("checkpoint"):
+                t0 = time.perf_counter()
+                ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+                stall_ms = (time.perf_counter() - t0) * 1e3
+                if a.checkpoint_seconds and step == a.ckpt_every:
+                    time.sleep(a.checkpoint_seconds)
+            heartbeat.checkpointed(step)
+            if rank == 0:
+                print(f"checkpoint step={step} loss={loss.item():.4f} stall_ms={stall_ms:.1f}",
+                      flush=True)
+
+    ckpt.close()  # the last save is committed before we report done
+    heartbeat.done()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"done step={a.steps} resumed_from={start} restarts={restarts}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

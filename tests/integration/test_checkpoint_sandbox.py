@@ -1,0 +1,162 @@
+"""Checkpoint staging end to end in the sandbox: real slurmctld/slurmd, prolog/epilog hooks,
+one agent per node, the sandbox's rclone S3, and examples/train.py (PyTorch, gloo) run by
+an unprivileged test user."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.sandbox import control, daemons
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+PYTHON = REPO / ".venv" / "bin" / "python"
+
+
+def _workdir(sandbox: Sandbox, user: str, name: str) -> Path:
+    pw = pwd.getpwnam(user)
+    d = sandbox.jobs_dir / f"{name}-{time.time_ns()}"
+    d.mkdir(mode=0o755)
+    os.chown(d, pw.pw_uid, pw.pw_gid)
+    return d
+
+
+def _train(sandbox: Sandbox, user: str, wd: Path, uri: str, nodes: list[str], args: str,
+           before: str = "", after: str = "") -> int:
+    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{before}"
+              f"srun --kill-on-bad-exit=1 -N{len(nodes)} -n{len(nodes)} {PYTHON} -u {TRAIN} "
+              f"--state-mb 2 --step-seconds 0.2 {args}\n{after}")
+    return sandbox.sbatch(script, user=user, args=[
+        f"-N{len(nodes)}", f"-n{len(nodes)}", f"--nodelist={','.join(nodes)}",
+        f"--output={wd}/slurm-%j.out"])
+
+
+def _out(wd: Path, job: int) -> str:
+    path = wd / f"slurm-{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def _s3_run(sandbox: Sandbox, uri: str) -> Path:
+    return sandbox.layout.s3_dir / uri.removeprefix("s3://")
+
+
+def _ckpt(sandbox: Sandbox, *args: str, check: bool = True) -> str:
+    out = sandbox.run([str(PYTHON), "-m", "slurm_resilience", "--config",
+                       str(sandbox.resilience_config), "ckpt", *args], check=check, timeout=120)
+    return out.stdout + out.stderr
+
+
+def test_crash_then_new_job_on_other_nodes_resumes_from_s3(sandbox: Sandbox,
+                                                          test_users: tuple[str, ...]) -> None:
+    """Acceptance: a 2-node run crashes at step 17; a new job with the same URI on two other
+    nodes (empty NVMe) stages step 15 from S3, resumes from it and finishes; verify passes."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-accept")
+    uri = f"s3://ckpt/{user}/accept-{time.time_ns()}"
+    first = _train(sandbox, user, wd, uri, ["node1", "node2"],
+                   "--steps 25 --ckpt-every 5 --crash-at-step 17")
+    info = sandbox.wait_job(first, timeout=180)
+    out1 = _out(wd, first)
+    assert info.state == "FAILED", out1
+    assert "checkpoint step=15" in out1 and "crashing at step=17" in out1
+    run = _s3_run(sandbox, uri)
+    assert (run / "step-00000015" / "COMMIT.json").is_file(), sorted(
+        p.relative_to(run).as_posix() for p in run.rglob("*"))
+    for node in ("node3", "node4"):
+        nvme = sandbox.layout.node_dir(node) / "nvme"
+        assert not nvme.exists() or not any(nvme.glob("job-*/step-*")), node
+
+    second = _train(sandbox, user, wd, uri, ["node3", "node4"], "--steps 25 --ckpt-every 5")
+    info = sandbox.wait_job(second, timeout=180)
+    out2 = _out(wd, second)
+    assert info.state == "COMPLETED", out2
+    assert "done step=25 resumed_from=15 restarts=0" in out2
+    assert (run / "step-00000025" / "COMMIT.json").is_file()
+    report = _ckpt(sandbox, "verify", uri, "--all")
+    assert "step-00000015: ok" in report and "step-00000025: ok" in report
+    print(f"\nacceptance: first job {first} crashed at 17; job {second} resumed_from=15;\n"
+          f"{_ckpt(sandbox, 'ls', uri)}")
+
+
+def test_uri_outside_user_prefix_fails_clearly_and_writes_nothing(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job naming another user's prefix fails at start with a clear error; S3 stays empty."""
+    user, other = test_users[0], test_users[1]
+    wd = _workdir(sandbox, user, "ckpt-prefix")
+    uri = f"s3://ckpt/{other}/stolen-{time.time_ns()}"
+    job = _train(sandbox, user, wd, uri, ["node1"], "--steps 5 --ckpt-every 5")
+    info = sandbox.wait_job(job, timeout=120)
+    out = _out(wd, job)
+    assert info.state == "FAILED"
+    assert f"is outside the prefix user {user} may write to: s3://ckpt/{user}/" in out
+    assert not _s3_run(sandbox, uri).exists()
+
+
+def test_s3_down_training_unblocked_epilog_bounded_upload_later(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """With S3 down the job trains and ends normally, the epilog waits only epilog_wait_s, and
+    the agent uploads the pending step once S3 is back."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-down")
+    uri = f"s3://ckpt/{user}/down-{time.time_ns()}"
+    s3 = control.s3_extra(sandbox.layout)[0]
+    daemons.stop(s3.daemon)
+    try:
+        job = _train(sandbox, user, wd, uri, ["node2"], "--steps 10 --ckpt-every 5")
+        info = sandbox.wait_job(job, timeout=120)
+        ended = time.monotonic()
+        assert info.state == "COMPLETED", _out(wd, job)
+        assert "done step=10 resumed_from=0" in _out(wd, job)
+        time.sleep(2)
+        assert not (_s3_run(sandbox, uri) / "step-00000010" / "COMMIT.json").exists()
+    finally:
+        daemons.spawn(s3.argv, log_file=sandbox.layout.log_dir / "s3.log",
+                      pid_file=s3.daemon.pid_file,
+                      env={**control.daemon_env(sandbox.layout), **s3.env})
+    marker = _s3_run(sandbox, uri) / "step-00000010" / "COMMIT.json"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker.is_file()
+    print(f"\nS3 down: step 10 committed in S3 {time.monotonic() - ended:.1f}s after the job "
+          "ended (endpoint restarted after ~2 s)")
+    assert "step-00000010: ok" in _ckpt(sandbox, "verify", uri)
+    log = (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text()
+    assert "S3 unreachable; uploads wait" in log
+    assert "uploads still pending; the agent finishes them after the job" in log
+
+
+def test_planted_symlinks_not_followed_by_cleanup_nor_uploaded(
+        sandbox: Sandbox, test_users: tuple[str, ...], tmp_path: Path) -> None:
+    """Links the job plants in its staging dir (to /etc and to a canary dir) are neither
+    uploaded nor followed by the epilog's cleanup."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-links")
+    uri = f"s3://ckpt/{user}/links-{time.time_ns()}"
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "precious").write_text("keep")
+    tmp_path.chmod(0o755)
+    nvme = f"{sandbox.layout.nodes_dir}/$SLURMD_NODENAME/nvme/job-$SLURM_JOB_ID"
+    plant = (f"mkdir -p {nvme}/step-00000009/rank-00000.tmp\n"
+             f"ln -s /etc {nvme}/etc-link\n"
+             f"ln -s {canary} {nvme}/step-00000005/rank-00000/canary\n"
+             f"ln -s {canary} {nvme}/step-00000009/rank-00000.tmp/canary\n")
+    job = _train(sandbox, user, wd, uri, ["node3"], "--steps 5 --ckpt-every 5", after=plant)
+    info = sandbox.wait_job(job, timeout=120)
+    assert info.state == "COMPLETED", _out(wd, job)
+    assert (canary / "precious").read_text() == "keep"
+    assert os.path.isfile("/etc/passwd")
+    run = _s3_run(sandbox, uri)
+    uploaded = sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file())
+    assert "step-00000005/COMMIT.json" in uploaded
+    assert not [u for u in uploaded if "canary" in u or "etc" in u]
+    assert not (sandbox.layout.node_dir("node3") / "nvme" / f"job-{job}").exists()
