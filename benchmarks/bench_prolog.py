@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,10 +39,18 @@ PYTHON = REPO / ".venv" / "bin" / "python3"
 NODE = "node1"
 
 
+CPU: dict[str, list[float]] = {}
+
+
 def timed(argv: list[str], env: dict[str, str]) -> float:
+    """Wall seconds of one run; its CPU seconds (children included) go to CPU[argv[0]]."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.setdefault(argv[0], []).append(after.ru_utime - before.ru_utime
+                                       + after.ru_stime - before.ru_stime)
     if done.returncode != 0 or done.stdout or done.stderr:
         raise SystemExit(f"{argv[0]} failed or printed (rc {done.returncode}): "
                          f"{done.stdout}{done.stderr}")
@@ -88,8 +98,12 @@ def main() -> int:
         in_process = summarise(gate_runs)
         checks = sorted({f.check for f in report.findings})
         subjects = len(report.findings)
-    print(f"python3 -c pass          {reference.ms()}  (reference)")
-    print(f"hooks/prolog (exec)      {prolog.ms()}  "
+    ref_cpu = statistics.median(CPU[str(PYTHON)]) * 1e3
+    prolog_cpu = statistics.median(CPU[str(REPO / "hooks" / "prolog")]) * 1e3
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} on {os.cpu_count()} CPUs (wall times suffer when it is high)")
+    print(f"python3 -c pass          {reference.ms()}  cpu p50 {ref_cpu:.1f} ms  (reference)")
+    print(f"hooks/prolog (exec)      {prolog.ms()}  cpu p50 {prolog_cpu:.1f} ms  "
           f"{prolog.p50 / reference.p50:4.1f}x reference p50")
     print(f"health gate in-process   {in_process.ms()}  "
           f"({', '.join(checks)}: {subjects} findings, 8 GPUs, 8 HCAs)")
@@ -98,7 +112,8 @@ def main() -> int:
     print(json.dumps({"reference_p50_ms": round(reference.p50 * 1e3, 1),
                       "prolog_p50_ms": round(prolog.p50 * 1e3, 1),
                       "prolog_p99_ms": round(prolog.p99 * 1e3, 1),
-                      "gate_p50_ms": round(in_process.p50 * 1e3, 1)}))
+                      "gate_p50_ms": round(in_process.p50 * 1e3, 1),
+                      "prolog_cpu_p50_ms": round(prolog_cpu, 1), "load": round(load, 2)}))
     return 0 if ok else 1
 
 

@@ -108,3 +108,29 @@ def test_jobs_held_by_our_failed_prolog_are_released_without_nohold(sandbox_fact
     assert info.state == "COMPLETED" and info.nodes == ("node2",) and info.restarts >= 1
     events = (box.state_dir / "log" / "slurm-resilience.jsonl").read_text()
     assert "released job held after our prolog failed" in events
+
+
+def test_epilog_reports_xids_raised_during_the_job(box: Sandbox) -> None:
+    """A non-fatal Xid logged while the job runs is reported by the epilog as raised during
+    the job, without a drain; a fatal one drains the node (at the epilog or the next
+    health check, whichever runs first)."""
+    job = box.sbatch("sleep 4\n", args=["-N1", "-w", "node3"])
+    box.wait_job(job, {"RUNNING"}, timeout=30)
+    print(faults.inject(box.state_dir, "node3", "gpu-xid:2:43"))
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    log = box.state_dir / "log" / "slurm-resilience.jsonl"
+    deadline = time.monotonic() + 20
+    while "XID 43 (GPU stopped processing)" not in log.read_text() \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lines = [ln for ln in log.read_text().splitlines()
+             if "during the job" in ln and '"hook": "epilog"' in ln]
+    assert lines, "the epilog did not report the Xid raised during the job"
+    assert "gpu2 XID 43 (GPU stopped processing)" in lines[-1]
+    assert not box.adapter().show_node("node3").drained
+
+    job = box.sbatch("sleep 4\n", args=["-N1", "-w", "node3"])
+    box.wait_job(job, {"RUNNING"}, timeout=30)
+    print(faults.inject(box.state_dir, "node3", "gpu-xid:5:119"))
+    reason = wait_reason(box, "node3", "gpu5 XID 119 (GSP RPC timeout)", timeout=40)
+    print(f"node3 drained: {reason}")
