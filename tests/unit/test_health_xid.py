@@ -184,3 +184,11 @@ def test_unreadable_log_is_could_not_check() -> None:
     """A collector error becomes an unknown finding."""
     findings, _ = run({"error": "couldn't read the kernel log", "events": []})
     assert findings[0].severity is Severity.UNKNOWN
+
+
+def test_journalctl_short_iso_precise_lines_parse() -> None:
+    """``journalctl -k -o short-iso-precise`` lines (both offset spellings) give the time."""
+    for stamp in ("2024-11-15T12:02:03.470068+0000", "2024-11-15T12:02:03.470068+00:00"):
+        ev = parse([f"{stamp} gpu-node-1 kernel: NVRM: Xid (PCI:0000:19:00): 48, pid='<unknown>', "
+                    "name=<unknown>, An uncorrectable double bit error (DBE) has been detected"])
+        assert ev[0]["xid"] == 48 and abs(ev[0]["time"] - 1731672123.470068) < 1e-3
