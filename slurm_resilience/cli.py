@@ -23,9 +23,7 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_resilience.agent.cli",
     "check": "slurm_resilience.health.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
-    "check": "slurm_resilience.health.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
-    "check": "slurm_resilience.health.cli",
     "status": "slurm_resilience.heartbeat.cli",
     "topology": "slurm_resilience.topology.cli",
 }

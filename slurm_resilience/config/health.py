@@ -48,10 +48,11 @@ class GpuCheckSection:
         help="active NVLinks each GPU must have; -1: every link NVML reports must be active; "
              "0: no NVLink check")
     leftover_processes: bool = setting(
-        True, help="prolog only: compute processes left on a GPU by a previous job fail")
+        True, help="prolog only: compute processes left on a GPU by a previous job fail; "
+                   "only the job's GPUs (SLURM_JOB_GPUS) when set, since jobs may share a node")
     leftover_memory: ByteSize = setting(
         ByteSize(1 << 30),
-        help="prolog only: GPU memory in use above this (with no job running) fails")
+        help="prolog only: GPU memory in use above this on the job's GPUs fails")
     fabric_manager: Literal["auto", "required", "off"] = setting(
         "auto", help="NVSwitch fabric state: auto checks it where NVML reports it, "
                      "required fails when it is not reported")

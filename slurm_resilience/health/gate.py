@@ -159,7 +159,8 @@ def _timeout_finding(name: str, error: str) -> Finding:
 
 
 def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
-        job_start: float | None = None, only: tuple[str, ...] = ()) -> GateReport:
+        job_gpus: frozenset[int] | None = None, job_start: float | None = None,
+        only: tuple[str, ...] = ()) -> GateReport:
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | InfinibandCheckSection
@@ -202,7 +203,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
             result: CheckResult
             if name == "gpu":
                 result = gpu_check.check(snap, h.gpu, prev, kind=kind,
-                                         expected_count=expected_gpus)
+                                         expected_count=expected_gpus, job_gpus=job_gpus)
             elif name == "xid":
                 result = xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
                                          job_start=job_start if kind == "epilog" else None)

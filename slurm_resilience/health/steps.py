@@ -33,9 +33,15 @@ def gres_gpus(gres: str) -> int | None:
     return sum(counts) if counts else None
 
 
+def job_gpu_ids(env: dict[str, str] | Any) -> frozenset[int] | None:
+    """GPU indices given to the job (``SLURM_JOB_GPUS=0,3``); None without gpu gres."""
+    ids = [int(x) for x in str(env.get("SLURM_JOB_GPUS", "")).split(",") if x.strip().isdigit()]
+    return frozenset(ids) if ids else None
+
+
 def job_gpus(env: dict[str, str] | Any) -> int | None:
     """A lower bound from the job: GPU ids it was given (``SLURM_JOB_GPUS=0,3``) must exist."""
-    ids = [int(x) for x in str(env.get("SLURM_JOB_GPUS", "")).split(",") if x.strip().isdigit()]
+    ids = job_gpu_ids(env)
     return max(ids) + 1 if ids else None
 
 
@@ -65,7 +71,8 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
           ) -> list[Problem]:
     from slurm_resilience.health import gate
 
-    report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start)
+    report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start,
+                      job_gpus=job_gpu_ids(ctx.env) if kind == "prolog" else None)
     logger = log.get_logger("health", hook=ctx.kind)
     notable = [f.to_dict() for f in report.findings if f.severity > 0]
     if report.verdict.healthy:

@@ -195,3 +195,12 @@ def test_no_driver_is_a_gpu_less_node_unless_gpus_expected() -> None:
     s = {"error": "couldn't initialise NVML: DRIVER_NOT_LOADED", "no_driver": True, "gpus": []}
     assert not fails(run(s)[0])
     assert fails(run(s, expected=8)[0])
+
+
+def test_leftovers_are_only_checked_on_the_jobs_gpus() -> None:
+    """On a shared node, another job's processes on GPUs not given to this job are fine."""
+    s = with_gpu3(processes=[{"pid": 4242, "used_bytes": 2 << 30}], memory_used_bytes=2 << 30)
+    result = gpu.check(s, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({0, 1}))
+    assert not fails(result.findings)
+    result = gpu.check(s, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({3}))
+    assert len(fails(result.findings)) == 2

@@ -115,8 +115,8 @@ def _fabric(gpu: dict[str, Any], subject: str, mode: str) -> list[Finding]:
     return []
 
 
-def _one_gpu(gpu: dict[str, Any], cfg: GpuCheckSection, kind: str, streak: int
-             ) -> tuple[list[Finding], int]:
+def _one_gpu(gpu: dict[str, Any], cfg: GpuCheckSection, kind: str, streak: int,
+             job_gpus: frozenset[int] | None) -> tuple[list[Finding], int]:
     subject = f"gpu{gpu['index']}"
     if gpu.get("lost"):
         return [fail(NAME, subject, f"{subject} lost (NVML GPU_IS_LOST; expected present)")], 0
@@ -152,7 +152,8 @@ def _one_gpu(gpu: dict[str, Any], cfg: GpuCheckSection, kind: str, streak: int
     if cfg.check_pcie:
         out.extend(_pcie(gpu, subject))
     out.extend(_nvlink(gpu, subject, cfg.expected_nvlinks))
-    if kind == "prolog":
+    # Another job may share the node: only the GPUs given to this job must be empty.
+    if kind == "prolog" and (job_gpus is None or gpu["index"] in job_gpus):
         out.extend(_leftovers(gpu, subject, cfg))
     out.extend(_fabric(gpu, subject, cfg.fabric_manager))
     if not out:
@@ -162,10 +163,13 @@ def _one_gpu(gpu: dict[str, Any], cfg: GpuCheckSection, kind: str, streak: int
 
 
 def check(snap: dict[str, Any], cfg: GpuCheckSection, state: dict[str, Any], *,
-          kind: str = "healthcheck", expected_count: int | None = None) -> CheckResult:
+          kind: str = "healthcheck", expected_count: int | None = None,
+          job_gpus: frozenset[int] | None = None) -> CheckResult:
     """Findings for every GPU, plus the count against what the node should have.
 
     ``expected_count`` comes from the job's gres when the config leaves it at -1.
+    ``job_gpus`` (prolog): the GPU indices given to the job, the only ones checked for
+    leftovers; None checks every GPU (a node without gpu gres runs whole-node jobs).
     """
     want = cfg.expected_count if cfg.expected_count >= 0 else expected_count
     if snap.get("no_driver"):
@@ -184,7 +188,7 @@ def check(snap: dict[str, Any], cfg: GpuCheckSection, state: dict[str, Any], *,
     streaks: dict[str, int] = dict(state.get("sw_thermal_streak", {}))
     for gpu in snap.get("gpus", []):
         key = str(gpu["index"])
-        found, streaks[key] = _one_gpu(gpu, cfg, kind, int(streaks.get(key, 0)))
+        found, streaks[key] = _one_gpu(gpu, cfg, kind, int(streaks.get(key, 0)), job_gpus)
         findings.extend(found)
     if want is not None and count >= want:
         findings.append(ok(NAME, "count", f"{count} GPUs visible (expected {want})"))
