@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -96,7 +97,11 @@ def write_job_copy(std_out: str, uid: int, gid: int, report: Mapping[str, Any]) 
         raise safefs.UnsafePath(0, f"job output path {std_out!r} is not absolute")
     fd = safefs.open_dir(directory)
     try:
-        safefs.check_owned_dir(fd, uid, private=False, what=directory)
+        st = os.fstat(fd)
+        # The user's own directory, or a shared sticky one such as /tmp (O_EXCL|O_NOFOLLOW
+        # creation is safe there; nothing existing is ever opened).
+        if not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
+            safefs.check_owned_dir(fd, uid, private=False, what=directory)
         name = f"slurm-resilience-{base_name(report['job_id'], report['restart'], report['node'])}"
         safefs.write_new(fd, name + ".json", json.dumps(report, indent=1, default=str).encode(),
                          uid=uid, gid=gid, mode=0o600)

@@ -126,3 +126,26 @@ def test_merge_comment_keeps_others_text() -> None:
     old = "SR: [sr-hang n=1 ckpt=3 restart=0] hang job 5: requeue 1 of 2 | ticket INC-7"
     new = R.merge_comment(old, R.Ledger(2, 5, 1), "hang job 5: requeue 2 of 2")
     assert new.count("[sr-hang") == 1 and "n=2" in new and "INC-7" in new
+
+
+def test_status_lists_our_drains_and_held_hang_jobs() -> None:
+    """status shows nodes drained with our prefix and jobs carrying a hang ledger, held or not."""
+    from slurm_resilience.heartbeat import status
+    from slurm_resilience.slurm.parse import parse_job, parse_node
+
+    nodes = [parse_node("NodeName=node2 State=IDLE+DRAIN CPUTot=2 CPUAlloc=0 "
+                        "Reason=SR: hang job 7: rank 1 stalled first [root@2026-11-22T05:00:00]"),
+             parse_node("NodeName=node3 State=IDLE+DRAIN CPUTot=2 CPUAlloc=0 "
+                        "Reason=maintenance [bob@2026-11-22T05:00:00]"),
+             parse_node("NodeName=node4 State=IDLE CPUTot=2 CPUAlloc=0 Reason=(null)")]
+    drains = status.drains(nodes, "SR:")
+    assert [(d["node"], d["hang"]) for d in drains] == [("node2", True)]
+    held = parse_job("JobId=7 JobName=t UserId=alice(1001) JobState=PENDING Reason=JobHeldAdmin "
+                     "Restarts=4 AdminComment=SR: [sr-hang n=3 ckpt=9 restart=3] hang job 7: "
+                     "held after 3 hang requeues (cap 3)")
+    plain = parse_job("JobId=8 JobName=t UserId=bob(1002) JobState=RUNNING Reason=None")
+    jobs = status.hang_jobs([held, plain])
+    assert len(jobs) == 1 and jobs[0]["held"] and jobs[0]["hang_requeues"] == 3
+    text = status.render({"mode": "act", "drains": drains, "jobs": jobs, "incidents": [],
+                          "errors": []})
+    assert "HELD" in text and "held after 3 hang requeues" in text and "node2" in text

@@ -1,0 +1,239 @@
+"""Hang detection end to end in the sandbox: real slurmctld/slurmd, one agent per node,
+real PyTorch (gloo, CPU) training jobs run by unprivileged test users.
+
+Figures (hang → requeue issued, hang → training running again) are printed;
+run with ``-s`` to see them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.heartbeat import paths as P
+from slurm_resilience.sandbox.handle import Sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
+              pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
+PYTHON = REPO / ".venv" / "bin" / "python"
+STEP_TIMEOUT_S = 6.0  # sandbox heartbeat.step_timeout_s
+CRED_EXPIRE_S = 10.0  # sandbox slurm.conf cred_expire
+
+def _user_dir(sandbox: Sandbox, user: str, name: str) -> Path:
+    pw = pwd.getpwnam(user)
+    d = sandbox.jobs_dir / f"{name}-{time.time_ns()}"
+    d.mkdir(mode=0o755)
+    os.chown(d, pw.pw_uid, pw.pw_gid)
+    return d
+
+
+def _submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 2,
+            tasks: int = 2, extra_env: str = "") -> int:
+    """Submit examples/train.py as ``user`` the way the docs say: requeueable, appending."""
+    uri = f"s3://ckpt/{user}/{workdir.name}"
+    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{extra_env}"
+              f"srun --kill-on-bad-exit=1 -N{nodes} -n{tasks} {PYTHON} -u {TRAIN} "
+              f"--state-mb 1 {args}\n")
+    return sandbox.sbatch(script, user=user, args=[
+        f"-N{nodes}", f"-n{tasks}", "--requeue", "--open-mode=append",
+        f"--output={workdir}/slurm-%j.out"])
+
+
+def _output(workdir: Path, job_id: int) -> str:
+    path = workdir / f"slurm-{job_id}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def _wait_for(pred: object, timeout: float, what: str, poll: float = 0.5) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()  # type: ignore[operator]
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"{what} not seen within {timeout:g}s")
+
+
+def _reports(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
+    out = []
+    for node in sandbox.nodes:
+        d = sandbox.node_dir(node) / "state" / "incidents"
+        for f in sorted(d.glob(f"hang-job{job_id}-*.json")) if d.exists() else []:
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def _acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | None:
+    for r in reports:
+        decision = r.get("decision", {})
+        if r.get("restart") == run and decision.get("action") in (  # type: ignore[union-attr]
+                "requeue", "hold"):
+            return r
+    return None
+
+
+def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """Rank 1 of a 2-node gloo job stops after step 12: detected within timeout + 10 s, its node
+    drained with the reason, the report names it with a stack, and the job resumes and finishes."""
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "hang")
+    job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                          "--hang-rank 1")
+    _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 120, "the requeue decision")
+    final = sandbox.wait_job(job_id, timeout=180)
+    out = _output(work, job_id)
+    assert final.state == "COMPLETED", out
+    assert re.search(r"done step=30 resumed_from=10 restarts=1", out), out
+
+    report = _acting(_reports(sandbox, job_id), 0)
+    assert report is not None
+    hang_line = re.search(r"rank 1 hanging at step=12 at=([\d.]+)", out)
+    node_line = re.search(r"rank 1 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)
+    again = re.search(r"rank \d running step=\d+ at=([\d.]+) restarts=1", out)
+    assert hang_line and node_line and again, out
+    hang_at, stalled_node = float(hang_line.group(1)), node_line.group(1)
+    blame = report["blame"]
+    assert blame["drains"] == [[stalled_node,  # type: ignore[index]
+                                f"hang job {job_id}: rank 1 stalled first"]]
+    stacks = {r["rank"]: r["stack"] for ev in report["evidence"].values()  # type: ignore[union-attr]
+              for r in ev["ranks"]}
+    assert "main (" in stacks[1] and "torch/" not in stacks[1] and "torch/" in stacks[0]
+    text = next(work.glob(f"slurm-resilience-hang-job{job_id}-run0-*.txt")).read_text()
+    assert f"rank    1 on {stalled_node}" in text and "-- rank 1 pid" in text
+    node = sandbox.adapter().show_node(stalled_node)
+    assert node.drained and f"hang job {job_id}: rank 1 stalled first" in node.reason
+
+    detect_s = float(report["detected_at"]) - hang_at  # type: ignore[arg-type]
+    requeue_s = float(report["timings"]["action_at"]) - hang_at  # type: ignore[index]
+    running_s = float(again.group(1)) - hang_at
+    print(f"\nhang -> detected {detect_s:.1f}s, -> requeue issued {requeue_s:.1f}s, "
+          f"-> training running again {running_s:.1f}s (timeout {STEP_TIMEOUT_S:g}s, "
+          f"cred_expire {CRED_EXPIRE_S:g}s; goal <= {STEP_TIMEOUT_S + CRED_EXPIRE_S + 15:g}s)")
+    assert detect_s <= STEP_TIMEOUT_S + 10
+
+
+def test_long_checkpoint_section_is_not_a_hang(sandbox: Sandbox,
+                                               test_users: tuple[str, ...]) -> None:
+    """A checkpoint section lasting twice the step timeout runs to the end: no incident."""
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "section")
+    job_id = _submit(sandbox, user, work, f"--steps 12 --ckpt-every 5 "
+                                          f"--checkpoint-seconds {2 * STEP_TIMEOUT_S:g}")
+    final = sandbox.wait_job(job_id, timeout=120)
+    out = _output(work, job_id)
+    assert final.state == "COMPLETED" and final.restarts == 0, out
+    assert "done step=12 resumed_from=0 restarts=0" in out
+    assert _reports(sandbox, job_id) == []
+
+
+def test_hang_on_every_run_is_requeued_up_to_cap_then_held(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job hanging on every run (with checkpoint progress) is requeued 3 times, then held
+    with the reason in AdminComment and in `slurm-resilience status`."""
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "cap")
+    job_id = _submit(sandbox, user, work, "--steps 100 --ckpt-every 1 --hang-after 4 "
+                                          "--hang-rank 1 --fault-every-run", nodes=1, tasks=2)
+    held = sandbox.wait_job(job_id, states={"PENDING"}, timeout=20)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        held = sandbox.job(job_id)
+        if held.state == "PENDING" and "held after" in held.admin_comment:
+            break
+        time.sleep(1)
+    assert "held after 3 hang requeues (cap 3)" in held.admin_comment, held
+    assert held.restarts == 4 and "[sr-hang n=3" in held.admin_comment
+    status = subprocess.run(
+        [str(PYTHON), "-m", "slurm_resilience", "--config", str(sandbox.layout.resilience_conf),
+         "status", "--json"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SLURM_CONF": str(sandbox.layout.slurm_conf)})
+    jobs = {j["job_id"]: j for j in json.loads(status.stdout)["jobs"]}
+    assert jobs[job_id]["held"] is True and jobs[job_id]["hang_requeues"] == 3
+    actions = [r["decision"]["action"] for r in _reports(sandbox, job_id)  # type: ignore[index]
+               if r["decision"]["action"] in ("requeue", "hold")]  # type: ignore[index]
+    assert sorted(actions) == ["hold", "requeue", "requeue", "requeue"]
+
+
+def test_other_user_cannot_beat_into_or_act_on_a_job(sandbox: Sandbox,
+                                                     test_users: tuple[str, ...]) -> None:
+    """Another user can neither open the job's slots nor create one, nor report or see the job
+    through the agent; the owner can."""
+    owner, intruder = test_users
+    work = _user_dir(sandbox, owner, "sec")
+    job_id = _submit(sandbox, owner, work, "--steps 400 --step-seconds 0.2", nodes=1, tasks=1)
+    job = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=60)
+    node = job.nodes[0]
+    run_dir = str(sandbox.node_dir(node) / "run")
+    slot = Path(P.job_dir(run_dir, node, job_id)) / "hb-rank-0.slot"
+    _wait_for(slot.exists, 60, "the job's heartbeat slot")
+    probe = (
+        "import sys\n"
+        "from slurm_resilience.agent import client\n"
+        "try:\n"
+        f"    open({str(slot)!r}, 'r+b')\n"
+        "    print('OPENED')\n"
+        "except OSError as e:\n"
+        "    print('open refused:', e.strerror)\n"
+        "try:\n"
+        f"    open({str(slot.parent / 'hb-rank-5.slot')!r}, 'wb')\n"
+        "    print('CREATED')\n"
+        "except OSError as e:\n"
+        "    print('create refused:', e.strerror)\n"
+        "try:\n"
+        f"    client.call(sys.argv[1], 'hang.report', job_id={job_id})\n"
+        "    print('REPORTED')\n"
+        "except client.AgentRefused as e:\n"
+        "    print('report refused:', e)\n"
+        "print('status jobs:', [j['job_id'] for j in client.call(sys.argv[1], "
+        "'hang.status')['jobs']])\n")
+    sock = _agent_socket(sandbox, node)
+    out = sandbox.run([str(PYTHON), "-c", probe, sock], user=intruder, timeout=30).stdout
+    assert "open refused: Permission denied" in out, out
+    assert "create refused: Permission denied" in out, out
+    assert f"report refused: job {job_id} belongs to uid" in out, out
+    assert "status jobs: []" in out, out
+    mine = sandbox.run([str(PYTHON), "-c", "import sys\nfrom slurm_resilience.agent import "
+                        "client\nprint([j['job_id'] for j in client.call(sys.argv[1], "
+                        "'hang.status')['jobs']])", sock], user=owner, timeout=30).stdout
+    assert str(job_id) in mine
+    sandbox.run(["scancel", str(job_id)])
+
+
+def _agent_socket(sandbox: Sandbox, node: str) -> str:
+    import yaml
+
+    conf = yaml.safe_load(sandbox.layout.resilience_conf.read_text())
+    template = conf.get("agent", {}).get("socket", "/run/slurm-resilience/agent.sock")
+    return str(template.replace("{node}", node))
+
+
+def test_observe_mode_reports_but_does_not_act(sandbox: Sandbox,
+                                               test_users: tuple[str, ...]) -> None:
+    """With heartbeat.mode observe the hang is reported, and nothing is drained or requeued."""
+    sandbox.update_resilience_config({"heartbeat": {"mode": "observe"}})
+    time.sleep(2)  # agents pick the change up on their next tick
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "observe")
+    job_id = _submit(sandbox, user, work, "--steps 30 --hang-at-step 8 --hang-rank 1")
+    reports = _wait_for(lambda: [r for r in _reports(sandbox, job_id) if "blame" in r], 90,
+                        "the batch host's observe report")
+    assert [r["decision"]["action"] for r in reports] == ["report"]  # type: ignore[index,union-attr]
+    job = sandbox.job(job_id)
+    assert job.state == "RUNNING" and job.restarts == 0 and "[sr-hang" not in job.admin_comment
+    assert not [n for n in sandbox.adapter().list_nodes() if n.drained]
+    sandbox.run(["scancel", str(job_id)])
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience
+    sys.exit(pytest.main([__file__, "-s", "-q"]))
