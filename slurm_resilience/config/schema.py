@@ -13,8 +13,8 @@ from typing import Literal
 
 from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.checkpoint import CheckpointSection
-from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.health import HealthSection
+from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.loader import setting
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
