@@ -25,6 +25,7 @@ _GRES_GPU = re.compile(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)")
 _RESUMABLE_STATES = {"IDLE", "MIXED", "ALLOCATED"}
 _RESUMABLE_FLAGS = {"DRAIN", "DRAINING", "DRAINED"}
 _HELD_REASON = "launch failed requeued held"
+MAX_JOBS = 1000  # job start times kept for the epilog
 
 
 def gres_gpus(gres: str) -> int | None:
@@ -97,8 +98,10 @@ def _note_job_start(ctx: HookContext) -> None:
     store = _store(ctx)
     starts = store.load("jobs")
     now = time.time()
-    starts = {k: v for k, v in starts.items() if now - float(v) < 30 * 86400}
+    starts = {k: v for k, v in starts.items() if now - float(v) < 14 * 86400}
     starts[str(ctx.job_id)] = now
+    if len(starts) > MAX_JOBS:  # a busy node: keep the newest
+        starts = dict(sorted(starts.items(), key=lambda kv: float(kv[1]))[-MAX_JOBS:])
     store.save("jobs", starts)
 
 

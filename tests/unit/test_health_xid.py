@@ -192,3 +192,12 @@ def test_journalctl_short_iso_precise_lines_parse() -> None:
         ev = parse([f"{stamp} gpu-node-1 kernel: NVRM: Xid (PCI:0000:19:00): 48, pid='<unknown>', "
                     "name=<unknown>, An uncorrectable double bit error (DBE) has been detected"])
         assert ev[0]["xid"] == 48 and abs(ev[0]["time"] - 1731672123.470068) < 1e-3
+
+
+def test_an_xid_storm_keeps_the_state_bounded() -> None:
+    """Thousands of events keep only the newest MAX_EVENTS in the state."""
+    storm = snap_of(*[("", 13, "Graphics SM Warp Exception", NOW - 3000 + i * 0.5)
+                      for i in range(xid_check.MAX_EVENTS + 500)])
+    findings, state = run(storm)
+    assert len(state["events"]) == xid_check.MAX_EVENTS
+    assert findings[0].data["count"] == xid_check.MAX_EVENTS

@@ -17,6 +17,7 @@ from slurm_resilience.health import xid_catalog
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 NAME = "xid"
+MAX_EVENTS = 2000
 
 
 def pci_key(bus_id: str) -> str:
@@ -50,6 +51,8 @@ def check(snap: dict[str, Any], cfg: XidCheckSection, state: dict[str, Any], *,
                                  "time": ev["time"] if ev["time"] is not None else now}
     horizon = now - cfg.window_s
     events = {k: v for k, v in events.items() if v["time"] >= horizon}
+    if len(events) > MAX_EVENTS:  # an Xid storm: keep the newest, the state stays small
+        events = dict(sorted(events.items(), key=lambda kv: kv[1]["time"])[-MAX_EVENTS:])
     fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
     by_gpu = {pci_key(k): v for k, v in (gpu_by_pci or {}).items()}
 
