@@ -10,12 +10,14 @@ is why the prolog can afford to ask on every job.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
 
 FILENAME = "nccl-result.json"
@@ -54,7 +56,7 @@ def write(path: str, entry: dict[str, Any]) -> None:
     """Replace the cached entry atomically."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o755, exist_ok=True)
-    tmp = os.path.join(directory, f".{FILENAME}.{os.getpid()}.tmp")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -112,3 +114,17 @@ def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, bo
     if age > validity_s:
         return Freshness(False, f"last test {age:.0f}s ago > {validity_s:g}s", age)
     return Freshness(True, f"passed {age:.0f}s ago", age)
+
+
+def fingerprint(section: NcclSection) -> str:
+    """What the result depends on: a result measured under other settings is not reused."""
+    relevant = {
+        "backend": section.backend, "processes": section.processes,
+        "gpu_model": section.gpu_model, "sizes": list(section.sizes),
+        "iters": section.iters, "variants": list(section.variants),
+        "ib_env": dict(section.ib_loopback_env), "extra_env": dict(section.extra_env),
+        "thresholds": [[t.model, t.gpus, t.min_busbw_gbps, int(t.size), t.variant]
+                       for t in section.thresholds],
+    }
+    text = json.dumps(relevant, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -96,7 +96,7 @@ def from_sandbox_name(name: str) -> Fault:
     """``nccl-slow`` / ``nccl-wrong:5`` / ``nccl-hang`` → the fault to write."""
     head, _, arg = name.partition(":")
     if head == "nccl-slow" and not arg:
-        return Fault("slow", None, 0.05)
+        return Fault("slow", None, 0.5)
     if head == "nccl-hang" and not arg:
         return Fault("hang", 0)
     if head == "nccl-wrong" and arg.isdigit():

@@ -8,8 +8,6 @@ torch or calls Slurm.
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import os
 import threading
 import time
@@ -20,6 +18,7 @@ from typing import Any, Literal
 from slurm_resilience.config.nccl import NcclSection, NcclThreshold
 from slurm_resilience.log import get_logger
 from slurm_resilience.nccl import bandwidth
+from slurm_resilience.nccl.cache import fingerprint
 from slurm_resilience.nccl.launcher import Attempt, LaunchSpec, run_once
 
 log = get_logger("nccl")
@@ -159,20 +158,6 @@ class GateResult:
             "fingerprint": self.fingerprint, "finished_at": self.finished_at,
             "variants": [v.to_json() for v in self.variants],
         }
-
-
-def fingerprint(section: NcclSection) -> str:
-    """What the result depends on: a result measured under other settings is not reused."""
-    relevant = {
-        "backend": section.backend, "processes": section.processes,
-        "gpu_model": section.gpu_model, "sizes": list(section.sizes),
-        "iters": section.iters, "variants": list(section.variants),
-        "ib_env": dict(section.ib_loopback_env), "extra_env": dict(section.extra_env),
-        "thresholds": [[t.model, t.gpus, t.min_busbw_gbps, int(t.size), t.variant]
-                       for t in section.thresholds],
-    }
-    text = json.dumps(relevant, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def spec_for(section: NcclSection, p: Plan, variant: str, *, timeout_s: float, nice: int,

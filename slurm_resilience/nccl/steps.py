@@ -28,6 +28,7 @@ from slurm_resilience.slurm.errors import SlurmError
 log = get_logger("nccl")
 
 STEP = "nccl"
+DRAINS_FILE = "nccl-drains.json"
 # Time the prolog keeps for itself after the test (cache write, drain, exit).
 PROLOG_MARGIN_S = 2.0
 
@@ -46,12 +47,10 @@ def fault_file(ctx: HookContext) -> str:
 
 
 def current_freshness(ctx: HookContext) -> tuple[cache.Freshness, dict[str, object] | None]:
-    from slurm_resilience.nccl.gate import fingerprint
-
     entry = cache.read(cache_path(ctx))
     s: NcclSection = ctx.cfg.nccl
     return cache.freshness(entry, now=time.time(), validity_s=s.validity_s,
-                           boot=cache.boot_id(), fingerprint=fingerprint(s)), entry
+                           boot=cache.boot_id(), fingerprint=cache.fingerprint(s)), entry
 
 
 def whole_node(ctx: HookContext) -> tuple[bool, str]:
@@ -71,12 +70,53 @@ def whole_node(ctx: HookContext) -> tuple[bool, str]:
     return False, f"node shared ({node.alloc_cpus}/{node.cpus} CPUs allocated)"
 
 
-def _problems(result_verdict: str, reasons: tuple[str, ...] | list[str]) -> list[Problem]:
+def drains_path(ctx: HookContext) -> str:
+    return os.path.join(node_path(ctx.cfg.node.state_dir, ctx.node), DRAINS_FILE)
+
+
+def _remember(ctx: HookContext, reasons: list[str]) -> None:
+    """Note the reasons we drain with, so only a drain entirely ours is ever lifted."""
+    path = drains_path(ctx)
+    known = cache.read(path) or {}
+    old = known.get("reasons", [])
+    merged = sorted(set(old if isinstance(old, list) else []) | set(reasons))[-50:]
+    cache.write(path, {"reasons": merged})
+
+
+def _problems(ctx: HookContext, result_verdict: str, reasons: tuple[str, ...] | list[str]
+              ) -> list[Problem]:
     if result_verdict == "fail":
+        _remember(ctx, list(reasons))
         return [Problem(STEP, r) for r in reasons]
     if result_verdict == "unknown":
         log.warning("nccl: couldn't check", reasons=list(reasons))
     return []
+
+
+def maybe_resume(ctx: HookContext) -> bool:
+    """After a passing test, lift a drain whose every part is a reason we set."""
+    path = drains_path(ctx)
+    ours = cache.read(path)
+    if not ours:
+        return False
+    adapter = ctx.adapter
+    try:
+        node = adapter.show_node(ctx.node)
+        if not node.drained:
+            os.unlink(path)
+            return False
+        parts = node.reason[len(adapter.prefix):].strip().split("; ")
+        if not adapter.ours(node.reason) or not set(parts) <= set(ours.get("reasons", [])):
+            log.info("nccl: drain not (only) ours; not resuming", reason=node.reason)
+            return False
+        resumed = adapter.resume(ctx.node)
+    except SlurmError as exc:
+        log.warning("nccl: couldn't resume after a passing test", error=str(exc))
+        return False
+    os.unlink(path)
+    if resumed:
+        log.warning("nccl: test passes again: node resumed", previous_reason=node.reason)
+    return resumed
 
 
 def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why: str
@@ -95,7 +135,7 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
         # This hook reports the failure itself: mark it so, for cached_failure().
         extra = {"reported": time.time()} if result.verdict == "fail" else {}
         cache.store(cache_path(ctx), {**result.to_json(), **extra})
-    return _problems(result.verdict, result.reasons)
+    return _problems(ctx, result.verdict, result.reasons)
 
 
 def prolog(ctx: HookContext) -> list[Problem]:
@@ -157,7 +197,7 @@ def start_idle_verification(ctx: HookContext) -> int:
         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         env=dict(ctx.env),
     )
-    log.info("nccl: idle verification started", pid=proc.pid)
+    log.info("nccl: idle verifier spawned", pid=proc.pid)
     return proc.pid
 
 
@@ -166,7 +206,8 @@ def cached_failure(ctx: HookContext, entry: dict[str, object]) -> list[Problem]:
     passes; but once it has been reported, a node found in service again was put back
     by someone on purpose: that invalidates the result, and the next chance re-tests."""
     reasons = entry.get("reasons")
-    problems = [Problem(STEP, str(r)) for r in (reasons if isinstance(reasons, list) else [])]
+    listed = [str(r) for r in (reasons if isinstance(reasons, list) else [])]
+    problems = _problems(ctx, "fail", listed)
     if not entry.get("reported"):
         cache.write(cache_path(ctx), {**entry, "reported": time.time()})
         return problems
@@ -192,6 +233,8 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         problems = cached_failure(ctx, entry)
         if not problems:
             fresh, entry = current_freshness(ctx)
+    elif fresh.fresh and os.path.exists(drains_path(ctx)):
+        maybe_resume(ctx)
     if not s.idle_verify or not schedule.idle_due(fresh=fresh.fresh, age_s=fresh.age_s,
                                                   interval_s=s.idle_interval_s):
         return problems

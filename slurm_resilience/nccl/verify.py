@@ -21,7 +21,7 @@ from types import FrameType
 from slurm_resilience import config, log
 from slurm_resilience.config.paths import node_name, node_path
 from slurm_resilience.nccl import cache, schedule
-from slurm_resilience.nccl.gate import fingerprint, run_gate
+from slurm_resilience.nccl.gate import run_gate
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.errors import SlurmError
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         path = cache.path_for(cfg.node.state_dir, node)
         fresh = cache.freshness(cache.read(path), now=time.time(), validity_s=s.validity_s,
-                                boot=cache.boot_id(), fingerprint=fingerprint(s))
+                                boot=cache.boot_id(), fingerprint=cache.fingerprint(s))
         if not schedule.idle_due(fresh=fresh.fresh, age_s=fresh.age_s,
                                  interval_s=s.idle_interval_s):
             return EXIT_OK

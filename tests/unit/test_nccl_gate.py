@@ -7,7 +7,7 @@ from pathlib import Path
 
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.config.nccl import NcclSection, NcclThreshold
-from slurm_resilience.nccl import faults, gate
+from slurm_resilience.nccl import cache, faults, gate
 from slurm_resilience.nccl.launcher import Attempt, LaunchSpec, RankOutcome
 
 MIB = 1024**2
@@ -143,8 +143,8 @@ def test_fingerprint_changes_with_the_thresholds() -> None:
     """A result measured under other thresholds is not reused."""
     a = section("nccl:\n  backend: gloo\n  processes: 2\n")
     b = section("nccl:\n  backend: gloo\n  processes: 2\n  thresholds: []\n")
-    assert gate.fingerprint(a) != gate.fingerprint(b)
-    assert gate.fingerprint(a) == gate.fingerprint(section("nccl:\n  backend: gloo\n"
+    assert cache.fingerprint(a) != cache.fingerprint(b)
+    assert cache.fingerprint(a) == cache.fingerprint(section("nccl:\n  backend: gloo\n"
                                                            "  processes: 2\n"))
 
 

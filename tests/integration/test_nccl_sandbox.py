@@ -1,0 +1,234 @@
+"""The NCCL gate in the real sandbox: gloo ranks started by real prologs and health checks.
+
+Every acceptance item of the NCCL issue: a healthy node passes and is cached (a second
+prolog does not re-test), a raised threshold, a wrong sum and a hang each drain with
+their reason, and idle nodes are verified without jobs, handing the node to a job
+that arrives meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_resilience.nccl import cache, faults, schedule
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+WHOLE_NODE = ["--exclusive"]
+
+
+def events(box: Sandbox, **match: object) -> list[dict[str, Any]]:
+    path = box.layout.state_dir / "log" / "slurm-resilience.jsonl"
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        e = json.loads(line)
+        if all(e.get(k) == v for k, v in match.items()):
+            out.append(e)
+    return out
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float, poll: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g}s")
+        time.sleep(poll)
+
+
+def cache_file(box: Sandbox, node: str) -> Path:
+    return box.node_dir(node) / "state" / cache.FILENAME
+
+
+def lock_file(box: Sandbox, node: str) -> Path:
+    return box.node_dir(node) / "run" / schedule.LOCK_NAME
+
+
+def fault_file(box: Sandbox, node: str) -> str:
+    return str(box.node_dir(node) / "nccl-fault.json")
+
+
+def worker_processes() -> list[tuple[int, int]]:
+    """(pid, ppid) of every live rank process on this machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if b"slurm_resilience.nccl.worker" in cmd:
+            found.append((int(entry), int(stat.rsplit(")", 1)[1].split()[1])))
+    return found
+
+
+def sandbox_cli(box: Sandbox, *args: str) -> None:
+    """`slurm-resilience sandbox ARGS --state-dir <the sandbox>` as an operator types it."""
+    box.run([str(box.layout.repo / ".venv/bin/slurm-resilience"), "sandbox", args[0],
+             "--state-dir", str(box.state_dir), *args[1:]])
+
+
+def drained_reason(box: Sandbox, node: str) -> str:
+    info = box.adapter().show_node(node)
+    return info.reason if info.drained else ""
+
+
+def clean(box: Sandbox) -> None:
+    """No faults, no cached results, no verifier left from an earlier test."""
+    for node in box.nodes:
+        faults.write(fault_file(box, node), None)
+        for path in (cache_file(box, node), box.node_dir(node) / "state" / "nccl-drains.json"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        pid = schedule.holder_pid(str(lock_file(box, node)))
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    wait_for("verifiers gone", lambda: all(
+        schedule.holder_pid(str(lock_file(box, n))) is None for n in box.nodes), 20)
+
+
+@pytest.fixture
+def box(sandbox: Sandbox) -> Iterator[Sandbox]:
+    clean(sandbox)
+    yield sandbox
+    sandbox.update_resilience_config({})  # gate off before cleaning up after it
+    clean(sandbox)
+
+
+def enable(box: Sandbox, **values: object) -> None:
+    box.update_resilience_config({"nccl": {"enabled": True, "idle_verify": False, **values}})
+
+
+def prolog_seconds(box: Sandbox, job: int) -> float:
+    found = wait_for(f"prolog event of job {job}", lambda: [
+        e for e in events(box, hook="prolog", job_id=job)
+        if e["event"] in ("hook ok", "hook found problems")], 30)
+    return float(found[0]["seconds"])
+
+
+def test_healthy_node_passes_is_cached_and_not_retested(box: Sandbox) -> None:
+    """A whole-node job's prolog runs the test once; a second job within the validity
+    window starts from the cache, without starting any rank."""
+    enable(box)
+    first = box.sbatch(["true"], args=["-w", "node1", *WHOLE_NODE])
+    assert box.wait_job(first, timeout=90).state == "COMPLETED"
+    entry = cache.read(str(cache_file(box, "node1")))
+    assert entry is not None and entry["verdict"] == "pass", entry
+    assert entry["reasons"][0].endswith(">= 0.01 (2xcpu, 1MiB)")
+    second = box.sbatch(["true"], args=["-w", "node1", *WHOLE_NODE])
+    assert box.wait_job(second, timeout=60).state == "COMPLETED"
+    assert cache.read(str(cache_file(box, "node1"))) == entry  # not re-tested
+    ran = [e for e in events(box, event="nccl: running the test")]
+    assert [e["job_id"] for e in ran] == [first]
+    t1, t2 = prolog_seconds(box, first), prolog_seconds(box, second)
+    print(f"\nprolog with test: {t1:.3f} s; cached: {t2:.3f} s")
+    assert t2 < t1
+
+
+def test_shared_node_job_does_not_run_the_test(box: Sandbox) -> None:
+    """A job using part of the node never waits for the test, even with no result."""
+    enable(box)
+    job = box.sbatch(["true"], args=["-w", "node2", "-n1"])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    assert cache.read(str(cache_file(box, "node2"))) is None
+    assert not events(box, event="nccl: running the test", job_id=job)
+
+
+def test_raised_threshold_drains_with_measured_against_expected(box: Sandbox) -> None:
+    """A threshold above what the node can do: drained with `X GB/s < 10000 (2xcpu, 1MiB)`
+    after one retry, and the job is requeued."""
+    enable(box, thresholds=[{"model": "cpu", "gpus": 2, "size": "1MiB",
+                             "min_busbw_gbps": 10000}])
+    job = box.sbatch(["true"], args=["-w", "node2", *WHOLE_NODE])
+    reason = wait_for("node2 drained", lambda: drained_reason(box, "node2"), 60)
+    assert reason.startswith("SR: nccl allreduce ")
+    assert reason.endswith(" GB/s < 10000 (2xcpu, 1MiB)")
+    entry = cache.read(str(cache_file(box, "node2")))
+    assert entry is not None and len(entry["variants"][0]["attempts"]) == 2
+    assert box.job(job).restarts >= 1 or box.job(job).state == "PENDING"
+
+
+def test_injected_wrong_sum_drains_naming_the_rank(box: Sandbox) -> None:
+    """`sandbox inject node3 nccl-wrong:1`: drained with `nccl allreduce wrong result on rank1`."""
+    sandbox_cli(box, "inject", "node3", "nccl-wrong:1")
+    enable(box)
+    box.sbatch(["true"], args=["-w", "node3", *WHOLE_NODE])
+    reason = wait_for("node3 drained", lambda: drained_reason(box, "node3"), 60)
+    assert reason == "SR: nccl allreduce wrong result on rank1"
+
+
+def test_injected_hang_is_killed_at_the_timeout_and_drains(box: Sandbox) -> None:
+    """`nccl-hang`: both attempts are killed at the 6 s timeout, no rank is left, and the
+    node is drained with `nccl test timed out after 6s`."""
+    sandbox_cli(box, "inject", "node4", "nccl-hang")
+    enable(box, timeout_s=6)
+    job = box.sbatch(["true"], args=["-w", "node4", *WHOLE_NODE])
+    reason = wait_for("node4 drained", lambda: drained_reason(box, "node4"), 60)
+    assert reason == "SR: nccl test timed out after 6s"
+    assert worker_processes() == []
+    seconds = prolog_seconds(box, job)
+    print(f"\nprolog with two hung attempts: {seconds:.3f} s")
+    assert 12 <= seconds < 18
+
+
+def test_idle_nodes_are_verified_without_jobs_and_a_fault_drains_then_heals(box: Sandbox
+                                                                            ) -> None:
+    """With no job at all: every idle node gets a cached pass, node1 with a wrong sum is
+    drained by the health check, and after `sandbox heal` it is verified again and resumed."""
+    sandbox_cli(box, "inject", "node1", "nccl-wrong:0")
+    started = time.monotonic()
+    box.update_resilience_config({"nccl": {"enabled": True}})
+    reason = wait_for("node1 drained", lambda: drained_reason(box, "node1"), 90)
+    drained_after = time.monotonic() - started
+    assert reason == "SR: nccl allreduce wrong result on rank0"
+    for node in ("node2", "node3", "node4"):
+        entry = wait_for(f"{node} verified",
+                         functools.partial(cache.read, str(cache_file(box, node))), 60)
+        assert entry["verdict"] == "pass"
+    sandbox_cli(box, "heal", "node1")
+    wait_for("node1 resumed", lambda: not box.adapter().show_node("node1").drained, 90)
+    resumed_after = time.monotonic() - started
+    print(f"\nidle node1 drained {drained_after:.1f} s after enabling; "
+          f"resumed {resumed_after - drained_after:.1f} s after that")
+
+
+def test_job_arriving_during_idle_verification_takes_the_node_back(box: Sandbox) -> None:
+    """A verification stuck in a hang holds node2; a job for node2 stops it and starts
+    after the hand-off (well under a second), and no rank is left behind."""
+    sandbox_cli(box, "inject", "node2", "nccl-hang")
+    box.update_resilience_config({"nccl": {"enabled": True, "timeout_s": 60}})
+    holder = wait_for("node2 verification running",
+                      lambda: schedule.holder_pid(str(lock_file(box, "node2"))), 40)
+    wait_for("node2 ranks started", lambda: [p for p, pp in worker_processes()
+                                             if pp == holder], 20, poll=0.1)
+    job = box.sbatch(["true"], args=["-w", "node2", "-n1"])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    handoff = [e for e in events(box, event="nccl: took the node back from idle verification")
+               if e.get("job_id") == job]
+    assert handoff and handoff[0]["holder"] == holder and not handoff[0]["forced"]
+    total = prolog_seconds(box, job)
+    print(f"\nhand-off {handoff[0]['seconds']:.3f} s; whole prolog {total:.3f} s")
+    assert handoff[0]["seconds"] < 1.0
+    wait_for("verifier gone", lambda: not Path(f"/proc/{holder}").exists(), 10)
+    assert not [p for p, pp in worker_processes() if pp in (holder, 1)]
+    assert drained_reason(box, "node2") == ""
+    stopped = events(box, event="nccl: idle verification stopped: a job arrived")
+    assert stopped
