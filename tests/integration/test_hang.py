@@ -123,6 +123,30 @@ def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
     assert detect_s <= STEP_TIMEOUT_S + 10
 
 
+def test_xid_during_hang_blames_the_node_with_the_fresh_finding(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """An Xid 79 logged on rank 0's node during the hang outweighs "rank 1 stalled first": that
+    node is drained with the Xid in the reason."""
+    from slurm_resilience.sandbox import faults
+
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "xid")
+    job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 8 "
+                                          "--hang-rank 1")
+    _wait_for(lambda: "rank 1 hanging" in _output(work, job_id), 90, "the hang")
+    out = _output(work, job_id)
+    node_line = re.search(r"rank 0 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)
+    assert node_line, out
+    xid_node = node_line.group(1)
+    print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
+    report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 60, "the decision")
+    drains = report["blame"]["drains"]  # type: ignore[index]
+    assert [d[0] for d in drains] == [xid_node] and "XID 79" in drains[0][1], report["blame"]
+    assert report["blame"]["rule"] == "health"  # type: ignore[index]
+    assert "XID 79" in sandbox.adapter().show_node(xid_node).reason
+    sandbox.run(["scancel", str(job_id)])
+
+
 def test_long_checkpoint_section_is_not_a_hang(sandbox: Sandbox,
                                                test_users: tuple[str, ...]) -> None:
     """A checkpoint section lasting twice the step timeout runs to the end: no incident."""

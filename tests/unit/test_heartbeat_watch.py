@@ -264,3 +264,44 @@ def test_other_users_cannot_report_or_see_a_job(tmp_path: Path) -> None:
         watcher.handle_report({"job_id": 42}, Peer(pid=1, uid=1234, gid=1234))
     assert watcher.handle_status({}, Peer(pid=1, uid=1234, gid=1234))["jobs"] == []
     assert watcher.handle_status({}, Peer(pid=1, uid=OTHER_UID, gid=1))["jobs"][0]["job_id"] == 42
+
+
+def test_two_agents_racing_on_one_hang_requeue_once(tmp_path: Path) -> None:
+    """Two watchers (an agent and its restarted twin) seeing the same hang requeue it once."""
+    cfg = _cfg(tmp_path)
+    runner = FakeRunner(42, NODE)
+    first = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    second = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    proc = _hanging_job(tmp_path, cfg)
+    try:
+        time.sleep(1.3)
+        threads = [threading.Thread(target=w.tick) for w in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first.close()
+        second.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [c for c in runner.calls if c[1] == "requeue"] == [["scontrol", "requeue", "42"]]
+
+
+def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
+    """The auto-tuned step timeout is persisted per job and read back by a new watcher."""
+    cfg = _cfg(tmp_path, auto_tune=True, auto_tune_min_steps=2, auto_tune_factor=10,
+               nccl_timeout_s=600, nccl_margin_s=60)
+    steps.prolog_run_dir(_ctx(cfg, uid=0))
+    slot = Path(P.job_dir(cfg.node.run_dir, NODE, 42)) / "hb-rank-0.slot"
+    hb = Heartbeat(str(slot), rank=0, world_size=1, job_id=42)
+    for step in range(4):
+        hb.beat(step)
+        time.sleep(0.1)
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    watcher.tick()
+    tuned = watcher.jobs[42].verdict.tuned_timeout_s
+    assert tuned is not None and 1.0 <= tuned < 5.0
+    again = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    assert again._tuned(42) == tuned
+    hb.close()
