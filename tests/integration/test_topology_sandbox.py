@@ -7,12 +7,13 @@ import random
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import _finish, _start
 
-from slurm_resilience.config.topology import TopologySection
 from slurm_resilience.sandbox import slurmconf
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.slurm.parse import JobInfo, parse_job
@@ -191,14 +192,22 @@ def test_user_switches_and_opt_out_env_in_slurm(box: Sandbox) -> None:
     assert "left alone: environment SLURM_RESILIENCE_LEAF_PIN=off" in ctld_log(box)
 
 
-def test_apply_features_through_the_adapter(box: Sandbox) -> None:
-    """--apply-features' path: each node gets its leaf feature via scontrol, others are kept."""
-    cfg = TopologySection(leaf_feature_prefix="ib_")
+def test_cli_generate_apply_features(box: Sandbox, tmp_path: Path) -> None:
+    """`topology generate --from-topology-conf ... --apply-features` writes the outputs and gives
+    each node its leaf feature through the adapter, keeping its other features; a second run
+    changes nothing."""
     L = box.layout
-    fabric = install.write_generated(L.etc, slurmconf.topology_conf(L),
-                                     {"leaf_feature_prefix": ""}, L.slurm_conf)
-    assert generate.apply_features(box.adapter(), fabric, cfg) == 9
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"slurm": {"conf": str(L.slurm_conf)},
+                                   "topology": {"leaf_feature_prefix": "ib_"}}))
+    argv = [str(L.repo / ".venv" / "bin" / "slurm-resilience"), "--config", str(cfg),
+            "topology", "generate", "--from-topology-conf", str(L.topology_conf),
+            "--slurm-conf", str(L.slurm_conf), "--out-dir", str(tmp_path / "out"),
+            "--apply-features"]
+    out = box.run(argv).stdout
+    assert "leaf features set on 9 node(s)" in out
+    assert (tmp_path / "out" / "leaf-features.conf").read_text().count("NodeName=") == 3
     nodes = {n.name: n.features for n in box.adapter().list_nodes()}
     assert nodes["node1"] == ("leaf01", "ib_leaf01")
     assert nodes["node9"] == ("leaf03", "ib_leaf03")
-    assert generate.apply_features(box.adapter(), fabric, cfg) == 0
+    assert "leaf features set on 0 node(s)" in box.run(argv).stdout
