@@ -95,8 +95,9 @@ def build(args: argparse.Namespace, cfg: TopologySection
         except ibnetdiscover.ParseError as exc:
             raise UsageError(f"topology: parse: {path}: {exc}") from None
         fabric = model.from_discovery(disc, cfg, site, source=os.path.basename(path))
-        if known is not None:
-            fabric = fabric.restricted_to(known, why="not in slurm.conf")
+        if slurm is not None:
+            fabric = fabric.renamed(slurm.node_names_for(fabric.nodes))
+            fabric = fabric.restricted_to(slurm.nodes, why="not in slurm.conf")
         return fabric, slurm, validate.check_fabric(fabric, known)
     path = args.from_topology_conf
     try:

@@ -116,6 +116,15 @@ class Fabric:
     def nodes(self) -> list[str]:
         return sorted(n for leaf in self.leaves for n in leaf.nodes)
 
+    def renamed(self, names: Mapping[str, str]) -> Fabric:
+        """The fabric with hosts renamed (fabric hostname → Slurm NodeName)."""
+        if not any(n in names for n in self.nodes):
+            return self
+        leaves = tuple(Leaf(lf.name, tuple(sorted(names.get(n, n) for n in lf.nodes)),
+                            lf.members) for lf in self.leaves)
+        return Fabric(leaves, self.uppers, self.unknown_hcas, self.storage_hcas, self.warnings,
+                      self.source)
+
     def restricted_to(self, known: Iterable[str], *, why: str) -> Fabric:
         """The fabric without hosts outside ``known`` (e.g. slurm.conf); each drop is a warning."""
         keep = set(known)

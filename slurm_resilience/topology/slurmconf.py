@@ -22,6 +22,26 @@ class SlurmNodes:
     partitions: dict[str, list[str]] = field(default_factory=dict)
     default_partition: str = ""
 
+    def node_names_for(self, hosts: list[str]) -> dict[str, str]:
+        """Fabric hostnames that are not NodeNames but name one: by NodeHostname, or by the
+        short form of a fully qualified name (``gpu001.cluster`` → ``gpu001``)."""
+        by_hostname: dict[str, str] = {}
+        for name, fields in self.nodes.items():
+            hostname = fields.get("nodehostname", "")
+            if hostname:
+                by_hostname.setdefault(hostname, name)
+                by_hostname.setdefault(hostname.split(".")[0], name)
+        out: dict[str, str] = {}
+        for host in hosts:
+            if host in self.nodes:
+                continue
+            short = host.split(".")[0]
+            match = by_hostname.get(host) or by_hostname.get(short) or (
+                short if short in self.nodes else None)
+            if match:
+                out[host] = match
+        return out
+
     def features(self, node: str) -> list[str]:
         text = self.nodes.get(node, {}).get("features", "")
         return [f for f in text.split(",") if f]

@@ -404,3 +404,20 @@ def _empty_config(tmp_path: Path) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text("")
     return path
+
+
+def test_fabric_hostnames_map_to_slurm_node_names(tmp_path: Path) -> None:
+    """Hosts named by NodeHostname or by a fully qualified name become their NodeName."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("NodeName=cn1 NodeHostname=r-ufm111 CPUs=1\nNodeName=r-ufm96 CPUs=1\n"
+                    "NodeName=r-ufm100 CPUs=1\n")
+    text = KB.read_text().replace('"r-ufm100 HCA-2"', '"r-ufm100.cluster.example HCA-2"')
+    disc_path = tmp_path / "capture.txt"
+    disc_path.write_text(text)
+    out = tmp_path / "out"
+    rc = main(["--config", str(_empty_config(tmp_path)), "topology", "generate",
+               "--from-ibnetdiscover", str(disc_path), "--slurm-conf", str(conf),
+               "--out-dir", str(out)])
+    assert rc == 0
+    topo = (out / "topology.conf").read_text()
+    assert "Nodes=cn1\n" in topo and "Nodes=r-ufm[96,100]\n" in topo
