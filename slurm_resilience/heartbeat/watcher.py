@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +33,9 @@ from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 log = get_logger("heartbeat")
 
 MAX_SLOTS = 4096
+# Per-job markers and tuned timeouts outlive requeues; after this long the job is long gone.
+STATE_RETENTION_S = 14 * 86400
+CLEANUP_EVERY_S = 3600.0
 
 
 @dataclass
@@ -106,6 +110,7 @@ class HangWatcher:
         self.lock = threading.Lock()
         self.tuned: dict[int, float] = {}
         self.config_path, _ = config.resolve_path()
+        self.next_cleanup = 0.0
         self.config_mtime = self._mtime()
 
     # -- live settings ---------------------------------------------------------------------------
@@ -152,6 +157,29 @@ class HangWatcher:
                 del self.jobs[job_id]
                 self.tuned.pop(job_id, None)
             self.threads = [t for t in self.threads if t.is_alive()]
+        if time.monotonic() >= self.next_cleanup:
+            self.next_cleanup = time.monotonic() + CLEANUP_EVERY_S
+            self.cleanup(time.time() - STATE_RETENTION_S)
+
+    def cleanup(self, older_than: float) -> int:
+        """Remove act markers and tuned timeouts last written before ``older_than``."""
+        removed = 0
+        for directory, match in ((os.path.join(self.state_dir, "acted"), lambda n: True),
+                                 (self.state_dir, lambda n: n.startswith("tune-"))):
+            try:
+                names = os.listdir(directory)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                path = os.path.join(directory, name)
+                try:
+                    st = os.lstat(path)
+                    if match(name) and stat.S_ISREG(st.st_mode) and st.st_mtime < older_than:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
 
     def watch(self, rec: jobrecord.JobRecord, now: float | None = None) -> JobView:
         slots, errors = read_slots(self.cfg.node.run_dir, self.node, rec)

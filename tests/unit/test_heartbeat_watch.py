@@ -305,3 +305,17 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
     again = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
     assert again._tuned(42) == tuned
     hb.close()
+
+
+def test_old_markers_and_tuned_timeouts_are_cleaned_up(tmp_path: Path) -> None:
+    """Act markers and tuned timeouts older than the retention are removed; fresh ones stay."""
+    cfg = _cfg(tmp_path)
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    assert watcher._claim(7, 0) and not watcher._claim(7, 0)
+    watcher._save_tuned(7, 12.0)
+    watcher._save_tuned(8, 12.0)
+    old = time.time() - 30 * 86400
+    os.utime(Path(watcher.state_dir) / "acted" / "7-0", (old, old))
+    os.utime(Path(watcher.state_dir) / "tune-7.json", (old, old))
+    assert watcher.cleanup(time.time() - 14 * 86400) == 2
+    assert sorted(p.name for p in Path(watcher.state_dir).glob("tune-*")) == ["tune-8.json"]
