@@ -232,3 +232,16 @@ def test_job_arriving_during_idle_verification_takes_the_node_back(box: Sandbox)
     assert drained_reason(box, "node2") == ""
     stopped = events(box, event="nccl: idle verification stopped: a job arrived")
     assert stopped
+
+
+def test_epilog_tests_a_stale_node_while_it_is_still_the_jobs(box: Sandbox) -> None:
+    """With the prolog test off and nccl.epilog on, a whole-node job's epilog runs the
+    test (the next job then starts from a fresh result)."""
+    enable(box, prolog=False, epilog=True)
+    job = box.sbatch(["true"], args=["-w", "node3", *WHOLE_NODE])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    entry = wait_for("node3 result cached",
+                     functools.partial(cache.read, str(cache_file(box, "node3"))), 60)
+    assert entry["verdict"] == "pass"
+    ran = events(box, event="nccl: running the test", job_id=job)
+    assert [e["hook"] for e in ran] == ["epilog"]
