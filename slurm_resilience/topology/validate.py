@@ -1,11 +1,15 @@
 """Check a topology (parsed or generated) for what slurmctld would reject or mis-place.
 
-Errors are what makes slurmctld refuse the file or misbehave: a line with both
-``Nodes=`` and ``Switches=`` (or neither), a node under two leaf switches, a
-node that slurm.conf does not define, a child switch that is not defined, a
-duplicated or over-long (more than 64 characters) or malformed switch name.
-Warnings are legal but worth knowing: slurm.conf nodes under no leaf, or no
-switch reaching every node.
+Errors are what makes slurmctld refuse the file or misbehave. Observed with
+slurmctld 22.05.8: a line with both ``Nodes=`` and ``Switches=`` is fatal
+("has both child switches and nodes"), so is an undefined child switch ("has
+invalid child"); a node under two leaves only logs "Multiple leaf switches
+contain nodes" and leaves placement undefined; nodes slurm.conf lacks are
+dropped with "Invalid hostnames in switch configuration". Also refused: a line
+with no children, duplicated or malformed switch names, and names over 64
+characters (22.05 accepts them, but they are this project's limit: they end up
+in feature names, logs and sinfo columns). Warnings are legal but worth
+knowing: slurm.conf nodes under no leaf, or no switch reaching every node.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def check_lines(lines: list[SwitchLine], known_nodes: Iterable[str] | None = Non
         where = f"line {sl.line} SwitchName={sl.name}" if sl.line else f"SwitchName={sl.name}"
         if len(sl.name) > MAX_SWITCH_NAME:
             findings.append(Finding(True, where, f"switch name is {len(sl.name)} characters, "
-                                                 f"more than Slurm's {MAX_SWITCH_NAME}"))
+                                                 f"more than the {MAX_SWITCH_NAME} allowed"))
         if not SWITCH_NAME.match(sl.name):
             findings.append(Finding(True, where, "switch name may hold only letters, digits, "
                                                  "'_', '.' and '-'"))
@@ -88,8 +92,9 @@ def check_lines(lines: list[SwitchLine], known_nodes: Iterable[str] | None = Non
                                                  f"{seen[sl.name]})"))
         seen.setdefault(sl.name, sl.line)
         if sl.has_nodes and sl.has_switches:
-            findings.append(Finding(True, where, "has both Nodes= and Switches=; a switch "
-                                                 "holds either nodes (leaf) or switches"))
+            findings.append(Finding(True, where, "has both Nodes= and Switches=; slurmctld "
+                                                 "refuses to start ('has both child switches "
+                                                 "and nodes')"))
         elif not sl.nodes and not sl.switches:
             findings.append(Finding(True, where, "has no Nodes= and no Switches= (no children)"))
         for node in sl.nodes:
@@ -99,18 +104,21 @@ def check_lines(lines: list[SwitchLine], known_nodes: Iterable[str] | None = Non
         missing = [c for c in sl.switches if c not in names]
         if missing:
             findings.append(Finding(True, f"SwitchName={sl.name}",
-                                    f"child switch(es) not defined: {', '.join(missing)}"))
+                                    f"child switch(es) not defined: {', '.join(missing)} "
+                                    "(slurmctld refuses to start: 'has invalid child')"))
     for node, leaves in sorted(leaf_of.items()):
         if len(leaves) > 1:
             findings.append(Finding(True, f"node {node}", f"is on {len(leaves)} leaves "
                                     f"({', '.join(leaves)}); a node belongs to one leaf switch "
-                                    "(multi-homed nodes: use their rail group)"))
+                                    "(slurmctld only warns 'Multiple leaf switches contain "
+                                    "nodes'; multi-homed nodes: use their rail group)"))
     if known_nodes is not None:
         known = set(known_nodes)
         unknown = sorted(n for n in leaf_of if n not in known)
         if unknown:
             findings.append(Finding(True, "Nodes=", f"{len(unknown)} node(s) unknown to "
-                                    f"slurm.conf: {collect_hostlist(unknown)}"))
+                                    "slurm.conf (slurmctld drops them: 'Invalid hostnames in "
+                                    f"switch configuration'): {collect_hostlist(unknown)}"))
         orphans = sorted(n for n in known if n not in leaf_of)
         if orphans:
             findings.append(Finding(False, "slurm.conf", f"{len(orphans)} node(s) under no leaf "
