@@ -79,3 +79,49 @@ def build(root: str, hcas: int = 8, *, rate: str = RATE_NDR) -> list[str]:
     for name in names:
         add_hca(root, name, rate=rate)
     return names
+
+
+# ibstat prints the rate alone; sysfs adds width and generation.
+_RATE_NAMES = {400: "4X NDR", 200: "4X HDR", 100: "4X EDR", 56: "4X FDR", 40: "4X QDR",
+               25: "1X EDR", 20: "4X DDR", 10: "4X SDR"}
+_IBSTAT_STATE = {"Active": "ACTIVE", "Down": "DOWN", "Initializing": "INIT", "Armed": "ARMED"}
+
+
+def build_from_ibstat(root: str, text: str) -> list[str]:
+    """A tree reproducing what a real ``ibstat`` capture shows (CAs, ports, states, rates,
+    link layers); returns the CA names. How the stand-in is checked against reality."""
+    names: list[str] = []
+    hca = ""
+    port = 0
+    fields: dict[str, str] = {}
+
+    def flush() -> None:
+        if hca and port:
+            rate = int(float(fields.get("Rate", "0")))
+            set_port(root, hca, port, state=_IBSTAT_STATE.get(fields.get("State", ""), "DOWN"),
+                     phys_state=fields.get("Physical state", "Disabled"),
+                     rate=f"{rate} Gb/sec ({_RATE_NAMES.get(rate, '4X')})")
+            pdir = os.path.join(root, hca, "ports", str(port))
+            _write(os.path.join(pdir, "link_layer"), fields.get("Link layer", "InfiniBand"))
+            for name in COUNTERS:
+                _write(os.path.join(pdir, "counters", name), "0")
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("CA '"):
+            flush()
+            hca, port, fields = line.split("'")[1], 0, {}
+            names.append(hca)
+        elif stripped.startswith("Port ") and stripped.endswith(":"):
+            flush()
+            port, fields = int(stripped[5:-1]), {}
+        elif ":" in stripped and hca:
+            key, _, value = stripped.partition(":")
+            if not port and key == "CA type":
+                _write(os.path.join(root, hca, "hca_type"), value.strip())
+            elif not port and key == "Firmware version":
+                _write(os.path.join(root, hca, "fw_ver"), value.strip())
+            else:
+                fields[key] = value.strip()
+    flush()
+    return names
