@@ -38,6 +38,7 @@ from slurm_resilience.health.findings import (
     warn,
 )
 from slurm_resilience.health.verdict import Verdict, decide
+from slurm_resilience.log import get_logger
 
 CHECKS = ("gpu", "xid", "infiniband", "nvme")
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
@@ -88,8 +89,11 @@ class StateStore:
         with os.fdopen(fd, encoding="utf-8") as fh:
             try:
                 data = json.load(fh)
-            except ValueError:
-                return {}  # a torn or corrupt state file only costs one baseline
+            except ValueError as exc:
+                # A corrupt state file only costs one baseline; say so and start afresh.
+                get_logger("health").warning("couldn't parse state file; starting afresh",
+                                             path=self._path(name), error=str(exc))
+                return {}
         return data if isinstance(data, dict) else {}
 
     def save(self, name: str, data: dict[str, Any]) -> None:
