@@ -14,18 +14,19 @@ def _guid(kind: int, index: int) -> str:
 
 
 def fat_tree(leaves: int, spines: int, hosts_per_leaf: int, *, rails: int = 1,
-             host_prefix: str = "gpu") -> str:
+             host_prefix: str = "gpu", width: int = 0) -> str:
     """A capture of ``leaves`` leaf switches, each linked to every spine.
 
     With ``rails`` > 1, leaves come in groups of ``rails``; each of the group's
-    hosts has one HCA (``mlx5_<r>``) on every leaf of the group.
+    hosts has one HCA (``mlx5_<r>``) on every leaf of the group. Host numbers are
+    zero-padded to ``width`` digits (0: enough for all hosts, at least 4).
     """
     if leaves % rails:
         raise ValueError(f"leaves ({leaves}) must be a multiple of rails ({rails})")
     leaf_ports = hosts_per_leaf + spines
     spine_desc = [f"MF0;spine{s + 1:03d}:MQM9700/U1" for s in range(spines)]
     leaf_desc = [f"MF0;leaf{i + 1:04d}:MQM9700/U1" for i in range(leaves)]
-    width = max(4, len(str(leaves * hosts_per_leaf // rails)))
+    width = width or max(4, len(str(leaves * hosts_per_leaf // rails)))
     out = ["#", "# Topology file: synthetic fat tree", "#", ""]
     hcas: list[str] = []
     for i in range(leaves):

@@ -17,7 +17,7 @@ from conftest import _finish, _start
 from slurm_resilience.sandbox import slurmconf
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.slurm.parse import JobInfo, parse_job
-from slurm_resilience.topology import generate, install
+from slurm_resilience.topology import generate, install, synthetic
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -211,3 +211,34 @@ def test_cli_generate_apply_features(box: Sandbox, tmp_path: Path) -> None:
     assert nodes["node1"] == ("leaf01", "ib_leaf01")
     assert nodes["node9"] == ("leaf03", "ib_leaf03")
     assert "leaf features set on 0 node(s)" in box.run(argv).stdout
+
+
+def test_rail_optimised_capture_installs_and_places_by_rail_group(box: Sandbox,
+                                                                 tmp_path: Path) -> None:
+    """A rail-optimised capture (each node's 2 HCAs on 2 leaves) generated with the CLI into
+    the sandbox: slurmctld accepts the rail groups as leaves and a 3-node job lands in one."""
+    L = box.layout
+    capture = tmp_path / "ibnetdiscover.out"
+    capture.write_text(synthetic.fat_tree(6, 2, 3, rails=2, host_prefix="node", width=1))
+    saved = {p: p.read_text() for p in (L.topology_conf, L.etc / generate.DATA_FILE)}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"topology": {"leaf_feature_prefix": ""}}))
+    try:
+        box.run([str(L.repo / ".venv" / "bin" / "slurm-resilience"), "--config", str(cfg),
+                 "topology", "generate", "--from-ibnetdiscover", str(capture),
+                 "--slurm-conf", str(L.slurm_conf), "--out-dir", str(L.etc)])
+        box.restart_slurmctld()
+        box.wait_nodes_ready(30)
+        topo = box.run(["scontrol", "show", "topology"]).stdout
+        assert "SwitchName=rg-leaf0001 Level=0" in topo and "Nodes=node[1-3]" in topo
+        assert "leaf-pin: loaded 3 leaves (largest 3 nodes), mode tree" in ctld_log(box)
+        job = box.wait_job(box.sbatch(["true"], args=["-N3", "--output=/dev/null"]))
+        assert job.raw["Switches"].startswith("1@")
+        groups = [{"node1", "node2", "node3"}, {"node4", "node5", "node6"},
+                  {"node7", "node8", "node9"}]
+        assert set(job.nodes) in groups
+    finally:
+        for path, text in saved.items():
+            path.write_text(text)
+        box.restart_slurmctld()
+        box.wait_nodes_ready(30)
