@@ -59,6 +59,15 @@ class _State:
 _state = _State()
 
 
+def _after_fork_in_child() -> None:
+    # A fork from a threaded process (the agent running collectors) may copy the lock
+    # while another thread holds it; the child gets a fresh one so it can log.
+    _state.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def redact(value: Any, key: str = "") -> Any:
     """Return ``value`` with secrets removed: secret-named keys and URL credentials."""
     if key and SECRET_KEY.search(key):
