@@ -24,7 +24,6 @@ from typing import Any
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
-    ChecksummingWriter,
     FileEntry,
     begin_part,
     commit_part,
@@ -36,8 +35,9 @@ from slurm_resilience.checkpoint.commit import (
     verify_part,
     write_commit_marker,
 )
+from slurm_resilience.checkpoint.tensorfile import SKELETON, read_state, write_state
 
-STATE_FILE = "state.pt"
+STATE_FILE = SKELETON
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
 
@@ -217,15 +217,9 @@ class CheckpointManager:
     def _persist(self, step: int, snapshot: Any) -> None:
         ok = False
         try:
-            import torch
-
             tmp = self._begin(step)
-            writer = ChecksummingWriter(tmp / STATE_FILE)
-            try:
-                torch.save(snapshot, writer)  # type: ignore[arg-type]
-            finally:
-                entry = writer.close(fsync=True)
-            commit_part(tmp, step, self.rank, known=[entry])
+            entries = write_state(tmp, snapshot)
+            commit_part(tmp, step, self.rank, known=entries)
             ok = True
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
             self._error = exc
@@ -342,10 +336,7 @@ class CheckpointManager:
         part = self.job_dir / step_name(step) / rank_name(self.rank)
         state = None
         if (part / STATE_FILE).is_file():
-            import torch
-
-            state = torch.load(part / STATE_FILE, map_location=map_location,
-                               weights_only=weights_only)
+            state = read_state(part, map_location=map_location, weights_only=weights_only)
         self.last_saved = step
         return Loaded(step=step, path=part, state=state)
 

@@ -199,7 +199,7 @@ def test_sigkilled_agent_resumes_without_resending_parts(env: tuple[Endpoint, Pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = _journal_parts(base, 21)
-    size = (d / "step-00000001/rank-00000/state.pt").stat().st_size
+    size = (d / "step-00000001/rank-00000/tensors.bin").stat().st_size
     nparts = -(-size // (5 * 1024**2))
     assert 3 <= done < nparts
     resumed = Uploader(_cfg(ep, base), "n1")  # reads the journal like a restarted agent
@@ -242,7 +242,7 @@ def test_corrupt_object_in_s3_falls_back_to_previous_step(env: tuple[Endpoint, P
     _save(d, 5, value=5.0)
     _save(d, 10, value=10.0)
     up.run_pass()
-    obj = ep.dir / "ckpt/root/corrupt/step-00000010/rank-00000/state.pt"
+    obj = ep.dir / "ckpt/root/corrupt/step-00000010/rank-00000/tensors.bin"
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x01
     obj.write_bytes(bytes(data))
@@ -319,7 +319,7 @@ def test_orphaned_upload_of_our_key_is_aborted(env: tuple[Endpoint, Path]) -> No
     d = _job(up, base, 81, "s3://ckpt/root/orph")
     _save(d, 1, mb=12)
     s3 = S3(s3_settings(_cfg(ep, base)))
-    key = "root/orph/step-00000001/rank-00000/state.pt"
+    key = "root/orph/step-00000001/rank-00000/tensors.bin"
     orphan = s3.client.create_multipart_upload(Bucket="ckpt", Key=key)["UploadId"]
     up.jobs[81]["steps"]["1"] = {"state": "pending", "files": {
         f"ckpt-{key}": {}, key: {"done": False, "upload_id": "gone", "parts": {}}}}

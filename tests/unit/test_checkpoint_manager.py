@@ -108,7 +108,9 @@ def test_save_killed_mid_write_leaves_previous_step(tmp_path: Path) -> None:
         mgr.save(1, {{"w": torch.ones(300000)}}); mgr.wait()
         real = commit.ChecksummingWriter.write
         def dying(self, data):
-            if self.size > 500000:
+            view = memoryview(data).cast("B")
+            if len(view) > 100000:  # the tensor data: write half of it, then die
+                real(self, view[: len(view) // 2])
                 os._exit(9)  # like SIGKILL: no cleanup, no flush
             return real(self, data)
         commit.ChecksummingWriter.write = dying
@@ -151,3 +153,21 @@ def test_two_ranks_commit_only_when_both_committed(tmp_path: Path) -> None:
     assert committed_steps(tmp_path / "job") == [1]
     assert "loaded 0 1 0.0" in outs[0][0] and "loaded 1 1 1.0" in outs[1][0]
     assert "only 1 of 2 ranks committed" in outs[0][0]
+
+
+def test_state_round_trips_dtypes_shapes_and_nesting(tmp_path: Path) -> None:
+    """Mixed dtypes (odd sizes included), empty and 0-d tensors, tuples and plain values
+    come back equal, and the skeleton loads with weights_only."""
+    state = {"h": torch.arange(7, dtype=torch.float16), "i": torch.tensor(3),
+             "b": torch.zeros(0, 4), "d": torch.randn(3, 5, dtype=torch.float64),
+             "t": (torch.ones(2, dtype=torch.bfloat16), [1, "x", None]), "lr": 0.1,
+             "nc": torch.randn(4, 6).t()}
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state)
+    got = mgr.load_latest()
+    assert got is not None
+    for key in ("h", "i", "b", "d", "nc"):
+        assert got.state[key].dtype == state[key].dtype  # type: ignore[union-attr]
+        assert torch.equal(got.state[key], state[key])  # type: ignore[arg-type]
+    assert torch.equal(got.state["t"][0], state["t"][0]) and got.state["t"][1] == [1, "x", None]
+    assert got.state["lr"] == 0.1 and isinstance(got.state["t"], tuple)
