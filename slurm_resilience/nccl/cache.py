@@ -2,10 +2,10 @@
 
 One JSON file in the node's root-owned state directory. It is written
 atomically (temp file + rename) and never through a symlink. A result is fresh
-when it passed, is younger than ``validity_s``, was measured in this boot and
-under the same settings, and nobody invalidated it (a node returning to
-service does, see :func:`invalidate`). Reading it costs one small file read, which
-is why the prolog can afford to ask on every job.
+when it passed (or could not be checked at all), is younger than ``validity_s``,
+was measured in this boot and under the same settings, and nobody invalidated
+it (a node returning to service does, see :func:`invalidate`). Reading it costs
+one small file read, which is why the prolog can afford to ask on every job.
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, bo
     age = now - float(entry.get("cached_at", 0.0))
     if entry.get("invalidated"):
         return Freshness(False, f"invalidated: {entry['invalidated']}", age)
-    if entry.get("verdict") != "pass":
-        return Freshness(False, f"last result was {entry.get('verdict', '?')}", age)
+    verdict = entry.get("verdict")
+    if verdict not in ("pass", "unknown"):
+        return Freshness(False, f"last result was {verdict or '?'}", age)
     if boot and entry.get("boot_id") and entry.get("boot_id") != boot:
         return Freshness(False, "node rebooted since the last test", age)
     if entry.get("fingerprint") != fingerprint:
@@ -113,7 +114,9 @@ def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, bo
         return Freshness(False, "cached result is from the future (clock changed)", age)
     if age > validity_s:
         return Freshness(False, f"last test {age:.0f}s ago > {validity_s:g}s", age)
-    return Freshness(True, f"passed {age:.0f}s ago", age)
+    # "Could not check" (no CUDA torch, no GPU found) is not re-tried on every job either.
+    done = "passed" if verdict == "pass" else "could not check"
+    return Freshness(True, f"{done} {age:.0f}s ago", age)
 
 
 def fingerprint(section: NcclSection) -> str:

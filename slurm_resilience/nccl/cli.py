@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         lock.release()
     data = result.to_json()
     # Only a result under the configured settings may stand in for the hooks' test.
-    if not args.no_cache and not args.variant and result.verdict in ("pass", "fail"):
+    if not args.no_cache and not args.variant and result.verdict != "aborted":
         cache.store(path, data)
     if args.json:
         print(json.dumps({"node": node, **data}, indent=1))

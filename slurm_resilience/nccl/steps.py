@@ -131,7 +131,7 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
         result = run_gate(s, fault_file=fault_file(ctx), timeout_s=per_attempt)
     finally:
         lock.release()
-    if result.verdict in ("pass", "fail"):
+    if result.verdict != "aborted":
         # This hook reports the failure itself: mark it so, for cached_failure().
         extra = {"reported": time.time()} if result.verdict == "fail" else {}
         cache.store(cache_path(ctx), {**result.to_json(), **extra})

@@ -108,6 +108,10 @@ def run(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
         "torch": torch.__version__,
     }
     if args.backend == "nccl":
+        if torch.version.cuda is None or not dist.is_nccl_available():
+            # A CPU-only torch is an installation problem, not a sick node: "could not check".
+            where["phase"] = "import"
+            raise RuntimeError(f"torch {torch.__version__} has no CUDA/NCCL support")
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available to torch")
         if torch.cuda.device_count() <= rank:

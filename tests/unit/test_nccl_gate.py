@@ -173,3 +173,14 @@ def test_real_gloo_gate_slow_fault_drops_the_bandwidth(tmp_path: Path) -> None:
     slow = gate.run_gate(section(GLOO % "0.01"), fault_file=fault)
     assert slow.verdict == "fail"
     assert " < 0.01 (2xcpu, 64KiB)" in slow.reasons[0]
+
+
+def test_nccl_backend_without_a_cuda_torch_cannot_check() -> None:
+    """backend nccl with a CPU-only torch (this machine): the ranks say so and the gate
+    answers 'could not check' instead of draining the node."""
+    s = section("nccl:\n  backend: nccl\n  processes: 2\n  gpu_model: H100\n  sizes: [1MiB]\n"
+                "  timeout_s: 60\n")
+    result = gate.run_gate(s)
+    assert result.verdict == "unknown", result.reasons
+    assert "has no CUDA/NCCL support" in result.reasons[0]
+    assert len(result.variants[0].attempts) == 1  # nothing to retry

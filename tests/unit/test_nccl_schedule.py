@@ -46,6 +46,13 @@ def test_stale_results_say_why(change: dict[str, object], why: str) -> None:
     assert not f.fresh and f.why == why
 
 
+def test_could_not_check_is_not_retried_on_every_job() -> None:
+    """An 'unknown' result (no CUDA torch, no GPU) waits for the validity window too."""
+    f = fresh({**GOOD, "verdict": "unknown"})
+    assert f.fresh and f.why == "could not check 60s ago"
+    assert not fresh({**GOOD, "verdict": "unknown", "cached_at": NOW - 7200}).fresh
+
+
 def test_missing_and_corrupt_cache_are_stale(tmp_path: Path) -> None:
     """No file, or an unreadable one, means test again."""
     path = str(tmp_path / "nccl-result.json")
