@@ -189,14 +189,30 @@ def classify(reports: list[RankOutcome], timed_out: bool, timeout_s: float) -> t
     return "ok", ""
 
 
+# Passed on from the caller's environment; everything else is left out. A prolog's
+# environment carries job-controlled values (SPANK_*), which must not reach root's ranks,
+# and a CUDA_VISIBLE_DEVICES from an operator's shell would hide GPUs the test counts.
+PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "HOME")
+PASSED_PREFIXES = ("NCCL_",)
+DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def rank_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment (pure): an allowlist of ``base``, then ``extra`` (config)."""
+    env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
 def run_once(spec: LaunchSpec, stop: threading.Event | None = None) -> Attempt:
     """Start ``spec.ranks`` ranks, wait up to ``spec.timeout_s``, kill what is left."""
     if spec.ranks < 1:
         raise ValueError(f"nccl: launch: need at least one rank, got {spec.ranks}")
     workdir = tempfile.mkdtemp(prefix="sr-nccl-")
     store = os.path.join(workdir, "rendezvous")
-    env = {**os.environ, **spec.env}
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = rank_env(os.environ, spec.env)
     procs: list[subprocess.Popen[bytes]] = []
     started = time.monotonic()
     timed_out = aborted = False

@@ -126,6 +126,11 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
 
     s: NcclSection = ctx.cfg.nccl
     per_attempt = max(budget_s / (s.retries + 1), 1.0)
+    if per_attempt < s.timeout_s:
+        # A hook cannot outlive its own limit; say so, so that a short prolog limit is
+        # seen for what it is when a slow node is reported as timed out.
+        log.warning("nccl: hook limit shortens the test's timeout", hook=ctx.kind,
+                    timeout_s=round(per_attempt, 1), configured_s=s.timeout_s)
     log.info("nccl: running the test", hook=ctx.kind, why=why, timeout_s=round(per_attempt, 1))
     try:
         result = run_gate(s, fault_file=fault_file(ctx), timeout_s=per_attempt)

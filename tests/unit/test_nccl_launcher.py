@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_resilience.nccl import faults
-from slurm_resilience.nccl.launcher import LaunchSpec, RankOutcome, classify, run_once
+from slurm_resilience.nccl.launcher import LaunchSpec, RankOutcome, classify, rank_env, run_once
 
 SIZES = (4096, 65536)
 
@@ -120,3 +120,14 @@ def test_fault_file_is_validated(tmp_path: Path, bad: str) -> None:
     p.write_text(bad)
     with pytest.raises(ValueError, match=str(p)):
         faults.read(str(p))
+
+
+def test_ranks_get_an_allowlisted_environment() -> None:
+    """Job-controlled SPANK_* values and stray variables never reach root's ranks; NCCL_*
+    of the caller and the configured extra environment do."""
+    env = rank_env({"PATH": "/bin", "SPANK_SLURM_RESILIENCE_X": "1", "LD_PRELOAD": "/x.so",
+                    "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "3", "PYTHONPATH": "/tmp"},
+                   {"NCCL_P2P_DISABLE": "1"})
+    assert env == {"PATH": "/bin", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "1",
+                   "NCCL_P2P_DISABLE": "1"}
+    assert rank_env({}, {})["PATH"] == "/usr/sbin:/usr/bin:/sbin:/bin"
