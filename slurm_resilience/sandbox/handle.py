@@ -169,8 +169,13 @@ class Sandbox:
 
     def reset(self, timeout: float = 30.0) -> None:
         """Back to a clean cluster between tests: cancel every job, resume every
-        drained node (whoever drained it) and restore the default hooks' config."""
+        drained node (whoever drained it), heal every node's stand-in hardware and
+        restore the default hooks' config."""
+        from slurm_resilience.sandbox import faults
+
         control.write_resilience_conf(self.layout, self.base_resilience_sections())
+        for name in self.nodes:
+            faults.heal(self.state_dir, name)
         ctl = self.adapter()
         jobs = [j for j in ctl.list_jobs() if j.state not in FINISHED]
         if jobs:
