@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import threading
 from typing import Any
 
 from slurm_resilience import config
@@ -79,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
         holder = schedule.holder_pid(lock.path)
         print(f"nccl-test: {node} is being tested already (pid {holder}); try again later")
         return EXIT_UNKNOWN
+    # A job arriving on the node stops us (its prolog sends SIGTERM): the job wins.
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         fault = node_path(section.fault_file, node) if section.fault_file else ""
-        result = gate.run_gate(section, fault_file=fault, timeout_s=args.timeout)
+        result = gate.run_gate(section, fault_file=fault, timeout_s=args.timeout, stop=stop)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         lock.release()
     data = result.to_json()
     # Only a result under the configured settings may stand in for the hooks' test.

@@ -27,8 +27,9 @@ log = get_logger("nccl")
 ASK_VARS = ("SLURM_RESILIENCE_NCCL_TEST", "SPANK_SLURM_RESILIENCE_NCCL_TEST")
 _TRUE = ("1", "yes", "true", "on")
 LOCK_NAME = "nccl.lock"
-# Only a process whose command line says it is ours may be signalled by the hand-off.
-VERIFIER_MARK = "slurm_resilience.nccl"
+# Only a process whose command line says it is ours may be signalled by the hand-off:
+# idle verification (python -m slurm_resilience.nccl.verify) or `slurm-resilience nccl-test`.
+OUR_MARKS = (b"slurm_resilience.nccl", b"nccl-test")
 
 
 def job_asks(env: Mapping[str, str], always: bool = False) -> bool:
@@ -129,38 +130,46 @@ def holder_pid(path: str) -> int | None:
 def _is_ours(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return VERIFIER_MARK.encode() in fh.read()
+            cmdline = fh.read()
     except OSError:
         return False
+    return any(mark in cmdline for mark in OUR_MARKS)
 
 
 @dataclass(frozen=True)
 class Handoff:
-    """What taking the node back from idle verification took."""
+    """What taking the node from a running test took; ``locked``: the lock is ours now."""
 
     held: bool
     seconds: float
     holder: int | None = None
     forced: bool = False
+    locked: bool = True
 
 
 def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
-    """Acquire the node lock for a job: if idle verification holds it, ask it to stop
-    (SIGTERM: it kills its ranks and releases), wait up to ``timeout_s``, and past that
-    kill it. Returns with ``lock`` held unless even that failed."""
+    """Acquire the node lock for a job. If one of our tests holds it (idle verification,
+    or ``nccl-test`` by hand), ask it to stop (SIGTERM: it kills its ranks and lets go),
+    wait up to ``timeout_s``, and past that kill it. A holder that is not ours is never
+    signalled nor waited for: the job goes on and the caller runs no test."""
     started = time.monotonic()
     if lock.try_acquire():
         return Handoff(False, time.monotonic() - started)
     pid = holder_pid(lock.path)
-    if pid is not None and _is_ours(pid):
-        # Gone already: it finished on its own and the lock is about to be free.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+    if pid is None and lock.acquire(min(0.2, timeout_s)):
+        return Handoff(False, time.monotonic() - started)  # the holder was just letting go
+    if pid is None or not _is_ours(pid):
+        log.warning("nccl: node lock held by a process that is not ours; not waiting",
+                    holder=pid, lock=lock.path)
+        return Handoff(True, time.monotonic() - started, pid, locked=False)
+    # Gone already: it finished on its own and the lock is about to be free.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     forced = False
     if not lock.acquire(timeout_s):
         forced = True
-        if pid is not None and _is_ours(pid):
-            log.error("nccl: handoff: idle verification did not stop; killing it", pid=pid,
+        if _is_ours(pid):
+            log.error("nccl: handoff: the running test did not stop; killing it", pid=pid,
                       timeout_s=timeout_s)
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signal.SIGKILL)
@@ -168,4 +177,4 @@ def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
     seconds = time.monotonic() - started
     log.info("nccl: took the node back from idle verification", holder=pid,
              seconds=round(seconds, 3), forced=forced)
-    return Handoff(True, seconds, pid, forced)
+    return Handoff(True, seconds, pid, forced, lock.fd is not None)

@@ -152,6 +152,8 @@ def prolog(ctx: HookContext) -> list[Problem]:
     handoff = schedule.take_over(lock, s.handoff_timeout_s)
     if handoff.held:
         ctx.notes["nccl_handoff_s"] = round(handoff.seconds, 3)
+    if not handoff.locked:
+        return []  # someone else is testing the node: the job goes on, untested
     fresh, _entry = current_freshness(ctx)
     decision = schedule.decide_prolog(enabled=s.prolog, fresh=fresh.fresh, stale_why=fresh.why,
                                       asks=schedule.job_asks(ctx.env, s.prolog_always))

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         if not schedule.idle_due(fresh=fresh.fresh, age_s=fresh.age_s,
                                  interval_s=s.idle_interval_s):
             return EXIT_OK
+        if stop.is_set():
+            logger.info("nccl: idle verification stopped: a job arrived", seconds=0.0)
+            return EXIT_OK
         logger.info("nccl: idle verification started", why=fresh.why)
         fault = node_path(s.fault_file, node) if s.fault_file else ""
         result = run_gate(s, fault_file=fault, nice=s.nice, stop=stop)

@@ -133,11 +133,11 @@ time.sleep(60)
 """
 
 
-def start_holder(lock: str, stop_cost: str) -> subprocess.Popen[str]:
-    # The extra argument marks it as ours (schedule only signals our verifiers).
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, lock, stop_cost,
-                             "slurm_resilience.nccl.test-holder"], stdout=subprocess.PIPE,
-                            text=True)
+def start_holder(lock: str, stop_cost: str, ours: bool = True) -> subprocess.Popen[str]:
+    # The extra argument marks it as ours (schedule only signals our own tests).
+    mark = "slurm_resilience.nccl.test-holder" if ours else "someone-else"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, lock, stop_cost, mark],
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc
 
@@ -146,7 +146,7 @@ def test_free_lock_is_taken_at_once(tmp_path: Path) -> None:
     """No verification running: no hand-off, the lock is ours."""
     lock = schedule.NodeLock(str(tmp_path / "run" / "nccl.lock"))
     h = schedule.take_over(lock, 2.0)
-    assert not h.held and lock.fd is not None and h.seconds < 0.1
+    assert not h.held and h.locked and lock.fd is not None and h.seconds < 0.1
     assert schedule.holder_pid(lock.path) == os.getpid()
     lock.release()
     assert schedule.holder_pid(lock.path) is None
@@ -158,7 +158,7 @@ def test_job_takes_the_node_back_from_idle_verification(tmp_path: Path) -> None:
     holder = start_holder(path, "0.2")
     lock = schedule.NodeLock(path)
     h = schedule.take_over(lock, 5.0)
-    assert h.held and not h.forced and h.holder == holder.pid
+    assert h.held and h.locked and not h.forced and h.holder == holder.pid
     assert 0.2 <= h.seconds < 1.0
     assert holder.wait(5) == 0
     lock.release()
@@ -206,3 +206,19 @@ def test_lock_is_exclusive(tmp_path: Path) -> None:
     a.release()
     assert b.try_acquire()
     b.release()
+
+
+def test_a_holder_that_is_not_ours_is_neither_signalled_nor_waited_for(tmp_path: Path) -> None:
+    """Someone else's process holding the lock: the job goes on at once, without the lock
+    (so the prolog runs no test), and that process is left alone."""
+    path = str(tmp_path / "nccl.lock")
+    holder = start_holder(path, "0", ours=False)
+    try:
+        lock = schedule.NodeLock(path)
+        h = schedule.take_over(lock, 5.0)
+        assert h.held and not h.locked and lock.fd is None
+        assert h.seconds < 0.5
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()

@@ -174,3 +174,30 @@ def test_gpu_labels_follow_cuda_visible_devices() -> None:
     assert worker.gpu_label("nccl", 1, "GPU-uuid-a,GPU-uuid-b") == "gpu1"
     assert worker.gpu_label("gloo", 1, "4,5") == "rank1"
     assert worker.expected_factor(8) == 36
+
+
+def test_a_job_takes_the_node_from_a_manual_nccl_test(tmp_path: Path) -> None:
+    """`nccl-test` by hand holds the node lock; a job's hand-off stops it within a second:
+    it reports 'aborted', exits 3, caches nothing and leaves no rank behind."""
+    from slurm_resilience.nccl.schedule import NodeLock, holder_pid, take_over
+
+    fault = tmp_path / "fault.json"
+    faults.write(str(fault), faults.Fault("hang", 0))
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(config_text(tmp_path, fault_file=str(fault)).replace(
+        "timeout_s: 30", "timeout_s: 120"))
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_resilience", "--config", str(conf),
+                             "nccl-test", "--node", "n1"], stdout=subprocess.PIPE, text=True)
+    lock_path = str(tmp_path / "run" / "n1" / "nccl.lock")
+    deadline = time.monotonic() + 30
+    while holder_pid(lock_path) != proc.pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2.0)  # ranks started, stuck in the hang
+    lock = NodeLock(lock_path)
+    h = take_over(lock, 5.0)
+    lock.release()
+    out, _ = proc.communicate(timeout=30)
+    assert h.held and h.locked and not h.forced and h.seconds < 1.0
+    assert proc.returncode == 3
+    assert "n1: ABORTED" in out
+    assert cache.read(str(tmp_path / "state" / "n1" / cache.FILENAME)) is None
