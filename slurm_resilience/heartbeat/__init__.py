@@ -87,7 +87,16 @@ def init(env: Mapping[str, str] | None = None) -> Heartbeat | None:
     except ValueError:
         raise ValueError(f"heartbeat: {ENV_TIMEOUT}={raw_timeout!r} is not a number of "
                          "seconds") from None
-    directory = _job_dir(env, job_id)
+    from slurm_resilience.config import ConfigError
+
+    try:
+        directory = _job_dir(env, job_id)
+    except (OSError, ValueError, ConfigError) as exc:
+        # An unreadable cluster config must not stop training: it only loses hang detection.
+        print(f"slurm-resilience: heartbeat: couldn't find the run directory: {exc}; hang "
+              "detection is off for this rank", file=sys.stderr)
+        _disabled = True
+        return None
     if not os.path.isdir(directory):
         print(f"slurm-resilience: heartbeat: no run directory {directory}; hang detection is "
               "off for this rank (is the prolog installed?)", file=sys.stderr)

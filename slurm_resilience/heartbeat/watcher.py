@@ -8,6 +8,7 @@ everything slow runs in one thread per incident.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -373,8 +374,19 @@ class HangWatcher:
                 report["ranks"] += other.get("ranks", [])
                 report["evidence"][node] = other.get("evidence", {})
         report["ranks"].sort(key=lambda r: r["rank"])
-        obs = [B.RankObservation(**o) for p in pieces.values() for o in p.get("observations", [])]
+        obs = []
+        for node, p in pieces.items():
+            for o in p.get("observations", []):
+                try:
+                    obs.append(B.RankObservation(**o))
+                except TypeError as exc:
+                    log.warning("couldn't use an observation", node=node, error=str(exc))
         blamed = B.blame(rec.job_id, obs, {n: p.get("findings", []) for n, p in pieces.items()})
+        if trigger != "timeout" and blamed.drains and blamed.rule != "health":
+            # A job reporting its own stall may requeue itself, but not drain a node on its word.
+            blamed = dataclasses.replace(blamed, drains=(), explanation=(
+                blamed.explanation + "; reported by the job itself: no drain without health "
+                                     "findings"))
         explanation = blamed.explanation
         if missing:
             explanation += f" (no observations from {', '.join(missing)})"

@@ -227,3 +227,16 @@ def test_stragglers_are_persistently_slower_ranks() -> None:
     views = [_view(rank=r, ewma_dt=1.0) for r in range(3)] + [_view(rank=3, ewma_dt=2.0)]
     assert detect.stragglers(views) == (3,)
     assert detect.stragglers([_view(rank=r, ewma_dt=1.0) for r in range(4)]) == ()
+
+
+def test_unreadable_cluster_config_disables_heartbeat_not_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A broken config file only turns hang detection off for the rank, with a message."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("heartbeat:\n  step_timeout: 3\n")
+    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setattr(heartbeat, "_disabled", False)
+    assert heartbeat.init({"SLURM_JOB_ID": "9", "SLURM_RESILIENCE_CONFIG": str(bad)}) is None
+    heartbeat.beat(1)
+    assert "hang detection is off" in capsys.readouterr().err
