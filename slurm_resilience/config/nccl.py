@@ -86,7 +86,10 @@ class NcclSection:
              "NCCL_NET_GDR_LEVEL ...)",
     )
     extra_env: dict[str, str] = setting(
-        default_factory=dict, help="environment added to every rank (e.g. NCCL_DEBUG: WARN)"
+        default_factory=dict,
+        help="environment added to every rank (e.g. NCCL_DEBUG: WARN, LD_LIBRARY_PATH for a "
+             "NCCL net plugin); from the caller the ranks get only PATH, locale, HOME, "
+             "TMPDIR and NCCL_*",
     )
     thresholds: tuple[NcclThreshold, ...] = setting(
         default_factory=_default_thresholds,

@@ -119,7 +119,9 @@ def run(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         info["device_name"] = torch.cuda.get_device_name(rank)
-        info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        # A tuple (2, 21, 5) in current torch, an int (2708) in old ones.
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     else:
         device = torch.device("cpu")
         info["device_name"] = "cpu"
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
             for _ in range(args.warmup):
                 dist.all_reduce(buf)
             sync()
-            dist.barrier()
+            # NCCL's barrier must be told the device, or it guesses one per rank.
+            dist.barrier(device_ids=[rank] if device.type == "cuda" else None)
             began = time.perf_counter()
             for _ in range(args.iters):
                 if mine is not None and mine.kind == "slow":
