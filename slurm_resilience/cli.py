@@ -23,7 +23,6 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_resilience.agent.cli",
     "nccl-test": "slurm_resilience.nccl.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
-    "nccl-test": "slurm_resilience.nccl.cli",
     "check": "slurm_resilience.health.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
     "status": "slurm_resilience.heartbeat.cli",
