@@ -12,6 +12,7 @@ Imported by :mod:`slurm_resilience.sandbox.faults`, which owns the registry.
 
 from __future__ import annotations
 
+from slurm_resilience import config
 from slurm_resilience.nccl import cache, faults
 from slurm_resilience.sandbox import faults as registry
 from slurm_resilience.sandbox.hardware import NodeHardware
@@ -28,7 +29,17 @@ def _inject(name: str, hw: NodeHardware, args: list[str]) -> str:
     who = "every rank" if fault.rank is None else f"rank {fault.rank}"
     what = {"slow": "sleeps 500 ms before each all_reduce", "wrong": "returns a wrong sum",
             "hang": "never enters the all_reduce"}[fault.kind]
-    return f"nccl test: {who} {what} (from the next test on)"
+    return f"nccl test: {who} {what} (from the next test on)" + _hint(hw)
+
+
+def _hint(hw: NodeHardware) -> str:
+    """The sandbox ships the gate off (it costs CPU); say how to turn it on."""
+    conf = hw.root.parent.parent / "etc" / "slurm-resilience.yaml"
+    try:
+        enabled = config.load(str(conf)).nccl.enabled
+    except config.ConfigError:
+        return ""
+    return "" if enabled else f"; the NCCL gate is off: set nccl.enabled: true in {conf}"
 
 
 def nccl_slow(hw: NodeHardware, args: list[str]) -> str:

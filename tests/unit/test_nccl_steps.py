@@ -156,6 +156,12 @@ def test_sandbox_inject_and_heal_write_and_clear_the_fault_file(tmp_path: Path) 
     cache.store(str(node / "state" / cache.FILENAME), {"verdict": "pass"})
     assert "rank 3 returns a wrong sum" in registry.inject(tmp_path, "node1", "nccl-wrong:3")
     assert faults.read(str(node / "nccl-fault.json")) == faults.Fault("wrong", 3)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "slurm-resilience.yaml").write_text("nccl: {enabled: false}\n")
+    assert "the NCCL gate is off: set nccl.enabled: true in" in registry.inject(
+        tmp_path, "node1", "nccl-hang")
+    (tmp_path / "etc" / "slurm-resilience.yaml").write_text("nccl: {enabled: true}\n")
+    assert "gate is off" not in registry.inject(tmp_path, "node1", "nccl-wrong:3")
     with pytest.raises(registry.FaultError, match="nccl-wrong:GPU"):
         registry.inject(tmp_path, "node1", "nccl-wrong")
     from slurm_resilience.nccl import sandbox_faults
