@@ -1,8 +1,9 @@
 """S3 transfers for the agent: multipart, concurrent, resumable, retried with backoff.
 
-Every part is sent with Content-MD5 so the server rejects corrupted bytes; the
-journal record of a file (upload id, parts with their MD5/ETag) is updated after
-each part, so a killed agent resumes without re-sending completed parts.
+Part bodies are protected in transit by the SigV4 payload hash (plain HTTP
+endpoints: botocore signs the body's SHA-256, which S3 checks) or by TLS; the
+journal record of a file (upload id, parts with their ETag and CRC32C) is updated
+after each part, so a killed agent resumes without re-sending completed parts.
 CompleteMultipartUpload can answer 200 with an error in its body: botocore turns
 that into an error for this operation, and we also require an ETag in the parsed
 answer and check the object's size and CRC32C metadata with HEAD afterwards.
@@ -262,17 +263,17 @@ class S3:
             data = os.pread(fd, length, offset)
             if len(data) != length:
                 raise S3Error(f"checkpoint: s3: {key}: file shrank while uploading")
-            md5 = hashlib.md5(data)  # noqa: S324 - S3's integrity check, not security
+            part_crc = Crc32c()
+            part_crc.update(data)
             self.limiter.take(length)
             resp = self.call(f"upload part {n} of {key}", lambda: self.client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data,
-                ContentMD5=base64.b64encode(md5.digest()).decode()))
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data))
             etag = str(resp.get("ETag", ""))
             if not etag:
                 raise S3Error(f"checkpoint: s3: upload part {n} of {key}: answer has no ETag")
             self._count(1)
             with lock:
-                parts[str(n)] = {"etag": etag, "size": length, "md5": md5.hexdigest()}
+                parts[str(n)] = {"etag": etag, "size": length, "crc32c": part_crc.hexdigest()}
                 save()
 
         self._run_parallel(send, todo)

@@ -107,3 +107,18 @@ def test_manifest_and_marker_round_trip_and_reject_garbage() -> None:
     with pytest.raises(CheckpointError, match="not a valid commit marker"):
         CommitMarker.from_json(b"[]")
     assert COMMIT == "COMMIT.json"
+
+
+def test_checksumming_writer_pipelines_large_writes_correctly(tmp_path: Path) -> None:
+    """Large writes checksummed on the helper thread give the same CRC and bytes as inline."""
+    from slurm_resilience.checkpoint.commit import ChecksummingWriter
+
+    small, big = os.urandom(1000), bytearray(os.urandom(40 * 1024 * 1024 + 7))
+    w = ChecksummingWriter(tmp_path / "f")
+    w.write(small)
+    w.write(memoryview(big))
+    w.write(small)
+    entry = w.close()
+    data = (tmp_path / "f").read_bytes()
+    assert data == small + bytes(big) + small
+    assert (entry.size, entry.crc32c) == (len(data), f"{google_crc32c.value(data):08x}")
