@@ -67,7 +67,7 @@ def test_hang_is_killed_at_the_timeout_with_nothing_left(tmp_path: Path) -> None
     elapsed = time.monotonic() - started
     assert attempt.status == "timeout"
     assert attempt.detail == "timed out after 4s"
-    assert 4.0 <= elapsed < 8.0
+    assert 4.0 <= elapsed < 15.0  # killed at the limit, not at the ranks' own 34 s deadline
     assert attempt.leftovers == ()
     assert worker_pids() == []
     assert all(r.returncode == -9 for r in attempt.ranks)
@@ -92,7 +92,7 @@ def test_stop_event_aborts_the_attempt(tmp_path: Path) -> None:
     started = time.monotonic()
     attempt = run_once(spec(tmp_path, faults.Fault("hang", 0), timeout_s=30.0), stop)
     assert attempt.status == "aborted"
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 10.0  # far from the 30 s timeout
     assert worker_pids() == []
 
 

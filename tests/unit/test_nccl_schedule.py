@@ -146,7 +146,7 @@ def test_free_lock_is_taken_at_once(tmp_path: Path) -> None:
     """No verification running: no hand-off, the lock is ours."""
     lock = schedule.NodeLock(str(tmp_path / "run" / "nccl.lock"))
     h = schedule.take_over(lock, 2.0)
-    assert not h.held and h.locked and lock.fd is not None and h.seconds < 0.1
+    assert not h.held and h.locked and lock.fd is not None and h.seconds < 1.0
     assert schedule.holder_pid(lock.path) == os.getpid()
     lock.release()
     assert schedule.holder_pid(lock.path) is None
@@ -159,7 +159,7 @@ def test_job_takes_the_node_back_from_idle_verification(tmp_path: Path) -> None:
     lock = schedule.NodeLock(path)
     h = schedule.take_over(lock, 5.0)
     assert h.held and h.locked and not h.forced and h.holder == holder.pid
-    assert 0.2 <= h.seconds < 1.0
+    assert 0.2 <= h.seconds < 4.0  # its stop cost, well inside the 5 s limit
     assert holder.wait(5) == 0
     lock.release()
 
@@ -217,7 +217,7 @@ def test_a_holder_that_is_not_ours_is_neither_signalled_nor_waited_for(tmp_path:
         lock = schedule.NodeLock(path)
         h = schedule.take_over(lock, 5.0)
         assert h.held and not h.locked and lock.fd is None
-        assert h.seconds < 0.5
+        assert h.seconds < 2.0  # not the 5 s hand-off wait
         assert holder.poll() is None
     finally:
         holder.kill()
