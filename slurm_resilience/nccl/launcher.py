@@ -202,6 +202,9 @@ def rank_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str
     env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
     env.setdefault("PATH", DEFAULT_PATH)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # CUDA numbers GPUs fastest-first by default; PCI order makes rank i the GPU that
+    # nvidia-smi, NVML and the health gate call gpu i, so "wrong result on gpu5" means one GPU.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env.update(extra)
     return env
 

@@ -124,10 +124,10 @@ def test_fault_file_is_validated(tmp_path: Path, bad: str) -> None:
 
 def test_ranks_get_an_allowlisted_environment() -> None:
     """Job-controlled SPANK_* values and stray variables never reach root's ranks; NCCL_*
-    of the caller and the configured extra environment do."""
+    of the caller and the configured extra environment do; GPUs are numbered in PCI order."""
     env = rank_env({"PATH": "/bin", "SPANK_SLURM_RESILIENCE_X": "1", "LD_PRELOAD": "/x.so",
                     "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "3", "PYTHONPATH": "/tmp"},
                    {"NCCL_P2P_DISABLE": "1"})
     assert env == {"PATH": "/bin", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "1",
-                   "NCCL_P2P_DISABLE": "1"}
+                   "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_P2P_DISABLE": "1"}
     assert rank_env({}, {})["PATH"] == "/usr/sbin:/usr/bin:/sbin:/bin"
