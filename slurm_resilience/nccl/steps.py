@@ -119,8 +119,8 @@ def maybe_resume(ctx: HookContext) -> bool:
     return resumed
 
 
-def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why: str
-                ) -> list[Problem]:
+def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why: str,
+                node_use: str) -> list[Problem]:
     """Run the test now, holding ``lock``, within ``budget_s`` for all attempts."""
     from slurm_resilience.nccl.gate import run_gate
 
@@ -131,7 +131,8 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
         # seen for what it is when a slow node is reported as timed out.
         log.warning("nccl: hook limit shortens the test's timeout", hook=ctx.kind,
                     timeout_s=round(per_attempt, 1), configured_s=s.timeout_s)
-    log.info("nccl: running the test", hook=ctx.kind, why=why, timeout_s=round(per_attempt, 1))
+    log.info("nccl: running the test", hook=ctx.kind, why=why, node_use=node_use,
+             timeout_s=round(per_attempt, 1))
     try:
         result = run_gate(s, fault_file=fault_file(ctx), timeout_s=per_attempt)
     finally:
@@ -166,7 +167,8 @@ def prolog(ctx: HookContext) -> list[Problem]:
         log.info("nccl: test due but not run in this prolog", why=decision.why, node_use=how)
         return []
     budget = ctx.cfg.hooks.prolog_timeout_s - PROLOG_MARGIN_S - (time.monotonic() - started)
-    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), decision.why)
+    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), decision.why,
+                       how)
 
 
 def epilog(ctx: HookContext) -> list[Problem]:
@@ -185,7 +187,7 @@ def epilog(ctx: HookContext) -> list[Problem]:
     if not lock.try_acquire():
         return []  # someone is testing already
     budget = ctx.cfg.hooks.epilog_timeout_s - PROLOG_MARGIN_S - (time.monotonic() - started)
-    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), fresh.why)
+    return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), fresh.why, how)
 
 
 def verifier_argv(ctx: HookContext) -> list[str]:

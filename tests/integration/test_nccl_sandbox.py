@@ -138,9 +138,26 @@ def test_healthy_node_passes_is_cached_and_not_retested(box: Sandbox) -> None:
     assert cache.read(str(cache_file(box, "node1"))) == entry  # not re-tested
     ran = [e for e in events(box, event="nccl: running the test")]
     assert [e["job_id"] for e in ran] == [first]
+    assert ran[0]["why"] == "no cached result" and ran[0]["node_use"] == "exclusive job"
     t1, t2 = prolog_seconds(box, first), prolog_seconds(box, second)
     print(f"\nprolog with test: {t1:.3f} s; cached: {t2:.3f} s")
     assert t2 < t1
+
+
+def test_job_holding_every_cpu_counts_as_whole_node_and_can_ask(box: Sandbox) -> None:
+    """Not --exclusive but all of the node's CPUs: whole node. A fresh result is not
+    re-tested unless the job asks (SLURM_RESILIENCE_NCCL_TEST=1 via the config's
+    prolog_always here, as the prolog cannot see the job's own environment)."""
+    enable(box)
+    job = box.sbatch(["true"], args=["-w", "node4", "-n1", "-c2"])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    ran = events(box, event="nccl: running the test", job_id=job)
+    assert ran and ran[0]["node_use"] == "job holds all 2 CPUs"
+    enable(box, prolog_always=True)
+    again = box.sbatch(["true"], args=["-w", "node4", "-n1", "-c2"])
+    assert box.wait_job(again, timeout=60).state == "COMPLETED"
+    ran = events(box, event="nccl: running the test", job_id=again)
+    assert ran and ran[0]["why"] == "the job asks for the test"
 
 
 def test_shared_node_job_does_not_run_the_test(box: Sandbox) -> None:
