@@ -138,13 +138,16 @@ def test_xid_during_hang_blames_the_node_with_the_fresh_finding(
     node_line = re.search(r"rank 0 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)
     assert node_line, out
     xid_node = node_line.group(1)
-    print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
-    report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 60, "the decision")
-    drains = report["blame"]["drains"]  # type: ignore[index]
-    assert [d[0] for d in drains] == [xid_node] and "XID 79" in drains[0][1], report["blame"]
-    assert report["blame"]["rule"] == "health"  # type: ignore[index]
-    assert "XID 79" in sandbox.adapter().show_node(xid_node).reason
-    sandbox.run(["scancel", str(job_id)])
+    try:
+        print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
+        report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 60, "the decision")
+        drains = report["blame"]["drains"]  # type: ignore[index]
+        assert [d[0] for d in drains] == [xid_node] and "XID 79" in drains[0][1], report["blame"]
+        assert report["blame"]["rule"] == "health"  # type: ignore[index]
+        assert "XID 79" in sandbox.adapter().show_node(xid_node).reason
+    finally:
+        sandbox.run(["scancel", str(job_id)])
+        faults.heal(sandbox.layout.state_dir, xid_node)  # the lost GPU would fail later prologs
 
 
 def test_long_checkpoint_section_is_not_a_hang(sandbox: Sandbox,
