@@ -4,8 +4,10 @@ an unprivileged test user."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import signal
 import time
 from pathlib import Path
 
@@ -160,3 +162,94 @@ def test_planted_symlinks_not_followed_by_cleanup_nor_uploaded(
     assert "step-00000005/COMMIT.json" in uploaded
     assert not [u for u in uploaded if "canary" in u or "etc" in u]
     assert not (sandbox.layout.node_dir("node3") / "nvme" / f"job-{job}").exists()
+
+
+def _restart_agent(sandbox: Sandbox, node: str, sig: int = signal.SIGTERM) -> None:
+    """Stop a node's agent (SIGKILL: no cleanup at all) and start it again."""
+    extra = next(e for e in control.agent_extras(sandbox.layout)
+                 if e.daemon.name == f"agent-{node}")
+    pid = extra.daemon.pid()
+    if pid is not None:
+        os.kill(pid, sig)
+        deadline = time.monotonic() + 10
+        while extra.daemon.pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    daemons.spawn(extra.argv, log_file=sandbox.layout.log_dir / f"{extra.daemon.name}.log",
+                  pid_file=extra.daemon.pid_file,
+                  env={**control.daemon_env(sandbox.layout), **extra.env})
+    sock = Path(str(sandbox.layout.node_dir(node) / "run" / "agent.sock"))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if sock.exists() and extra.daemon.pid() is not None:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"agent on {node} did not come back")
+
+
+def _journal_parts(sandbox: Sandbox, node: str, job: int) -> int:
+    path = sandbox.layout.node_dir(node) / "state" / "ckpt-journal" / f"job-{job}.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+    return sum(len(f.get("parts", {})) for st in rec["steps"].values()
+               for f in st.get("files", {}).values())
+
+
+def test_agent_sigkilled_mid_upload_resumes_without_resending_parts(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """The node agent is SIGKILLed in the middle of a multipart upload; restarted, it
+    resumes from its journal (completed parts are not sent again) and the S3 copy verifies."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-kill")
+    uri = f"s3://ckpt/{user}/kill-{time.time_ns()}"
+    sandbox.update_resilience_config({"checkpoint": {"rate_limit": "4MiB", "concurrency": 1,
+                                                     "epilog_wait_s": 1.0}})
+    try:
+        _restart_agent(sandbox, "node4")  # picks up the throttled config
+        job = _train(sandbox, user, wd, uri, ["node4"],
+                     "--steps 5 --ckpt-every 5 --state-mb 40")
+        deadline = time.monotonic() + 120
+        while _journal_parts(sandbox, "node4", job) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done = _journal_parts(sandbox, "node4", job)
+        assert done >= 3
+        _restart_agent(sandbox, "node4", signal.SIGKILL)
+        marker = _s3_run(sandbox, uri) / "step-00000005" / "COMMIT.json"
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert marker.is_file()
+        assert sandbox.wait_job(job, timeout=60).state == "COMPLETED"
+    finally:
+        sandbox.update_resilience_config({})
+        _restart_agent(sandbox, "node4")
+    log = [json.loads(line) for line in
+           (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text().splitlines()
+           if '"resuming multipart upload"' in line]
+    resumed = [e for e in log if e.get("node") == "node4" and uri.removeprefix("s3://ckpt/")
+               in e.get("key", "")]
+    assert resumed and resumed[-1]["parts_done"] >= done, log
+    assert "step-00000005: ok" in _ckpt(sandbox, "verify", uri)
+    print(f"\nagent SIGKILLed after {done} journaled parts; restart resumed with "
+          f"{resumed[-1]['parts_done']} of {resumed[-1]['parts']} parts already in S3")
+
+
+def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
+                                                  test_users: tuple[str, ...]) -> None:
+    """One object of the newest step is corrupted in S3: a new job's stage-in detects it
+    (CRC32C) and resumes from the step before."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-corrupt")
+    uri = f"s3://ckpt/{user}/corrupt-{time.time_ns()}"
+    first = _train(sandbox, user, wd, uri, ["node1"], "--steps 10 --ckpt-every 5")
+    assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
+    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / "tensors.bin"
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    obj.write_bytes(bytes(data))
+    second = _train(sandbox, user, wd, uri, ["node2"], "--steps 12 --ckpt-every 5")
+    assert sandbox.wait_job(second, timeout=120).state == "COMPLETED", _out(wd, second)
+    assert "done step=12 resumed_from=5 restarts=0" in _out(wd, second)
+    log = (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text()
+    assert "stage-in: step does not verify, falling back" in log
