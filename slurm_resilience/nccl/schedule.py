@@ -42,19 +42,18 @@ def job_asks(env: Mapping[str, str], always: bool = False) -> bool:
 class Decision:
     run: bool
     why: str
-    needs_whole_node: bool = True
 
 
 def decide_prolog(*, enabled: bool, fresh: bool, stale_why: str, asks: bool) -> Decision:
     """Pure, and cheap first: the whole-node question (a slurmctld call) is asked
     only when this says the test would otherwise run."""
     if not enabled:
-        return Decision(False, "the prolog test is off (nccl.prolog)", False)
+        return Decision(False, "the prolog test is off (nccl.prolog)")
     if asks:
         return Decision(True, "the job asks for the test")
     if not fresh:
         return Decision(True, stale_why)
-    return Decision(False, stale_why, False)
+    return Decision(False, stale_why)
 
 
 def idle_due(*, fresh: bool, age_s: float | None, interval_s: float) -> bool:
