@@ -31,6 +31,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,9 @@ def init_distributed() -> tuple[int, int]:
                 addr = first
             except OSError:
                 addr = "127.0.0.1"
-    port = int(os.environ.get("MASTER_PORT") or 20000 + (job * 13 + restarts * 7) % 9000)
+    # Same on every rank, different per job, run and cluster (sandboxes share one host).
+    seed = f"{os.environ.get('SLURM_CLUSTER_NAME', '')}/{job}/{restarts}".encode()
+    port = int(os.environ.get("MASTER_PORT") or 20000 + zlib.crc32(seed) % 20000)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world)
     return rank, world

@@ -157,7 +157,8 @@ class CheckpointManager:
 
             node = node_name(env.get("SLURMD_NODENAME") or cfg.node.name)
             jdir = job_dir(node_path(ck.staging_root, node), job_id)
-            agent_socket = node_path(cfg.agent.socket, node)
+            # Only a run with a URI has anything to stage in or upload.
+            agent_socket = node_path(cfg.agent.socket, node) if uri else None
         else:
             raise CheckpointError(f"checkpoint: from_env: no SLURM_JOB_ID and no {ENV_DIR}; "
                                   "run under Slurm or name a local directory")

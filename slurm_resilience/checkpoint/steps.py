@@ -26,8 +26,13 @@ def prolog(ctx: HookContext) -> list[Problem]:
     except (CheckpointError, OSError) as exc:
         return [Problem("checkpoint", f"ckpt staging dir under {root} unusable: {exc}")]
     try:
-        call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start", timeout=5.0,
-             job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user)
+        # With the SPANK option --ckpt-uri the agent starts staging in right now, while
+        # Slurm launches the tasks; otherwise when the job registers its URI.
+        answer = call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start",
+                      timeout=5.0, job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user,
+                      uri=ctx.job_option("CKPT_URI"))
+        if answer.get("refused"):
+            log.warning("prolog: --ckpt-uri refused", error=answer["refused"])
     except (AgentUnavailable, AgentRefused) as exc:
         # Training still works locally; the job just gets no stage-in or S3 sync.
         log.warning("prolog: couldn't ask the agent to stage in", error=str(exc))

@@ -123,6 +123,13 @@ class Uploader:
             user = str(request["user"])
         except (KeyError, TypeError, ValueError):
             raise RequestError("checkpoint: job_start needs job_id, uid, gid, user") from None
+        uri = str(request.get("uri") or "")
+        refused = ""
+        if uri:  # from the SPANK option --ckpt-uri: stage in before the tasks even start
+            try:
+                uri = str(check_run_uri(uri, self.ck.allowed_prefix, user))
+            except CheckpointError as exc:
+                refused, uri = str(exc), ""  # the job's own register call reports it
         with self.lock:
             rec = self.jobs.get(job_id)
             if rec is None or int(rec["uid"]) != uid:
@@ -130,11 +137,13 @@ class Uploader:
             else:  # a requeued job on the same node
                 rec["state"], rec["ended_at"] = "active", None
                 rec["stagein"] = {"state": "pending"}
+            if uri and not rec.get("uri"):
+                rec["uri"] = uri
             self.jobs[job_id] = rec
             self.journal.write(rec)
             if rec.get("uri"):
                 self._start_stagein(rec)
-        return {"ok": True}
+        return {"ok": True, "refused": refused} if refused else {"ok": True}
 
     def on_register(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer)

@@ -32,13 +32,16 @@ def _workdir(sandbox: Sandbox, user: str, name: str) -> Path:
 
 
 def _train(sandbox: Sandbox, user: str, wd: Path, uri: str, nodes: list[str], args: str,
-           before: str = "", after: str = "") -> int:
-    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{before}"
+           before: str = "", after: str = "", spank: bool = False) -> int:
+    """Submit examples/train.py with the run URI in the environment or, with ``spank``,
+    as the SPANK option --ckpt-uri (the prolog then starts the stage-in)."""
+    export = "" if spank else f"export SLURM_RESILIENCE_CKPT_URI={uri}\n"
+    script = (f"#!/bin/sh\n{export}{before}"
               f"srun --kill-on-bad-exit=1 -N{len(nodes)} -n{len(nodes)} {PYTHON} -u {TRAIN} "
               f"--state-mb 2 --step-seconds 0.2 {args}\n{after}")
     return sandbox.sbatch(script, user=user, args=[
         f"-N{len(nodes)}", f"-n{len(nodes)}", f"--nodelist={','.join(nodes)}",
-        f"--output={wd}/slurm-%j.out"])
+        f"--output={wd}/slurm-%j.out", *([f"--ckpt-uri={uri}"] if spank else [])])
 
 
 def _out(wd: Path, job: int) -> str:
@@ -253,3 +256,23 @@ def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
     assert "done step=12 resumed_from=5 restarts=0" in _out(wd, second)
     log = (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text()
     assert "stage-in: step does not verify, falling back" in log
+
+
+def test_spank_option_starts_stage_in_from_the_prolog(sandbox: Sandbox,
+                                                      test_users: tuple[str, ...]) -> None:
+    """With --ckpt-uri (SPANK) instead of the environment variable, the prolog hands the URI
+    to the agent, stage-in starts before the tasks, and the tasks see the same URI."""
+    user = test_users[0]
+    wd = _workdir(sandbox, user, "ckpt-spank")
+    uri = f"s3://ckpt/{user}/spank-{time.time_ns()}"
+    first = _train(sandbox, user, wd, uri, ["node1"], "--steps 5 --ckpt-every 5", spank=True)
+    assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
+    assert (_s3_run(sandbox, uri) / "step-00000005" / "COMMIT.json").is_file()
+    second = _train(sandbox, user, wd, uri, ["node2"], "--steps 8 --ckpt-every 5", spank=True)
+    assert sandbox.wait_job(second, timeout=120).state == "COMPLETED", _out(wd, second)
+    assert "done step=8 resumed_from=5 restarts=0" in _out(wd, second)
+    events = [json.loads(line) for line in
+              (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text().splitlines()
+              if f'"job_id": {second},' in line]
+    started = [e for e in events if e.get("event") == "stage-in finished"]
+    assert started and started[0]["source"] == "s3" and started[0]["step"] == 5

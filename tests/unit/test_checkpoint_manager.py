@@ -171,3 +171,19 @@ def test_state_round_trips_dtypes_shapes_and_nesting(tmp_path: Path) -> None:
         assert torch.equal(got.state[key], state[key])  # type: ignore[arg-type]
     assert torch.equal(got.state["t"][0], state["t"][0]) and got.state["t"][1] == [1, "x", None]
     assert got.state["lr"] == 0.1 and isinstance(got.state["t"], tuple)
+
+
+def test_from_env_without_uri_uses_local_steps_and_never_waits_for_stage_in(
+        tmp_path: Path) -> None:
+    """A Slurm job without SLURM_RESILIENCE_CKPT_URI finds its staging dir from config and
+    loads local steps at once (no agent, no stage-in wait)."""
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"checkpoint:\n  staging_root: {tmp_path}/{{node}}\n  stagein_timeout_s: 60\n"
+                    f"agent:\n  socket: {tmp_path}/missing.sock\n")
+    (tmp_path / "n1" / "job-5").mkdir(parents=True)
+    env = {"SLURM_RESILIENCE_CONFIG": str(conf), "SLURM_JOB_ID": "5", "SLURMD_NODENAME": "n1"}
+    mgr = CheckpointManager.from_env(env)
+    assert mgr.job_dir == tmp_path / "n1" / "job-5" and mgr.agent_socket is None
+    mgr.save(4, {"w": torch.ones(2)})
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 4
