@@ -21,12 +21,10 @@ COMMANDS: dict[str, str] = {
     "slurm": "slurm_resilience.slurm.cli",
     "sandbox": "slurm_resilience.sandbox.cli",
     "agent": "slurm_resilience.agent.cli",
-    "ckpt": "slurm_resilience.checkpoint.cli",
     "nccl-test": "slurm_resilience.nccl.cli",
+    "status": "slurm_resilience.heartbeat.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
     "check": "slurm_resilience.health.cli",
-    "ckpt": "slurm_resilience.checkpoint.cli",
-    "status": "slurm_resilience.heartbeat.cli",
     "topology": "slurm_resilience.topology.cli",
 }
 
