@@ -3,7 +3,7 @@
  *
  *   --ckpt-uri=s3://bucket/user/run   where checkpoints of this run live (its identity)
  *   --hang-timeout=SECONDS            stall timeout of the hang watcher for this job
- *   --hang-watch=on|off               opt this job out of hang detection and requeue
+ *   --hang-watch=on|observe|off       hang handling for this job: act, report only, or none
  *   --leaf-pin=on|off                 opt out of keeping the job under one IB leaf
  *   --nccl-test                       ask the prolog for an NCCL loopback test
  *
@@ -41,8 +41,8 @@ static struct spank_option options[] = {
      1, OPT_CKPT_URI, on_option},
     {"hang-timeout", "SECONDS", "slurm-resilience: requeue the job when a rank makes no "
      "progress for this long", 1, OPT_HANG_TIMEOUT, on_option},
-    {"hang-watch", "on|off", "slurm-resilience: hang detection and automatic requeue "
-     "(default on)", 1, OPT_HANG_WATCH, on_option},
+    {"hang-watch", "on|observe|off", "slurm-resilience: hang detection and automatic requeue; "
+     "observe only reports (default on)", 1, OPT_HANG_WATCH, on_option},
     {"leaf-pin", "on|off", "slurm-resilience: keep a multi-node job under one InfiniBand "
      "leaf switch (default on)", 1, OPT_LEAF_PIN, on_option},
     {"nccl-test", NULL, "slurm-resilience: run the NCCL loopback test in the prolog",
@@ -58,7 +58,7 @@ static const char *env_name(int id)
     switch (id) {
     case OPT_CKPT_URI: return "CKPT_URI";
     case OPT_HANG_TIMEOUT: return "HANG_TIMEOUT";
-    case OPT_HANG_WATCH: return "HANG_WATCH";
+    case OPT_HANG_WATCH: return "HANG";  /* read by slurm_resilience.heartbeat */
     case OPT_LEAF_PIN: return "LEAF_PIN";
     case OPT_NCCL_TEST: return "NCCL_TEST";
     }
@@ -106,6 +106,11 @@ static int check_value(int id, const char *arg, char *out, size_t outlen)
         }
         break;
     case OPT_HANG_WATCH:
+        if (strcmp(arg, "on") != 0 && strcmp(arg, "observe") != 0 && strcmp(arg, "off") != 0) {
+            slurm_error("slurm-resilience: --hang-watch=%s: expected on, observe or off", arg);
+            return -1;
+        }
+        break;
     case OPT_LEAF_PIN:
         if (strcmp(arg, "on") != 0 && strcmp(arg, "off") != 0) {
             slurm_error("slurm-resilience: --%s=%s: expected on or off",

@@ -25,13 +25,14 @@ def test_options_reach_the_tasks_and_the_prolog(sandbox: Sandbox) -> None:
     job = sandbox.sbatch(
         ["sh", "-c", "env | grep ^SLURM_RESILIENCE_ | sort"],
         args=["-N1", "--ckpt-uri=s3://ckpt/root/spank-run", "--hang-timeout=90",
-              "--leaf-pin=off"],
+              "--leaf-pin=off", "--hang-watch=observe"],
     )
     sandbox.wait_job(job, timeout=60)
     out = sandbox.output(job)
     assert "SLURM_RESILIENCE_CKPT_URI=s3://ckpt/root/spank-run" in out
     assert "SLURM_RESILIENCE_HANG_TIMEOUT=90" in out
     assert "SLURM_RESILIENCE_LEAF_PIN=off" in out
+    assert "SLURM_RESILIENCE_HANG=observe" in out
     deadline = time.monotonic() + 10
     while not (events := _hook_events(sandbox, job)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -39,6 +40,7 @@ def test_options_reach_the_tasks_and_the_prolog(sandbox: Sandbox) -> None:
     assert prolog, "the prolog logged no 'hook ok' event for the job"
     assert prolog[0]["job_options"] == {
         "CKPT_URI": "s3://ckpt/root/spank-run", "HANG_TIMEOUT": "90", "LEAF_PIN": "off",
+        "HANG": "observe",
     }
 
 
@@ -50,6 +52,7 @@ def test_options_reach_the_tasks_and_the_prolog(sandbox: Sandbox) -> None:
         ("--ckpt-uri=/etc/passwd", "expected s3://bucket/prefix"),
         ("--ckpt-uri=s3://ckpt/../other", "expected s3://bucket/prefix"),
         ("--leaf-pin=maybe", "expected on or off"),
+        ("--hang-watch=later", "expected on, observe or off"),
     ],
 )
 def test_bad_option_fails_sbatch_naming_it(sandbox: Sandbox, option: str, message: str) -> None:
