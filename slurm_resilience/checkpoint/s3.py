@@ -328,8 +328,9 @@ class S3:
             for fut in [pool.submit(fn, i) for i in items]:
                 fut.result()
 
-    def multipart_uploads(self, bucket: str, prefix: str) -> Iterator[tuple[str, str]]:
-        """(key, upload id) of every unfinished multipart upload under ``prefix``."""
+    def multipart_uploads(self, bucket: str, prefix: str
+                          ) -> Iterator[tuple[str, str, float | None]]:
+        """(key, upload id, age in seconds) of every unfinished multipart upload."""
         try:
             resp = self.call(f"list uploads {prefix}", lambda: self.client.list_multipart_uploads(
                 Bucket=bucket, Prefix=prefix))
@@ -338,8 +339,11 @@ class S3:
             if error_code(exc.__cause__ or exc) == "NoSuchUpload":
                 return
             raise
+        now = time.time()
         for u in resp.get("Uploads", []) or []:
-            yield str(u["Key"]), str(u["UploadId"])
+            started = u.get("Initiated")
+            age = now - started.timestamp() if hasattr(started, "timestamp") else None
+            yield str(u["Key"]), str(u["UploadId"]), age
 
     def abort(self, bucket: str, key: str, upload_id: str) -> None:
         self.call(f"abort upload {key}", lambda: self.client.abort_multipart_upload(

@@ -360,6 +360,16 @@ class Uploader:
     def _reject(self, rec: JobRecord, step: int, why: str) -> None:
         """A step we must not upload (a link, a foreign file, a bad manifest): never retried."""
         log.error("refusing to upload step", job_id=rec["job_id"], step=step, reason=why)
+        old = rec["steps"].get(str(step), {})
+        if rec.get("uri"):
+            uri = parse_uri(rec["uri"])
+            for key, frec in old.get("files", {}).items():
+                if frec.get("upload_id"):  # never completed: do not leave it behind in S3
+                    try:
+                        self.s3.abort(uri.bucket, key, frec["upload_id"])
+                    except CheckpointError as exc:
+                        log.warning("couldn't abort upload of rejected step", key=key,
+                                    error=str(exc))
         rec["steps"][str(step)] = {"state": "rejected", "reason": why}
         self.journal.write(rec)
 
@@ -374,11 +384,13 @@ class Uploader:
             for key, frec in st.get("files", {}).items():
                 if frec.get("upload_id"):
                     ours[key] = frec["upload_id"]
-        for key, upload_id in self.s3.multipart_uploads(uri.bucket, uri.join() + "/"):
+        for key, upload_id, age in self.s3.multipart_uploads(uri.bucket, uri.join() + "/"):
             # Another id for a key we upload is ours from before a crash; other keys may be
-            # another node's upload in progress, so those are left to the age rule.
-            if key in ours and ours[key] != upload_id:
-                log.info("aborting orphaned multipart upload", key=key, upload_id=upload_id)
+            # another node's upload in progress, so those only go once they are a day old.
+            stale = age is not None and age > ORPHAN_AGE_S and key not in ours
+            if (key in ours and ours[key] != upload_id) or stale:
+                log.info("aborting orphaned multipart upload", key=key, upload_id=upload_id,
+                         age_s=age)
                 self.s3.abort(uri.bucket, key, upload_id)
 
     def _retain_local(self, rec: JobRecord, jfd: int) -> None:

@@ -324,5 +324,5 @@ def test_orphaned_upload_of_our_key_is_aborted(env: tuple[Endpoint, Path]) -> No
     up.jobs[81]["steps"]["1"] = {"state": "pending", "files": {
         f"ckpt-{key}": {}, key: {"done": False, "upload_id": "gone", "parts": {}}}}
     up.run_pass()
-    assert orphan not in [u for _, u in s3.multipart_uploads("ckpt", "root/orph/")]
+    assert orphan not in [u for _, u, _ in s3.multipart_uploads("ckpt", "root/orph/")]
     assert up.on_status({"job_id": 81}, ROOT)["pending"] == []
