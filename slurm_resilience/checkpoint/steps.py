@@ -68,12 +68,26 @@ def epilog(ctx: HookContext) -> list[Problem]:
     if pending:
         log.warning("epilog: uploads still pending; the agent finishes them after the job",
                     pending_steps=pending, waited_s=ck.epilog_wait_s)
-    elif answer.get("uri"):
+    elif answer.get("uri") or not _has_steps(root, ctx.job_id):
         try:
-            remove_job_dir(root, ctx.job_id)  # everything is safe in S3
+            remove_job_dir(root, ctx.job_id)  # everything is safe in S3, or nothing was saved
         except (CheckpointError, OSError) as exc:
             log.warning("epilog: couldn't remove staging dir", error=str(exc))
     return []
+
+
+def _has_steps(root: str, job_id: int) -> bool:
+    """Whether a local-only job left committed steps (kept: they are the only copy)."""
+    from slurm_resilience.checkpoint.rootfs import committed_steps_at
+    from slurm_resilience.checkpoint.staging import open_job_dir
+
+    try:
+        with open_job_dir(root, job_id) as jfd:
+            return bool(committed_steps_at(jfd))
+    except FileNotFoundError:
+        return False
+    except (CheckpointError, OSError):
+        return True  # could not check: keep it
 
 
 def _clean(root: str, job_id: int) -> None:

@@ -430,7 +430,10 @@ class Uploader:
                 rec["steps"][str(s)]["state"] = "rejected"
                 rec["steps"][str(s)]["reason"] = "other ranks never reached S3"
             pending = []
-        if pending or not rec.get("uri"):
+        if pending:
+            return
+        if not rec.get("uri"):
+            self._forget(rec)  # local-only: the dir is the only copy; a requeue may need it
             return
         if remove_job_dir(rec["staging_root"], int(rec["job_id"])):
             log.info("removed staging dir of ended job", job_id=rec["job_id"])
