@@ -27,6 +27,7 @@ from slurm_resilience.heartbeat import detect, evidence, incident, jobrecord, sa
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.heartbeat import slot as S
+from slurm_resilience.heartbeat.steps import remove_tree
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
@@ -162,9 +163,27 @@ class HangWatcher:
             self.next_cleanup = time.monotonic() + CLEANUP_EVERY_S
             self.cleanup(time.time() - STATE_RETENTION_S)
 
+    def _cleanup_rendezvous(self, older_than: float) -> int:
+        root = node_path(self.hb.rendezvous_dir, self.node)
+        try:
+            fd = safefs.open_dir(root)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        try:
+            for name in os.listdir(fd):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if name.startswith("job-") and st.st_mtime < older_than:
+                    removed += remove_tree(fd, name)
+        finally:
+            os.close(fd)
+        return removed
+
     def cleanup(self, older_than: float) -> int:
         """Remove act markers and tuned timeouts last written before ``older_than``."""
         removed = 0
+        if self.hb.rendezvous_dir:
+            removed += self._cleanup_rendezvous(older_than)
         for directory, match in ((os.path.join(self.state_dir, "acted"), lambda n: True),
                                  (self.state_dir, lambda n: n.startswith("tune-"))):
             try:
@@ -201,16 +220,54 @@ class HangWatcher:
             log.warning("straggler ranks", job_id=rec.job_id, ranks=list(verdict.stragglers))
         if verdict.mode != "off" and verdict.hung:
             self.start_incident(view, trigger="timeout")
+        elif verdict.mode != "off" and self.hb.rendezvous_dir:
+            self._check_remote(view)
         return view
 
-    def start_incident(self, view: JobView, trigger: str) -> bool:
-        restart = max((v.restart_count for v in view.slots), default=0)
+    def _check_remote(self, view: JobView) -> None:
+        """A hang another node's agent published for this job's current run: the batch host
+        must act even when its own ranks still progress (or it runs none of them)."""
+        job_dir = os.path.join(node_path(self.hb.rendezvous_dir, self.node),
+                               f"job-{view.record.job_id}")
+        if view.slots:
+            runs = [max(v.restart_count for v in view.slots)]
+        else:
+            try:
+                runs = [max(int(n[4:]) for n in os.listdir(job_dir)
+                            if n.startswith("run-") and n[4:].isdigit())]
+            except (FileNotFoundError, ValueError):
+                return
+        run_dir = os.path.join(job_dir, f"run-{runs[0]}")
+        try:
+            names = os.listdir(run_dir)
+        except FileNotFoundError:
+            return
+        others = []
+        for name in names:
+            if not name.endswith(".json") or name[:-5] == self.node:
+                continue
+            try:
+                # Only observations made while this run was on this node: a requeued job's
+                # new nodes must not act on what the previous run left behind.
+                if os.stat(os.path.join(run_dir, name)).st_mtime >= view.record.started:
+                    others.append(name[:-5])
+            except FileNotFoundError:
+                continue
+        if others:
+            self.start_incident(view, trigger=f"hang seen on {', '.join(sorted(others))}",
+                                restart=runs[0], remote=True)
+
+    def start_incident(self, view: JobView, trigger: str, restart: int | None = None,
+                       remote: bool = False) -> bool:
+        if restart is None:
+            restart = max((v.restart_count for v in view.slots), default=0)
         key = (view.record.job_id, restart)
         with self.lock:
             if key in self.handled:
                 return False
             self.handled.add(key)
-        thread = threading.Thread(target=self._incident_safely, args=(view, trigger),
+        thread = threading.Thread(target=self._incident_safely,
+                                  args=(view, trigger, restart if remote else None),
                                   name=f"hang-{key[0]}", daemon=True)
         with self.lock:
             self.threads.append(thread)
@@ -247,9 +304,9 @@ class HangWatcher:
 
     # -- the incident ----------------------------------------------------------------------------
 
-    def _incident_safely(self, view: JobView, trigger: str) -> None:
+    def _incident_safely(self, view: JobView, trigger: str, run: int | None) -> None:
         try:
-            self.incident(view, trigger)
+            self.incident(view, trigger, run)
         except Exception:
             log.exception("hang incident handling failed", job_id=view.record.job_id)
 
@@ -333,7 +390,9 @@ class HangWatcher:
                 return pieces
             time.sleep(0.2)
 
-    def incident(self, view: JobView, trigger: str) -> dict[str, Any]:
+    def incident(self, view: JobView, trigger: str, run: int | None = None) -> dict[str, Any]:
+        """Handle one hang; ``run`` is the job's Restarts value another node's observations
+        were made in (None when this node's own ranks timed out)."""
         rec = view.record
         detected = time.time()
         log.warning("hang detected", job_id=rec.job_id, trigger=trigger,
@@ -352,6 +411,10 @@ class HangWatcher:
         except SlurmError as exc:
             report["decision"] = {"action": "none", "reason": f"couldn't read job: {exc}"}
             self._finish(report, None)
+            return report
+        if run is not None and run != job.restarts:
+            log.info("ignored hang observations of an earlier run", job_id=rec.job_id, run=run,
+                     current=job.restarts)
             return report
         report["restart"] = job.restarts
         rdv = self._rendezvous(rec.job_id, job.restarts)
@@ -382,7 +445,7 @@ class HangWatcher:
                 except TypeError as exc:
                     log.warning("couldn't use an observation", node=node, error=str(exc))
         blamed = B.blame(rec.job_id, obs, {n: p.get("findings", []) for n, p in pieces.items()})
-        if trigger != "timeout" and blamed.drains and blamed.rule != "health":
+        if trigger.startswith("reported") and blamed.drains and blamed.rule != "health":
             # A job reporting its own stall may requeue itself, but not drain a node on its word.
             blamed = dataclasses.replace(blamed, drains=(), explanation=(
                 blamed.explanation + "; reported by the job itself: no drain without health "

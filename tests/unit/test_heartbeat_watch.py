@@ -192,7 +192,8 @@ class FakeRunner:
 HANGER = textwrap.dedent("""
     import sys, time
     from slurm_resilience.heartbeat.writer import Heartbeat
-    hb = Heartbeat(sys.argv[1], rank=0, world_size=1, job_id=42)
+    rank, world = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 2 else (0, 1)
+    hb = Heartbeat(sys.argv[1], rank=rank, world_size=world, job_id=42)
     for step in range(3):
         hb.beat(step)
         time.sleep(0.05)
@@ -319,3 +320,80 @@ def test_old_markers_and_tuned_timeouts_are_cleaned_up(tmp_path: Path) -> None:
     os.utime(Path(watcher.state_dir) / "tune-7.json", (old, old))
     assert watcher.cleanup(time.time() - 14 * 86400) == 2
     assert sorted(p.name for p in Path(watcher.state_dir).glob("tune-*")) == ["tune-8.json"]
+
+
+BEATER = textwrap.dedent("""
+    import sys, time
+    from slurm_resilience.heartbeat.writer import Heartbeat
+    hb = Heartbeat(sys.argv[1], rank=0, world_size=2, job_id=42)
+    print("beating", flush=True)
+    step = 0
+    while True:
+        hb.beat(step)
+        step += 1
+        time.sleep(0.05)
+""")
+
+
+class TwoNodeRunner(FakeRunner):
+    """A job on node[1-2] whose batch host is node1."""
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        out = super().run(argv, timeout=timeout, check=check)
+        text = out.stdout.replace("NodeList=node1 NumNodes=1", "NodeList=node[1-2] NumNodes=2")
+        return Completed(out.argv, 0, text, "", 0.0)
+
+
+def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> None:
+    """Rank 1 on node2 hangs while rank 0 on the batch host keeps beating: node2's agent
+    publishes it, the batch host's agent blames node2 (lowest step) and requeues once."""
+    cfg = Config(node=NodeSection(state_dir=str(tmp_path / "{node}" / "state"),
+                                  run_dir=str(tmp_path / "{node}" / "run")),
+                 heartbeat=HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
+                                            warmup_steps=0, min_timeout_s=0.5,
+                                            evidence_timeout_s=10, rendezvous_wait_s=2,
+                                            rendezvous_dir=str(tmp_path / "rdv")))
+    runner = TwoNodeRunner(42, "node1")
+    procs = []
+    for node, code in (("node1", BEATER), ("node2", HANGER)):
+        ctx = _ctx(cfg, uid=0)
+        ctx.node = node
+        steps.prolog_run_dir(ctx)
+        rank = 0 if node == "node1" else 1
+        slot = Path(P.job_dir(cfg.node.run_dir, node, 42)) / f"hb-rank-{rank}.slot"
+        argv = [sys.executable, "-c", code, str(slot), str(rank), "2"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
+        assert procs[-1].stdout is not None and procs[-1].stdout.readline()
+    watchers = {n: HangWatcher(cfg, n, SlurmAdapter(runner=runner)) for n in ("node1", "node2")}
+    try:
+        time.sleep(1.3)
+        watchers["node2"].tick()
+        watchers["node2"].close()
+        watchers["node1"].tick()
+        watchers["node1"].close()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [c for c in runner.calls if c[1] == "requeue"] == [["scontrol", "requeue", "42"]]
+    report = json.loads(next((tmp_path / "node1" / "state" / "incidents").glob("*.json"))
+                        .read_text())
+    assert report["trigger"] == "hang seen on node2"
+    assert report["blame"]["drains"] == [["node2", "hang job 42: rank 1 stalled first"]]
+
+
+def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None:
+    """A requeued job's new node does not act on rendezvous pieces older than its prolog."""
+    cfg = _cfg(tmp_path, rendezvous_dir=str(tmp_path / "rdv"))
+    old_piece = tmp_path / "rdv" / "job-42" / "run-0" / "node9.json"
+    old_piece.parent.mkdir(parents=True)
+    old_piece.write_text("{}")
+    past = time.time() - 60
+    os.utime(old_piece, (past, past))
+    steps.prolog_run_dir(_ctx(cfg, uid=0))
+    runner = FakeRunner(42, NODE)
+    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    watcher.tick()
+    watcher.close()
+    assert runner.calls == [] and not watcher.handled
