@@ -21,7 +21,6 @@ COMMANDS: dict[str, str] = {
     "slurm": "slurm_resilience.slurm.cli",
     "sandbox": "slurm_resilience.sandbox.cli",
     "agent": "slurm_resilience.agent.cli",
-    "ckpt": "slurm_resilience.checkpoint.cli",
     "nccl-test": "slurm_resilience.nccl.cli",
     "status": "slurm_resilience.heartbeat.cli",
     "ckpt": "slurm_resilience.checkpoint.cli",
