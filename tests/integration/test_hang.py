@@ -262,5 +262,22 @@ def test_observe_mode_reports_but_does_not_act(sandbox: Sandbox,
     sandbox.run(["scancel", str(job_id)])
 
 
+def test_per_job_opt_out_reports_but_does_not_act(sandbox: Sandbox,
+                                                  test_users: tuple[str, ...]) -> None:
+    """A job with SLURM_RESILIENCE_HANG=observe is reported when it hangs, never requeued."""
+    user = test_users[0]
+    work = _user_dir(sandbox, user, "optout")
+    job_id = _submit(sandbox, user, work, "--steps 30 --hang-at-step 8 --hang-rank 1",
+                     extra_env="export SLURM_RESILIENCE_HANG=observe\n")
+    reports = _wait_for(lambda: [r for r in _reports(sandbox, job_id) if "blame" in r], 90,
+                        "the batch host's report")
+    assert [r["mode"] for r in reports] == ["observe"]  # type: ignore[index]
+    assert [r["decision"]["action"] for r in reports] == ["report"]  # type: ignore[index,union-attr]
+    job = sandbox.job(job_id)
+    assert job.state == "RUNNING" and job.restarts == 0
+    assert not [n for n in sandbox.adapter().list_nodes() if n.drained]
+    sandbox.run(["scancel", str(job_id)])
+
+
 if __name__ == "__main__":  # pragma: no cover - convenience
     sys.exit(pytest.main([__file__, "-s", "-q"]))
