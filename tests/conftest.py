@@ -155,3 +155,15 @@ def test_users() -> tuple[str, ...]:
             subprocess.run([str(useradd), "-m", "-s", "/bin/sh", name], check=True,
                            capture_output=True, timeout=30)
     return TEST_USERS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """With SLURM_RESILIENCE_REQUIRE_SANDBOX=1 (CI) a skip is a failure: every skip in this
+    suite means a missing prerequisite (Slurm, munge, rclone, lua), which CI must not hide."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if REQUIRE_SANDBOX and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped, but SLURM_RESILIENCE_REQUIRE_SANDBOX=1 requires every test "
+                           f"to run: {report.longrepr}")
