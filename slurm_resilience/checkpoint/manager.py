@@ -59,18 +59,6 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
-def _config_path(env: Mapping[str, str]) -> str | None:
-    """The same lookup as the hooks: $SLURM_RESILIENCE_CONFIG, then beside $SLURM_CONF."""
-    if env.get("SLURM_RESILIENCE_CONFIG"):
-        return env["SLURM_RESILIENCE_CONFIG"]
-    conf = env.get("SLURM_CONF", "")
-    if conf:
-        beside = os.path.join(os.path.dirname(conf), "slurm-resilience.yaml")
-        if os.path.isfile(beside):
-            return beside
-    return None
-
-
 class _Snapshot:
     """Copies of a state dict's tensors in host buffers that are reused between saves."""
 
@@ -136,7 +124,7 @@ class CheckpointManager:
         from slurm_resilience import config
         from slurm_resilience.config.paths import node_name, node_path
 
-        cfg = config.load(_config_path(env))
+        cfg = config.load(config.job_config_path(env))
         ck = cfg.checkpoint
         rank = _env_int(env, "RANK", "SLURM_PROCID", default=0)
         local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=rank)

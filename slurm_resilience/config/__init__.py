@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from slurm_resilience.config.loader import ByteSize, ConfigError, load_text, setting, to_dict
 from slurm_resilience.config.schema import DEFAULT_PATH, ENV_VAR, Config
 
 __all__ = [
-    "DEFAULT_PATH", "ENV_VAR", "ByteSize", "Config", "ConfigError", "load", "load_text",
-    "resolve_path", "setting", "to_dict",
+    "DEFAULT_PATH", "ENV_VAR", "ByteSize", "Config", "ConfigError", "job_config_path", "load",
+    "load_text", "resolve_path", "setting", "to_dict",
 ]
 
 
@@ -21,6 +22,23 @@ def resolve_path(explicit: str | None = None) -> tuple[str, bool]:
     if env:
         return env, True
     return DEFAULT_PATH, False
+
+
+def job_config_path(env: Mapping[str, str]) -> str | None:
+    """The file for code started by Slurm (hooks, job tasks): ``$SLURM_RESILIENCE_CONFIG``,
+    then ``slurm-resilience.yaml`` beside the ``slurm.conf`` in use; None means the default.
+
+    slurmd starts hooks with a fixed environment, but always with ``SLURM_CONF``, so a
+    file beside it is found without any setting (the sandbox relies on this).
+    """
+    if env.get(ENV_VAR):
+        return env[ENV_VAR]
+    slurm_conf = env.get("SLURM_CONF", "")
+    if slurm_conf:
+        beside = os.path.join(os.path.dirname(slurm_conf), "slurm-resilience.yaml")
+        if os.path.isfile(beside):
+            return beside
+    return None
 
 
 def load(path: str | None = None) -> Config:

@@ -64,9 +64,8 @@ def _job_dir(env: Mapping[str, str], job_id: int) -> str:
         return os.path.join(env[ENV_RUN_DIR], f"job-{job_id}")
     from slurm_resilience import config
     from slurm_resilience.config.paths import node_name
-    from slurm_resilience.hooks.runner import config_path
 
-    cfg = config.load(config_path(env))
+    cfg = config.load(config.job_config_path(env))
     return job_dir(cfg.node.run_dir, node_name(env.get("SLURMD_NODENAME", "")), job_id)
 
 

@@ -33,17 +33,8 @@ STEPS: dict[HookKind, list[str]] = {
 }
 
 
-def config_path(env: Mapping[str, str]) -> str | None:
-    """Hooks are started by slurmd with a fixed environment, so besides the usual
-    places we look for ``slurm-resilience.yaml`` beside the ``slurm.conf`` in use."""
-    if env.get(config.ENV_VAR):
-        return env[config.ENV_VAR]
-    slurm_conf = env.get("SLURM_CONF", "")
-    if slurm_conf:
-        beside = os.path.join(os.path.dirname(slurm_conf), "slurm-resilience.yaml")
-        if os.path.isfile(beside):
-            return beside
-    return None
+# Kept under this name for callers that think in hook terms.
+config_path = config.job_config_path
 
 
 def load_step(spec: str) -> Step:

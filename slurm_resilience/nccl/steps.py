@@ -191,10 +191,10 @@ def epilog(ctx: HookContext) -> list[Problem]:
 
 
 def verifier_argv(ctx: HookContext) -> list[str]:
-    from slurm_resilience.hooks.runner import config_path
+    from slurm_resilience.config import job_config_path
 
     argv = [sys.executable, "-I", "-m", "slurm_resilience.nccl.verify", "--node", ctx.node]
-    path = config_path(ctx.env)
+    path = job_config_path(ctx.env)
     return [*argv, "--config", path] if path else argv
 
 
