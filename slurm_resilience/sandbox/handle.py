@@ -6,6 +6,8 @@ change the hooks' configuration.
 from __future__ import annotations
 
 import copy
+import os
+import pwd
 import shlex
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -104,6 +106,14 @@ class Sandbox:
             argv.append(f"--wrap={shlex.join(script)}")
         out = self.run(argv, user=user, timeout=timeout, env=env)
         return int(out.stdout.strip().split(";")[0])
+
+    def user_dir(self, user: str, name: str) -> Path:
+        """A fresh directory under jobs/ owned by ``user``, for a test job's files."""
+        pw = pwd.getpwnam(user)
+        d = self.jobs_dir / f"{name}-{time.time_ns()}"
+        d.mkdir(mode=0o755)
+        os.chown(d, pw.pw_uid, pw.pw_gid)
+        return d
 
     def output(self, job_id: int) -> str:
         """The default output file of a job submitted with :meth:`sbatch`."""

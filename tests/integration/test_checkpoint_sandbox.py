@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import signal
 import time
 from pathlib import Path
@@ -23,12 +22,6 @@ TRAIN = REPO / "examples" / "train.py"
 PYTHON = REPO / ".venv" / "bin" / "python"
 
 
-def _workdir(sandbox: Sandbox, user: str, name: str) -> Path:
-    pw = pwd.getpwnam(user)
-    d = sandbox.jobs_dir / f"{name}-{time.time_ns()}"
-    d.mkdir(mode=0o755)
-    os.chown(d, pw.pw_uid, pw.pw_gid)
-    return d
 
 
 def _train(sandbox: Sandbox, user: str, wd: Path, uri: str, nodes: list[str], args: str,
@@ -64,7 +57,7 @@ def test_crash_then_new_job_on_other_nodes_resumes_from_s3(sandbox: Sandbox,
     """Acceptance: a 2-node run crashes at step 17; a new job with the same URI on two other
     nodes (empty NVMe) stages step 15 from S3, resumes from it and finishes; verify passes."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-accept")
+    wd = sandbox.user_dir(user, "ckpt-accept")
     uri = f"s3://ckpt/{user}/accept-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1", "node2"],
                    "--steps 25 --ckpt-every 5 --crash-at-step 17")
@@ -95,7 +88,7 @@ def test_uri_outside_user_prefix_fails_clearly_and_writes_nothing(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
     """A job naming another user's prefix fails at start with a clear error; S3 stays empty."""
     user, other = test_users[0], test_users[1]
-    wd = _workdir(sandbox, user, "ckpt-prefix")
+    wd = sandbox.user_dir(user, "ckpt-prefix")
     uri = f"s3://ckpt/{other}/stolen-{time.time_ns()}"
     job = _train(sandbox, user, wd, uri, ["node1"], "--steps 5 --ckpt-every 5")
     info = sandbox.wait_job(job, timeout=120)
@@ -110,7 +103,7 @@ def test_s3_down_training_unblocked_epilog_bounded_upload_later(
     """With S3 down the job trains and ends normally, the epilog waits only epilog_wait_s, and
     the agent uploads the pending step once S3 is back."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-down")
+    wd = sandbox.user_dir(user, "ckpt-down")
     uri = f"s3://ckpt/{user}/down-{time.time_ns()}"
     s3 = control.s3_extra(sandbox.layout)[0]
     daemons.stop(s3.daemon)
@@ -144,7 +137,7 @@ def test_planted_symlinks_not_followed_by_cleanup_nor_uploaded(
     """Links the job plants in its staging dir (to /etc and to a canary dir) are neither
     uploaded nor followed by the epilog's cleanup."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-links")
+    wd = sandbox.user_dir(user, "ckpt-links")
     uri = f"s3://ckpt/{user}/links-{time.time_ns()}"
     canary = tmp_path / "canary"
     canary.mkdir()
@@ -204,7 +197,7 @@ def test_agent_sigkilled_mid_upload_resumes_without_resending_parts(
     """The node agent is SIGKILLed in the middle of a multipart upload; restarted, it
     resumes from its journal (completed parts are not sent again) and the S3 copy verifies."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-kill")
+    wd = sandbox.user_dir(user, "ckpt-kill")
     uri = f"s3://ckpt/{user}/kill-{time.time_ns()}"
     sandbox.update_resilience_config({"checkpoint": {"rate_limit": "4MiB", "concurrency": 1,
                                                      "epilog_wait_s": 1.0}})
@@ -243,7 +236,7 @@ def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
     """One object of the newest step is corrupted in S3: a new job's stage-in detects it
     (CRC32C) and resumes from the step before."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-corrupt")
+    wd = sandbox.user_dir(user, "ckpt-corrupt")
     uri = f"s3://ckpt/{user}/corrupt-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1"], "--steps 10 --ckpt-every 5")
     assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
@@ -263,7 +256,7 @@ def test_spank_option_starts_stage_in_from_the_prolog(sandbox: Sandbox,
     """With --ckpt-uri (SPANK) instead of the environment variable, the prolog hands the URI
     to the agent, stage-in starts before the tasks, and the tasks see the same URI."""
     user = test_users[0]
-    wd = _workdir(sandbox, user, "ckpt-spank")
+    wd = sandbox.user_dir(user, "ckpt-spank")
     uri = f"s3://ckpt/{user}/spank-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1"], "--steps 5 --ckpt-every 5", spank=True)
     assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)

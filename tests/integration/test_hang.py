@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import subprocess
 import sys
@@ -28,13 +27,6 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
 PYTHON = REPO / ".venv" / "bin" / "python"
 STEP_TIMEOUT_S = 6.0  # sandbox heartbeat.step_timeout_s
 CRED_EXPIRE_S = 10.0  # sandbox slurm.conf cred_expire
-
-def _user_dir(sandbox: Sandbox, user: str, name: str) -> Path:
-    pw = pwd.getpwnam(user)
-    d = sandbox.jobs_dir / f"{name}-{time.time_ns()}"
-    d.mkdir(mode=0o755)
-    os.chown(d, pw.pw_uid, pw.pw_gid)
-    return d
 
 
 def _submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 2,
@@ -87,7 +79,7 @@ def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
     """Rank 1 of a 2-node gloo job stops after step 12: detected within timeout + 10 s, its node
     drained with the reason, the report names it with a stack, and the job resumes and finishes."""
     user = test_users[0]
-    work = _user_dir(sandbox, user, "hang")
+    work = sandbox.user_dir(user, "hang")
     job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                           "--hang-rank 1")
     _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 120, "the requeue decision")
@@ -130,7 +122,7 @@ def test_xid_during_hang_blames_the_node_with_the_fresh_finding(
     from slurm_resilience.sandbox import faults
 
     user = test_users[0]
-    work = _user_dir(sandbox, user, "xid")
+    work = sandbox.user_dir(user, "xid")
     job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 8 "
                                           "--hang-rank 1")
     _wait_for(lambda: "rank 1 hanging" in _output(work, job_id), 90, "the hang")
@@ -154,7 +146,7 @@ def test_long_checkpoint_section_is_not_a_hang(sandbox: Sandbox,
                                                test_users: tuple[str, ...]) -> None:
     """A checkpoint section lasting twice the step timeout runs to the end: no incident."""
     user = test_users[0]
-    work = _user_dir(sandbox, user, "section")
+    work = sandbox.user_dir(user, "section")
     job_id = _submit(sandbox, user, work, f"--steps 12 --ckpt-every 5 "
                                           f"--checkpoint-seconds {2 * STEP_TIMEOUT_S:g}")
     final = sandbox.wait_job(job_id, timeout=120)
@@ -169,7 +161,7 @@ def test_hang_on_every_run_is_requeued_up_to_cap_then_held(
     """A job hanging on every run (with checkpoint progress) is requeued 3 times, then held
     with the reason in AdminComment and in `slurm-resilience status`."""
     user = test_users[0]
-    work = _user_dir(sandbox, user, "cap")
+    work = sandbox.user_dir(user, "cap")
     job_id = _submit(sandbox, user, work, "--steps 100 --ckpt-every 1 --hang-after 4 "
                                           "--hang-rank 1 --fault-every-run", nodes=1, tasks=2)
     held = sandbox.wait_job(job_id, states={"PENDING"}, timeout=20)
@@ -197,7 +189,7 @@ def test_other_user_cannot_beat_into_or_act_on_a_job(sandbox: Sandbox,
     """Another user can neither open the job's slots nor create one, nor report or see the job
     through the agent; the owner can."""
     owner, intruder = test_users
-    work = _user_dir(sandbox, owner, "sec")
+    work = sandbox.user_dir(owner, "sec")
     job_id = _submit(sandbox, owner, work, "--steps 400 --step-seconds 0.2", nodes=1, tasks=1)
     job = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=60)
     node = job.nodes[0]
@@ -251,7 +243,7 @@ def test_observe_mode_reports_but_does_not_act(sandbox: Sandbox,
     sandbox.update_resilience_config({"heartbeat": {"mode": "observe"}})
     time.sleep(2)  # agents pick the change up on their next tick
     user = test_users[0]
-    work = _user_dir(sandbox, user, "observe")
+    work = sandbox.user_dir(user, "observe")
     job_id = _submit(sandbox, user, work, "--steps 30 --hang-at-step 8 --hang-rank 1")
     reports = _wait_for(lambda: [r for r in _reports(sandbox, job_id) if "blame" in r], 90,
                         "the batch host's observe report")
@@ -266,7 +258,7 @@ def test_per_job_opt_out_reports_but_does_not_act(sandbox: Sandbox,
                                                   test_users: tuple[str, ...]) -> None:
     """A job with SLURM_RESILIENCE_HANG=observe is reported when it hangs, never requeued."""
     user = test_users[0]
-    work = _user_dir(sandbox, user, "optout")
+    work = sandbox.user_dir(user, "optout")
     job_id = _submit(sandbox, user, work, "--steps 30 --hang-at-step 8 --hang-rank 1",
                      extra_env="export SLURM_RESILIENCE_HANG=observe\n")
     reports = _wait_for(lambda: [r for r in _reports(sandbox, job_id) if "blame" in r], 90,
