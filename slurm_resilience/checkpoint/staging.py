@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.nofollow import remove_tree_at
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -141,55 +142,20 @@ def open_owned_file(dir_fd: int, relpath: str, uid: int) -> int:
     return fd
 
 
-def _rmtree_at(dir_fd: int) -> None:
-    for entry in os.scandir(dir_fd):
-        st = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-            try:
-                _rmtree_at(sub)
-            finally:
-                os.close(sub)
-            os.rmdir(entry.name, dir_fd=dir_fd)
-        else:
-            os.unlink(entry.name, dir_fd=dir_fd)  # a link is removed, never its target
-
-
 def remove_tree_nofollow(path: str | os.PathLike[str]) -> None:
     """Delete a tree; symlinks inside are unlinked, their targets never touched."""
     path = os.fspath(path)
     parent, name = os.path.split(path.rstrip("/"))
     pfd = os.open(parent or ".", _DIR_FLAGS & ~os.O_NOFOLLOW)
     try:
-        try:
-            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(name, dir_fd=pfd)
-            return
-        dfd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-        try:
-            _rmtree_at(dfd)
-        finally:
-            os.close(dfd)
-        os.rmdir(name, dir_fd=pfd)
+        remove_tree_at(pfd, name, missing_ok=True)
     finally:
         os.close(pfd)
 
 
 def remove_at(dir_fd: int, name: str) -> None:
     """Remove one entry (tree or file) of an fd-opened dir without following links."""
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if stat.S_ISDIR(st.st_mode):
-        sub = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            _rmtree_at(sub)
-        finally:
-            os.close(sub)
-        os.rmdir(name, dir_fd=dir_fd)
-    else:
-        os.unlink(name, dir_fd=dir_fd)
+    remove_tree_at(dir_fd, name)
 
 
 def remove_job_dir(root: str, job_id: int) -> bool:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import time
 
 from slurm_resilience.heartbeat import jobrecord, safefs
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
+from slurm_resilience.nofollow import remove_tree_at
 
 log = get_logger("heartbeat.steps")
 
@@ -37,23 +37,7 @@ def _nodes(ctx: HookContext) -> tuple[str, ...]:
 
 def remove_tree(parent_fd: int, name: str) -> int:
     """Remove ``name`` under ``parent_fd`` without following links; returns entries removed."""
-    try:
-        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return 0
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=parent_fd)
-        return 1
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 dir_fd=parent_fd)
-    removed = 0
-    try:
-        for entry in os.listdir(fd):
-            removed += remove_tree(fd, entry)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
-    return removed + 1
+    return remove_tree_at(parent_fd, name, missing_ok=True)
 
 
 def prolog_run_dir(ctx: HookContext) -> list[Problem]:
