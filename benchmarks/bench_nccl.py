@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import yaml
-from timing import Summary, repeat, summarise
+from timing import repeat, series, summarise
 
 from slurm_resilience import config
 from slurm_resilience.hooks.context import HookContext
@@ -65,11 +65,6 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return seconds
 
 
-def series(argv: list[str], env: dict[str, str], runs: int) -> Summary:
-    for _ in range(2):
-        timed(argv, env)
-    return summarise([timed(argv, env) for _ in range(runs)])
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -98,7 +93,7 @@ def main() -> int:
         cache.store(os.path.join(state, cache.FILENAME),
                     {"verdict": "pass", "reasons": ["bench"],
                      "fingerprint": cache.fingerprint(cfg.nccl)})
-        reference = series([str(PYTHON), "-c", "pass"], env, args.runs)
+        reference = series(lambda: timed([str(PYTHON), "-c", "pass"], env), args.runs)
         # Off and on alternate, so that the load of a shared machine weighs on both alike.
         hook = [str(REPO / "hooks" / "prolog")]
         envs = {name: {**env, "SLURM_RESILIENCE_CONFIG": str(path)} for name, path in paths.items()}
@@ -125,7 +120,8 @@ def main() -> int:
                    * 1e3, prolog_on_p50_ms=prolog["on"].p50 * 1e3,
                    prolog_on_p99_ms=prolog["on"].p99 * 1e3, step_p50_ms=step.p50 * 1e3)
 
-        torch_ref = series([str(PYTHON), "-I", "-c", "import torch"], env, args.tests)
+        import_torch = [str(PYTHON), "-I", "-c", "import torch"]
+        torch_ref = series(lambda: timed(import_torch, env), args.tests)
         runs, busbw = [], []
         for _ in range(args.tests):
             start = time.perf_counter()

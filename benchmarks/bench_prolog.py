@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
-from timing import Summary, summarise
+from timing import series, summarise
 
 from slurm_resilience import config
 from slurm_resilience.health import gate
@@ -57,11 +57,6 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return seconds
 
 
-def series(argv: list[str], env: dict[str, str], runs: int) -> Summary:
-    for _ in range(2):
-        timed(argv, env)
-    return summarise([timed(argv, env) for _ in range(runs)])
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -87,8 +82,8 @@ def main() -> int:
             "SLURM_JOB_NODELIST": NODE,
             "SLURM_JOB_PARTITION": "batch",
         }
-        reference = series([str(PYTHON), "-c", "pass"], env, args.runs)
-        prolog = series([str(REPO / "hooks" / "prolog")], env, args.runs)
+        reference = series(lambda: timed([str(PYTHON), "-c", "pass"], env), args.runs)
+        prolog = series(lambda: timed([str(REPO / "hooks" / "prolog")], env), args.runs)
         gate_runs = []
         for _ in range(args.runs):
             start = time.perf_counter()

@@ -48,3 +48,11 @@ def repeat(fn: Callable[[], object], n: int, warmup: int = 2) -> Summary:
 def ratio_line(name: str, ours: float, reference: float, goal: str) -> str:
     """One result line: the ratio and the goal it is judged against."""
     return f"{name}: {ours / reference:.3f}x of reference (goal {goal})"
+
+
+def series(measure: Callable[[], float], runs: int, warmup: int = 2) -> Summary:
+    """Call ``measure`` (which returns its own seconds, e.g. a timed subprocess)
+    ``warmup`` times unmeasured, then ``runs`` times."""
+    for _ in range(warmup):
+        measure()
+    return summarise([measure() for _ in range(runs)])
