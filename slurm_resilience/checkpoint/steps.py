@@ -29,8 +29,8 @@ def prolog(ctx: HookContext) -> list[Problem]:
         # With the SPANK option --ckpt-uri the agent starts staging in right now, while
         # Slurm launches the tasks; otherwise when the job registers its URI.
         answer = call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start",
-                      timeout=5.0, job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user,
-                      uri=ctx.job_option("CKPT_URI"))
+                      timeout=ctx.cfg.agent.request_timeout_s, job_id=ctx.job_id,
+                      uid=ctx.uid, gid=gid, user=ctx.user, uri=ctx.job_option("CKPT_URI"))
         if answer.get("refused"):
             log.warning("prolog: --ckpt-uri refused", error=answer["refused"])
     except (AgentUnavailable, AgentRefused) as exc:
@@ -46,8 +46,9 @@ def epilog(ctx: HookContext) -> list[Problem]:
         return []
     root = node_path(ck.staging_root, ctx.node)
     sock = node_path(ctx.cfg.agent.socket, ctx.node)
+    wait = ctx.cfg.agent.request_timeout_s
     try:
-        answer = call(sock, "ckpt.job_end", timeout=5.0, job_id=ctx.job_id)
+        answer = call(sock, "ckpt.job_end", timeout=wait, job_id=ctx.job_id)
     except (AgentUnavailable, AgentRefused) as exc:
         log.warning("epilog: couldn't reach the agent; keeping the staging dir", error=str(exc))
         _clean(root, ctx.job_id)
@@ -57,7 +58,7 @@ def epilog(ctx: HookContext) -> list[Problem]:
     while pending and time.monotonic() < deadline:
         time.sleep(0.5)
         try:
-            pending = list(call(sock, "ckpt.status", timeout=5.0, job_id=ctx.job_id)
+            pending = list(call(sock, "ckpt.status", timeout=wait, job_id=ctx.job_id)
                            .get("pending", []))
         except AgentRefused:
             pending = []  # the agent already finished and forgot the job
