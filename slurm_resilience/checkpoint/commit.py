@@ -22,15 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+from slurm_resilience.checkpoint.blocks import BLOCK_SIZE, BlockCrcs, file_checksums
+from slurm_resilience.checkpoint.crc import Crc32c as Crc32c
+from slurm_resilience.checkpoint.crc import crc32c_extend as crc32c_extend
+from slurm_resilience.checkpoint.crc import crc_hex as crc_hex
+from slurm_resilience.checkpoint.crc import file_crc32c as file_crc32c
 
 MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT.json"
-FORMAT = 1
+FORMAT = 2  # 2: per-block CRC32C in manifests
+READ_FORMATS = (1, 2)
 CHECKSUM = "crc32c"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
-_CHUNK = 8 * 1024 * 1024
 
 
 class CheckpointError(Exception):
@@ -70,88 +74,36 @@ def check_relpath(path: str) -> str:
     return path
 
 
-def crc_hex(value: int) -> str:
-    return f"{value:08x}"
-
-
-def _load_native() -> Any:
-    """The crc32c library google-crc32c ships, called through ctypes for writable buffers.
-
-    The extension module only accepts read-only buffers (``bytes``); torch.save hands
-    us writable memoryviews of tensor storage, and copying them would double the cost.
-    """
-    import ctypes
-    import glob
-
-    libs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(google_crc32c.__file__)),
-                                  "google_crc32c.libs", "libcrc32c*.so*"))
-    if not libs:
-        return None
-    try:
-        lib = ctypes.CDLL(libs[0])
-        fn = lib.crc32c_extend
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_uint32
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
-_NATIVE_EXTEND = _load_native()
-
-
-def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
-    """Extend a CRC32C with ``data`` without copying it."""
-    if isinstance(data, bytes):
-        return int(google_crc32c.extend(crc, data))
-    view = memoryview(data).cast("B")
-    if _NATIVE_EXTEND is not None and not view.readonly and view.contiguous and len(view):
-        import ctypes
-
-        buf = (ctypes.c_char * len(view)).from_buffer(view)
-        return int(_NATIVE_EXTEND(crc, ctypes.addressof(buf), len(view)))
-    return int(google_crc32c.extend(crc, bytes(view)))
-
-
-class Crc32c:
-    """Streaming CRC32C (hardware-accelerated through google-crc32c's C library)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        self.value = crc32c_extend(self.value, data)
-
-    def hexdigest(self) -> str:
-        return crc_hex(self.value)
-
-
-def file_crc32c(fd_or_path: int | str | os.PathLike[str]) -> tuple[int, str]:
-    """(size, crc32c hex) of a file, read in large chunks."""
-    crc = Crc32c()
-    size = 0
-    own = not isinstance(fd_or_path, int)
-    fd = os.open(fd_or_path, os.O_RDONLY | os.O_NOFOLLOW) if own else int(fd_or_path)  # type: ignore[arg-type]
-    try:
-        offset = 0
-        while True:
-            chunk = os.pread(fd, _CHUNK, offset)
-            if not chunk:
-                break
-            crc.update(chunk)
-            size += len(chunk)
-            offset += len(chunk)
-    finally:
-        if own:
-            os.close(fd)
-    return size, crc.hexdigest()
-
-
 @dataclass(frozen=True)
 class FileEntry:
+    """One committed file: its size, CRC32C, and the CRC32C of each ``block_size`` block.
+
+    Block CRCs let stage-in verify just the byte ranges a node fetches. Manifests of
+    format 1 have none (``blocks == ()``): such files can only be checked whole.
+    """
+
     path: str
     size: int
     crc32c: str
+    blocks: tuple[str, ...] = ()
+    block_size: int = BLOCK_SIZE
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "crc32c": self.crc32c,
+                "block_size": self.block_size, "blocks": list(self.blocks)}
+
+    @classmethod
+    def from_doc(cls, f: Any) -> FileEntry:
+        path = check_relpath(str(f["path"]))
+        blocks = tuple(str(b) for b in f.get("blocks", ()))
+        block_size = int(f.get("block_size", BLOCK_SIZE))
+        size = int(f["size"])
+        if block_size <= 0 or size < 0:
+            raise ValueError(f"size {size} / block_size {block_size} out of range")
+        if blocks and len(blocks) != -(-size // block_size):
+            raise ValueError(f"{len(blocks)} block checksums for {size} bytes "
+                             f"in blocks of {block_size}")
+        return cls(path, size, str(f["crc32c"]), blocks, block_size)
 
 
 @dataclass(frozen=True)
@@ -164,21 +116,17 @@ class Manifest:
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "checksum": CHECKSUM, "step": self.step, "rank": self.rank,
-               "files": [{"path": f.path, "size": f.size, "crc32c": f.crc32c}
-                         for f in self.files]}
+               "files": [f.to_doc() for f in self.files]}
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str = "manifest") -> Manifest:
         try:
             doc = json.loads(data)
-            if doc.get("format") != FORMAT or doc.get("checksum") != CHECKSUM:
+            if doc.get("format") not in READ_FORMATS or doc.get("checksum") != CHECKSUM:
                 raise ValueError(f"format {doc.get('format')!r}/{doc.get('checksum')!r} "
-                                 f"is not {FORMAT}/{CHECKSUM}")
-            files = tuple(
-                FileEntry(check_relpath(str(f["path"])), int(f["size"]), str(f["crc32c"]))
-                for f in doc["files"]
-            )
+                                 f"is not one of {READ_FORMATS}/{CHECKSUM}")
+            files = tuple(FileEntry.from_doc(f) for f in doc["files"])
             step, rank = int(doc["step"]), int(doc["rank"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"checkpoint: {where}: not a valid manifest: {exc}") from None
@@ -207,8 +155,8 @@ class CommitMarker:
     def from_json(cls, data: bytes, where: str = "commit marker") -> CommitMarker:
         try:
             doc = json.loads(data)
-            if doc.get("format") != FORMAT:
-                raise ValueError(f"format {doc.get('format')!r} is not {FORMAT}")
+            if doc.get("format") not in READ_FORMATS:
+                raise ValueError(f"format {doc.get('format')!r} is not one of {READ_FORMATS}")
             marker = cls(step=int(doc["step"]), world_size=int(doc["world_size"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"checkpoint: {where}: not a valid commit marker: {exc}"
@@ -256,6 +204,7 @@ class ChecksummingWriter:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         self.crc = Crc32c()
+        self.blocks = BlockCrcs()
         self.size = 0
         self._pool: Any = None
         self._pending: list[Any] = []
@@ -264,7 +213,7 @@ class ChecksummingWriter:
         view = memoryview(data).cast("B")
         n = len(view)
         if n < self.PIPELINE_CHUNK and self._pool is None:
-            self.crc.update(view)
+            self._checksum(view)
             self._write_all(view)
         else:
             if self._pool is None:
@@ -274,11 +223,15 @@ class ChecksummingWriter:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crc32c")
             for start in range(0, n, self.PIPELINE_CHUNK):
                 chunk = view[start:start + self.PIPELINE_CHUNK]
-                self._pending.append(self._pool.submit(self.crc.update, chunk))
+                self._pending.append(self._pool.submit(self._checksum, chunk))
                 self._write_all(chunk)
             self._pending = [f for f in self._pending if not f.done() or f.result()]
         self.size += n
         return n
+
+    def _checksum(self, view: memoryview) -> None:
+        self.crc.update(view)
+        self.blocks.update(view)
 
     def _write_all(self, view: memoryview) -> None:
         while view:
@@ -297,7 +250,7 @@ class ChecksummingWriter:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
-        return FileEntry(self.path.name, self.size, self.crc.hexdigest())
+        return FileEntry(self.path.name, self.size, self.crc.hexdigest(), self.blocks.finish())
 
 
 # -- the protocol ----------------------------------------------------------------------------
@@ -352,9 +305,10 @@ def commit_part(tmp: Path, step: int, rank: int,
         fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             entry = known_by_path.get(rel)
-            if entry is None or entry.size != os.fstat(fd).st_size:
-                size, crc = file_crc32c(fd)
-                entry = FileEntry(rel, size, crc)
+            if (entry is None or entry.size != os.fstat(fd).st_size
+                    or (entry.size and not entry.blocks)):
+                size, crc, blocks = file_checksums(fd)
+                entry = FileEntry(rel, size, crc, blocks)
             os.fsync(fd)
         finally:
             os.close(fd)

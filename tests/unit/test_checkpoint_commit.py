@@ -122,3 +122,34 @@ def test_checksumming_writer_pipelines_large_writes_correctly(tmp_path: Path) ->
     data = (tmp_path / "f").read_bytes()
     assert data == small + bytes(big) + small
     assert (entry.size, entry.crc32c) == (len(data), f"{google_crc32c.value(data):08x}")
+
+
+def test_block_checksums_verify_ranges_on_their_own(tmp_path: Path) -> None:
+    """Per-block CRC32Cs in the manifest check a byte range without reading the whole file."""
+    from slurm_resilience.checkpoint.blocks import bad_blocks, covering
+    from slurm_resilience.checkpoint.commit import ChecksummingWriter, FileEntry
+
+    data = bytes(range(256)) * 4099  # not a multiple of the block size
+    w = ChecksummingWriter(tmp_path / "f")
+    for i in range(0, len(data), 1000):
+        w.write(data[i:i + 1000])
+    entry = w.close()
+    assert entry.blocks and len(entry.blocks) == 1
+    assert Manifest.from_json(Manifest(1, 0, (entry,)).to_json()).files == (entry,)
+    # Recompute with a small block size through commit's re-read path and damage one block.
+    from slurm_resilience.checkpoint.blocks import file_checksums
+
+    fd = os.open(tmp_path / "f", os.O_RDWR)
+    try:
+        size, crc, blocks = file_checksums(fd, 4096)
+        assert (size, crc) == (entry.size, entry.crc32c) and len(blocks) == -(-size // 4096)
+        small = FileEntry(entry.path, size, crc, blocks, 4096)
+        os.pwrite(fd, b"\xff", 5000)
+        assert bad_blocks(fd, size, small.blocks, covering(4000, 2000, size, 4096), 4096) == [1]
+        assert bad_blocks(fd, size, small.blocks, covering(0, 4096, size, 4096), 4096) == []
+    finally:
+        os.close(fd)
+    with pytest.raises(CheckpointError, match="block checksums"):
+        Manifest.from_json(b'{"format":2,"checksum":"crc32c","step":1,"rank":0,"files":'
+                           b'[{"path":"a","size":10,"crc32c":"0","block_size":4,'
+                           b'"blocks":["0"]}]}')
