@@ -77,7 +77,8 @@ def stagein_status(rec: JobRecord) -> dict[str, Any]:
         state = "running"  # about to start (or restarting after an agent restart)
     return {"stagein": state, "step": si.get("step"), "error": si.get("error"),
             "source": si.get("source"), "mode": si.get("mode"),
-            "fallbacks": list(si.get("fallbacks") or []), "pending": pending_steps(rec),
+            "fallbacks": list(si.get("fallbacks") or []),
+            "stagein_bytes": int(si.get("fetched_bytes") or 0), "pending": pending_steps(rec),
             "uri": rec.get("uri")}
 
 
