@@ -45,8 +45,21 @@ def run_stagein(up: Uploader, rec: JobRecord) -> dict[str, Any]:
     try:
         uri = parse_uri(rec["uri"]) if rec.get("uri") else None
         with open_job_dir(rec["staging_root"], job_id) as jfd:
+
+            def upload_local(step: int) -> None:
+                # The upload worker skips a job while its stage-in runs, so this is the
+                # only upload of the job's steps right now.
+                assert uri is not None
+                log.info("stage-in: uploading this node's part of a step still uploading",
+                         job_id=job_id, step=step)
+                try:
+                    up.upload_step(rec, jfd, uri, step)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("stage-in: couldn't upload this node's part", job_id=job_id,
+                                step=step, error=str(exc))
+
             res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
-                           policy(up.cfg))
+                           policy(up.cfg), upload_local=upload_local)
         result: dict[str, Any] = {
             "state": "done", "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,

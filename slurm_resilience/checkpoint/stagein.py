@@ -271,7 +271,8 @@ def _is_dcp(manifests: dict[int, Manifest]) -> bool:
 
 
 def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
-             policy: StageinPolicy | None = None, clock: Clock | None = None) -> StageinResult:
+             policy: StageinPolicy | None = None, clock: Clock | None = None,
+             upload_local: Callable[[int], None] | None = None) -> StageinResult:
     """Choose the newest committed step of the run and bring what a restore needs to start.
 
     Candidates are local steps, S3 steps with COMMIT.json and S3 steps with only an
@@ -279,6 +280,8 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     every rank's MANIFEST.json and ``rank-00000/.metadata``; data stays in S3 until a
     rank asks for ranges (``ckpt.fetch``). Other steps are downloaded whole. Only a
     failed verification falls back to an older step, and each fallback is reported.
+    ``upload_local(step)`` uploads this node's part of a step still uploading, which may
+    be the part the other nodes' upload waits for (a requeue onto the same node).
     """
     policy = policy or StageinPolicy()
     clock = clock or SystemClock()
@@ -310,6 +313,9 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
                 fall_back(step, f"checkpoint: stage-in: step {step}: {why}, and S3 has neither "
                                 "its COMMIT.json nor an intent record")
                 continue
+        if step not in listing.committed and step in local and upload_local is not None:
+            upload_local(step)
+            listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
         if step not in listing.committed:
             listing = _wait_for_commit(s3, uri, step, listing, policy, clock)
             if step not in listing.committed:

@@ -215,9 +215,10 @@ def _build_step(w: World, run: str, step: int, world_size: int, seed: int) -> Pa
     return src / step_name(step)
 
 
-def _upload(w: World, run: str, sdir: Path, commit: bool = True) -> None:
-    """Put a built step into S3 (COMMIT.json last, or not at all)."""
-    for path in sorted(p for p in sdir.rglob("*") if p.is_file() and p.name != COMMIT):
+def _upload(w: World, run: str, sdir: Path, commit: bool = True, only: str = "") -> None:
+    """Put a built step (or its files under ``only``) into S3 (COMMIT.json last, or not)."""
+    for path in sorted(p for p in sdir.rglob("*") if p.is_file() and p.name != COMMIT
+                       and p.relative_to(sdir).as_posix().startswith(only)):
         key = f"{run}/{sdir.name}/{path.relative_to(sdir).as_posix()}"
         w.s3.client.put_object(Bucket="ckpt", Key=key, Body=path.read_bytes())
     if commit:
@@ -376,6 +377,31 @@ def test_intent_without_commit_waits_then_errors_or_falls_back_loudly(
                                Body=(step10 / COMMIT).read_bytes())
         st = _wait_stagein(n3, 403)
     assert (st["stagein"], st["step"], st["fallbacks"]) == ("done", 10, []), st
+
+
+def test_requeue_onto_node_holding_part_of_uploading_step_uploads_it_and_takes_it(
+        world: World, test_users: tuple[str, ...]) -> None:
+    """A step whose other rank is in S3 with an intent record waits for this node's part:
+    stage-in on the node that holds that part uploads it, and the step commits and is
+    taken, instead of waiting on itself until the intent wait runs out."""
+    user, w = test_users[0], world
+    run = f"{user}/requeue"
+    _upload(w, run, _build_step(w, run, 5, 2, seed=5))
+    step10 = _build_step(w, run, 10, 2, seed=10)
+    _upload(w, run, step10, commit=False, only="rank-00001/")
+    w.s3.client.put_object(Bucket="ckpt", Key=f"{run}/step-00000010/INTENT-n9.json",
+                           Body=b'{"step": 10, "job_id": 9, "node": "n9", "ranks": [1], '
+                                b'"world_size": 2, "time": 0}')
+    with _nodes(w, ["n1"], stagein_intent_wait_s=60) as (n1,):
+        job_dir = w.base / "n1" / "nvme" / "job-801"
+        create_job_dir(f"{w.base}/n1/nvme", 801, *_ids(user))
+        _copy_part(step10, 0, job_dir, user, with_commit=True)
+        st = _start_job(n1, w, 801, user, f"s3://ckpt/{run}")
+    assert (st["stagein"], st["step"], st["source"], st["fallbacks"]) == (
+        "done", 10, "s3", []), st
+    in_s3 = w.s3_dir / "ckpt" / run / "step-00000010"
+    assert (in_s3 / COMMIT).is_file() and (in_s3 / "INTENT-n1.json").is_file()
+    assert (in_s3 / "rank-00000" / "data.distcp").stat().st_size == FILE
 
 
 def test_corrupt_metadata_falls_back_and_corrupt_data_fails_the_fetch(
