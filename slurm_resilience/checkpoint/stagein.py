@@ -49,6 +49,7 @@ from slurm_resilience.log import get_logger
 log = get_logger("checkpoint.stagein")
 T = TypeVar("T")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
+METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and written
 
 
 def remote_steps(s3: S3, uri: S3Uri) -> dict[int, dict[str, int]]:
@@ -396,7 +397,11 @@ def _stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: i
         return remote, "whole", small + sum(m.total_bytes for m in manifests.values())
     meta = next(f for f in manifests[0].files if f.path == METADATA)
     key = uri.join(step_name(step), rank_name(0), METADATA)
-    data = retrying(f"get {key}", lambda: s3.get_bytes(uri.bucket, key), policy, clock)
+    if meta.size > METADATA_LIMIT:
+        raise CheckpointError(f"checkpoint: stage-in: step {step}: {rank_name(0)}/{METADATA} is "
+                              f"{meta.size} bytes, more than the agent reads ({METADATA_LIMIT})")
+    data = retrying(f"get {key}", lambda: s3.get_bytes(uri.bucket, key, limit=meta.size),
+                    policy, clock)
     crc = Crc32c()
     crc.update(data)
     if (len(data), crc.hexdigest()) != (meta.size, meta.crc32c):
