@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -14,11 +13,13 @@ import pytest
 
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.commit import (
+    COMMIT,
     ChecksummingWriter,
     begin_part,
     commit_part,
     write_commit_marker,
 )
+from slurm_resilience.checkpoint.s3 import S3, S3Settings
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -71,8 +72,16 @@ def _build_into_s3(sandbox: Sandbox, uri: str, step: int, world: int, tmp: Path)
             entries.append(w.close())
         commit_part(part, step, rank, known=entries)
     write_commit_marker(tmp, step, world)
-    dest = sandbox.layout.s3_dir / uri.removeprefix("s3://") / f"step-{step:08d}"
-    shutil.copytree(tmp / f"step-{step:08d}", dest)
+    # Through the S3 API: rclone caches directory listings, so files dropped into its
+    # directory may not be listed for minutes.
+    s3 = S3(S3Settings(endpoint=sandbox.layout.s3_endpoint,
+                       credentials_file=str(sandbox.layout.s3_keys_file)))
+    sdir = tmp / f"step-{step:08d}"
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    for path in sorted(sdir.rglob("*"), key=lambda p: p.name == COMMIT):  # COMMIT.json last
+        if path.is_file():
+            s3.client.put_object(Bucket=bucket, Key=f"{prefix}/{sdir.name}/"
+                                 f"{path.relative_to(sdir).as_posix()}", Body=path.read_bytes())
 
 
 def test_two_node_job_fetches_only_its_ranks_ranges(sandbox: Sandbox,
