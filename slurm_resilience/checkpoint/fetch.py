@@ -4,7 +4,7 @@ A restoring rank names the ranges it will read (``rank-00003/data.distcp`` at an
 offset, a length). The agent widens them to whole manifest blocks, and for each
 block not yet known present either verifies the bytes already on the node (a
 part this node saved) or fetches it with ranged GETs (parallel across blocks,
-each GET at most ``fetch_request_bytes``), writes it at its offset into a file
+jobs taking turns, each GET at most ``fetch_request_bytes``), writes it at its offset into a file
 created at full size, and checks its CRC32C against the manifest. Which blocks
 are present is kept in the agent's memory, never in the user-writable staging
 dir; after an agent restart a block is verified again from the local bytes.
@@ -22,7 +22,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from slurm_resilience.checkpoint.commit import (
     parse_rank,
     step_name,
 )
+from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.checkpoint.prefix import S3Uri
 from slurm_resilience.checkpoint.ranges import ByteRange
 from slurm_resilience.checkpoint.rootfs import read_step
@@ -149,8 +150,7 @@ class RangeFetcher:
         self.inflight: dict[tuple[int, int, str, int], Future[None]] = {}
         self.slots: dict[int, threading.BoundedSemaphore] = {}
         self.counters: dict[int, FetchCounters] = {}
-        self.pool = ThreadPoolExecutor(max_workers=settings.concurrency,
-                                       thread_name_prefix="ckpt-fetch")
+        self.pool = FairPool(settings.concurrency, "ckpt-fetch")  # jobs take turns
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class RangeFetcher:
             return self.counters.get(job_id, FetchCounters()).as_dict()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     # -- the request ------------------------------------------------------------------------
 
@@ -219,6 +219,9 @@ class RangeFetcher:
             finally:
                 wait(futures)
                 for fut in futures:
+                    if fut.cancelled():
+                        errors.append("the agent is shutting down")
+                        continue
                     failure = fut.exception()
                     if failure is not None:
                         errors.append(str(failure))
@@ -312,8 +315,8 @@ class RangeFetcher:
                 key = (job.job_id, step, f.relpath, i)
                 fut = self.inflight.get(key)
                 if fut is None:
-                    fut = self.pool.submit(self._block, job, step, sf, f, fd, check_local, i,
-                                           counters)
+                    fut = self.pool.submit(job.job_id, self._block, job, step, sf, f, fd,
+                                           check_local, i, counters)
                     self.inflight[key] = fut
                     fut.add_done_callback(functools.partial(self._done, key))
                 out.append(fut)
