@@ -1,4 +1,5 @@
-"""``slurm-resilience ckpt ls|verify|pull URI``: look at a run's checkpoints in S3."""
+"""``slurm-resilience ckpt ls|verify|pull URI``: look at a run's checkpoints in S3;
+``ckpt status JOB_ID``: a job's stage-in and uploads, from the node's agent."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def register(sub: Any) -> None:
     pull.add_argument("dest")
     pull.add_argument("--step", type=int, default=None)
     pull.set_defaults(func=_guarded(run_pull))
+    st = csub.add_parser("status", help="a job's stage-in (step, source, fallbacks, error), "
+                                        "fetches and pending uploads, from this node's agent")
+    st.add_argument("job_id", type=int, help="the Slurm job id")
+    st.add_argument("--node", default="", help="node whose agent to ask (default: this node)")
+    st.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
+    st.set_defaults(func=_guarded(run_status))
 
 
 def _guarded(fn: Any) -> Any:
@@ -112,3 +119,47 @@ def run_pull(args: argparse.Namespace) -> int:
     step = pull(_client(args), _uri(args.uri), Path(args.dest), args.step)
     print(f"{step_name(step)} -> {Path(args.dest) / step_name(step)}")
     return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import json
+
+    from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+    from slurm_resilience.config.paths import node_name, node_path
+
+    cfg = config.load(args.config)
+    node = node_name(args.node or cfg.node.name)
+    try:
+        answer = call(node_path(cfg.agent.socket, node), "ckpt.status", job_id=args.job_id,
+                      timeout=cfg.agent.request_timeout_s)
+    except (AgentRefused, AgentUnavailable) as exc:
+        raise CheckpointError(f"checkpoint: status: couldn't ask the agent on {node}: {exc}"
+                              ) from None
+    if args.json:
+        print(json.dumps(answer, indent=1, sort_keys=True))
+    else:
+        print("\n".join(format_status(args.job_id, node, answer)))
+    return 1 if answer.get("stagein") == "failed" else 0
+
+
+def format_status(job_id: int, node: str, answer: dict[str, Any]) -> list[str]:
+    """Human lines for a ``ckpt.status`` answer; fallbacks and errors are never left out."""
+    state = answer.get("stagein")
+    head = f"job {job_id} on {node}: stage-in {state}"
+    if state == "done":
+        step = answer.get("step")
+        head += (": no committed step in the run" if step is None else
+                 f": step {step} from {answer.get('source')} ({answer.get('mode')})")
+    elif state == "failed":
+        head += f": {answer.get('error')}"
+    lines = [head]
+    for fb in answer.get("fallbacks") or []:
+        lines.append(f"  passed over step {fb.get('step')}: {fb.get('reason')}")
+    fetch = answer.get("fetch") or {}
+    if fetch.get("requests"):
+        lines.append(f"  fetched {fetch.get('fetched_bytes', 0):,d} bytes in "
+                     f"{fetch.get('fetched_blocks', 0)} blocks; "
+                     f"{fetch.get('local_blocks', 0)} blocks verified in place")
+    if answer.get("pending"):
+        lines.append(f"  uploads pending: steps {answer['pending']}")
+    return lines

@@ -1,23 +1,31 @@
-"""Stage-in: bring the newest verified step into a job's staging dir (root side).
+"""Stage-in: bring the newest committed step of a run to a job's node (root side).
 
-A local step is used when its manifests and checksums verify. Otherwise the
-newest step whose COMMIT.json is in S3 is downloaded (files in parallel ranges),
-every file checked against its manifest's CRC32C, and renamed into place; a
-corrupt step falls back to the one before.
+The agent picks the newest committed step: a local one whose ranks are all here
+and verify, one with COMMIT.json in S3, or one that S3 shows only by an intent
+record (committed, still uploading from other nodes: waited for, bounded). For a
+DCP step it writes only COMMIT.json, every rank's MANIFEST.json and
+``rank-00000/.metadata`` into ``step-N/``; the ranks then ask for the byte ranges
+they read (``ckpt.fetch``, see fetch.py). Older formats are downloaded whole.
+Transient S3 errors are retried (bounded) and never taken for corruption; only a
+failed verification falls back to an older step, and every fallback is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
     CheckpointError,
     CommitMarker,
+    Crc32c,
     Manifest,
     crc_hex,
     fsync_dir,
@@ -26,13 +34,22 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
+from slurm_resilience.checkpoint.intent import PREFIX, is_intent
 from slurm_resilience.checkpoint.prefix import S3Uri
-from slurm_resilience.checkpoint.rootfs import committed_steps_at, verify_step_at
-from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.checkpoint.rootfs import (
+    committed_steps_at,
+    read_small,
+    read_step,
+    verify_step_at,
+)
+from slurm_resilience.checkpoint.s3 import S3, S3Error, TransientS3Error, error_code
 from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.stagein")
+T = TypeVar("T")
+METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
+METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and written
 
 
 def remote_steps(s3: S3, uri: S3Uri) -> dict[int, dict[str, int]]:
@@ -144,36 +161,322 @@ def _write_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> Non
         os.close(fd)
 
 
-def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
-             on_bad: Callable[[int, str], None] | None = None) -> tuple[int | None, str]:
-    """(step, source) of the newest verified step now in the job dir; source local/s3/none."""
-    newest_local: int | None = None
-    for step in reversed(committed_steps_at(job_fd)):
-        try:
-            verify_step_at(job_fd, step, uid)
-            newest_local = step
-            break
-        except (CheckpointError, OSError) as exc:
-            log.warning("local step does not verify", step=step, error=str(exc))
-            if on_bad:
-                on_bad(step, str(exc))
-    if s3 is None or uri is None:
-        return newest_local, "local" if newest_local is not None else "none"
-    for step in sorted(remote_steps(s3, uri), reverse=True):
-        if newest_local is not None and step <= newest_local:
-            break
-        try:
-            download_step(s3, uri, step, job_fd, uid, gid)
-            verify_step_at(job_fd, step, uid, need_all=True)
-        except CheckpointError as exc:
-            log.error("stage-in: step does not verify, falling back", step=step, error=str(exc))
-            if on_bad:
-                on_bad(step, str(exc))
-            continue
-        log.info("stage-in: staged step from S3", step=step, uri=str(uri))
-        return step, "s3"
-    return newest_local, "local" if newest_local is not None else "none"
+class StageinFailed(CheckpointError):
+    """A committed step exists (or may exist) but can't be staged in; the message says why."""
 
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class StageinPolicy:
+    """How long stage-in retries S3 and waits for a step still uploading (config keys
+    ``stagein_retry_s``, ``stagein_intent_wait_s``, ``stagein_intent_fallback``)."""
+
+    retry_s: float = 120.0
+    intent_wait_s: float = 600.0
+    intent_fallback: bool = False
+    poll_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A newer step stage-in passed over, and why (shown in ckpt.status and the log)."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RemoteStep:
+    """A step's commit marker and every rank's manifest, as read from S3 (root-side facts)."""
+
+    marker: CommitMarker
+    manifests: dict[int, Manifest]
+
+
+@dataclass(frozen=True)
+class StageinResult:
+    step: int | None
+    source: str  # local | s3 | none
+    mode: str  # metadata: data stays in S3 until ckpt.fetch; whole: every file is local
+    fetched_bytes: int
+    fallbacks: tuple[Fallback, ...]
+    remote: RemoteStep | None
+
+
+@dataclass(frozen=True)
+class RunListing:
+    """The run in S3: steps with COMMIT.json (keys → sizes), and steps with only intents."""
+
+    committed: dict[int, dict[str, int]]
+    uploading: dict[int, tuple[str, ...]]
+
+
+def list_run(s3: S3, uri: S3Uri) -> RunListing:
+    keys = s3.list_keys(uri.bucket, uri.join() + "/" if uri.key else "")
+    steps: dict[int, dict[str, int]] = {}
+    base = len(uri.key) + 1 if uri.key else 0
+    for key, size in keys.items():
+        sname, _, rest = key[base:].partition("/")
+        step = parse_step(sname)
+        if step is not None and rest:
+            steps.setdefault(step, {})[rest] = size
+    committed = {s: objs for s, objs in steps.items() if COMMIT in objs}
+    uploading = {s: tuple(sorted(k for k in objs if is_intent(k)))
+                 for s, objs in steps.items() if COMMIT not in objs}
+    return RunListing(committed, {s: v for s, v in uploading.items() if v})
+
+
+def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock) -> T:
+    """``fn`` retried on transient S3 errors for up to ``policy.retry_s``; then StageinFailed.
+
+    A transient error (5xx, SlowDown, a timeout, a refused connection) says nothing
+    about the step's content, so it is never taken for corruption.
+    """
+    deadline = clock.monotonic() + policy.retry_s
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except TransientS3Error as exc:
+            left = deadline - clock.monotonic()
+            if left <= 0:
+                raise StageinFailed(
+                    f"checkpoint: stage-in: couldn't {what}: S3 unreachable or overloaded for "
+                    f"{policy.retry_s:.0f}s (checkpoint.stagein_retry_s): {exc}") from None
+            log.warning("stage-in: S3 request failed, retrying", what=what,
+                        retry_in_s=round(min(delay, left), 2), error=str(exc))
+            clock.sleep(min(delay, left))
+            delay = min(delay * 2, 15.0)
+
+
+def _missing(exc: BaseException) -> bool:
+    return error_code(exc.__cause__ or exc) in ("NoSuchKey", "404", "NotFound")
+
+
+def _is_dcp(manifests: dict[int, Manifest]) -> bool:
+    """A DCP step (rank 0 lists ``.metadata``): restored by ranges, so only metadata moves."""
+    return 0 in manifests and any(f.path == METADATA for f in manifests[0].files)
+
+
+def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
+             policy: StageinPolicy | None = None, clock: Clock | None = None,
+             upload_local: Callable[[int], None] | None = None) -> StageinResult:
+    """Choose the newest committed step of the run and bring what a restore needs to start.
+
+    Candidates are local steps, S3 steps with COMMIT.json and S3 steps with only an
+    intent record (still uploading: waited for, bounded). A DCP step gets COMMIT.json,
+    every rank's MANIFEST.json and ``rank-00000/.metadata``; data stays in S3 until a
+    rank asks for ranges (``ckpt.fetch``). Other steps are downloaded whole. Only a
+    failed verification falls back to an older step, and each fallback is reported.
+    ``upload_local(step)`` uploads this node's part of a step still uploading, which may
+    be the part the other nodes' upload waits for (a requeue onto the same node).
+    """
+    policy = policy or StageinPolicy()
+    clock = clock or SystemClock()
+    local = committed_steps_at(job_fd)
+    fallbacks: list[Fallback] = []
+
+    def fall_back(step: int, reason: str) -> None:
+        log.error("stage-in: step does not verify, falling back", step=step, error=reason)
+        fallbacks.append(Fallback(step, reason))
+
+    if s3 is None or uri is None:
+        for step in reversed(local):
+            try:
+                verify_step_at(job_fd, step, uid)
+            except (CheckpointError, OSError) as exc:
+                fall_back(step, str(exc))
+                continue
+            return StageinResult(step, "local", "whole", 0, tuple(fallbacks), None)
+        return StageinResult(None, "none", "", 0, tuple(fallbacks), None)
+
+    listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
+    for step in sorted(set(local) | set(listing.committed) | set(listing.uploading),
+                       reverse=True):
+        if step not in listing.committed and step in local:
+            why = _local_incomplete(job_fd, step, uid)
+            if why is None:
+                return StageinResult(step, "local", "whole", 0, tuple(fallbacks), None)
+            if step not in listing.uploading:
+                fall_back(step, f"checkpoint: stage-in: step {step}: {why}, and S3 has neither "
+                                "its COMMIT.json nor an intent record")
+                continue
+        if step not in listing.committed and step in local and upload_local is not None:
+            upload_local(step)
+            listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
+        if step not in listing.committed:
+            listing = _wait_for_commit(s3, uri, step, listing, policy, clock)
+            if step not in listing.committed:
+                nodes = ", ".join(n.removeprefix(PREFIX).removesuffix(".json")
+                                  for n in listing.uploading.get(step, ()))
+                msg = (f"checkpoint: stage-in: step {step} is committed but still uploading from "
+                       f"node(s) {nodes or '?'} (intent record, no COMMIT.json) after "
+                       f"{policy.intent_wait_s:.0f}s (checkpoint.stagein_intent_wait_s)")
+                if not policy.intent_fallback:
+                    raise StageinFailed(msg)
+                fall_back(step, msg + "; checkpoint.stagein_intent_fallback takes an older step")
+                continue
+        try:
+            remote, mode, nbytes = _stage_remote(s3, uri, step, listing.committed[step], job_fd,
+                                                 uid, gid, policy, clock)
+        except StageinFailed:
+            raise
+        except S3Error as exc:
+            if not _missing(exc):
+                raise StageinFailed(f"checkpoint: stage-in: step {step}: {exc}") from None
+            fall_back(step, str(exc))
+            continue
+        except CheckpointError as exc:
+            fall_back(step, str(exc))
+            continue
+        log.info("stage-in: staged step from S3", step=step, uri=str(uri), mode=mode,
+                 bytes=nbytes)
+        return StageinResult(step, "s3", mode, nbytes, tuple(fallbacks), remote)
+    return StageinResult(None, "none", "", 0, tuple(fallbacks), None)
+
+
+def _local_incomplete(job_fd: int, step: int, uid: int) -> str | None:
+    """None when every rank of a local step is here and verifies; else what is wrong."""
+    try:
+        marker, manifests = read_step(job_fd, step, uid)
+        if set(manifests) != set(range(marker.world_size)):
+            return (f"only ranks {sorted(manifests)} of 0..{marker.world_size - 1} are on "
+                    "this node")
+        verify_step_at(job_fd, step, uid, need_all=True)
+    except (CheckpointError, OSError) as exc:
+        return f"the local copy does not verify ({exc})"
+    return None
+
+
+def _wait_for_commit(s3: S3, uri: S3Uri, step: int, listing: RunListing,
+                     policy: StageinPolicy, clock: Clock) -> RunListing:
+    deadline = clock.monotonic() + policy.intent_wait_s
+    log.info("stage-in: waiting for a step still uploading", step=step,
+             intents=list(listing.uploading.get(step, ())), wait_s=policy.intent_wait_s)
+    while step not in listing.committed:
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            break
+        clock.sleep(min(policy.poll_s, left))
+        listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
+    return listing
+
+
+def _stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: int, uid: int,
+                  gid: int, policy: StageinPolicy, clock: Clock
+                  ) -> tuple[RemoteStep, str, int]:
+    marker, manifests = retrying(f"read the manifests of step {step}",
+                                 lambda: read_remote_step(s3, uri, step), policy, clock)
+    for rank, m in manifests.items():
+        for f in m.files:
+            rel = f"{rank_name(rank)}/{f.path}"
+            if objs.get(rel) != f.size:
+                raise CheckpointError(f"checkpoint: stage-in: step {step}: {rel} is "
+                                      f"{objs.get(rel)} bytes in S3, its manifest says {f.size}")
+    remote = RemoteStep(marker, manifests)
+    small = sum(len(m.to_json()) for m in manifests.values()) + len(marker.to_json())
+    if not _is_dcp(manifests):
+        if _local_incomplete(job_fd, step, uid) is None:
+            return remote, "whole", 0
+        retrying(f"download step {step}",
+                 lambda: download_step(s3, uri, step, job_fd, uid, gid), policy, clock)
+        verify_step_at(job_fd, step, uid, need_all=True)
+        return remote, "whole", small + sum(m.total_bytes for m in manifests.values())
+    meta = next(f for f in manifests[0].files if f.path == METADATA)
+    key = uri.join(step_name(step), rank_name(0), METADATA)
+    if meta.size > METADATA_LIMIT:
+        raise CheckpointError(f"checkpoint: stage-in: step {step}: {rank_name(0)}/{METADATA} is "
+                              f"{meta.size} bytes, more than the agent reads ({METADATA_LIMIT})")
+    data = retrying(f"get {key}", lambda: s3.get_bytes(uri.bucket, key, limit=meta.size),
+                    policy, clock)
+    crc = Crc32c()
+    crc.update(data)
+    if (len(data), crc.hexdigest()) != (meta.size, meta.crc32c):
+        raise CheckpointError(f"checkpoint: stage-in: step {step}: {rank_name(0)}/{METADATA}: "
+                              f"size {len(data)} crc32c {crc.hexdigest()} in S3, manifest says "
+                              f"size {meta.size} crc32c {meta.crc32c}")
+    place_metadata(job_fd, step, remote, data, uid, gid)
+    return remote, "metadata", small + len(data)
+
+
+def place_metadata(job_fd: int, step: int, remote: RemoteStep, metadata: bytes, uid: int,
+                   gid: int) -> None:
+    """Write COMMIT.json (last), every rank's MANIFEST.json and rank-00000/.metadata into
+    ``step-N/``, keeping rank parts already here that match S3's manifests."""
+    sfd = open_or_make_dir(job_fd, step_name(step), uid, gid)
+    try:
+        for rank, m in remote.manifests.items():
+            rname = rank_name(rank)
+            try:
+                here = Manifest.from_json(read_small(sfd, f"{rname}/{MANIFEST}", uid))
+            except FileNotFoundError:
+                here = None
+            except (CheckpointError, OSError):
+                here = m.__class__(step=-1, rank=-1, files=())  # unreadable: replace the part
+            if here is not None and here != m:
+                log.info("stage-in: replacing a local rank part that differs from S3",
+                         step=step, rank=rank)
+                remove_at(sfd, rname)
+            rfd = open_or_make_dir(sfd, rname, uid, gid)
+            try:
+                if here != m:
+                    replace_owned(rfd, MANIFEST, m.to_json(), uid, gid)
+                if rank == 0:
+                    replace_owned(rfd, METADATA, metadata, uid, gid)
+            finally:
+                os.close(rfd)
+        replace_owned(sfd, COMMIT, remote.marker.to_json(), uid, gid)
+        os.fsync(sfd)
+    finally:
+        os.close(sfd)
+    os.fsync(job_fd)
+
+
+def open_or_make_dir(dir_fd: int, name: str, uid: int, gid: int) -> int:
+    """A subdirectory (created owned by uid:gid) that is a real dir owned by uid."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    try:
+        fd = open_dir_at(dir_fd, name)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint: {name}: not a real directory "
+                              f"({os.strerror(exc.errno or 0)}); refusing it") from None
+    st = os.fstat(fd)
+    if st.st_uid == 0 and uid != 0:
+        os.fchown(fd, uid, gid)  # just created by us
+    elif st.st_uid != uid:
+        os.close(fd)
+        raise CheckpointError(f"checkpoint: {name}: owned by uid {st.st_uid}, not {uid}")
+    return fd
+
+
+def replace_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> None:
+    """Write a small file owned by uid:gid atomically (temp name, fsync, rename)."""
+    tmp = f".{name}.stagein"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)
+    fd = _create_owned(dir_fd, tmp, uid, gid)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 def pull(s3: S3, uri: S3Uri, dest: Path, step: int | None = None) -> int:
     """``ckpt pull``: download the newest (or given) complete step as the calling user."""

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
+from slurm_resilience.checkpoint import intent
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
@@ -32,6 +33,7 @@ from slurm_resilience.checkpoint.commit import (
 )
 from slurm_resilience.checkpoint.journal import JobRecord, Journal, new_record, pending_steps
 from slurm_resilience.checkpoint.prefix import S3Uri, check_run_uri, parse_uri
+from slurm_resilience.checkpoint.restore import fetch_for, make_fetcher, run_stagein, stagein_status
 from slurm_resilience.checkpoint.rootfs import committed_steps_at, read_small, read_step
 from slurm_resilience.checkpoint.s3 import S3, S3Settings, TransientS3Error
 from slurm_resilience.checkpoint.staging import (
@@ -81,6 +83,7 @@ class Uploader:
         self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
         self.orphans_checked: dict[int, float] = {}
         self.stopping = threading.Event()
+        self.fetcher = make_fetcher(cfg, lambda: self.s3)
         for rec in self.jobs.values():
             if rec.get("stagein", {}).get("state") == "running":
                 rec["stagein"] = {"state": "pending"}  # interrupted by a restart: redo it
@@ -97,7 +100,8 @@ class Uploader:
 
     def handlers(self) -> dict[str, Handler]:
         return {"ckpt.job_start": self.on_job_start, "ckpt.register": self.on_register,
-                "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end}
+                "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end,
+                "ckpt.fetch": self.on_fetch}
 
     def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
         try:
@@ -166,10 +170,17 @@ class Uploader:
     def on_status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer)
         with self.lock:
-            si = dict(rec.get("stagein", {}))
-            return {"ok": True, "stagein": si.get("state", "none"), "step": si.get("step"),
-                    "source": si.get("source"), "error": si.get("error"),
-                    "pending": pending_steps(rec), "uri": rec.get("uri")}
+            answer = stagein_status(rec)
+        return {"ok": True, **answer, "fetch": self.fetcher.stats(int(rec["job_id"]))}
+
+    def on_fetch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""
+        rec = self._job(request, peer)
+        try:
+            return {"ok": True, **fetch_for(self.fetcher, rec, request)}
+        except CheckpointError as exc:
+            log.error("fetch failed", job_id=rec["job_id"], error=str(exc))
+            raise RequestError(str(exc)) from None
 
     def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer, root_only=True)
@@ -202,22 +213,7 @@ class Uploader:
         t.start()
 
     def _stagein(self, rec: JobRecord) -> None:
-        from slurm_resilience.checkpoint.stagein import stage_in
-
-        started = time.monotonic()
-        try:
-            uri = parse_uri(rec["uri"]) if rec.get("uri") else None
-            with open_job_dir(rec["staging_root"], int(rec["job_id"])) as jfd:
-                step, source = stage_in(self.s3 if uri else None, uri, jfd, int(rec["uid"]),
-                                        int(rec["gid"]))
-            result: dict[str, Any] = {"state": "done", "step": step, "source": source,
-                                      "seconds": round(time.monotonic() - started, 3)}
-            if source == "s3" and step is not None:
-                with self.lock:  # already in S3: never upload it again
-                    rec["steps"][str(step)] = {"state": "committed", "staged_in": True}
-        except (CheckpointError, OSError) as exc:
-            result = {"state": "failed", "error": str(exc)}
-            log.error("stage-in failed", job_id=rec["job_id"], error=str(exc))
+        result = run_stagein(self, rec)
         with self.lock:
             rec["stagein"] = result
             self.journal.write(rec)
@@ -302,6 +298,7 @@ class Uploader:
             self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
             return
         st["world_size"] = marker.world_size
+        intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)  # intent.py
         sfd = open_dir_at(jfd, sname)
         try:
             for rank, manifest in manifests.items():
@@ -361,6 +358,7 @@ class Uploader:
         """A step we must not upload (a link, a foreign file, a bad manifest): never retried."""
         log.error("refusing to upload step", job_id=rec["job_id"], step=step, reason=why)
         old = rec["steps"].get(str(step), {})
+        intent.withdraw(self.s3, rec, old, step, self.node)  # intent.py: never waited for
         if rec.get("uri"):
             uri = parse_uri(rec["uri"])
             for key, frec in old.get("files", {}).items():
@@ -429,6 +427,7 @@ class Uploader:
             for s in pending:
                 rec["steps"][str(s)]["state"] = "rejected"
                 rec["steps"][str(s)]["reason"] = "other ranks never reached S3"
+                intent.withdraw(self.s3, rec, rec["steps"][str(s)], s, self.node)  # intent.py
             pending = []
         if pending:
             return
@@ -440,12 +439,14 @@ class Uploader:
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:
+        self.fetcher.forget(int(rec["job_id"]))
         with self.lock:
             self.jobs.pop(int(rec["job_id"]), None)
             self.journal.delete(int(rec["job_id"]))
 
     def close(self) -> None:
         self.stopping.set()
+        self.fetcher.close()
         if self.worker is not None:
             self.worker.join(timeout=5)
 

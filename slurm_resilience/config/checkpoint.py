@@ -59,3 +59,28 @@ class CheckpointSection:
     journal_dir: str = setting(
         "", help="durable upload journal; empty: <node.state_dir>/ckpt-journal; may contain {node}"
     )
+    stagein_retry_s: float = setting(
+        120.0, min=0, max=86400,
+        help="how long stage-in retries transient S3 errors (5xx, throttling, timeouts, "
+             "refused connections) before it fails with the cause",
+    )
+    stagein_intent_wait_s: float = setting(
+        600.0, min=0, max=86400,
+        help="how long stage-in waits for a step whose intent record is in S3 but whose "
+             "COMMIT.json is not yet (still uploading from other nodes)",
+    )
+    stagein_intent_fallback: bool = setting(
+        False, help="when that wait runs out, take the newest older step (logged as a "
+                    "fallback) instead of failing the stage-in",
+    )
+    fetch_concurrency: int = setting(
+        16, min=1, max=256, help="parallel ranged GETs per node for ckpt.fetch (all jobs)"
+    )
+    fetch_request_bytes: ByteSize = setting(
+        ByteSize(8 * 1024**2), min=64 * 1024, max=256 * 1024**2,
+        help="largest byte range one ckpt.fetch GET asks S3 for",
+    )
+    fetch_max_per_job: int = setting(
+        8, min=1, max=256, help="ckpt.fetch requests one job may have in flight on a node; "
+                                "more wait for a free slot",
+    )

@@ -96,5 +96,8 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "upload_interval_s": 0.5,
             "epilog_wait_s": 10.0,
             "stagein_timeout_s": 120.0,
+            # S3 faults in tests show up within seconds, not after the 2-minute default.
+            "stagein_retry_s": 8.0,
+            "stagein_intent_wait_s": 20.0,
         },
     }

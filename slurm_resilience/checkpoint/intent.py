@@ -1,0 +1,103 @@
+"""Intent records: a step committed on some node, whose upload to S3 is under way.
+
+When the agent learns that a step committed locally, it writes a small
+``step-N/INTENT-<node>.json`` to S3 before it uploads any data. COMMIT.json only
+appears once every rank's part is in S3, which may take a while, or never happen
+when a node dies first. A later job's stage-in that finds an intent record but no
+COMMIT.json knows the step exists and is newer than what S3 holds complete: it
+waits for it (bounded) instead of silently taking an older step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_resilience.checkpoint.commit import (
+    CheckpointError,
+    CommitMarker,
+    Crc32c,
+    step_name,
+)
+from slurm_resilience.checkpoint.prefix import S3Uri, parse_uri
+from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.log import get_logger
+
+log = get_logger("checkpoint.intent")
+
+PREFIX = "INTENT-"
+_NODE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NAME = re.compile(r"^INTENT-([A-Za-z0-9._-]{1,128})\.json$")
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What one node wrote when its ranks committed ``step`` locally."""
+
+    step: int
+    job_id: int
+    node: str
+    ranks: tuple[int, ...]
+    world_size: int
+    time: float
+
+    def to_json(self) -> bytes:
+        return json.dumps({"step": self.step, "job_id": self.job_id, "node": self.node,
+                           "ranks": list(self.ranks), "world_size": self.world_size,
+                           "time": self.time}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Intent:
+        try:
+            doc: Any = json.loads(data)
+            return cls(step=int(doc["step"]), job_id=int(doc["job_id"]), node=str(doc["node"]),
+                       ranks=tuple(int(r) for r in doc["ranks"]),
+                       world_size=int(doc["world_size"]), time=float(doc["time"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint: {where}: not a valid intent record: {exc}"
+                                  ) from None
+
+
+def intent_name(node: str) -> str:
+    if not _NODE.match(node):
+        raise CheckpointError(f"checkpoint: intent: node name {node!r} can't be used in a key")
+    return f"{PREFIX}{node}.json"
+
+
+def is_intent(name: str) -> bool:
+    """Whether a key relative to the step dir is an intent record."""
+    return _NAME.match(name) is not None
+
+
+def announce(s3: S3, uri: S3Uri, rec: dict[str, Any], step_record: dict[str, Any],
+             marker: CommitMarker, ranks: list[int], node: str) -> None:
+    """Write this node's intent record for the marker's step once, before any of its data."""
+    if step_record.get("intent"):
+        return
+    body = Intent(marker.step, int(rec["job_id"]), node, tuple(sorted(ranks)),
+                  marker.world_size, time.time()).to_json()
+    crc = Crc32c()
+    crc.update(body)
+    s3.put_bytes(uri.bucket, uri.join(step_name(marker.step), intent_name(node)), body,
+                 crc.hexdigest())
+    step_record["intent"] = True
+
+
+def withdraw(s3: S3, rec: dict[str, Any], step_record: dict[str, Any], step: int,
+             node: str) -> None:
+    """Delete this node's intent record of a step that will never commit (rejected or
+    abandoned), so no later stage-in waits for it. Best effort: a failure is logged."""
+    if not step_record.get("intent") or not rec.get("uri"):
+        return
+    uri = parse_uri(str(rec["uri"]))
+    key = uri.join(step_name(step), intent_name(node))
+    try:
+        s3.delete_keys(uri.bucket, [key])
+    except CheckpointError as exc:
+        log.warning("couldn't withdraw the intent record of an abandoned step", key=key,
+                    error=str(exc))
+        return
+    step_record["intent"] = False

@@ -1,0 +1,107 @@
+"""The checkpoint service's restore side: run a job's stage-in, answer ``ckpt.status``'s
+stage-in fields and ``ckpt.fetch`` (the upload side lives in uploader.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
+from slurm_resilience.checkpoint.journal import JobRecord, pending_steps
+from slurm_resilience.checkpoint.prefix import parse_uri
+from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
+from slurm_resilience.checkpoint.staging import open_job_dir
+from slurm_resilience.config import Config
+from slurm_resilience.log import get_logger
+
+if TYPE_CHECKING:
+    from slurm_resilience.checkpoint.uploader import Uploader
+
+log = get_logger("checkpoint.stagein")
+
+
+def policy(cfg: Config) -> StageinPolicy:
+    ck = cfg.checkpoint
+    return StageinPolicy(retry_s=ck.stagein_retry_s, intent_wait_s=ck.stagein_intent_wait_s,
+                         intent_fallback=ck.stagein_intent_fallback,
+                         poll_s=min(2.0, max(0.1, ck.stagein_intent_wait_s / 10)))
+
+
+def make_fetcher(cfg: Config, s3: Callable[[], S3]) -> RangeFetcher:
+    ck = cfg.checkpoint
+    settings = FetchSettings(concurrency=ck.fetch_concurrency,
+                             request_bytes=int(ck.fetch_request_bytes),
+                             max_per_job=ck.fetch_max_per_job, retry_s=ck.stagein_retry_s)
+    return RangeFetcher(settings, s3, policy(cfg))
+
+
+def run_stagein(up: Uploader, rec: JobRecord) -> dict[str, Any]:
+    """Stage the job's newest committed step in; the journal's ``stagein`` record."""
+    started = time.monotonic()
+    job_id = int(rec["job_id"])
+    try:
+        uri = parse_uri(rec["uri"]) if rec.get("uri") else None
+        with open_job_dir(rec["staging_root"], job_id) as jfd:
+
+            def upload_local(step: int) -> None:
+                # The upload worker skips a job while its stage-in runs, so this is the
+                # only upload of the job's steps right now.
+                assert uri is not None
+                log.info("stage-in: uploading this node's part of a step still uploading",
+                         job_id=job_id, step=step)
+                try:
+                    up.upload_step(rec, jfd, uri, step)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("stage-in: couldn't upload this node's part", job_id=job_id,
+                                step=step, error=str(exc))
+
+            res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
+                           policy(up.cfg), upload_local=upload_local)
+        result: dict[str, Any] = {
+            "state": "done", "step": res.step, "source": res.source, "mode": res.mode,
+            "fetched_bytes": res.fetched_bytes,
+            "fallbacks": [{"step": f.step, "reason": f.reason} for f in res.fallbacks],
+            "seconds": round(time.monotonic() - started, 3)}
+        if res.source == "s3" and res.step is not None:
+            with up.lock:  # already in S3: never upload it again
+                rec["steps"][str(res.step)] = {"state": "committed", "staged_in": True}
+        if res.remote is not None and res.step is not None:
+            up.fetcher.remember(job_id, res.step, res.remote)
+        if res.fallbacks:
+            log.warning("stage-in fell back to an older step", job_id=job_id, step=res.step,
+                        passed_over=[f.step for f in res.fallbacks])
+    except (CheckpointError, OSError) as exc:
+        result = {"state": "failed", "step": None, "error": str(exc),
+                  "seconds": round(time.monotonic() - started, 3)}
+        log.error("stage-in failed", job_id=job_id, error=str(exc))
+    return result
+
+
+def stagein_status(rec: JobRecord) -> dict[str, Any]:
+    """The stage-in fields of ``ckpt.status``, as the checkpoint contract names them."""
+    si = dict(rec.get("stagein") or {})
+    state = str(si.get("state", "pending"))
+    if not rec.get("uri"):
+        state = "none"  # local-only: nothing to stage in
+    elif state == "pending":
+        state = "running"  # about to start (or restarting after an agent restart)
+    return {"stagein": state, "step": si.get("step"), "error": si.get("error"),
+            "source": si.get("source"), "mode": si.get("mode"),
+            "fallbacks": list(si.get("fallbacks") or []),
+            "stagein_bytes": int(si.get("fetched_bytes") or 0), "pending": pending_steps(rec),
+            "uri": rec.get("uri")}
+
+
+def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: dict[str, Any]
+              ) -> dict[str, Any]:
+    """Answer ``ckpt.fetch`` for a job whose owner the caller was checked to be."""
+    step = request.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint: fetch: step {step!r} is not a step number")
+    job = FetchJob(job_id=int(rec["job_id"]), uid=int(rec["uid"]), gid=int(rec["gid"]),
+                   staging_root=str(rec["staging_root"]),
+                   uri=parse_uri(rec["uri"]) if rec.get("uri") else None)
+    return fetcher.fetch(job, step, parse_ranges(request.get("ranges")))
