@@ -9,6 +9,7 @@ agent restarted mid-incident resumes it instead of acting twice or forgetting it
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -109,8 +110,9 @@ class IncidentRunner:
                                 "", -1)
             return self.finish(self._report(view, piece, run, trigger, timings,
                                             decision=decision))
+        # The Protocol's deadline is on time.monotonic(), the transport's own clock.
         gathered = self.rdv.gather(rec.job_id, run, nodes,
-                                   self.clock.monotonic() + hb.rendezvous_wait_s)
+                                   time.monotonic() + hb.rendezvous_wait_s)
         pieces = combine(piece, gathered)
         missing = [n for n in nodes if n not in pieces]
         ranks = sorted((r for p in pieces.values() for r in p.ranks), key=lambda r: r.rank)
