@@ -92,7 +92,8 @@ def _reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
 
 def _decided(sandbox: Sandbox, job_id: int, run: int) -> dict[str, Any] | None:
     for r in _reports(sandbox, job_id):
-        if r.get("restart") == run and r["decision"]["action"] not in ("report", "none"):
+        # Finished (the copy written before acting has no action time yet).
+        if r.get("restart") == run and "action_at" in r["timings"]:
             return r
     return None
 
@@ -192,7 +193,7 @@ def test_failed_loopback_verification_drains_the_suspect_with_measured_vs_expect
         node = _wait_for(lambda: (lambda n: n if "verification failed" in n.reason else None)(
             sandbox.adapter().show_node(suspect)), 120, "the failed verification")
         assert node.drained and node.reason.startswith(f"SR: hang job {job_id} user {user} ")
-        assert "loopback test: nccl allreduce wrong result on gpu1" in node.reason, node.reason
+        assert "loopback test: nccl allreduce wrong result on rank1" in node.reason, node.reason
         assert "differ from the expected sum" in node.reason, node.reason
         print(f"\nnccl fault: {suspect} drained: {node.reason}")
     finally:
