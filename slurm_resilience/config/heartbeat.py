@@ -22,8 +22,8 @@ class HeartbeatSection:
     """Per-rank heartbeats and the node agent's hang watcher."""
 
     mode: Literal["act", "observe", "off"] = setting(
-        "act", help="act: capture evidence, drain the blamed node and requeue; observe: detect "
-                    "and report only (for rollout); off: do not watch",
+        "act", help="act: capture evidence, drain on evidence, verify suspects, requeue; "
+                    "observe: detect and report only (for rollout); off: do not watch",
     )
     step_timeout_s: float = setting(
         300.0, min=1, max=86400, help="a rank with no beat for this long is hung (after warm-up)"
@@ -72,7 +72,9 @@ class HeartbeatSection:
         True, help="hold instead of requeue when the job's checkpoint did not advance since "
                    "the previous hang requeue",
     )
-    drain: bool = setting(True, help="drain the node blamed for a hang (mode act only)")
+    drain: bool = setting(
+        True, help="take blamed nodes out of service at all: drains on evidence and suspects "
+                   "(mode act only)")
     evidence_timeout_s: float = setting(
         20.0, min=1, max=600, help="bound of all evidence capture of one incident"
     )
