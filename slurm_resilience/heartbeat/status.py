@@ -20,7 +20,9 @@ from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[dict[str, Any]]:
     """Nodes drained or down with a reason we set."""
     return [{"node": n.name, "state": "+".join([n.state, *sorted(n.flags)]), "reason": n.reason,
-             "since": n.reason_time, "hang": policy.parse_reason(n.reason) is not None}
+             # Reasons of earlier releases ("SR: hang job 7: ...") are hang drains too.
+             "since": n.reason_time,
+             "hang": policy.parse_reason(n.reason) is not None or "hang job" in n.reason}
             for n in nodes if (n.drained or n.down) and n.reason.startswith(prefix)]
 
 
