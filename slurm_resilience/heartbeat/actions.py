@@ -95,7 +95,8 @@ def retry(what: str, call: Callable[[], Any], deadline: float, clock: Clocked) -
 
 
 def _held(reason: str) -> bool:
-    return "held" in reason.lower()
+    # Our own (admin) hold; a hold the user set is theirs to release.
+    return "held" in reason.lower() and reason != "JobHeldUser"
 
 
 def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:

@@ -137,6 +137,9 @@ class IncidentRunner:
                 reason="another handler already acted on this run")))
         steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
         actions: list[str] = [decision.budget_note] if decision.budget_note else []
+        if decision.budget_note:
+            log.warning("heartbeat: budget: hang budget spent; nodes reported, not taken out",
+                        job_id=rec.job_id, note=decision.budget_note)
         if not hb.drain and any(c.verdict.value != "spare" for c in decision.nodes):
             actions.append("draining is off (heartbeat.drain: false): no node drained")
         path = self._write(report)

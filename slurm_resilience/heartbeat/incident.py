@@ -20,7 +20,7 @@ from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.incident")
 
-MAX_REPORT_FILE = 16 << 20
+MAX_REPORT_FILE = 4 << 20
 
 
 def _iso(t: float | None) -> str:
@@ -108,7 +108,7 @@ def read_report(directory: str, name: str) -> dict[str, Any]:
     return data
 
 
-def reports_of_job(directory: str, job_id: int, limit: int = 20) -> list[dict[str, Any]]:
+def reports_of_job(directory: str, job_id: int, limit: int = 8) -> list[dict[str, Any]]:
     """This node's reports of one job, oldest run first (at most ``limit``)."""
     prefix = f"hang-job{int(job_id)}-run"
     try:

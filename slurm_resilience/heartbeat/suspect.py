@@ -44,6 +44,8 @@ class Check:
     name: str
     ok: bool
     detail: str
+    # Could not run now (the node lock is held by another test): verify again later.
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,10 @@ class Verification:
     @property
     def passed(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    @property
+    def retry(self) -> bool:
+        return any(c.retry for c in self.checks)
 
     @property
     def failure(self) -> str:
@@ -90,7 +96,8 @@ def loopback_check(cfg: Config, node: str, *, stop: threading.Event | None = Non
     s = cfg.nccl
     lock = schedule.NodeLock(os.path.join(node_path(cfg.node.run_dir, node), schedule.LOCK_NAME))
     if not lock.try_acquire():
-        return Check("loopback test", False, "node lock busy (another test or a job): not run")
+        return Check("loopback test", False, "node lock busy (another test or a job): not run",
+                     retry=True)
     try:
         fault = node_path(s.fault_file, node) if s.fault_file else ""
         result = gate.run_gate(s, fault_file=fault, nice=0, stop=stop)
@@ -102,7 +109,9 @@ def loopback_check(cfg: Config, node: str, *, stop: threading.Event | None = Non
     if result.verdict == "fail":
         extra = _wrong_detail(result)
         return Check("loopback test", False, f"{reasons}: {extra}" if extra else reasons)
-    return Check("loopback test", False, f"{result.verdict}: {reasons}")
+    # "unknown": the test could not run here (no GPUs seen, no torch); not evidence against the
+    # node, so not a failure, but said in the log and the node's verification record.
+    return Check("loopback test", True, f"not verified ({result.verdict}): {reasons}")
 
 
 Verifier = Callable[[Config, str], Verification]
@@ -221,6 +230,11 @@ class SuspectWatch:
         job = parsed.job_id if parsed.job_id is not None else -1
         log.warning("heartbeat: suspect: verifying node", job_id=job, reason=info.reason)
         result = self.verifier(self.cfg, self.node)
+        if result.retry:
+            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
+            log.info("heartbeat: suspect: verification could not run now; again soon",
+                     node=self.node, checks=[f"{c.name}: {c.detail}" for c in result.checks])
+            return "verification postponed"
         now = self.clock.time()
         items = self.history.add(now, job, parsed.user)
         many = accumulated(items, now, hb.suspect_window_s, hb.suspect_threshold)

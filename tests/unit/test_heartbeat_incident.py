@@ -352,3 +352,13 @@ def test_reports_are_fetched_by_their_owner_only(tmp_path: Path) -> None:
     with pytest.raises(RequestError, match="must be a job id"):
         handlers.fetch(str(tmp_path), "node1", {"job_id": "../x"}, Peer(1, 0, 0), 1 << 20)
     assert os.stat(tmp_path).st_uid == os.geteuid()
+
+
+def test_a_busy_node_lock_postpones_verification_instead_of_draining(tmp_path: Path) -> None:
+    """A loopback test that could not start (node lock busy) is no evidence: verify again later."""
+    slurm = SlurmStandIn(node_reason=SUSPECT)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"),
+                           Check("loopback test", False, "node lock busy", retry=True))
+    watch.tick()
+    watch.close(10)
+    assert slurm.node_reason == SUSPECT and watch.last == {}
