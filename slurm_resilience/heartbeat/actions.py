@@ -61,15 +61,21 @@ def step_from_json(data: Any) -> Step:
 
 
 class Clocked:
-    """Wall clock and sleep of the retry loop (injected in tests)."""
+    """Wall clock, sleep and stop flag of the retry loop (injected in tests)."""
 
-    def __init__(self, now: Callable[[], float], sleep: Callable[[float], None]):
+    def __init__(self, now: Callable[[], float], sleep: Callable[[float], object],
+                 stopping: Callable[[], bool] = lambda: False):
         self.now = now
         self.sleep = sleep
+        self.stopping = stopping
 
 
 class DeadlinePassed(Exception):
     """Slurm kept failing until the incident's deadline."""
+
+
+class Stopping(Exception):
+    """The agent is stopping: the incident is left as persisted, for the next start."""
 
 
 def retry(what: str, call: Callable[[], Any], deadline: float, clock: Clocked) -> Any:
@@ -84,6 +90,8 @@ def retry(what: str, call: Callable[[], Any], deadline: float, clock: Clocked) -
         except (ForeignDrain, JobNotFound, NodeNotFound):
             raise
         except SlurmError as exc:
+            if clock.stopping():
+                raise Stopping(f"agent stopping while trying to {what}") from exc
             left = deadline - clock.now()
             if left <= 0:
                 raise DeadlinePassed(f"couldn't {what}: {exc} (gave up at the incident's "
@@ -91,6 +99,8 @@ def retry(what: str, call: Callable[[], Any], deadline: float, clock: Clocked) -
             log.warning("heartbeat: act: couldn't reach Slurm; retrying", what=what,
                         attempt=attempt, retry_in_s=round(min(delay, left), 2), error=str(exc))
             clock.sleep(min(delay, left))
+            if clock.stopping():
+                raise Stopping(f"agent stopping while trying to {what}") from exc
             delay = min(delay * 2, BACKOFF_MAX_S)
 
 

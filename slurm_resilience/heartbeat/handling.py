@@ -17,7 +17,7 @@ from typing import Any
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import blame as B
 from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
-from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, execute, retry
+from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, Stopping, execute, retry
 from slurm_resilience.heartbeat.records import (
     Action,
     Clock,
@@ -62,14 +62,15 @@ def combine(own: Piece, others: Mapping[str, bytes]) -> dict[str, Piece]:
 class IncidentRunner:
     def __init__(self, cfg: Callable[[], Config], node: str, adapter: SlurmAdapter,
                  rendezvous: Rendezvous, store: IncidentStore, clock: Clock,
-                 sleep: Callable[[float], None], incident_dir: str):
+                 sleep: Callable[[float], object], incident_dir: str,
+                 stopping: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.node = node
         self.adapter = adapter
         self.rdv = rendezvous
         self.store = store
         self.clock = clock
-        self.clocked = Clocked(clock.time, sleep)
+        self.clocked = Clocked(clock.time, sleep, stopping)
         self.incident_dir = incident_dir
 
     def _report(self, view: localpiece.JobView, piece: Piece, run: int, trigger: str,
@@ -79,9 +80,18 @@ class IncidentRunner:
                       piece.ranks, {self.node: piece.evidence}, {}, None, (), timings)
         return replace(base, **kw)
 
-    def run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report:
+    def run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report | None:
         """Handle one hang; ``run_hint`` is the run another node's piece was made in (None
-        when this node's own ranks timed out)."""
+        when this node's own ranks timed out). None when the agent stopped meanwhile: what was
+        claimed is persisted and the next start resumes it (or detects the hang again)."""
+        try:
+            return self._run(view, trigger, run_hint)
+        except Stopping as exc:
+            log.warning("heartbeat: incident: left for the agent's next start",
+                        job_id=view.record.job_id, why=str(exc))
+            return None
+
+    def _run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report:
         cfg = self.cfg()
         hb = cfg.heartbeat
         rec = view.record
@@ -178,6 +188,13 @@ class IncidentRunner:
 
     def resume(self, progress: Progress) -> None:
         """Finish acting on an incident a previous life of the agent claimed."""
+        try:
+            self._resume(progress)
+        except Stopping as exc:
+            log.warning("heartbeat: resume: left for the agent's next start",
+                        job_id=progress.job_id, why=str(exc))
+
+    def _resume(self, progress: Progress) -> None:
         if progress.state == "claimed":
             # Claimed but no plan saved: nothing was done yet; the job's ledger in Slurm
             # (run already handled or not) decides on the next detection.

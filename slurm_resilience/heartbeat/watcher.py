@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,7 @@ class HangWatcher:
     name = "heartbeat"
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, *,
-                 clock: Clock | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Clock | None = None, sleep: Callable[[float], object] | None = None,
                  rendezvous: RV.Rendezvous | None = None, verifier: Verifier = verify,
                  config_path: str | None = None):
         self.live = LiveConfig(cfg, config_path)
@@ -67,8 +66,11 @@ class HangWatcher:
         self.tuned = TunedTimeouts(self.state_dir)
         self.store = IncidentStore(os.path.join(self.state_dir, "acted"), hb.max_handled)
         self.rdv = rendezvous if rendezvous is not None else RV.make(cfg, node)
+        # Set by close(): retry waits end at once and incidents are left for the next start.
+        self.stopping = threading.Event()
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
-                                     self.clock, sleep, self.incident_dir)
+                                     self.clock, sleep or self.stopping.wait, self.incident_dir,
+                                     self.stopping.is_set)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
         for progress in self.store.unfinished():
@@ -169,6 +171,8 @@ class HangWatcher:
 
     def _incident(self, view: JobView, trigger: str, run: int | None) -> None:
         report = self.runner.run(view, trigger, run)
+        if report is None:
+            return
         # The run Slurm says it was: a user's slot cannot make the same run look new.
         with self.lock:
             self.store.remember((report.job_id, report.run))
@@ -221,7 +225,9 @@ class HangWatcher:
                 "hang.fetch": self.handle_fetch}
 
     def close(self) -> None:
-        """Wait for running incidents (bounded by the evidence timeout each)."""
+        """Stop waiting on Slurm and let running incidents end (bounded by the evidence timeout
+        each); claimed plans stay persisted for the next start."""
+        self.stopping.set()
         with self.lock:
             threads = list(self.threads.values())
         for t in threads:
