@@ -195,34 +195,41 @@ class SuspectWatch:
         self.next_poll = min(self.next_poll, now + self.cfg.heartbeat.verify_poll_s)
 
     def tick(self) -> None:
+        """Start a poll when one is due; the Slurm call and any verification run in the
+        watch's own thread (slurmctld may be slow or away: the agent's tick must not wait)."""
         now = self.clock.monotonic()
         if now < self.next_poll or (self.thread is not None and self.thread.is_alive()):
             return
         hb = self.cfg.heartbeat
         self.next_poll = now + (hb.verify_poll_s if now < self.busy_until
                                 else hb.verify_idle_poll_s)
+        self.thread = threading.Thread(target=self._poll_safely, name=f"verify-{self.node}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _poll_safely(self) -> None:
+        try:
+            self.poll()
+        except Exception:
+            log.exception("heartbeat: suspect: verification failed to run", node=self.node)
+
+    def poll(self) -> str:
+        """Look at this node's state; verify it when it is a suspect the job has left."""
+        hb = self.cfg.heartbeat
         try:
             info = self.adapter.show_node(self.node)
         except SlurmError as exc:
             log.warning("heartbeat: suspect: couldn't read node state", error=str(exc))
-            self.next_poll = now + hb.verify_poll_s
-            return
+            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
+            return "couldn't read node state"
         parsed = policy.parse_reason(info.reason) if info.drained else None
         if parsed is None or not parsed.suspect or not self.adapter.ours(info.reason):
-            return
+            return "not a suspect"
         if info.alloc_cpus > 0:
             # The hung job is still leaving (or another job was already placed): look again soon.
-            self.next_poll = now + hb.verify_poll_s
-            return
-        self.thread = threading.Thread(target=self._verify_safely, args=(info, parsed),
-                                       name=f"verify-{self.node}", daemon=True)
-        self.thread.start()
-
-    def _verify_safely(self, info: NodeInfo, parsed: policy.HangReason) -> None:
-        try:
-            self.handle(info, parsed)
-        except Exception:
-            log.exception("heartbeat: suspect: verification failed to run", node=self.node)
+            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
+            return "suspect still allocated"
+        return self.handle(info, parsed)
 
     def handle(self, info: NodeInfo, parsed: policy.HangReason) -> str:
         """Verify, then drain or return the node; returns what was done."""

@@ -315,8 +315,7 @@ def test_a_suspect_is_verified_only_after_the_job_left(tmp_path: Path) -> None:
     """While CPUs are still allocated on the node, nothing is verified yet."""
     slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2)
     watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
-    watch.tick()
-    assert watch.thread is None and slurm.node_reason == SUSPECT
+    assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
 
 
 def test_suspicion_of_different_users_jobs_adds_up_to_a_drain(tmp_path: Path) -> None:
