@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = ["HangWatcher", "JobView", "factory", "read_slots"]
 # Per-job markers and tuned timeouts outlive requeues; after this long the job is long gone.
 STATE_RETENTION_S = 14 * 86400
 CLEANUP_EVERY_S = 3600.0
+# How long stopping the agent waits for incident threads (systemd and the sandbox allow more).
+CLOSE_GRACE_S = 3.0
 
 
 class HangWatcher:
@@ -224,16 +227,21 @@ class HangWatcher:
         return {"hang.status": self.handle_status, "hang.report": self.handle_report,
                 "hang.fetch": self.handle_fetch}
 
-    def close(self) -> None:
-        """Stop waiting on Slurm and let running incidents end (bounded by the evidence timeout
-        each); claimed plans stay persisted for the next start."""
-        self.stopping.set()
+    def wait(self, timeout: float = 60.0) -> None:
+        """Wait until the incidents and the verification running now have ended."""
+        deadline = time.monotonic() + timeout
         with self.lock:
             threads = list(self.threads.values())
         for t in threads:
-            t.join(timeout=self.cfg.heartbeat.evidence_timeout_s
-                   + self.cfg.heartbeat.rendezvous_wait_s + 5)
-        self.suspects.close(self.cfg.heartbeat.evidence_timeout_s)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.suspects.close(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop: Slurm retry waits end at once, running work gets CLOSE_GRACE_S to finish.
+        Nothing is lost by leaving sooner: claimed plans are persisted step by step and a
+        requeue is never repeated (see store and actions), so the next start resumes."""
+        self.stopping.set()
+        self.wait(CLOSE_GRACE_S)
 
 
 def factory(ctx: AgentContext) -> HangWatcher | None:

@@ -221,10 +221,10 @@ def test_an_incident_claimed_before_a_restart_is_finished_once(tmp_path: Path) -
     store.save(Progress(42, 0, "acting", (Step(StepKind.COMMENT, text="c"),
                                           Step(StepKind.REQUEUE)), 1, clock.time() + 60))
     first = _watcher(cfg, slurm, clock)
-    first.close()
+    first.wait()
     assert [c[1] for c in slurm.calls if c[1] in ("requeue", "update")] == ["requeue"]
     second = _watcher(cfg, slurm, clock)
-    second.close()
+    second.wait()
     assert [c[1] for c in slurm.calls].count("requeue") == 1
     assert (42, 0) in second.store.seen
 
@@ -236,7 +236,7 @@ def test_a_requeue_already_done_before_a_crash_is_not_repeated(tmp_path: Path) -
     store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
     store.claim(42, 0, clock.time() + 60)
     store.save(Progress(42, 0, "acting", (Step(StepKind.REQUEUE),), 0, clock.time() + 60))
-    _watcher(cfg, slurm, clock).close()
+    _watcher(cfg, slurm, clock).wait()
     assert not [c for c in slurm.calls if c[1] == "requeue"]
     assert store.load(42, 0) == Progress(42, 0, "done", (Step(StepKind.REQUEUE),), 1,
                                          store.load(42, 0).deadline)  # type: ignore[union-attr]
@@ -361,3 +361,17 @@ def test_a_busy_node_lock_postpones_verification_instead_of_draining(tmp_path: P
     watch.tick()
     watch.close(10)
     assert slurm.node_reason == SUSPECT and watch.last == {}
+
+
+def test_stopping_the_agent_leaves_a_waiting_incident_for_the_next_start(tmp_path: Path) -> None:
+    """close() ends an incident's wait on an absent slurmctld at once; its claimed plan stays
+    'acting' for the next start to finish."""
+    cfg, clock = _runner_cfg(tmp_path)
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    store.claim(42, 0, clock.time() + 600)
+    store.save(Progress(42, 0, "acting", (Step(StepKind.REQUEUE),), 0, clock.time() + 600))
+    watcher = HangWatcher(cfg, "node1", SlurmAdapter(runner=SlurmStandIn(down_calls=10**6)),
+                          clock=clock, config_path="", rendezvous=rendezvous.NoRendezvous())
+    watcher.close()
+    assert not any(t.is_alive() for t in watcher.threads.values())
+    assert store.load(42, 0).state == "acting"  # type: ignore[union-attr]

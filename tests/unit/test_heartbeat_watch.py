@@ -250,9 +250,9 @@ def test_watcher_detects_hang_captures_stack_and_requeues(tmp_path: Path) -> Non
         clock.advance(1.3)
         watcher.tick()
         assert [r.state for r in watcher.jobs[42].verdict.ranks] == ["hung"]
-        watcher.close()
+        watcher.wait()
         watcher.tick()  # the same run is never handled twice
-        watcher.close()
+        watcher.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -275,7 +275,7 @@ def test_observe_mode_reports_without_acting(tmp_path: Path) -> None:
     try:
         clock.advance(1.3)
         watcher.tick()
-        watcher.close()
+        watcher.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -311,8 +311,8 @@ def test_two_agents_racing_on_one_hang_requeue_once(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join()
-        first.close()
-        second.close()
+        first.wait()
+        second.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -400,9 +400,9 @@ def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> 
     try:
         clocks["node2"].advance(1.3)  # node2's rank stalled; node1's keeps beating
         watchers["node2"].tick()
-        watchers["node2"].close()
+        watchers["node2"].wait()
         watchers["node1"].tick()
-        watchers["node1"].close()
+        watchers["node1"].wait()
     finally:
         for proc in procs:
             proc.kill()
@@ -431,6 +431,6 @@ def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None
     runner = FakeRunner(42, NODE)
     watcher = _watcher(cfg, runner, FakeClock())
     watcher.tick()
-    watcher.close()
+    watcher.wait()
     assert [c for c in runner.calls if c[1:3] != ["show", "node"]] == []
     assert not watcher.store.seen
