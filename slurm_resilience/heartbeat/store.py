@@ -103,7 +103,11 @@ class IncidentStore:
         try:
             raw = safefs.read_owned_file(fd, self.name(job_id, run), os.geteuid(),
                                          max_bytes=1 << 20)
-            return _from_json(json.loads(raw))
+            data = json.loads(raw)
+            if isinstance(data, (int, float)):
+                # A marker of an earlier release (the claim time only): that run was handled.
+                return Progress(job_id, run, "done")
+            return _from_json(data)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:

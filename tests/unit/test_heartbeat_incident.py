@@ -375,3 +375,12 @@ def test_stopping_the_agent_leaves_a_waiting_incident_for_the_next_start(tmp_pat
     watcher.close()
     assert not any(t.is_alive() for t in watcher.threads.values())
     assert store.load(42, 0).state == "acting"  # type: ignore[union-attr]
+
+
+def test_markers_of_an_earlier_release_count_as_handled(tmp_path: Path) -> None:
+    """An act marker holding only a time (earlier releases) is a finished incident."""
+    store = IncidentStore(str(tmp_path / "acted"))
+    (tmp_path / "acted").mkdir(mode=0o700)
+    (tmp_path / "acted" / "7-0").write_text("1795000000.5")
+    assert store.unfinished() == [] and (7, 0) in store.seen
+    assert store.load(7, 0) == Progress(7, 0, "done") and not store.claim(7, 0, 0.0)
