@@ -234,6 +234,6 @@ class IncidentRunner:
         path = self._write(report)
         data = report.to_json()
         log.warning("hang incident", job_id=report.job_id, mode=report.mode,
-                    decision=data["decision"], blame=report.blame.get("explanation"),
+                    decision=data["decision"], blame=report.blame.get("explanation", ""),
                     actions=list(report.actions), file=path, timings=data["timings"])
         return report

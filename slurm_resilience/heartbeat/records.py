@@ -252,12 +252,15 @@ class Report:
                         "ckpt_step": d.ckpt_step, "budget": d.budget_note,
                         "nodes": [{"node": c.node, "verdict": c.verdict.value, "reason": c.reason}
                                   for c in d.nodes], "exclude": list(d.exclude)}
-        return {"job_id": self.job_id, "restart": self.run, "user": self.user, "uid": self.uid,
-                "node": self.node, "mode": self.mode, "trigger": self.trigger,
-                "detected_at": self.timings.detected_at,
-                "ranks": [asdict(r) for r in self.ranks], "evidence": dict(self.evidence),
-                "blame": dict(self.blame), "decision": decision, "actions": list(self.actions),
-                "timings": self.timings.to_json()}
+        out = {"job_id": self.job_id, "restart": self.run, "user": self.user, "uid": self.uid,
+               "node": self.node, "mode": self.mode, "trigger": self.trigger,
+               "detected_at": self.timings.detected_at,
+               "ranks": [asdict(r) for r in self.ranks], "evidence": dict(self.evidence),
+               "decision": decision, "actions": list(self.actions),
+               "timings": self.timings.to_json()}
+        if self.blame:  # only the deciding node (the batch host) blames
+            out["blame"] = dict(self.blame)
+        return out
 
 
 def first_hang(ranks: Sequence[RankLine]) -> float | None:
