@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_resilience.agent.cli",
     "nccl-test": "slurm_resilience.nccl.cli",
     "status": "slurm_resilience.heartbeat.cli",
+    "report": "slurm_resilience.heartbeat.reportcli",
     "ckpt": "slurm_resilience.checkpoint.cli",
     "check": "slurm_resilience.health.cli",
     "topology": "slurm_resilience.topology.cli",

@@ -22,8 +22,8 @@ class HeartbeatSection:
     """Per-rank heartbeats and the node agent's hang watcher."""
 
     mode: Literal["act", "observe", "off"] = setting(
-        "act", help="act: capture evidence, drain the blamed node and requeue; observe: detect "
-                    "and report only (for rollout); off: do not watch",
+        "act", help="act: capture evidence, drain on evidence, verify suspects, requeue; "
+                    "observe: detect and report only (for rollout); off: do not watch",
     )
     step_timeout_s: float = setting(
         300.0, min=1, max=86400, help="a rank with no beat for this long is hung (after warm-up)"
@@ -72,7 +72,9 @@ class HeartbeatSection:
         True, help="hold instead of requeue when the job's checkpoint did not advance since "
                    "the previous hang requeue",
     )
-    drain: bool = setting(True, help="drain the node blamed for a hang (mode act only)")
+    drain: bool = setting(
+        True, help="take blamed nodes out of service at all: drains on evidence and suspects "
+                   "(mode act only)")
     evidence_timeout_s: float = setting(
         20.0, min=1, max=600, help="bound of all evidence capture of one incident"
     )
@@ -90,6 +92,66 @@ class HeartbeatSection:
     incident_dir: str = setting(
         "", help="root-owned directory for incident reports kept by the agent; "
                  "empty: <node.state_dir>/incidents",
+    )
+    rendezvous: Literal["network", "directory", "none"] = setting(
+        "network", help="how a job's agents exchange observations: network (munge-authenticated "
+                        "TCP between agents), directory (rendezvous_dir), none (the batch host "
+                        "sees only its own ranks)",
+    )
+    incident_deadline_s: float = setting(
+        300.0, min=5, max=86400,
+        help="how long an incident keeps retrying Slurm calls that fail (slurmctld down or "
+             "slow), with backoff, before it gives up and says so",
+    )
+    max_handled: int = setting(
+        4096, min=16, max=1000000,
+        help="incidents remembered on disk (newest kept), so a restarted agent never acts twice",
+    )
+    suspect_drain: bool = setting(
+        True, help="take a node blamed only by heuristics (stalled first) out of service until "
+                   "it passes verification (health gate plus loopback test), then return it; "
+                   "false: only exclude it from the requeued job",
+    )
+    verify_loopback: bool = setting(
+        True, help="the suspect verification runs the loopback all-reduce test of the nccl "
+                   "section (with its backend, sizes and thresholds) besides the health gate",
+    )
+    verify_poll_s: float = setting(
+        10.0, min=0.2, max=3600,
+        help="how often an agent that took part in an incident looks for a suspect drain of "
+             "its node (for verify_window_s after the incident)",
+    )
+    verify_window_s: float = setting(
+        600.0, min=1, max=86400, help="how long after an incident the agent polls as above"
+    )
+    verify_idle_poll_s: float = setting(
+        600.0, min=1, max=86400,
+        help="how often an agent checks for a suspect drain of its node at other times "
+             "(after a restart, or a drain set while it was down)",
+    )
+    suspect_threshold: int = setting(
+        3, min=2, max=1000,
+        help="suspicions of a node, from jobs of this many different users within "
+             "suspect_window_s, drain it even when each verification passed",
+    )
+    suspect_window_s: float = setting(
+        86400.0, min=60, max=30 * 86400, help="window in which suspicions of a node add up"
+    )
+    budget_per_hour: int = setting(
+        4, min=0, max=100000,
+        help="nodes hang handling may take out of service per hour, cluster-wide (counted from "
+             "Slurm's node reasons, which carry the time); past it incidents report, not drain",
+    )
+    budget_per_user_per_hour: int = setting(
+        2, min=0, max=100000, help="the same, counted per job owner"
+    )
+    no_requeue_policy: Literal["leave", "cancel"] = setting(
+        "leave", help="a hung job submitted with --no-requeue: leave it running (reported) or "
+                      "cancel it; its nodes are never drained for it",
+    )
+    max_report_bytes: int = setting(
+        1 << 20, min=4096, max=64 << 20,
+        help="largest report text `slurm-resilience report` returns through the agent socket",
     )
 
     @property

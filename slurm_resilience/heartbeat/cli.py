@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from slurm_resilience import config
@@ -28,7 +29,9 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
     result: dict[str, Any] = {"mode": cfg.heartbeat.mode, "drains": [], "jobs": [],
                               "incidents": [], "errors": []}
     try:
-        result["drains"] = st.drains(adapter.list_nodes(), cfg.slurm.reason_prefix)
+        nodes = adapter.list_nodes()
+        result["drains"] = st.drains(nodes, cfg.slurm.reason_prefix)
+        result["budget"] = st.budget(nodes, cfg.slurm.reason_prefix, cfg.heartbeat, time.time())
     except SlurmError as exc:
         result["errors"].append(f"drains: {exc}")
     try:

@@ -1,15 +1,16 @@
-"""The incident report: JSON plus readable text, in the job's output directory and the log.
+"""The incident report: JSON plus readable text, kept by the agent, and the log.
 
-The agent keeps its own copy in a root-owned directory (for ``slurm-resilience
-status``); the job's copy is created as a new file owned by the job's user, in
-the directory of the job's output file, reached without following any link.
+The agent keeps reports in its own root-owned directory (``<node.state_dir>/incidents``).
+Root never writes into a directory a job's fields name (its output path can point anywhere,
+sits on a root-squashed filesystem, or is hidden from the agent by ProtectHome/PrivateTmp):
+the job's user fetches their reports through the agent socket with
+``slurm-resilience report JOBID``, which checks the caller's kernel credentials.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,8 @@ from slurm_resilience.heartbeat import safefs
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.incident")
+
+MAX_REPORT_FILE = 4 << 20
 
 
 def _iso(t: float | None) -> str:
@@ -47,9 +50,11 @@ def render_text(report: Mapping[str, Any]) -> str:
             + (f" in section {r['section']}" if r.get("section") else ""))
     blame = report.get("blame", {})
     lines += ["", f"Blame: {blame.get('explanation', 'not decided')}"]
-    for node, reason in blame.get("drains", []):
-        lines.append(f"  drain {node}: {reason}")
     decision = report.get("decision", {})
+    for call in decision.get("nodes", []):
+        lines.append(f"  {call['verdict']} {call['node']}: {call['reason']}")
+    if decision.get("budget"):
+        lines.append(f"  {decision['budget']}")
     lines.append(f"Decision: {decision.get('action', '-')}: {decision.get('reason', '')}")
     for action in report.get("actions", []):
         lines.append(f"  {action}")
@@ -90,26 +95,34 @@ def write_agent_copy(directory: str, report: Mapping[str, Any]) -> str:
     return os.path.join(directory, name + ".json")
 
 
-def write_job_copy(std_out: str, uid: int, gid: int, report: Mapping[str, Any]) -> str:
-    """Write the report beside the job's output file, as the job user's own new files."""
-    directory = os.path.dirname(std_out)
-    if not std_out or not os.path.isabs(std_out):
-        raise safefs.UnsafePath(0, f"job output path {std_out!r} is not absolute")
+def read_report(directory: str, name: str) -> dict[str, Any]:
+    """One report of the agent's root-owned incident directory (never through a link)."""
     fd = safefs.open_dir(directory)
     try:
-        st = os.fstat(fd)
-        # The user's own directory, or a shared sticky one such as /tmp (O_EXCL|O_NOFOLLOW
-        # creation is safe there; nothing existing is ever opened).
-        if not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
-            safefs.check_owned_dir(fd, uid, private=False, what=directory)
-        name = f"slurm-resilience-{base_name(report['job_id'], report['restart'], report['node'])}"
-        safefs.write_new(fd, name + ".json", json.dumps(report, indent=1, default=str).encode(),
-                         uid=uid, gid=gid, mode=0o600)
-        safefs.write_new(fd, name + ".txt", render_text(report).encode(), uid=uid, gid=gid,
-                         mode=0o600)
+        raw = safefs.read_owned_file(fd, name, os.geteuid(), max_bytes=MAX_REPORT_FILE)
     finally:
         os.close(fd)
-    return os.path.join(directory, name + ".txt")
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} is not a report")
+    return data
+
+
+def reports_of_job(directory: str, job_id: int, limit: int = 8) -> list[dict[str, Any]]:
+    """This node's reports of one job, oldest run first (at most ``limit``)."""
+    prefix = f"hang-job{int(job_id)}-run"
+    try:
+        names = sorted(n for n in os.listdir(directory)
+                       if n.startswith(prefix) and n.endswith(".json"))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names[-limit:]:
+        try:
+            out.append(read_report(directory, name))
+        except (OSError, ValueError) as exc:
+            log.warning("heartbeat: report: couldn't read report", file=name, error=str(exc))
+    return sorted(out, key=lambda r: (int(r.get("restart", 0)), str(r.get("node", ""))))
 
 
 def list_reports(directory: str, limit: int = 50) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from slurm_resilience.heartbeat import incident
+from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.heartbeat import incident, policy
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
@@ -19,8 +20,19 @@ from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[dict[str, Any]]:
     """Nodes drained or down with a reason we set."""
     return [{"node": n.name, "state": "+".join([n.state, *sorted(n.flags)]), "reason": n.reason,
-             "since": n.reason_time, "hang": "hang job" in n.reason}
+             # Reasons of earlier releases ("SR: hang job 7: ...") are hang drains too.
+             "since": n.reason_time,
+             "hang": policy.parse_reason(n.reason) is not None or "hang job" in n.reason}
             for n in nodes if (n.drained or n.down) and n.reason.startswith(prefix)]
+
+
+def budget(nodes: Sequence[NodeInfo], prefix: str, hb: HeartbeatSection, now: float
+           ) -> dict[str, Any]:
+    """How much of the hourly hang budget is used, from Slurm's node reasons."""
+    used = policy.budget_used(nodes, prefix, now)
+    return {"used": used.total, "limit": hb.budget_per_hour, "by_user": dict(used.by_user),
+            "per_user_limit": hb.budget_per_user_per_hour, "spent": used.total
+            >= hb.budget_per_hour}
 
 
 def hang_jobs(jobs: Sequence[JobInfo]) -> list[dict[str, Any]]:
@@ -58,6 +70,12 @@ def incidents(directory: str, limit: int = 20) -> list[dict[str, Any]]:
 def render(status: dict[str, Any]) -> str:
     """Readable text of :func:`collect`'s result."""
     lines = [f"hang watching: mode {status['mode']}"]
+    b = status.get("budget")
+    if b:
+        users = ", ".join(f"{u} {n}" for u, n in sorted(b["by_user"].items())) or "none"
+        lines.append(f"hang budget: {b['used']} of {b['limit']} nodes this hour"
+                     + (" (SPENT: hangs are reported, no node is taken out)" if b["spent"]
+                        else "") + f"; per user (limit {b['per_user_limit']}): {users}")
     lines.append(f"drains by slurm-resilience ({len(status['drains'])}):")
     lines += [f"  {d['node']:<14} {d['state']:<14} {d['reason']}" for d in status["drains"]]
     lines.append(f"jobs requeued or held for hangs ({len(status['jobs'])}):")

@@ -77,6 +77,11 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "evidence_timeout_s": 10.0,
             "rendezvous_dir": f"{state}/shared/hang",
             "rendezvous_wait_s": 3.0,
+            # Suspects are verified within seconds; an incident retries Slurm for 90 s.
+            "verify_poll_s": 1.0,
+            "verify_window_s": 180.0,
+            "verify_idle_poll_s": 30.0,
+            "incident_deadline_s": 90.0,
         },
         "topology": {
             # The sandbox's slurm.conf names each node's leaf feature after the leaf itself.

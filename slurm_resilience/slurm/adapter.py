@@ -207,6 +207,11 @@ class SlurmAdapter:
             self.set_admin_comment(jid, reason)
         log.warning("job requeued held", job_id=jid, reason=reason)
 
+    def cancel(self, job_id: int | str) -> None:
+        """Cancel a job (e.g. a hung ``--no-requeue`` job, when the policy says so)."""
+        self._run("cancel job", ["scancel", _check_job_id(job_id)])
+        log.warning("job cancelled", job_id=str(job_id))
+
     def release(self, job_id: int | str) -> None:
         """Release a held job."""
         self._run("release job", ["scontrol", "release", _check_job_id(job_id)])

@@ -77,7 +77,8 @@ def _acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | N
 def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
     """Rank 1 of a 2-node gloo job stops after step 12: detected within timeout + 10 s, its node
-    drained with the reason, the report names it with a stack, and the job resumes and finishes."""
+    is a suspect (excluded from the job, verified, back in service), the report names it with a
+    stack, and the job resumes and finishes."""
     user = test_users[0]
     work = sandbox.user_dir(user, "hang")
     job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
@@ -95,16 +96,16 @@ def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
     again = re.search(r"rank \d running step=\d+ at=([\d.]+) restarts=1", out)
     assert hang_line and node_line and again, out
     hang_at, stalled_node = float(hang_line.group(1)), node_line.group(1)
-    blame = report["blame"]
-    assert blame["drains"] == [[stalled_node,  # type: ignore[index]
-                                f"hang job {job_id}: rank 1 stalled first"]]
+    # "Stalled first" is a heuristic: the node is a suspect, verified and back in service.
+    assert report["blame"]["nodes"] == [stalled_node]  # type: ignore[index]
+    assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [  # type: ignore[index]
+        (stalled_node, "suspect")]
+    assert stalled_node in sandbox.job(job_id).exc_nodes
     stacks = {r["rank"]: r["stack"] for ev in report["evidence"].values()  # type: ignore[union-attr]
               for r in ev["ranks"]}
     assert "main (" in stacks[1] and "torch/" not in stacks[1] and "torch/" in stacks[0]
-    text = next(work.glob(f"slurm-resilience-hang-job{job_id}-run0-*.txt")).read_text()
-    assert f"rank    1 on {stalled_node}" in text and "-- rank 1 pid" in text
     node = sandbox.adapter().show_node(stalled_node)
-    assert node.drained and f"hang job {job_id}: rank 1 stalled first" in node.reason
+    assert not node.drained, node.reason
 
     detect_s = float(report["detected_at"]) - hang_at  # type: ignore[arg-type]
     requeue_s = float(report["timings"]["action_at"]) - hang_at  # type: ignore[index]
@@ -133,8 +134,9 @@ def test_xid_during_hang_blames_the_node_with_the_fresh_finding(
     try:
         print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
         report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 60, "the decision")
-        drains = report["blame"]["drains"]  # type: ignore[index]
-        assert [d[0] for d in drains] == [xid_node] and "XID 79" in drains[0][1], report["blame"]
+        calls = report["decision"]["nodes"]  # type: ignore[index]
+        assert [(c["node"], c["verdict"]) for c in calls] == [(xid_node, "drain")], calls
+        assert "XID 79" in calls[0]["reason"]
         assert report["blame"]["rule"] == "health"  # type: ignore[index]
         assert "XID 79" in sandbox.adapter().show_node(xid_node).reason
     finally:

@@ -34,6 +34,32 @@ OTHER_UID = 65534  # nobody
 NODE = "node1"
 
 
+class FakeClock:
+    """The real clocks moved forward by hand: slots' times stay comparable, nothing sleeps."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.offset += seconds
+
+
+def _watcher(cfg: Config, runner: object, clock: FakeClock, node: str = NODE) -> HangWatcher:
+    return HangWatcher(cfg, node, SlurmAdapter(runner=runner),  # type: ignore[arg-type]
+                       clock=clock, sleep=clock.sleep, config_path="")
+
+
 def _cfg(tmp_path: Path, **hb: object) -> Config:
     return Config(node=NodeSection(state_dir=str(tmp_path / "state"),
                                    run_dir=str(tmp_path / "run")),
@@ -183,7 +209,8 @@ class FakeRunner:
         if argv[1:3] == ["show", "job"]:
             out = (f"JobId={self.job_id} JobName=t UserId=root(0) JobState=RUNNING Restarts=0 "
                    f"BatchHost={self.batch_host} NodeList=node1 NumNodes=1 "
-                   f"AdminComment={self.comment or '(null)'} StdOut=/nonexistent/x.out")
+                   f"Requeue=1 AdminComment={self.comment or '(null)'} "
+                   "StdOut=/nonexistent/x.out")
         elif argv[1:3] == ["show", "node"]:
             out = f"NodeName={argv[3]} State=MIXED CPUTot=2 CPUAlloc=2 Reason=(null)"
         return Completed(tuple(argv), 0, out, "", 0.0)
@@ -216,15 +243,16 @@ def test_watcher_detects_hang_captures_stack_and_requeues(tmp_path: Path) -> Non
     """A rank that stops beating is found, its stack dumped, and the job requeued once."""
     cfg = _cfg(tmp_path)
     runner = FakeRunner(42, NODE)
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    clock = FakeClock()
+    watcher = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     try:
-        time.sleep(1.3)
+        clock.advance(1.3)
         watcher.tick()
         assert [r.state for r in watcher.jobs[42].verdict.ranks] == ["hung"]
-        watcher.close()
+        watcher.wait()
         watcher.tick()  # the same run is never handled twice
-        watcher.close()
+        watcher.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -241,12 +269,13 @@ def test_observe_mode_reports_without_acting(tmp_path: Path) -> None:
     """In observe mode the incident is written but nothing is drained or requeued."""
     cfg = _cfg(tmp_path, mode="observe")
     runner = FakeRunner(42, NODE)
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    clock = FakeClock()
+    watcher = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     try:
-        time.sleep(1.3)
+        clock.advance(1.3)
         watcher.tick()
-        watcher.close()
+        watcher.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -259,7 +288,7 @@ def test_other_users_cannot_report_or_see_a_job(tmp_path: Path) -> None:
     """hang.report from a uid other than the job's is refused; hang.status hides the job."""
     cfg = _cfg(tmp_path)
     steps.prolog_run_dir(_ctx(cfg))
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
     watcher.tick()
     with pytest.raises(RequestError, match="belongs to uid 65534, not to uid 1234"):
         watcher.handle_report({"job_id": 42}, Peer(pid=1, uid=1234, gid=1234))
@@ -271,18 +300,19 @@ def test_two_agents_racing_on_one_hang_requeue_once(tmp_path: Path) -> None:
     """Two watchers (an agent and its restarted twin) seeing the same hang requeue it once."""
     cfg = _cfg(tmp_path)
     runner = FakeRunner(42, NODE)
-    first = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
-    second = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    clock = FakeClock()
+    first = _watcher(cfg, runner, clock)
+    second = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     try:
-        time.sleep(1.3)
+        clock.advance(1.3)
         threads = [threading.Thread(target=w.tick) for w in (first, second)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        first.close()
-        second.close()
+        first.wait()
+        second.wait()
     finally:
         proc.kill()
         proc.wait()
@@ -299,22 +329,22 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
     for step in range(4):
         hb.beat(step)
         time.sleep(0.1)
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
+    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
     watcher.tick()
     tuned = watcher.jobs[42].verdict.tuned_timeout_s
     assert tuned is not None and 1.0 <= tuned < 5.0
-    again = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
-    assert again._tuned(42) == tuned
+    again = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    assert again.tuned.get(42) == tuned
     hb.close()
 
 
 def test_old_markers_and_tuned_timeouts_are_cleaned_up(tmp_path: Path) -> None:
     """Act markers and tuned timeouts older than the retention are removed; fresh ones stay."""
     cfg = _cfg(tmp_path)
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner(42, NODE)))
-    assert watcher._claim(7, 0) and not watcher._claim(7, 0)
-    watcher._save_tuned(7, 12.0)
-    watcher._save_tuned(8, 12.0)
+    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    assert watcher.store.claim(7, 0, 0.0) and not watcher.store.claim(7, 0, 0.0)
+    watcher.tuned.save(7, 12.0)
+    watcher.tuned.save(8, 12.0)
     old = time.time() - 30 * 86400
     os.utime(Path(watcher.state_dir) / "acted" / "7-0", (old, old))
     os.utime(Path(watcher.state_dir) / "tune-7.json", (old, old))
@@ -365,22 +395,28 @@ def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> 
         argv = [sys.executable, "-c", code, str(slot), str(rank), "2"]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
         assert procs[-1].stdout is not None and procs[-1].stdout.readline()
-    watchers = {n: HangWatcher(cfg, n, SlurmAdapter(runner=runner)) for n in ("node1", "node2")}
+    clocks = {n: FakeClock() for n in ("node1", "node2")}
+    watchers = {n: _watcher(cfg, runner, clocks[n], n) for n in ("node1", "node2")}
     try:
-        time.sleep(1.3)
+        clocks["node2"].advance(1.3)  # node2's rank stalled; node1's keeps beating
         watchers["node2"].tick()
-        watchers["node2"].close()
+        watchers["node2"].wait()
         watchers["node1"].tick()
-        watchers["node1"].close()
+        watchers["node1"].wait()
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-    assert [c for c in runner.calls if c[1] == "requeue"] == [["scontrol", "requeue", "42"]]
+    acts = [c[1:] for c in runner.calls if c[1] in ("requeue", "requeuehold", "update")]
+    assert acts[0][:2] == ["update", "NodeName=node2"] and "suspect hang job 42" in acts[0][3]
+    assert [a[0] for a in acts[1:]] == ["update", "requeuehold", "update", "update"]
+    assert acts[-1] == ["update", "JobId=42", "ExcNodeList=node2"]
     report = json.loads(next((tmp_path / "node1" / "state" / "incidents").glob("*.json"))
                         .read_text())
     assert report["trigger"] == "hang seen on node2"
-    assert report["blame"]["drains"] == [["node2", "hang job 42: rank 1 stalled first"]]
+    assert report["blame"]["nodes"] == ["node2"] and report["blame"]["rule"] == "lowest step"
+    assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [
+        ("node2", "suspect")]
 
 
 def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None:
@@ -393,7 +429,8 @@ def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None
     os.utime(old_piece, (past, past))
     steps.prolog_run_dir(_ctx(cfg, uid=0))
     runner = FakeRunner(42, NODE)
-    watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=runner))
+    watcher = _watcher(cfg, runner, FakeClock())
     watcher.tick()
-    watcher.close()
-    assert runner.calls == [] and not watcher.handled
+    watcher.wait()
+    assert [c for c in runner.calls if c[1:3] != ["show", "node"]] == []
+    assert not watcher.store.seen

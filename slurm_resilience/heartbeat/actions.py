@@ -1,0 +1,166 @@
+"""Acting on a decision: a plan of Slurm steps run in order, each retried with backoff while
+Slurm fails, until the incident's deadline. Progress is reported after every step so the
+plan can be persisted and resumed by a restarted agent.
+
+Steps that must not happen twice check Slurm first: a requeue is done when the job's
+Restarts moved past the run (or it is no longer running), a release when the job is no
+longer held.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_resilience.log import get_logger
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, NodeNotFound, SlurmError
+
+log = get_logger("heartbeat.actions")
+
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 8.0
+
+
+class StepKind(enum.Enum):
+    DRAIN = "drain"  # node, reason
+    COMMENT = "comment"  # AdminComment text
+    REQUEUE = "requeue"
+    REQUEUE_HOLD = "requeue-hold"  # text: AdminComment
+    EXCLUDE = "exclude"  # nodes
+    RELEASE = "release"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    target: str = ""
+    text: str = ""
+    nodes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "target": self.target, "text": self.text,
+                "nodes": list(self.nodes)}
+
+    def describe(self, job_id: int) -> str:
+        if self.kind is StepKind.DRAIN:
+            return f"drain {self.target}"
+        if self.kind is StepKind.EXCLUDE:
+            return f"exclude {','.join(self.nodes)} from job {job_id}"
+        return f"{self.kind.value} job {job_id}"
+
+
+def step_from_json(data: Any) -> Step:
+    if not isinstance(data, dict):
+        raise ValueError("step is not an object")
+    return Step(StepKind(data["kind"]), str(data.get("target", "")), str(data.get("text", "")),
+                tuple(str(n) for n in data.get("nodes", [])))
+
+
+class Clocked:
+    """Wall clock, sleep and stop flag of the retry loop (injected in tests)."""
+
+    def __init__(self, now: Callable[[], float], sleep: Callable[[float], object],
+                 stopping: Callable[[], bool] = lambda: False):
+        self.now = now
+        self.sleep = sleep
+        self.stopping = stopping
+
+
+class DeadlinePassed(Exception):
+    """Slurm kept failing until the incident's deadline."""
+
+
+class Stopping(Exception):
+    """The agent is stopping: the incident is left as persisted, for the next start."""
+
+
+def retry(what: str, call: Callable[[], Any], deadline: float, clock: Clocked) -> Any:
+    """``call()`` until it does not raise SlurmError (other than a definite answer such as a
+    job or node not found, or a foreign drain), backing off, until ``deadline``."""
+    delay = BACKOFF_FIRST_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except (ForeignDrain, JobNotFound, NodeNotFound):
+            raise
+        except SlurmError as exc:
+            if clock.stopping():
+                raise Stopping(f"agent stopping while trying to {what}") from exc
+            left = deadline - clock.now()
+            if left <= 0:
+                raise DeadlinePassed(f"couldn't {what}: {exc} (gave up at the incident's "
+                                     f"deadline after {attempt} attempts)") from exc
+            log.warning("heartbeat: act: couldn't reach Slurm; retrying", what=what,
+                        attempt=attempt, retry_in_s=round(min(delay, left), 2), error=str(exc))
+            clock.sleep(min(delay, left))
+            if clock.stopping():
+                raise Stopping(f"agent stopping while trying to {what}") from exc
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+
+def _held(reason: str) -> bool:
+    # Our own (admin) hold; a hold the user set is theirs to release.
+    return "held" in reason.lower() and reason != "JobHeldUser"
+
+
+def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:
+    """One step, once; returns what was done (raises SlurmError to be retried)."""
+    k = step.kind
+    if k is StepKind.DRAIN:
+        try:
+            return f"drained {step.target}: {adapter.drain(step.target, step.text)}"
+        except ForeignDrain as exc:
+            return f"left {step.target} alone: {exc.slurm_message}"
+    if k is StepKind.COMMENT:
+        adapter.set_admin_comment(job_id, step.text)
+        return f"set the AdminComment of job {job_id}"
+    if k in (StepKind.REQUEUE, StepKind.REQUEUE_HOLD, StepKind.CANCEL):
+        job = adapter.show_job(job_id)
+        if job.restarts != run or job.state not in ("RUNNING", "SUSPENDED", "CONFIGURING"):
+            return (f"job {job_id} is {job.state} with Restarts={job.restarts}: run {run} "
+                    f"already ended, no {k.value}")
+        if k is StepKind.REQUEUE:
+            adapter.requeue(job_id)
+            return f"requeued job {job_id}"
+        if k is StepKind.CANCEL:
+            adapter.cancel(job_id)
+            return f"cancelled job {job_id} (heartbeat.no_requeue_policy: cancel)"
+        adapter.requeue_hold(job_id, step.text)
+        return f"requeued and held job {job_id}"
+    if k is StepKind.EXCLUDE:
+        merged = adapter.exclude_nodes(job_id, step.nodes)
+        return f"job {job_id} now excludes {','.join(merged)}"
+    if k is StepKind.RELEASE:
+        job = adapter.show_job(job_id)
+        if not _held(job.reason):
+            return f"job {job_id} is not held ({job.reason or job.state}): nothing to release"
+        adapter.release(job_id)
+        return f"released job {job_id}"
+    raise ValueError(f"unknown step {k}")
+
+
+def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], done: int,
+            deadline: float, clock: Clocked,
+            progress: Callable[[int], None]) -> tuple[list[str], bool]:
+    """Run ``plan[done:]``; ``progress(i)`` after each step. Returns (what happened, whether
+    every step ran)."""
+    actions: list[str] = []
+    for i in range(done, len(plan)):
+        step = plan[i]
+        try:
+            actions.append(retry(step.describe(job_id),
+                                 lambda s=step: run_step(adapter, job_id, run, s),  # type: ignore[misc]
+                                 deadline, clock))
+        except DeadlinePassed as exc:
+            actions.append(str(exc))
+            return actions, False
+        except (JobNotFound, NodeNotFound) as exc:
+            actions.append(f"couldn't {step.describe(job_id)}: {exc}")
+        progress(i + 1)
+    return actions, True

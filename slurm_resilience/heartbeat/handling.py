@@ -1,0 +1,239 @@
+"""One hang incident, start to end: capture this node's piece, read the job from Slurm,
+exchange pieces, blame, decide (pure), claim, act (retried until the deadline), report.
+
+Every Slurm call is retried with backoff while Slurm fails, until the incident's deadline
+(``heartbeat.incident_deadline_s``); the claimed plan and its progress are persisted, so an
+agent restarted mid-incident resumes it instead of acting twice or forgetting it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from slurm_resilience.config import Config
+from slurm_resilience.heartbeat import blame as B
+from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
+from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, Stopping, execute, retry
+from slurm_resilience.heartbeat.records import (
+    Action,
+    Clock,
+    Decision,
+    Piece,
+    PieceError,
+    Report,
+    Timings,
+    first_hang,
+    piece_from_bytes,
+    piece_to_bytes,
+)
+from slurm_resilience.heartbeat.rendezvous import Rendezvous
+from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.log import get_logger
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import JobNotFound
+from slurm_resilience.slurm.parse import JobInfo
+
+log = get_logger("heartbeat")
+
+
+def _blame_json(blamed: B.Blame, missing: Sequence[str]) -> dict[str, Any]:
+    explanation = blamed.explanation
+    if missing:
+        explanation += f" (no observations from {', '.join(missing)})"
+    return {"nodes": [n for n, _ in blamed.drains], "ranks": list(blamed.ranks),
+            "rule": blamed.rule, "explanation": explanation}
+
+
+def combine(own: Piece, others: Mapping[str, bytes]) -> dict[str, Piece]:
+    """This node's piece and the valid ones of other nodes (invalid ones logged, left out)."""
+    pieces = {own.node: own}
+    for node, raw in others.items():
+        try:
+            pieces[node] = piece_from_bytes(raw, node)
+        except PieceError as exc:
+            log.warning("heartbeat: gather: refused a piece", node=node, error=str(exc))
+    return pieces
+
+
+class IncidentRunner:
+    def __init__(self, cfg: Callable[[], Config], node: str, adapter: SlurmAdapter,
+                 rendezvous: Rendezvous, store: IncidentStore, clock: Clock,
+                 sleep: Callable[[float], object], incident_dir: str,
+                 stopping: Callable[[], bool] = lambda: False):
+        self.cfg = cfg
+        self.node = node
+        self.adapter = adapter
+        self.rdv = rendezvous
+        self.store = store
+        self.clock = clock
+        self.clocked = Clocked(clock.time, sleep, stopping)
+        self.incident_dir = incident_dir
+
+    def _report(self, view: localpiece.JobView, piece: Piece, run: int, trigger: str,
+                timings: Timings, **kw: Any) -> Report:
+        rec = view.record
+        base = Report(rec.job_id, run, rec.user, rec.uid, self.node, view.verdict.mode, trigger,
+                      piece.ranks, {self.node: piece.evidence}, {}, None, (), timings)
+        return replace(base, **kw)
+
+    def run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report | None:
+        """Handle one hang; ``run_hint`` is the run another node's piece was made in (None
+        when this node's own ranks timed out). None when the agent stopped meanwhile: what was
+        claimed is persisted and the next start resumes it (or detects the hang again)."""
+        try:
+            return self._run(view, trigger, run_hint)
+        except Stopping as exc:
+            log.warning("heartbeat: incident: left for the agent's next start",
+                        job_id=view.record.job_id, why=str(exc))
+            return None
+
+    def _run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report:
+        cfg = self.cfg()
+        hb = cfg.heartbeat
+        rec = view.record
+        detected = self.clock.time()
+        log.warning("hang detected", job_id=rec.job_id, trigger=trigger,
+                    ranks=[r.rank for r in view.verdict.hung], mode=view.verdict.mode)
+        piece = localpiece.capture(cfg, self.node, view, trigger, self.incident_dir, detected)
+        timings = Timings(detected, self.clock.time() - detected, first_hang(piece.ranks))
+        run = max((v.restart_count for v in view.slots), default=0)
+        deadline = detected + hb.incident_deadline_s
+        try:
+            job: JobInfo = retry("read the job", lambda: self.adapter.show_job(rec.job_id),
+                                 deadline, self.clocked)
+        except (DeadlinePassed, JobNotFound) as exc:
+            return self.finish(self._report(view, piece, run, trigger, timings, actions=(
+                f"couldn't read job {rec.job_id}: {exc}",)))
+        if run_hint is not None and run_hint != job.restarts:
+            log.info("ignored hang observations of an earlier run", job_id=rec.job_id,
+                     run=run_hint, current=job.restarts)
+            return self._report(view, piece, run_hint, trigger, timings)
+        run = job.restarts
+        nodes = job.nodes or rec.nodes
+        self.rdv.publish(rec.job_id, run, job.batch_host, nodes, piece_to_bytes(piece))
+        if job.batch_host != self.node:
+            decision = Decision(Action.REPORT, f"batch host {job.batch_host} decides and acts",
+                                "", -1)
+            return self.finish(self._report(view, piece, run, trigger, timings,
+                                            decision=decision))
+        # The Protocol's deadline is on time.monotonic(), the transport's own clock.
+        gathered = self.rdv.gather(rec.job_id, run, nodes,
+                                   time.monotonic() + hb.rendezvous_wait_s)
+        pieces = combine(piece, gathered)
+        missing = [n for n in nodes if n not in pieces]
+        ranks = sorted((r for p in pieces.values() for r in p.ranks), key=lambda r: r.rank)
+        evidence = {n: p.evidence for n, p in pieces.items()}
+        obs = [o for p in pieces.values() for o in p.observations]
+        blamed = B.blame(rec.job_id, obs, {n: list(p.findings) for n, p in pieces.items()})
+        blame_json = _blame_json(blamed, missing)
+        report = self._report(view, piece, run, trigger, replace(
+            timings, hang_started_at=first_hang(ranks)), ranks=tuple(ranks),
+            evidence=evidence, blame=blame_json)
+        try:
+            decision = self.decide(cfg, job, view.verdict.mode, blamed,
+                                   trigger.startswith("reported"), deadline)
+        except (DeadlinePassed, JobNotFound) as exc:
+            return self.finish(replace(report, actions=(f"couldn't decide: {exc}",)))
+        report = replace(report, decision=decision)
+        if decision.action in (Action.REPORT, Action.SKIP):
+            return self.finish(report)
+        if not self.store.claim(rec.job_id, run, deadline):
+            return self.finish(replace(report, decision=replace(
+                decision, action=Action.SKIP,
+                reason="another handler already acted on this run")))
+        steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
+        actions: list[str] = [decision.budget_note] if decision.budget_note else []
+        if decision.budget_note:
+            log.warning("heartbeat: budget: hang budget spent; nodes reported, not taken out",
+                        job_id=rec.job_id, note=decision.budget_note)
+        if not hb.drain and any(c.verdict.value != "spare" for c in decision.nodes):
+            actions.append("draining is off (heartbeat.drain: false): no node drained")
+        path = self._write(report)
+        progress = Progress(rec.job_id, run, "acting", steps, 0, deadline, path)
+        self.store.save(progress)
+        done, complete = execute(self.adapter, rec.job_id, run, steps, 0, deadline,
+                                 self.clocked, lambda i: self.store.save(
+                                     replace(progress, done=i)))
+        self.store.save(replace(progress, done=len(steps) if complete else progress.done,
+                                state="done" if complete else "gave-up"))
+        timings = replace(report.timings, action_at=self.clock.time())
+        return self.finish(replace(report, actions=tuple(actions + done), timings=timings))
+
+    def decide(self, cfg: Config, job: JobInfo, mode: str, blamed: B.Blame,
+               self_reported: bool, deadline: float) -> Decision:
+        """Gather the root-side facts (node reasons for the budget, committed checkpoint
+        steps), then the pure policy."""
+        hb = cfg.heartbeat
+        now = self.clock.time()
+        budget = policy.Budget(0, {}, frozenset())
+        if blamed.drains and mode == "act":
+            nodes = retry("list nodes for the hang budget", self.adapter.list_nodes, deadline,
+                          self.clocked)
+            budget = policy.budget_used(nodes, self.adapter.prefix, now)
+        calls, note = policy.node_calls(job.job_id, job.user, blamed,
+                                        self_reported=self_reported, now=now, budget=budget,
+                                        cfg=hb)
+        if self_reported and blamed.drains and blamed.rule != "health":
+            note = (note + "; " if note else "") + ("reported by the job itself: no node taken "
+                                                    "out of service without health findings")
+        ckpt = ckptfacts.committed_step(cfg, self.node, job.job_id)
+        return policy.decide(job.job_id, run=job.restarts, user=job.user,
+                             requeue_allowed=job.requeue, admin_comment=job.admin_comment,
+                             ckpt_step=ckpt.step, mode=mode, cfg=hb, calls=calls,
+                             budget_note=note)
+
+    def resume(self, progress: Progress) -> None:
+        """Finish acting on an incident a previous life of the agent claimed."""
+        try:
+            self._resume(progress)
+        except Stopping as exc:
+            log.warning("heartbeat: resume: left for the agent's next start",
+                        job_id=progress.job_id, why=str(exc))
+
+    def _resume(self, progress: Progress) -> None:
+        if progress.state == "claimed":
+            # Claimed but no plan saved: nothing was done yet; the job's ledger in Slurm
+            # (run already handled or not) decides on the next detection.
+            self.store.save(replace(progress, state="gave-up"))
+            log.warning("heartbeat: resume: claimed incident had no plan; left to the next "
+                        "detection", job_id=progress.job_id, run=progress.run)
+            return
+        log.warning("heartbeat: resume: finishing an incident after an agent restart",
+                    job_id=progress.job_id, run=progress.run, done=progress.done,
+                    steps=len(progress.plan))
+        done, complete = execute(self.adapter, progress.job_id, progress.run, progress.plan,
+                                 progress.done, progress.deadline, self.clocked,
+                                 lambda i: self.store.save(replace(progress, done=i)))
+        self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
+                                state="done" if complete else "gave-up"))
+        if progress.report:
+            try:
+                data = incident.read_report(os.path.dirname(progress.report),
+                                            os.path.basename(progress.report))
+                data["actions"] = [*data.get("actions", []), "(after an agent restart)", *done]
+                incident.write_agent_copy(os.path.dirname(progress.report), data)
+            except (OSError, ValueError) as exc:
+                log.error("heartbeat: resume: couldn't update report", path=progress.report,
+                          error=str(exc))
+        log.warning("hang incident resumed", job_id=progress.job_id, actions=done)
+
+    def _write(self, report: Report) -> str:
+        try:
+            return incident.write_agent_copy(self.incident_dir, report.to_json())
+        except OSError as exc:
+            log.error("heartbeat: report: couldn't write incident report",
+                      path=self.incident_dir, error=str(exc))
+            return ""
+
+    def finish(self, report: Report) -> Report:
+        """The report into the agent's directory and the log."""
+        path = self._write(report)
+        data = report.to_json()
+        log.warning("hang incident", job_id=report.job_id, mode=report.mode,
+                    decision=data["decision"], blame=report.blame.get("explanation", ""),
+                    actions=list(report.actions), file=path, timings=data["timings"])
+        return report

@@ -1,0 +1,188 @@
+"""Pure policy of a hang: which nodes are drained (evidence), which are suspects (heuristics),
+what the budget allows, what happens to the job, and the plan of Slurm steps.
+
+* A node is drained only for evidence about itself: fresh health findings or Xids (the
+  ``health`` rule of :mod:`blame`). A node blamed by heuristics ("stalled first", "not in a
+  collective") is a *suspect*: the requeued job excludes it, and it is drained with a
+  ``suspect`` reason that its own agent lifts when verification passes.
+* Budgets cap how many nodes hang handling takes out of service per hour, cluster-wide and
+  per job owner. They are counted from Slurm's node reasons (ours carry the user and the
+  time), so no shared state is needed. Past the budget nodes are reported, not touched.
+* The job: requeued per :func:`requeue.decide`; a ``--no-requeue`` job is left or cancelled
+  per ``no_requeue_policy``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.heartbeat.actions import Step, StepKind
+from slurm_resilience.heartbeat.blame import Blame
+from slurm_resilience.heartbeat.records import Action, Decision, NodeCall, NodeVerdict
+from slurm_resilience.slurm.parse import NodeInfo
+
+# "SR: suspect hang job 12 user alice at 2026-11-23T15:40:00Z: rank 1 stalled first"
+_REASON = re.compile(r"^(?:\S+:\s+)?(?P<suspect>suspect )?hang (?:job (?P<job>\d+)|suspect of "
+                     r"jobs [^ ]+) user (?P<user>\S+) at (?P<at>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
+WINDOW_S = 3600.0
+
+
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _epoch(text: str) -> float:
+    return float(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone)
+
+
+@dataclass(frozen=True)
+class HangReason:
+    """What one of our hang reasons on a node says."""
+
+    suspect: bool
+    job_id: int | None
+    user: str
+    at: float
+
+
+def parse_reason(reason: str) -> HangReason | None:
+    m = _REASON.match(reason)
+    if not m:
+        return None
+    job = m.group("job")
+    return HangReason(bool(m.group("suspect")), int(job) if job else None, m.group("user"),
+                      _epoch(m.group("at")))
+
+
+def drain_reason(job_id: int, user: str, now: float, what: str) -> str:
+    return f"hang job {job_id} user {user} at {iso(now)}: {what}"
+
+
+def suspect_reason(job_id: int, user: str, now: float, what: str) -> str:
+    return f"suspect hang job {job_id} user {user} at {iso(now)}: {what}; verifying"
+
+
+def accumulated_reason(jobs: Sequence[tuple[int, str]], now: float, window_s: float) -> str:
+    listed = ",".join(f"{j}({u})" for j, u in jobs)
+    return (f"hang suspect of jobs {listed} user - at {iso(now)}: suspected by "
+            f"{len({u for _, u in jobs})} users' jobs within {window_s / 3600:g}h")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Nodes out of service for hangs within the last hour: cluster-wide and per user."""
+
+    total: int
+    by_user: Mapping[str, int]
+    nodes: frozenset[str]
+
+
+def budget_used(nodes: Iterable[NodeInfo], prefix: str, now: float) -> Budget:
+    """Count nodes drained (or down) with one of our hang reasons set within the hour."""
+    counted: set[str] = set()
+    by_user: dict[str, int] = {}
+    for n in nodes:
+        if not (n.drained or n.down) or not n.reason.startswith(prefix):
+            continue
+        parsed = parse_reason(n.reason)
+        if parsed is None or now - parsed.at > WINDOW_S:
+            continue
+        counted.add(n.name)
+        by_user[parsed.user] = by_user.get(parsed.user, 0) + 1
+    return Budget(len(counted), by_user, frozenset(counted))
+
+
+def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, now: float,
+               budget: Budget, cfg: HeartbeatSection) -> tuple[tuple[NodeCall, ...], str]:
+    """Drain (evidence) or suspect (heuristic) per blamed node, within the budget; and a note
+    saying what the budget held back."""
+    calls: list[NodeCall] = []
+    if blamed.rule == "health":
+        wanted = [(n, NodeVerdict.DRAIN, drain_reason(job_id, user, now, r.split(": ", 1)[-1]))
+                  for n, r in blamed.drains]
+    elif self_reported:
+        wanted = []  # a job's own word never takes a node out of service
+    else:
+        listed = ",".join(str(r) for r in blamed.ranks)
+        what = f"rank{'s' if len(blamed.ranks) > 1 else ''} {listed} stalled first"
+        wanted = [(n, NodeVerdict.SUSPECT, suspect_reason(job_id, user, now,
+                                                          f"{what} ({blamed.rule})"))
+                  for n, _ in blamed.drains]
+    total, mine = budget.total, budget.by_user.get(user, 0)
+    held: list[str] = []
+    for node, verdict, reason in wanted:
+        if verdict is NodeVerdict.SUSPECT and not cfg.suspect_drain:
+            calls.append(NodeCall(node, NodeVerdict.SPARE, reason + " (suspect_drain off)"))
+            continue
+        fresh = node not in budget.nodes
+        if fresh and (total + 1 > cfg.budget_per_hour or mine + 1 > cfg.budget_per_user_per_hour):
+            held.append(node)
+            calls.append(NodeCall(node, NodeVerdict.SPARE, reason))
+            continue
+        if fresh:
+            total, mine = total + 1, mine + 1
+        calls.append(NodeCall(node, verdict, reason))
+    note = ""
+    if held:
+        note = (f"hang budget spent ({budget.total} of {cfg.budget_per_hour} nodes per hour "
+                f"cluster-wide, {budget.by_user.get(user, 0)} of "
+                f"{cfg.budget_per_user_per_hour} for user {user}): {', '.join(held)} reported, "
+                "not taken out of service")
+    return tuple(calls), note
+
+
+def decide(job_id: int, *, run: int, user: str, requeue_allowed: bool, admin_comment: str,
+           ckpt_step: int, mode: str, cfg: HeartbeatSection, calls: Sequence[NodeCall],
+           budget_note: str) -> Decision:
+    """The job's fate and the nodes' calls, as one decision."""
+    job = R.decide(job_id, restarts=run, admin_comment=admin_comment, ckpt_step=ckpt_step,
+                   mode=mode, cfg=cfg)
+    action = Action(job.action)
+    reason = job.reason
+    if action in (Action.REQUEUE, Action.HOLD) and not requeue_allowed:
+        action = Action.CANCEL if cfg.no_requeue_policy == "cancel" else Action.LEAVE
+        reason = (f"hang job {job_id}: submitted with --no-requeue: "
+                  f"{'cancelled' if action is Action.CANCEL else 'left running'} "
+                  f"(heartbeat.no_requeue_policy: {cfg.no_requeue_policy}); no node drained")
+        calls = [NodeCall(c.node, NodeVerdict.SPARE, c.reason) for c in calls]
+    acting = action in (Action.REQUEUE, Action.HOLD)
+    if not acting:
+        calls = [c if c.verdict is NodeVerdict.SPARE else
+                 NodeCall(c.node, NodeVerdict.SPARE, c.reason) for c in calls]
+    exclude = tuple(sorted(c.node for c in calls if c.verdict is not NodeVerdict.DRAIN)) \
+        if acting else ()
+    return Decision(action, reason, job.ledger.token(), ckpt_step, tuple(calls), exclude,
+                    budget_note)
+
+
+def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool
+         ) -> tuple[Step, ...]:
+    """The Slurm steps of a decision, in order: nodes first (so no other job lands on a node
+    under suspicion), then the job's ledger, then the job."""
+    steps: list[Step] = []
+    if decision.action in (Action.REQUEUE, Action.HOLD) and drain:
+        steps += [Step(StepKind.DRAIN, c.node, c.reason) for c in decision.nodes
+                  if c.verdict in (NodeVerdict.DRAIN, NodeVerdict.SUSPECT)]
+    ledger = R.parse_ledger(decision.ledger) or R.Ledger()
+    comment = R.merge_comment(admin_comment, ledger, decision.reason)
+    if decision.action is Action.REQUEUE:
+        steps.append(Step(StepKind.COMMENT, text=comment))
+        if decision.exclude:
+            # Held while pending so the exclusion is in place before it can start again.
+            steps += [Step(StepKind.REQUEUE_HOLD, text=comment),
+                      Step(StepKind.EXCLUDE, nodes=decision.exclude),
+                      Step(StepKind.RELEASE)]
+        else:
+            steps.append(Step(StepKind.REQUEUE))
+    elif decision.action is Action.HOLD:
+        steps.append(Step(StepKind.REQUEUE_HOLD, text=comment))
+        if decision.exclude:
+            steps.append(Step(StepKind.EXCLUDE, nodes=decision.exclude))
+    elif decision.action is Action.CANCEL:
+        steps.append(Step(StepKind.CANCEL))
+    return tuple(steps)

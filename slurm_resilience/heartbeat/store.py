@@ -1,0 +1,160 @@
+"""The incidents this agent acted on, on disk, so a restart neither acts twice nor forgets.
+
+Claiming a run of a job creates ``<state>/acted/<job>-<run>`` with ``O_EXCL`` (two agents, or
+an agent and its restarted twin, cannot both win). The file then holds the incident's plan and
+how far it got; one still ``acting`` after a restart is resumed from its next step. At most
+``max_handled`` markers are kept (oldest removed), and none older than the retention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_resilience.heartbeat import safefs
+from slurm_resilience.heartbeat.actions import Step, step_from_json
+from slurm_resilience.log import get_logger
+
+log = get_logger("heartbeat.store")
+
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A claimed incident: its plan, steps done, deadline (wall time) and report file."""
+
+    job_id: int
+    run: int
+    state: str  # claimed | acting | done | gave-up
+    plan: tuple[Step, ...] = ()
+    done: int = 0
+    deadline: float = 0.0
+    report: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "run": self.run, "state": self.state,
+                "plan": [s.to_json() for s in self.plan], "done": self.done,
+                "deadline": self.deadline, "report": self.report}
+
+
+def _from_json(data: Any) -> Progress:
+    if not isinstance(data, dict):
+        raise ValueError("not an object")
+    return Progress(int(data["job_id"]), int(data["run"]), str(data["state"]),
+                    tuple(step_from_json(s) for s in data.get("plan", [])),
+                    int(data.get("done", 0)), float(data.get("deadline", 0.0)),
+                    str(data.get("report", "")))
+
+
+class IncidentStore:
+    def __init__(self, directory: str, max_handled: int = 4096):
+        self.directory = directory
+        self.max_handled = max_handled
+        # In-memory view of which runs were seen (claimed here or elsewhere), newest last.
+        self.seen: OrderedDict[Key, None] = OrderedDict()
+
+    @staticmethod
+    def name(job_id: int, run: int) -> str:
+        return f"{int(job_id)}-{int(run)}"
+
+    def _dir(self) -> int:
+        return safefs.makedirs_root(self.directory)
+
+    def remember(self, key: Key) -> bool:
+        """Note a run as handled in memory; False when it already was (bounded, LRU)."""
+        if key in self.seen:
+            self.seen.move_to_end(key)
+            return False
+        self.seen[key] = None
+        while len(self.seen) > self.max_handled:
+            self.seen.popitem(last=False)
+        return True
+
+    def claim(self, job_id: int, run: int, deadline: float) -> bool:
+        """Atomically claim acting on this run; False when it was claimed before."""
+        fd = self._dir()
+        try:
+            data = json.dumps(Progress(job_id, run, "claimed", deadline=deadline).to_json())
+            safefs.write_new(fd, self.name(job_id, run), data.encode())
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.close(fd)
+
+    def save(self, progress: Progress) -> None:
+        fd = self._dir()
+        try:
+            safefs.replace_file(fd, self.name(progress.job_id, progress.run),
+                                json.dumps(progress.to_json()).encode())
+        finally:
+            os.close(fd)
+
+    def load(self, job_id: int, run: int) -> Progress | None:
+        try:
+            fd = safefs.open_dir(self.directory)
+        except FileNotFoundError:
+            return None
+        try:
+            raw = safefs.read_owned_file(fd, self.name(job_id, run), os.geteuid(),
+                                         max_bytes=1 << 20)
+            data = json.loads(raw)
+            if isinstance(data, (int, float)):
+                # A marker of an earlier release (the claim time only): that run was handled.
+                return Progress(job_id, run, "done")
+            return _from_json(data)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("heartbeat: store: couldn't read incident progress", job_id=job_id,
+                      run=run, error=str(exc))
+            return None
+        finally:
+            os.close(fd)
+
+    def _entries(self) -> list[tuple[float, str]]:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode) and not name.startswith("."):
+                out.append((st.st_mtime, name))
+        return sorted(out)
+
+    def unfinished(self) -> list[Progress]:
+        """Incidents a previous life of the agent claimed but did not finish acting on."""
+        out = []
+        for _, name in self._entries():
+            job, _, run = name.partition("-")
+            if not (job.isdigit() and run.isdigit()):
+                continue
+            self.remember((int(job), int(run)))
+            p = self.load(int(job), int(run))
+            if p is not None and p.state in ("claimed", "acting"):
+                out.append(p)
+        return out
+
+    def cleanup(self, older_than: float) -> int:
+        """Remove markers older than ``older_than`` and any beyond the newest max_handled."""
+        entries = self._entries()
+        excess = max(0, len(entries) - self.max_handled)
+        removed = 0
+        for i, (mtime, name) in enumerate(entries):
+            if i < excess or mtime < older_than:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                    removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed

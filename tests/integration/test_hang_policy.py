@@ -1,0 +1,263 @@
+"""Hang handling that no user can turn against the cluster, end to end in the sandbox: a job
+that deadlocks on purpose drains nothing, suspects are verified and returned, evidence drains,
+the budget holds, incidents survive slurmctld being away, reports reach only their owner.
+
+Jobs are submitted by unprivileged test users. Figures are printed; run with ``-s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from slurm_resilience.heartbeat import policy
+from slurm_resilience.sandbox import control, daemons
+from slurm_resilience.sandbox.handle import Sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = REPO / ".venv" / "bin" / "python"
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+T = TypeVar("T")
+
+# Two ranks through the public heartbeat API; rank 1 one step behind; progress claimed on
+# every run; then both sleep: a deadlock in user code on healthy nodes.
+DEADLOCK = """\
+import os, time
+from slurm_resilience import heartbeat
+rank = int(os.environ["SLURM_PROCID"])
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+heartbeat.checkpointed(100 * (run + 1))
+last = 5 if rank == 0 else 4
+for step in range(1, last + 1):
+    heartbeat.beat(step)
+    time.sleep(0.2)
+print(f"rank {rank} deadlocked run={run} node={os.environ['SLURMD_NODENAME']} "
+      f"at={time.time():.3f}", flush=True)
+time.sleep(3600)
+"""
+
+
+def _wait_for(pred: Callable[[], T], timeout: float, what: str, poll: float = 0.5) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"{what} not seen within {timeout:g}s")
+
+
+def _deadlocked_job(sandbox: Sandbox, user: str, name: str, *, requeue: bool = True) -> tuple[
+        int, Path]:
+    work = sandbox.user_dir(user, name)
+    script = work / "deadlock.py"
+    script.write_text(DEADLOCK)
+    os.chmod(script, 0o644)
+    body = f"#!/bin/sh\nsrun -N2 -n2 {PYTHON} -u {script}\n"
+    job_id = sandbox.sbatch(body, user=user, args=[
+        "-N2", "-n2", "--requeue" if requeue else "--no-requeue", "--open-mode=append",
+        f"--output={work}/slurm-%j.out"])
+    return job_id, work
+
+
+def _output(work: Path, job_id: int) -> str:
+    path = work / f"slurm-{job_id}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def _rank_node(work: Path, job_id: int, rank: int, run: int) -> str:
+    def find() -> str:
+        for line in _output(work, job_id).splitlines():
+            if line.startswith(f"rank {rank} deadlocked run={run} "):
+                return line.split("node=")[1].split()[0]
+        return ""
+    return _wait_for(find, 90, f"rank {rank} of run {run} deadlocking")
+
+
+def _reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
+    out = []
+    for node in sandbox.nodes:
+        d = sandbox.node_dir(node) / "state" / "incidents"
+        for f in sorted(d.glob(f"hang-job{job_id}-*.json")) if d.exists() else []:
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def _decided(sandbox: Sandbox, job_id: int, run: int) -> dict[str, Any] | None:
+    for r in _reports(sandbox, job_id):
+        # Finished (the copy written before acting has no action time yet).
+        if r.get("restart") == run and "action_at" in r["timings"]:
+            return r
+    return None
+
+
+def _drained(sandbox: Sandbox) -> list[str]:
+    return [f"{n.name}: {n.reason}" for n in sandbox.adapter().list_nodes() if n.drained]
+
+
+def _cli(sandbox: Sandbox, args: list[str], user: str | None = None) -> subprocess.CompletedProcess[
+        str]:
+    argv = [str(PYTHON), "-m", "slurm_resilience", "--config",
+            str(sandbox.layout.resilience_conf), *args]
+    if user is not None:
+        argv = ["runuser", "-u", user, "--", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_CONF": str(sandbox.layout.slurm_conf)})
+
+
+def _restart_agents(sandbox: Sandbox) -> None:
+    """Stop every node agent and start it again, as systemd would after a crash."""
+    env = control.daemon_env(sandbox.layout)
+    for extra in control.agent_extras(sandbox.layout):
+        daemons.stop(extra.daemon)
+        daemons.spawn(extra.argv, log_file=sandbox.layout.log_dir / f"{extra.daemon.name}.log",
+                      pid_file=extra.daemon.pid_file, env={**env, **extra.env})
+
+
+def _back_in_service(sandbox: Sandbox, node: str, since: float, timeout: float = 120) -> float:
+    """Seconds from ``since`` (wall) until ``node`` is no longer drained."""
+    _wait_for(lambda: not sandbox.adapter().show_node(node).drained, timeout,
+              f"{node} back in service", poll=0.25)
+    return time.time() - since
+
+
+def test_deadlocked_job_drains_nothing_suspect_returns_job_held_at_cap(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job deadlocking on purpose on every run (rank 1 one step behind, checkpointed() raised
+    each run) gets its suspect node verified and back in service, is requeued without it, then
+    held at the cap with the reason; at the end no node is drained; only its owner can read
+    the report."""
+    sandbox.update_resilience_config({"heartbeat": {"max_requeues": 1}})
+    owner, other = test_users
+    job_id, work = _deadlocked_job(sandbox, owner, "deadlock")
+    suspect = _rank_node(work, job_id, 1, 0)
+    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the run-0 decision")
+    assert report["decision"]["action"] == "requeue", report["decision"]
+    assert report["decision"]["nodes"] == [{"node": suspect, "verdict": "suspect", "reason":
+                                            report["decision"]["nodes"][0]["reason"]}]
+    assert report["decision"]["ckpt_step"] == -1  # the slot's 100 is not a root-side fact
+    decided_at = float(report["timings"]["action_at"])
+    back_s = _back_in_service(sandbox, suspect, decided_at)
+    held = _wait_for(lambda: (lambda j: j if j.state == "PENDING" and "held after" in
+                              j.admin_comment else None)(sandbox.job(job_id)), 120,
+                     "the job held at the cap")
+    assert "held after 1 hang requeues (cap 1)" in held.admin_comment, held
+    assert suspect in held.exc_nodes
+    second = _wait_for(lambda: _decided(sandbox, job_id, 1), 30, "the run-1 decision")
+    assert second["decision"]["action"] == "hold"
+    for call in second["decision"]["nodes"]:
+        _back_in_service(sandbox, call["node"], time.time())
+    assert _drained(sandbox) == []
+    detect_s = float(report["timings"]["detect_after_s"])
+    print(f"\ndeadlock: hang -> detected {detect_s:.1f}s (step timeout 6s); decision -> suspect "
+          f"{suspect} verified and back in service {back_s:.1f}s")
+    assert back_s <= 60  # poll 1 s + job leaving + gate + loopback test (2 ranks, 30 s cap)
+
+    mine = _cli(sandbox, ["report", str(job_id), "--node", report["node"]], user=owner)
+    assert mine.returncode == 0 and f"job {job_id} run 0" in mine.stdout, mine.stderr
+    assert f"suspect {suspect}" in mine.stdout
+    theirs = _cli(sandbox, ["report", str(job_id), "--node", report["node"]], user=other)
+    assert theirs.returncode == 1 and "no hang report of job" in theirs.stderr, theirs
+    sandbox.run(["scancel", str(job_id)])
+
+
+def test_no_requeue_job_is_left_or_cancelled_and_drains_nothing(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A hung --no-requeue job is left running (policy leave) or cancelled (policy cancel), and
+    no node is drained or suspected for it."""
+    user = test_users[0]
+    job_id, _ = _deadlocked_job(sandbox, user, "norequeue-leave", requeue=False)
+    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    assert report["decision"]["action"] == "leave"
+    assert [c["verdict"] for c in report["decision"]["nodes"]] == ["spare"]
+    assert sandbox.job(job_id).state == "RUNNING" and _drained(sandbox) == []
+    sandbox.run(["scancel", str(job_id)])
+    sandbox.update_resilience_config({"heartbeat": {"no_requeue_policy": "cancel"}})
+    job_id, _ = _deadlocked_job(sandbox, user, "norequeue-cancel", requeue=False)
+    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    assert report["decision"]["action"] == "cancel"
+    assert sandbox.wait_job(job_id, timeout=30).state == "CANCELLED"
+    assert _drained(sandbox) == []
+
+
+def test_failed_loopback_verification_drains_the_suspect_with_measured_vs_expected(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A hang plus an NCCL fault on the suspect node: its verification's loopback test fails and
+    the node is drained with the check, measured against expected, in the reason."""
+    from slurm_resilience.sandbox import faults
+
+    user = test_users[0]
+    job_id, work = _deadlocked_job(sandbox, user, "nccl")
+    suspect = _rank_node(work, job_id, 1, 0)
+    try:
+        print(faults.inject(sandbox.layout.state_dir, suspect, "nccl-wrong:1"))
+        _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+        node = _wait_for(lambda: (lambda n: n if "verification failed" in n.reason else None)(
+            sandbox.adapter().show_node(suspect)), 120, "the failed verification")
+        assert node.drained and node.reason.startswith(f"SR: hang job {job_id} user {user} ")
+        assert "loopback test: nccl allreduce wrong result on rank1" in node.reason, node.reason
+        assert "differ from the expected sum" in node.reason, node.reason
+        print(f"\nnccl fault: {suspect} drained: {node.reason}")
+    finally:
+        sandbox.run(["scancel", str(job_id)])
+        faults.heal(sandbox.layout.state_dir, suspect)
+
+
+def test_the_budget_stops_drains_past_its_limit_and_says_so(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """With the hourly budget used up by a hang drain Slurm already shows, the next suspect is
+    reported, not taken out of service: the report, the log and `status` say so."""
+    sandbox.update_resilience_config({"heartbeat": {"budget_per_hour": 1}})
+    ctl = sandbox.adapter()
+    spent = sandbox.nodes[-1]
+    ctl.drain(spent, policy.drain_reason(1, "someone", time.time(), "an earlier hang"))
+    user = test_users[0]
+    job_id, work = _deadlocked_job(sandbox, user, "budget")
+    suspect = _rank_node(work, job_id, 1, 0)
+    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [
+        (suspect, "spare")]
+    assert "hang budget spent (1 of 1 nodes per hour" in report["decision"]["budget"]
+    assert any("hang budget spent" in a for a in report["actions"])
+    assert not ctl.show_node(suspect).drained
+    status = _cli(sandbox, ["status"])
+    assert "hang budget: 1 of 1 nodes this hour" in status.stdout, status.stdout
+    sandbox.run(["scancel", str(job_id)])
+
+
+def test_requeue_happens_exactly_once_when_slurmctld_is_away_for_20s(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """slurmctld stopped for 20 s around the hang, every agent restarted in the middle: the
+    incident retries and requeues the job once slurmctld is back, exactly once."""
+    user = test_users[0]
+    job_id, work = _deadlocked_job(sandbox, user, "ctld")
+    _rank_node(work, job_id, 1, 0)
+    ctld = control.slurmctld(sandbox.layout)
+    daemons.stop(ctld)
+    stopped = time.monotonic()
+    try:
+        time.sleep(10)  # the outage itself: the agents' clocks are not ours to move
+        _restart_agents(sandbox)  # mid-incident: the new agents must not forget the hang
+        time.sleep(10)
+    finally:
+        daemons.start_forking([control.tool("slurmctld"), "-f", str(sandbox.layout.slurm_conf)],
+                              env=control.daemon_env(sandbox.layout),
+                              log_file=sandbox.layout.log_dir / "slurmctld.out")
+    away_s = time.monotonic() - stopped
+    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 120, "the decision")
+    job = _wait_for(lambda: (lambda j: j if j.restarts >= 1 else None)(sandbox.job(job_id)),
+                    60, "the requeue")
+    sandbox.run(["scancel", str(job_id)])
+    acting = [r for r in _reports(sandbox, job_id)
+              if r["restart"] == 0 and r["decision"]["action"] in ("requeue", "hold")]
+    assert len(acting) == 1 and report["decision"]["action"] == "requeue"
+    assert "[sr-hang n=1 " in job.admin_comment and job.restarts == 1, job
+    print(f"\nslurmctld away {away_s:.0f}s: requeued once, "
+          f"{report['timings']['action_after_s']}s after the hang")

@@ -1,0 +1,386 @@
+"""Unit tests of hang handling v2: evidence-only drains, suspects and their verification,
+budgets, root-side checkpoint facts, retried and persisted incidents, reports by socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.config import Config
+from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.config.schema import NodeSection
+from slurm_resilience.heartbeat import blame as B
+from slurm_resilience.heartbeat import ckptfacts, handlers, incident, policy, rendezvous
+from slurm_resilience.heartbeat.actions import Step, StepKind
+from slurm_resilience.heartbeat.records import (
+    Action,
+    NodeCall,
+    NodeVerdict,
+    Piece,
+    PieceError,
+    piece_from_bytes,
+    piece_to_bytes,
+)
+from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
+from slurm_resilience.heartbeat.watcher import HangWatcher
+from slurm_resilience.proc import CommandTimeout, Completed
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.parse import NodeInfo
+
+HB = HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0, warmup_steps=0,
+                      min_timeout_s=0.5, budget_per_hour=2, budget_per_user_per_hour=1)
+NOW = 1_800_000_000.0
+
+
+class FakeClock:
+    """Real clocks moved forward by hand; sleeping only moves them."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def _cfg(tmp_path: Path, **hb: object) -> Config:
+    return Config(node=NodeSection(state_dir=str(tmp_path / "state"),
+                                   run_dir=str(tmp_path / "run")),
+                  heartbeat=replace(HB, **hb))
+
+
+class SlurmStandIn:
+    """Answers scontrol like slurmctld for one job and one node; can be 'down' for a number
+    of calls (each raising a timeout, as when slurmctld is stopped); records every argv."""
+
+    def __init__(self, *, restarts: int = 0, down_calls: int = 0, node_reason: str = "",
+                 alloc: int = 0):
+        self.restarts, self.down_calls = restarts, down_calls
+        self.node_reason, self.alloc = node_reason, alloc
+        self.state = "RUNNING"
+        self.calls: list[list[str]] = []
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        if self.down_calls > 0:
+            self.down_calls -= 1
+            raise CommandTimeout(argv, "timed out: Unable to contact slurm controller")
+        self.calls.append(list(argv))
+        out = ""
+        if argv[1:3] == ["show", "job"]:
+            out = (f"JobId=42 JobName=t UserId=alice(1000) JobState={self.state} "
+                   f"Restarts={self.restarts} BatchHost=node1 NodeList=node1 NumNodes=1 "
+                   "Requeue=1 AdminComment=(null)")
+        elif argv[1:3] == ["show", "node"]:
+            flag = "+DRAIN" if self.node_reason else ""
+            reason = f"{self.node_reason} [root@2026-11-23T10:00:00]" if self.node_reason \
+                else "(null)"
+            out = (f"NodeName=node1 State=IDLE{flag} CPUTot=2 CPUAlloc={self.alloc} "
+                   f"Reason={reason}")
+        elif argv[1] == "requeue":
+            self.restarts += 1
+        elif argv[1:3] == ["update", "NodeName=node1"]:
+            if argv[3] == "State=RESUME":
+                self.node_reason = ""
+            else:
+                self.node_reason = argv[4].removeprefix("Reason=")
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+def _node(name: str, reason: str) -> NodeInfo:
+    return NodeInfo(name, "IDLE", frozenset({"DRAIN"}), reason)
+
+
+# -- pure policy -------------------------------------------------------------------------------
+
+
+def test_heuristic_blame_makes_a_suspect_and_health_findings_a_drain() -> None:
+    """"Stalled first" only makes the node a suspect; an Xid on a node drains it for the Xid."""
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    empty = policy.Budget(0, {}, frozenset())
+    calls, note = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
+                                    now=NOW, budget=empty, cfg=HB)
+    assert [(c.node, c.verdict) for c in calls] == [("n2", NodeVerdict.SUSPECT)] and not note
+    assert calls[0].reason.startswith("suspect hang job 42 user alice at ")
+    assert "rank 1 stalled first (lowest step)" in calls[0].reason
+    xid = B.blame(42, obs, {"n1": ["PCI 0000:01:00 XID 79 (fallen off the bus) at 10:00"]})
+    calls, _ = policy.node_calls(42, "alice", xid, self_reported=False, now=NOW, budget=empty,
+                                 cfg=HB)
+    assert [(c.node, c.verdict) for c in calls] == [("n1", NodeVerdict.DRAIN)]
+    assert "XID 79" in calls[0].reason
+
+
+def test_our_reasons_carry_user_and_time_and_count_against_the_budget() -> None:
+    """The budget counts nodes out of service with our hang reasons of the last hour, per user."""
+    reason = "SR: " + policy.suspect_reason(7, "bob", NOW - 60, "rank 0 stalled first")
+    parsed = policy.parse_reason(reason)
+    assert parsed == policy.HangReason(True, 7, "bob", NOW - 60)
+    old = "SR: " + policy.drain_reason(8, "eve", NOW - 7200, "x")
+    nodes = [_node("a", reason), _node("b", old),
+             _node("c", "SR: health: gpu3 missing"), _node("d", "admin: maintenance")]
+    used = policy.budget_used(nodes, "SR:", NOW)
+    assert (used.total, dict(used.by_user), used.nodes) == (1, {"bob": 1}, frozenset({"a"}))
+
+
+def test_past_the_budget_nodes_are_reported_not_taken_out() -> None:
+    """With the user's hourly budget spent, a suspect is spared and the note says why."""
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    used = policy.Budget(1, {"alice": 1}, frozenset({"n9"}))
+    calls, note = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
+                                    now=NOW, budget=used, cfg=HB)
+    assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
+    assert "hang budget spent" in note and "1 of 1 for user alice" in note and "n2" in note
+
+
+def test_no_requeue_job_is_left_or_cancelled_and_never_drains() -> None:
+    """A --no-requeue job is left running (or cancelled, per policy); its suspect is spared."""
+    call = NodeCall("n2", NodeVerdict.SUSPECT, "suspect ...")
+    for pol, action, kinds in (("leave", Action.LEAVE, []), ("cancel", Action.CANCEL, ["cancel"])):
+        cfg = replace(HB, no_requeue_policy=pol)
+        d = policy.decide(42, run=0, user="alice", requeue_allowed=False, admin_comment="",
+                          ckpt_step=-1, mode="act", cfg=cfg, calls=[call], budget_note="")
+        assert d.action is action and [c.verdict for c in d.nodes] == [NodeVerdict.SPARE]
+        steps = policy.plan(42, d, "", drain=True)
+        assert [s.kind.value for s in steps] == kinds
+
+
+def test_requeue_with_a_suspect_holds_excludes_then_releases() -> None:
+    """A requeued job avoids its suspect: drain, ledger, requeue held, exclude, release."""
+    call = NodeCall("n2", NodeVerdict.SUSPECT, "suspect ...")
+    d = policy.decide(42, run=0, user="alice", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=HB, calls=[call], budget_note="")
+    assert d.action is Action.REQUEUE and d.exclude == ("n2",)
+    assert [s.kind for s in policy.plan(42, d, "", drain=True)] == [
+        StepKind.DRAIN, StepKind.COMMENT, StepKind.REQUEUE_HOLD, StepKind.EXCLUDE,
+        StepKind.RELEASE]
+
+
+def test_checkpoint_progress_comes_from_the_root_journal(tmp_path: Path) -> None:
+    """The guard's step is the checkpoint journal's newest committed step; none: -1."""
+    cfg = _cfg(tmp_path)
+    assert ckptfacts.committed_step(cfg, "node1", 42).step == -1
+    journal = tmp_path / "state" / "ckpt-journal"
+    journal.mkdir(parents=True, mode=0o700)
+    (journal / "job-42.json").write_text(json.dumps({"job_id": 42, "steps": {
+        "5": {"state": "committed"}, "10": {"state": "pending"}, "15": {"state": "rejected"}}}))
+    assert ckptfacts.committed_step(cfg, "node1", 42).step == 10
+
+
+def test_a_piece_may_speak_only_for_its_sender() -> None:
+    """A received piece naming another node, or malformed, is refused; a good one round-trips."""
+    piece = Piece("n2", "timeout", NOW, (), (B.RankObservation(1, "n2", 10, NOW, None, 0.1),),
+                  ("XID 79",), {})
+    assert piece_from_bytes(piece_to_bytes(piece), "n2") == piece
+    with pytest.raises(PieceError, match="from n3 speaks for n2"):
+        piece_from_bytes(piece_to_bytes(piece), "n3")
+    with pytest.raises(PieceError):
+        piece_from_bytes(b'{"node": "n2", "ranks": 5}', "n2")
+
+
+def test_dir_rendezvous_implements_the_protocol(tmp_path: Path) -> None:
+    """DirRendezvous publishes, announces to another node, and gathers root-owned pieces."""
+    a = rendezvous.DirRendezvous(str(tmp_path / "rdv"), "n1", started=0)
+    b: rendezvous.Rendezvous = rendezvous.DirRendezvous(str(tmp_path / "rdv"), "n2", started=0)
+    b.publish(42, 0, "n1", ["n1", "n2"], b'{"x": 1}')
+    assert a.announced() == [(42, 0, "n2")] and a.announced() == []
+    assert a.gather(42, 0, ["n1", "n2"], time.monotonic() + 1) == {"n2": b'{"x": 1}'}
+
+
+# -- acting: retries, persistence --------------------------------------------------------------
+
+
+def _runner_cfg(tmp_path: Path, **hb: object) -> tuple[Config, FakeClock]:
+    return _cfg(tmp_path, **hb), FakeClock()
+
+
+def _watcher(cfg: Config, slurm: SlurmStandIn, clock: FakeClock) -> HangWatcher:
+    return HangWatcher(cfg, "node1", SlurmAdapter(runner=slurm), clock=clock,
+                       sleep=clock.sleep, config_path="",
+                       rendezvous=rendezvous.NoRendezvous())
+
+
+def test_an_incident_claimed_before_a_restart_is_finished_once(tmp_path: Path) -> None:
+    """A restarted agent resumes a half-done plan (requeue once); a third life does nothing."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn()
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    assert store.claim(42, 0, clock.time() + 60)
+    store.save(Progress(42, 0, "acting", (Step(StepKind.COMMENT, text="c"),
+                                          Step(StepKind.REQUEUE)), 1, clock.time() + 60))
+    first = _watcher(cfg, slurm, clock)
+    first.wait()
+    assert [c[1] for c in slurm.calls if c[1] in ("requeue", "update")] == ["requeue"]
+    second = _watcher(cfg, slurm, clock)
+    second.wait()
+    assert [c[1] for c in slurm.calls].count("requeue") == 1
+    assert (42, 0) in second.store.seen
+
+
+def test_a_requeue_already_done_before_a_crash_is_not_repeated(tmp_path: Path) -> None:
+    """If the job's Restarts already moved past the run, the resumed requeue step does nothing."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn(restarts=1)
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    store.claim(42, 0, clock.time() + 60)
+    store.save(Progress(42, 0, "acting", (Step(StepKind.REQUEUE),), 0, clock.time() + 60))
+    _watcher(cfg, slurm, clock).wait()
+    assert not [c for c in slurm.calls if c[1] == "requeue"]
+    assert store.load(42, 0) == Progress(42, 0, "done", (Step(StepKind.REQUEUE),), 1,
+                                         store.load(42, 0).deadline)  # type: ignore[union-attr]
+
+
+def test_slurm_errors_are_retried_with_backoff_until_the_deadline(tmp_path: Path) -> None:
+    """Slurm down for a while: the step is retried with growing waits and done once; down past
+    the deadline: the incident gives up and says so."""
+    cfg, clock = _runner_cfg(tmp_path)
+    store = IncidentStore(str(tmp_path / "acted"))
+    slurm = SlurmStandIn(down_calls=6)
+    w = _watcher(cfg, slurm, clock)
+    before = clock.offset
+    plan = (Step(StepKind.REQUEUE),)
+    store.claim(42, 0, clock.time() + 60)
+    w.runner.store = store
+    w.runner.resume(Progress(42, 0, "acting", plan, 0, clock.time() + 60))
+    assert [c[1] for c in slurm.calls].count("requeue") == 1
+    assert clock.offset - before == pytest.approx(0.5 + 1 + 2 + 4 + 8 + 8)
+    slurm = SlurmStandIn(down_calls=10**6)
+    w = _watcher(cfg, slurm, clock)
+    w.runner.store = store
+    store.claim(43, 0, clock.time() + 30)
+    w.runner.resume(Progress(43, 0, "acting", plan, 0, clock.time() + 30))
+    assert store.load(43, 0).state == "gave-up"  # type: ignore[union-attr]
+    assert slurm.calls == []
+
+
+def test_the_handled_set_is_bounded() -> None:
+    """The in-memory set of handled runs keeps only the newest max_handled."""
+    store = IncidentStore("/nonexistent", max_handled=16)
+    for job in range(100):
+        assert store.remember((job, 0))
+    assert len(store.seen) == 16 and not store.remember((99, 0)) and store.remember((0, 0))
+
+
+# -- suspects ----------------------------------------------------------------------------------
+
+
+def _verifier(*checks: Check) -> object:
+    return lambda cfg, node: Verification(checks, 0.1)
+
+
+def _suspect_watch(tmp_path: Path, slurm: SlurmStandIn, *checks: Check,
+                   **hb: object) -> SuspectWatch:
+    return SuspectWatch(_cfg(tmp_path, **hb), "node1", SlurmAdapter(runner=slurm), FakeClock(),
+                        str(tmp_path / "hb"), _verifier(*checks))  # type: ignore[arg-type]
+
+
+SUSPECT = "SR: " + policy.suspect_reason(42, "alice", time.time(), "rank 1 stalled first")
+
+
+def test_a_suspect_that_passes_verification_returns_to_service(tmp_path: Path) -> None:
+    """The node's own agent verifies its suspect drain and resumes the node when all pass."""
+    slurm = SlurmStandIn(node_reason=SUSPECT)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"),
+                           Check("loopback test", True, "ok"))
+    watch.tick()
+    watch.close(10)
+    assert slurm.node_reason == "" and watch.last["outcome"] == "returned to service"
+
+
+def test_a_suspect_failing_verification_is_drained_naming_the_check(tmp_path: Path) -> None:
+    """A failed loopback test drains the node with the check, measured against expected."""
+    slurm = SlurmStandIn(node_reason=SUSPECT)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"), Check(
+        "loopback test", False, "nccl allreduce 0.002 GB/s < 0.01 (2xcpu, 1MiB)"))
+    watch.tick()
+    watch.close(10)
+    assert slurm.node_reason.startswith("SR: hang job 42 user alice at ")
+    assert "verification failed: loopback test: nccl allreduce 0.002 GB/s < 0.01" \
+        in slurm.node_reason
+
+
+def test_a_suspect_is_verified_only_after_the_job_left(tmp_path: Path) -> None:
+    """While CPUs are still allocated on the node, nothing is verified yet."""
+    slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
+    assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
+
+
+def test_suspicion_of_different_users_jobs_adds_up_to_a_drain(tmp_path: Path) -> None:
+    """The third suspicion from a third user drains the node naming the jobs, even passing."""
+    ok = Check("health gate", True, "ok")
+    for job, user in ((40, "ann"), (41, "ben"), (42, "cid")):
+        reason = "SR: " + policy.suspect_reason(job, user, time.time(), "rank 1 stalled first")
+        slurm = SlurmStandIn(node_reason=reason)
+        watch = _suspect_watch(tmp_path, slurm, ok, suspect_threshold=3)
+        watch.tick()
+        watch.close(10)
+    assert "hang suspect of jobs 40(ann),41(ben),42(cid)" in slurm.node_reason
+
+
+# -- reports through the socket ----------------------------------------------------------------
+
+
+def test_reports_are_fetched_by_their_owner_only(tmp_path: Path) -> None:
+    """The job's owner (and root) get the report text; another uid is refused alike whether or
+    not the job exists."""
+    report = {"job_id": 42, "restart": 0, "user": "alice", "uid": 1000, "node": "node1",
+              "mode": "act", "detected_at": NOW, "ranks": [], "evidence": {},
+              "blame": {"explanation": "x"}, "decision": {"action": "requeue", "reason": "r"},
+              "actions": []}
+    incident.write_agent_copy(str(tmp_path), report)
+    got = handlers.fetch(str(tmp_path), "node1", {"job_id": 42}, Peer(1, 1000, 1000), 1 << 20)
+    assert "job 42 run 0" in got["text"] and got["runs"] == [0]
+    assert handlers.fetch(str(tmp_path), "node1", {"job_id": "42"}, Peer(1, 0, 0), 100)[
+        "truncated"]
+    for job in (42, 43):
+        with pytest.raises(RequestError, match=f"no hang report of job {job} for uid 1001"):
+            handlers.fetch(str(tmp_path), "node1", {"job_id": job}, Peer(1, 1001, 1001), 1 << 20)
+    with pytest.raises(RequestError, match="must be a job id"):
+        handlers.fetch(str(tmp_path), "node1", {"job_id": "../x"}, Peer(1, 0, 0), 1 << 20)
+    assert os.stat(tmp_path).st_uid == os.geteuid()
+
+
+def test_a_busy_node_lock_postpones_verification_instead_of_draining(tmp_path: Path) -> None:
+    """A loopback test that could not start (node lock busy) is no evidence: verify again later."""
+    slurm = SlurmStandIn(node_reason=SUSPECT)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"),
+                           Check("loopback test", False, "node lock busy", retry=True))
+    watch.tick()
+    watch.close(10)
+    assert slurm.node_reason == SUSPECT and watch.last == {}
+
+
+def test_stopping_the_agent_leaves_a_waiting_incident_for_the_next_start(tmp_path: Path) -> None:
+    """close() ends an incident's wait on an absent slurmctld at once; its claimed plan stays
+    'acting' for the next start to finish."""
+    cfg, clock = _runner_cfg(tmp_path)
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    store.claim(42, 0, clock.time() + 600)
+    store.save(Progress(42, 0, "acting", (Step(StepKind.REQUEUE),), 0, clock.time() + 600))
+    watcher = HangWatcher(cfg, "node1", SlurmAdapter(runner=SlurmStandIn(down_calls=10**6)),
+                          clock=clock, config_path="", rendezvous=rendezvous.NoRendezvous())
+    watcher.close()
+    assert not any(t.is_alive() for t in watcher.threads.values())
+    assert store.load(42, 0).state == "acting"  # type: ignore[union-attr]
+
+
+def test_markers_of_an_earlier_release_count_as_handled(tmp_path: Path) -> None:
+    """An act marker holding only a time (earlier releases) is a finished incident."""
+    store = IncidentStore(str(tmp_path / "acted"))
+    (tmp_path / "acted").mkdir(mode=0o700)
+    (tmp_path / "acted" / "7-0").write_text("1795000000.5")
+    assert store.unfinished() == [] and (7, 0) in store.seen
+    assert store.load(7, 0) == Progress(7, 0, "done") and not store.claim(7, 0, 0.0)
