@@ -11,14 +11,19 @@ Requests (unix socket, caller known by SO_PEERCRED):
 
 ``tick`` hands one pass over all jobs to a worker thread: upload each committed
 step (files, then rank manifests, then COMMIT.json once every rank's manifest
-is in S3), then apply retention.
+is in S3), then apply retention. Jobs are synced side by side (at most
+``MAX_JOB_THREADS`` at once) and their parts share one fair pool, so a huge
+upload does not hold a small one back. A failure inside one job's work is logged
+and marks that job (or that step) failed with the reason; the pass goes on.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
@@ -30,10 +35,26 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
-from slurm_resilience.checkpoint.journal import JobRecord, Journal, new_record, pending_steps
+from slurm_resilience.checkpoint.journal import (
+    DONE_STATES,
+    JobRecord,
+    JobState,
+    Journal,
+    StepState,
+    failed_steps,
+    new_record,
+    pending_steps,
+)
 from slurm_resilience.checkpoint.prefix import S3Uri, check_run_uri, parse_uri
+from slurm_resilience.checkpoint.retention import plan_remote_retention
 from slurm_resilience.checkpoint.rootfs import committed_steps_at, read_small, read_step
-from slurm_resilience.checkpoint.s3 import S3, S3Settings, TransientS3Error
+from slurm_resilience.checkpoint.s3 import (
+    S3,
+    ContentMismatch,
+    PermanentS3Error,
+    S3Settings,
+    TransientS3Error,
+)
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
     open_job_dir,
@@ -44,11 +65,13 @@ from slurm_resilience.checkpoint.staging import (
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
+from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.uploader")
 
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
 ORPHAN_AGE_S = 24 * 3600.0
+MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 
 
 def s3_settings(cfg: Config) -> S3Settings:
@@ -169,7 +192,9 @@ class Uploader:
             si = dict(rec.get("stagein", {}))
             return {"ok": True, "stagein": si.get("state", "none"), "step": si.get("step"),
                     "source": si.get("source"), "error": si.get("error"),
-                    "pending": pending_steps(rec), "uri": rec.get("uri")}
+                    "pending": pending_steps(rec), "uri": rec.get("uri"),
+                    "failed": {str(k): v for k, v in failed_steps(rec).items()},
+                    "upload_error": rec.get("error")}
 
     def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer, root_only=True)
@@ -232,27 +257,59 @@ class Uploader:
         self.worker.start()
 
     def run_pass(self) -> None:
-        """One pass over every known job (the worker thread; also callable from tests)."""
-        for job_id in sorted(self.jobs):
-            if self.stopping.is_set():
-                return
-            rec = self.jobs[job_id]
-            next_try, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
-            if time.monotonic() < next_try:
-                continue
+        """One pass over every known job (the worker thread; also callable from tests).
+
+        Jobs run side by side so that their parts interleave in the S3 fair pool.
+        """
+        with self.lock:
+            due = []
+            for job_id, rec in sorted(self.jobs.items()):
+                next_try, _ = self.backoff.get(job_id, (0.0, 0.0))
+                if rec.get("state") != JobState.FAILED and time.monotonic() >= next_try:
+                    due.append(rec)
+        if not due or self.stopping.is_set():
+            return
+        with ThreadPoolExecutor(max_workers=min(MAX_JOB_THREADS, len(due)),
+                                thread_name_prefix="ckpt-job") as pool:
+            for _ in pool.map(self._sync_guarded, due):
+                pass
+
+    def _sync_guarded(self, rec: JobRecord) -> None:
+        """Sync one job; whatever goes wrong stays with this job."""
+        if self.stopping.is_set():
+            return
+        job_id = int(rec["job_id"])
+        _, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
+        delay = delay or self.ck.retry_initial_s
+        try:
+            self.sync_job(rec)
+            self.backoff.pop(job_id, None)
+        except TransientS3Error as exc:
+            self._back_off(job_id, delay)
+            log.warning("S3 unreachable; uploads wait", job_id=job_id,
+                        retry_in_s=round(delay, 1), pending=pending_steps(rec), error=str(exc))
+        except (CheckpointError, OSError) as exc:
+            log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
+            self._back_off(job_id, delay)
+        except Exception as exc:  # noqa: BLE001 - a bug or a hostile tree: this job only
+            self._fail_job(rec, f"{type(exc).__name__}: {exc}")
+
+    def _back_off(self, job_id: int, delay: float) -> None:
+        jittered = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreads retries, not crypto
+        self.backoff[job_id] = (time.monotonic() + jittered,
+                                min(delay * 2, self.ck.retry_max_s))
+
+    def _fail_job(self, rec: JobRecord, why: str) -> None:
+        """Stop working on a job after an unexpected error; other jobs go on."""
+        log.exception("checkpoint: upload: couldn't sync job; marked failed, other jobs go on",
+                      job_id=rec["job_id"], reason=why, pending=pending_steps(rec))
+        with self.lock:
+            rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED.value, why, time.time()
             try:
-                self.sync_job(rec)
-                self.backoff.pop(job_id, None)
-            except TransientS3Error as exc:
-                self.backoff[job_id] = (time.monotonic() + delay,
-                                        min(delay * 2, self.ck.retry_max_s))
-                log.warning("S3 unreachable; uploads wait", job_id=job_id,
-                            retry_in_s=round(delay, 1), pending=pending_steps(rec),
-                            error=str(exc))
-            except (CheckpointError, OSError) as exc:
-                log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
-                self.backoff[job_id] = (time.monotonic() + delay,
-                                        min(delay * 2, self.ck.retry_max_s))
+                self.journal.write(rec)
+            except (OSError, TypeError, ValueError) as exc:
+                log.error("checkpoint: journal: couldn't record failed job", job_id=rec["job_id"],
+                          error=str(exc))
 
     def sync_job(self, rec: JobRecord) -> None:
         job_id = int(rec["job_id"])
@@ -268,15 +325,21 @@ class Uploader:
                     self._abort_orphans(rec, uri)
                     for step in committed_steps_at(jfd):
                         st = rec["steps"].get(str(step), {})
-                        if st.get("state") not in ("committed", "rejected", "pruned"):
+                        if st.get("state") in DONE_STATES:
+                            continue
+                        try:
                             self.upload_step(rec, jfd, uri, step)
+                        except ContentMismatch as exc:
+                            self._reject(rec, step, str(exc))
+                        except PermanentS3Error as exc:
+                            self._reject(rec, step, str(exc), StepState.FAILED)
                     self._retain_remote(rec, uri)
                 self._retain_local(rec, jfd)
         except FileNotFoundError:
-            if rec["state"] == "ended":
+            if rec["state"] == JobState.ENDED:
                 self._forget(rec)
             return
-        if rec["state"] == "ended":
+        if rec["state"] == JobState.ENDED:
             self._finish_ended(rec)
 
     def _note_local_steps(self, rec: JobRecord, jfd: int) -> None:
@@ -302,6 +365,13 @@ class Uploader:
             self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
             return
         st["world_size"] = marker.world_size
+        commit_key = uri.join(sname, COMMIT)
+        if not any(f.get("done") for f in st["files"].values()) and \
+                self.s3.head(uri.bucket, commit_key) is not None:
+            # Another job of this run committed this step: never mix our files into it.
+            self._reject(rec, step, f"{uri}/{sname} is already committed in S3 by another "
+                                    "job of this run; ours is not uploaded", StepState.FAILED)
+            return
         sfd = open_dir_at(jfd, sname)
         try:
             for rank, manifest in manifests.items():
@@ -321,7 +391,8 @@ class Uploader:
                                          f"{os.fstat(fd).st_size}, manifest says {f.size}")
                             return
                         self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
-                                          lambda: self.journal.write(rec))
+                                          lambda: self.journal.write(rec), blocks=f.blocks,
+                                          block_size=f.block_size, owner=f"job-{rec['job_id']}")
                     finally:
                         os.close(fd)
                     frec["done"] = True
@@ -350,16 +421,28 @@ class Uploader:
         body = marker.to_json()
         crc = Crc32c()
         crc.update(body)
-        self.s3.put_bytes(uri.bucket, uri.join(sname, COMMIT), body, crc.hexdigest())
+        if not self.s3.put_if_absent(uri.bucket, commit_key, body, crc.hexdigest(),
+                                     prefix=uri.join() + "/"):
+            # Another node of this job got there first (same marker), or another job did.
+            theirs = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
+            if theirs != body:
+                self._reject(rec, step, f"{uri}/{sname}: a different commit marker is already "
+                                        "in S3 (another job of this run)", StepState.FAILED)
+                return
+            log.info("commit marker already in S3 (another node of the job wrote it)",
+                     job_id=rec["job_id"], step=step)
         st["state"] = "committed"
         st["files"] = {}
         st["committed_at"] = time.time()
         self.journal.write(rec)
         log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
 
-    def _reject(self, rec: JobRecord, step: int, why: str) -> None:
-        """A step we must not upload (a link, a foreign file, a bad manifest): never retried."""
-        log.error("refusing to upload step", job_id=rec["job_id"], step=step, reason=why)
+    def _reject(self, rec: JobRecord, step: int, why: str,
+                state: StepState = StepState.REJECTED) -> None:
+        """A step we must not upload (a link, a foreign file, a bad manifest, bytes that
+        don't match it) or that S3 refused for good (``FAILED``): never retried."""
+        log.error("checkpoint: upload: couldn't upload step; it will not be retried",
+                  job_id=rec["job_id"], step=step, state=state.value, reason=why)
         old = rec["steps"].get(str(step), {})
         if rec.get("uri"):
             uri = parse_uri(rec["uri"])
@@ -370,7 +453,7 @@ class Uploader:
                     except CheckpointError as exc:
                         log.warning("couldn't abort upload of rejected step", key=key,
                                     error=str(exc))
-        rec["steps"][str(step)] = {"state": "rejected", "reason": why}
+        rec["steps"][str(step)] = {"state": state.value, "reason": why}
         self.journal.write(rec)
 
     def _abort_orphans(self, rec: JobRecord, uri: S3Uri) -> None:
@@ -393,7 +476,13 @@ class Uploader:
                          age_s=age)
                 self.s3.abort(uri.bucket, key, upload_id)
 
+    def _budget(self) -> RemovalBudget:
+        return RemovalBudget(max_entries=self.ck.remove_max_entries,
+                             max_seconds=self.ck.remove_max_s)
+
     def _retain_local(self, rec: JobRecord, jfd: int) -> None:
+        """Keep the newest ``keep_local`` committed steps; with a URI, older ones go only
+        once S3 holds them. Local-only runs keep their newest steps the same way."""
         steps = committed_steps_at(jfd)
         keep = set(steps[-self.ck.keep_local:])
         for step in steps:
@@ -402,24 +491,41 @@ class Uploader:
             st = rec["steps"].get(str(step), {})
             if rec.get("uri") and st.get("state") not in ("committed", "pruned"):
                 continue  # not safe in S3 yet
-            remove_at(jfd, step_name(step))
+            try:
+                remove_at(jfd, step_name(step), self._budget())
+            except RemovalIncomplete as exc:
+                log.warning("local step only partly removed; the rest goes next pass",
+                            job_id=rec["job_id"], step=step, error=str(exc))
+                return
             log.info("removed local step (retention)", job_id=rec["job_id"], step=step)
 
     def _retain_remote(self, rec: JobRecord, uri: S3Uri) -> None:
+        """Keep the run's newest ``keep_remote`` committed steps, over the S3 listing."""
         if self.ck.keep_remote <= 0:
             return
-        committed = sorted(int(s) for s, st in rec["steps"].items()
-                           if st.get("state") == "committed")
-        for step in committed[:-self.ck.keep_remote]:
-            prefix = uri.join(step_name(step)) + "/"
-            keys = sorted(self.s3.list_keys(uri.bucket, prefix))
-            marker = prefix + COMMIT
-            # The commit marker goes first, so a half-deleted step is never taken as complete.
-            self.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
-            self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
-            rec["steps"][str(step)] = {"state": "pruned"}
-            self.journal.write(rec)
-            log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step)
+        prefix = uri.join() + "/"
+        try:
+            objects = self.s3.list_objects(uri.bucket, prefix)
+            plan = plan_remote_retention(
+                {k[len(prefix):]: v for k, v in objects.items()}, self.ck.keep_remote,
+                self.ck.remote_retention_grace_s, ORPHAN_AGE_S, time.time())
+            for step in plan:
+                sprefix = prefix + step_name(step) + "/"
+                keys = sorted(k for k in objects if k.startswith(sprefix))
+                marker = sprefix + COMMIT
+                # The commit marker goes first, so a half-deleted step is never taken as
+                # complete; every other key (intent records too) belongs to the step.
+                self.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
+                self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
+                with self.lock:
+                    if str(step) in rec["steps"]:
+                        rec["steps"][str(step)] = {"state": StepState.PRUNED.value}
+                        self.journal.write(rec)
+                log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step,
+                         uri=str(uri), keep_remote=self.ck.keep_remote)
+        except CheckpointError as exc:  # retention waits; uploads must not
+            log.warning("checkpoint: retention: couldn't apply S3 retention", uri=str(uri),
+                        job_id=rec["job_id"], error=str(exc))
 
     def _finish_ended(self, rec: JobRecord) -> None:
         pending = pending_steps(rec)
@@ -432,11 +538,17 @@ class Uploader:
             pending = []
         if pending:
             return
-        if not rec.get("uri"):
-            self._forget(rec)  # local-only: the dir is the only copy; a requeue may need it
+        if not rec.get("uri") and age < self.ck.local_only_keep_s:
+            return  # local-only: the dir is the only copy; a requeue may still need it
+        try:
+            removed = remove_job_dir(rec["staging_root"], int(rec["job_id"]), self._budget())
+        except RemovalIncomplete as exc:
+            log.warning("staging dir of ended job only partly removed; the rest goes next pass",
+                        job_id=rec["job_id"], error=str(exc))
             return
-        if remove_job_dir(rec["staging_root"], int(rec["job_id"])):
-            log.info("removed staging dir of ended job", job_id=rec["job_id"])
+        if removed:
+            log.info("removed staging dir of ended job", job_id=rec["job_id"],
+                     local_only=not rec.get("uri"))
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:
@@ -448,6 +560,8 @@ class Uploader:
         self.stopping.set()
         if self.worker is not None:
             self.worker.join(timeout=5)
+        if self._s3 is not None:
+            self._s3.close()
 
 
 def factory(ctx: AgentContext) -> Uploader | None:

@@ -296,7 +296,7 @@ def test_uri_outside_user_prefix_is_refused_and_nothing_written(env: tuple[Endpo
 def test_retention_keeps_last_k_local_and_m_remote(env: tuple[Endpoint, Path]) -> None:
     """Older local steps go only after S3 holds them; S3 keeps the newest keep_remote steps."""
     ep, base = env
-    up = Uploader(_cfg(ep, base, keep_local=1, keep_remote=2), "n1")
+    up = Uploader(_cfg(ep, base, keep_local=1, keep_remote=2, remote_retention_grace_s=0), "n1")
     d = _job(up, base, 71, "s3://ckpt/root/ret")
     for step in (1, 2, 3):
         _save(d, step)
