@@ -322,7 +322,11 @@ class Uploader:
                 if rec.get("uri") and rec["stagein"].get("state") not in ("running", "pending"):
                     uri = parse_uri(rec["uri"])
                     self._note_local_steps(rec, jfd)  # pending even while S3 is down
-                    self._abort_orphans(rec, uri)
+                    try:
+                        self._abort_orphans(rec, uri)
+                    except PermanentS3Error as exc:  # housekeeping: uploads still go on
+                        log.warning("checkpoint: upload: couldn't look for orphaned uploads",
+                                    job_id=job_id, error=str(exc))
                     for step in committed_steps_at(jfd):
                         st = rec["steps"].get(str(step), {})
                         if st.get("state") in DONE_STATES:
