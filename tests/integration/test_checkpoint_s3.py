@@ -407,6 +407,10 @@ def test_permanent_s3_error_fails_the_step_with_its_reason(env: tuple[Endpoint, 
     up.run_pass()
     st = up.on_status({"job_id": 111}, ROOT)
     assert st["pending"] == [] and "403" in st["failed"].get("1", ""), st
+    from slurm_resilience.checkpoint import upload_status
+
+    shown = upload_status.render(upload_status.collect(base / "state" / "ckpt-journal"))
+    assert "job 111 (root) s3://ckpt/root/denied" in shown and "step 1 not uploaded" in shown
     assert up.jobs[111]["steps"]["1"]["state"] == "failed"
     calls = up.s3.parts_sent, up.s3.objects_put
     up.backoff.clear()
