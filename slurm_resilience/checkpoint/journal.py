@@ -155,7 +155,9 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
     check_identity(doc, job_id)
     assert isinstance(doc, dict)
     problems: list[str] = []
-    rec = new_record(job_id, doc["uid"], doc["gid"], doc["user"], doc["staging_root"])
+    # Fields this module does not know (added by other services) are kept as they are.
+    rec = {**doc, **new_record(job_id, doc["uid"], doc["gid"], doc["user"],
+                               doc["staging_root"])}
     rec["uri"] = doc.get("uri")
     if doc.get("state") in set(JobState):
         rec["state"] = doc["state"]
@@ -166,9 +168,10 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
             if _is_num(doc[key]):
                 rec[key] = doc[key]
             else:
+                rec.pop(key, None)
                 problems.append(f"{key} is not a number")
-    if isinstance(doc.get("error"), str):
-        rec["error"] = doc["error"]
+    if rec.get("error") is not None and not isinstance(rec["error"], str):
+        rec["error"] = str(rec["error"])
     if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:
         rec["ended_at"] = time.time()
     si = doc.get("stagein")

@@ -292,6 +292,9 @@ class Uploader:
             log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
             self._back_off(job_id, delay)
         except Exception as exc:  # noqa: BLE001 - a bug or a hostile tree: this job only
+            if self.stopping.is_set():  # cancelled parts at shutdown: not the job's fault
+                log.info("upload interrupted by shutdown", job_id=job_id, error=repr(exc))
+                return
             self._fail_job(rec, f"{type(exc).__name__}: {exc}")
 
     def _back_off(self, job_id: int, delay: float) -> None:

@@ -154,7 +154,7 @@ def test_misshaped_journal_records_are_quarantined_never_fatal(tmp_path: Path) -
     a record whose identity is sound keeps it, with the broken parts dropped."""
     good = new_record(1, 1000, 1000, "alice", "/nvme")
     salvaged = {**new_record(2, 1001, 1001, "bob", "/nvme"), "uri": "s3://b/bob/r",
-                "stagein": None, "steps": {"5": {"state": "pending", "files": []},
+                "stagein": None, "ended_at": "yesterday", "other_service": {"kept": 1}, "steps": {"5": {"state": "pending", "files": []},
                                            "6": {"state": "committed"}}}
     journal = _journal_with(tmp_path, {
         "job-1.json": json.dumps(good),
@@ -170,6 +170,7 @@ def test_misshaped_journal_records_are_quarantined_never_fatal(tmp_path: Path) -
     assert recs[1] == good
     assert recs[2]["stagein"] == {"state": "pending"} and recs[2]["uri"] == "s3://b/bob/r"
     assert list(recs[2]["steps"]) == ["6"]
+    assert recs[2]["ended_at"] is None and recs[2]["other_service"] == {"kept": 1}
     quarantined = sorted(p.name.split(".")[0] for p in (journal.dir / "quarantine").iterdir())
     assert quarantined == ["job-2", "job-3", "job-4", "job-5", "job-6", "job-7"]
     assert json.loads((journal.dir / "job-2.json").read_text())["steps"] == {
