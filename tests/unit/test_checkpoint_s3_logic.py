@@ -154,8 +154,8 @@ def test_misshaped_journal_records_are_quarantined_never_fatal(tmp_path: Path) -
     a record whose identity is sound keeps it, with the broken parts dropped."""
     good = new_record(1, 1000, 1000, "alice", "/nvme")
     salvaged = {**new_record(2, 1001, 1001, "bob", "/nvme"), "uri": "s3://b/bob/r",
-                "stagein": None, "ended_at": "yesterday", "other_service": {"kept": 1}, "steps": {"5": {"state": "pending", "files": []},
-                                           "6": {"state": "committed"}}}
+                "stagein": None, "ended_at": "yesterday", "other_service": {"kept": 1},
+                "steps": {"5": {"state": "pending", "files": []}, "6": {"state": "committed"}}}
     journal = _journal_with(tmp_path, {
         "job-1.json": json.dumps(good),
         "job-2.json": json.dumps(salvaged),
