@@ -1,14 +1,16 @@
 """A fixed set of worker threads shared by every job's uploads, fair between jobs.
 
-Each job (owner) has its own queue; workers take the next task from the owners in
-turn, so a job with 10,000 parts queued and one with 2 alternate part by part:
-the small one finishes after about 2 x (number of jobs) parts, not after the big one.
+Each job (owner) has its own queue; a free worker takes the next task of the owner
+served least recently (an owner new to the pool first), so a job with 10,000 parts
+queued and one with 2 alternate part by part: the small one waits at most one
+part of each other job per part of its own, never for the big one to finish.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -20,8 +22,9 @@ class FairPool:
     def __init__(self, workers: int, name: str = "fair"):
         if workers < 1:
             raise ValueError(f"fairpool: workers {workers} must be at least 1")
-        self._queues: OrderedDict[str, deque[tuple[Future[Any], Callable[[], Any]]]] = \
-            OrderedDict()
+        self._queues: dict[str, deque[tuple[Future[Any], Callable[[], Any]]]] = {}
+        self._served: dict[str, int] = {}  # owner -> when it was last served (a counter)
+        self._clock = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -44,12 +47,15 @@ class FairPool:
                 self._cond.wait()
             if not self._queues:
                 return None
-            owner, queue = next(iter(self._queues.items()))
+            owner = min(self._queues, key=lambda o: self._served.get(o, -1))
+            queue = self._queues[owner]
             task = queue.popleft()
-            # This owner goes to the back of the line; an empty queue leaves it.
-            del self._queues[owner]
-            if queue:
-                self._queues[owner] = queue
+            if not queue:
+                del self._queues[owner]
+            self._served[owner] = next(self._clock)
+            if len(self._served) > 4096:  # owners come and go: forget idle ones
+                self._served = {o: self._served[o] for o in self._queues if o in self._served}
+                self._served[owner] = next(self._clock)
             return task
 
     def _work(self) -> None:

@@ -99,7 +99,7 @@ class Uploader:
         self.jobs: dict[int, JobRecord] = self.journal.load_all()
         self._s3 = s3
         self.lock = threading.RLock()
-        self.worker: threading.Thread | None = None
+        self.syncing: dict[int, threading.Thread] = {}  # job -> its sync in flight
         self.stageins: dict[int, threading.Thread] = {}
         self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
         self.orphans_checked: dict[int, float] = {}
@@ -251,22 +251,35 @@ class Uploader:
     # -- uploads ----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        if self.worker is not None and self.worker.is_alive():
+        """Start a sync for every due job that has none in flight (at most
+        ``MAX_JOB_THREADS``): a job that appears while a huge upload runs starts at once,
+        and its parts take turns with the huge one's in the fair pool."""
+        if self.stopping.is_set():
             return
-        self.worker = threading.Thread(target=self.run_pass, name="ckpt-upload", daemon=True)
-        self.worker.start()
+        with self.lock:
+            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+            for rec in self._due():
+                if len(self.syncing) >= MAX_JOB_THREADS:
+                    break
+                job_id = int(rec["job_id"])
+                t = threading.Thread(target=self._sync_guarded, args=(rec,),
+                                     name=f"ckpt-job-{job_id}", daemon=True)
+                self.syncing[job_id] = t
+                t.start()
+
+    def _due(self) -> list[JobRecord]:
+        """Jobs to sync now: not failed, not backing off, no sync in flight (under lock)."""
+        now = time.monotonic()
+        return [rec for job_id, rec in sorted(self.jobs.items())
+                if rec.get("state") != JobState.FAILED and job_id not in self.syncing
+                and now >= self.backoff.get(job_id, (0.0, 0.0))[0]]
 
     def run_pass(self) -> None:
-        """One pass over every known job (the worker thread; also callable from tests).
-
-        Jobs run side by side so that their parts interleave in the S3 fair pool.
-        """
+        """Sync every due job side by side and wait for them (tests, and tools that want
+        one synchronous pass); the agent calls ``tick`` instead."""
         with self.lock:
-            due = []
-            for job_id, rec in sorted(self.jobs.items()):
-                next_try, _ = self.backoff.get(job_id, (0.0, 0.0))
-                if rec.get("state") != JobState.FAILED and time.monotonic() >= next_try:
-                    due.append(rec)
+            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+            due = self._due()
         if not due or self.stopping.is_set():
             return
         with ThreadPoolExecutor(max_workers=min(MAX_JOB_THREADS, len(due)),
@@ -565,10 +578,11 @@ class Uploader:
 
     def close(self) -> None:
         self.stopping.set()
-        if self.worker is not None:
-            self.worker.join(timeout=5)
         if self._s3 is not None:
-            self._s3.close()
+            self._s3.close()  # queued parts are cancelled; parts in flight finish
+        deadline = time.monotonic() + 5
+        for t in list(self.syncing.values()):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def factory(ctx: AgentContext) -> Uploader | None:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import google_crc32c
@@ -508,20 +508,37 @@ def test_local_only_steps_are_retained_and_ended_dirs_removed(env: tuple[Endpoin
     assert not d.exists() and 151 not in up.jobs
 
 
+def _until(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
 def test_a_huge_upload_does_not_hold_a_small_one_back(env: tuple[Endpoint, Path]) -> None:
-    """With one upload slot, a small job's parts are interleaved with a big job's: the small
-    one finishes while the big one still has most of its parts to send."""
+    """With one upload slot, a job that commits while a huge upload is under way starts at
+    the next tick and finishes while the huge one still has most of its parts to send."""
     ep, base = env
-    up = _uploader(ep, base, concurrency=1, rate_limit="40MiB")
+    up = _uploader(ep, base, concurrency=1, rate_limit="20MiB")
     big = _job(up, base, 161, "s3://ckpt/root/big-run")
     small = _job(up, base, 162, "s3://ckpt/root/small-run")
-    _save(big, 1, mb=40)  # 9 parts
+    _save(big, 1, mb=60)  # 13 parts
     _save(small, 1, mb=6)  # 2 parts
-    up.run_pass()
+    up.backoff[162] = (time.monotonic() + 3600, 1.0)  # not due yet at the first tick
+    up.tick()
+    _until(lambda: len(up.s3.sent_log) >= 1, "the first part of the big upload")
+    up.backoff.clear()  # the small job's step is due now
+    up.tick()
+    marker = ep.dir / "ckpt/root/small-run/step-00000001/COMMIT.json"
+    _until(marker.exists, "the small job's commit")
+    _until(lambda: not up.syncing.get(161) or not up.syncing[161].is_alive(), "the big upload")
     order = [owner for owner, _, _ in up.s3.sent_log]
-    assert order.count("job-161") >= 8 and order.count("job-162") == 2, order
+    assert order.count("job-161") >= 12 and order.count("job-162") == 2, order
     last_small = max(i for i, o in enumerate(order) if o == "job-162")
-    assert order[last_small + 1:].count("job-161") >= order.count("job-161") // 2, order
+    assert order[last_small + 1:].count("job-161") >= 6, order
+    assert up.on_status({"job_id": 161}, ROOT)["pending"] == []
+    up.close()
 
 
 class _BuggyUploader(Uploader):

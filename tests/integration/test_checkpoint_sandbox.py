@@ -283,6 +283,9 @@ def test_deep_tree_and_broken_journal_do_not_stop_another_users_upload(
     (journal / "job-990001.json").write_text(json.dumps({"job_id": 990001, "stagein": None}))
     (journal / "job-990002.json").write_text("\x00 not json")
     _restart_agent(sandbox, node, signal.SIGKILL)  # comes back although the records are bad
+    deadline = time.monotonic() + 30
+    while len(list(journal.glob("job-99000*"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(list((journal / "quarantine").glob("job-99000*"))) == 2
 
     wd = sandbox.user_dir(user, "ckpt-deep")
