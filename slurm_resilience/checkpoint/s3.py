@@ -385,13 +385,14 @@ class S3:
     def upload_fd(self, fd: int, size: int, crc: str, bucket: str, key: str,
                   record: dict[str, Any], save: Callable[[], None], *,
                   blocks: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
-                  owner: str = "") -> None:
+                  owner: str = "", lock: threading.RLock | None = None) -> None:
         """Upload an open file whose manifest says ``size``, ``crc`` (and per-block CRCs).
 
         ``record`` (journal) holds the upload id, part size and finished parts, and
         ``save()`` persists it after each change. Parts go through the shared fair pool
-        under ``owner``. Raises ContentMismatch (upload aborted) when the bytes read
-        don't match the manifest.
+        under ``owner``; ``lock`` (the journal owner's) guards changes to ``record``.
+        Raises ContentMismatch (upload aborted) when the bytes read don't match the
+        manifest.
         """
         check = _Checker(key, size, crc, blocks, block_size)
         part = plan_part_size(size, self.settings.part_size, self.settings.max_parts)
@@ -438,7 +439,7 @@ class S3:
             parts.clear()
             save()
         with_checksums = bool(record.get("checksums"))
-        lock = threading.Lock()
+        lock = lock or threading.RLock()
         todo = [n for n in range(1, nparts + 1) if str(n) not in parts]
         resumed = nparts - len(todo)
         if resumed:

@@ -390,7 +390,8 @@ class Uploader:
                 self.s3.head(uri.bucket, commit_key) is not None:
             # Another job of this run committed this step: never mix our files into it.
             self._reject(rec, step, f"{uri}/{sname} is already committed in S3 by another "
-                                    "job of this run; ours is not uploaded", StepState.FAILED)
+                                    "job of this run; ours is not uploaded", StepState.FAILED,
+                         delete_ours=False)
             return
         sfd = open_dir_at(jfd, sname)
         try:
@@ -412,7 +413,8 @@ class Uploader:
                             return
                         self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
                                           lambda: self.journal.write(rec), blocks=f.blocks,
-                                          block_size=f.block_size, owner=f"job-{rec['job_id']}")
+                                          block_size=f.block_size, owner=f"job-{rec['job_id']}",
+                                          lock=self.lock)
                     finally:
                         os.close(fd)
                     frec["done"] = True
@@ -447,7 +449,8 @@ class Uploader:
             theirs = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
             if theirs != body:
                 self._reject(rec, step, f"{uri}/{sname}: a different commit marker is already "
-                                        "in S3 (another job of this run)", StepState.FAILED)
+                                    "in S3 (another job of this run)", StepState.FAILED,
+                         delete_ours=False)
                 return
             log.info("commit marker already in S3 (another node of the job wrote it)",
                      job_id=rec["job_id"], step=step)
@@ -458,21 +461,25 @@ class Uploader:
         log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
 
     def _reject(self, rec: JobRecord, step: int, why: str,
-                state: StepState = StepState.REJECTED) -> None:
+                state: StepState = StepState.REJECTED, *, delete_ours: bool = True) -> None:
         """A step we must not upload (a link, a foreign file, a bad manifest, bytes that
-        don't match it) or that S3 refused for good (``FAILED``): never retried."""
+        don't match it) or that S3 refused for good (``FAILED``): never retried. Its
+        unfinished uploads are aborted and, with ``delete_ours``, the objects it had
+        completed are deleted (never committed, they would only take space)."""
         log.error("checkpoint: upload: couldn't upload step; it will not be retried",
                   job_id=rec["job_id"], step=step, state=state.value, reason=why)
         old = rec["steps"].get(str(step), {})
         if rec.get("uri"):
             uri = parse_uri(rec["uri"])
             for key, frec in old.get("files", {}).items():
-                if frec.get("upload_id"):  # never completed: do not leave it behind in S3
-                    try:
+                try:
+                    if frec.get("upload_id"):  # never completed: do not leave it behind
                         self.s3.abort(uri.bucket, key, frec["upload_id"])
-                    except CheckpointError as exc:
-                        log.warning("couldn't abort upload of rejected step", key=key,
-                                    error=str(exc))
+                    elif frec.get("done") and delete_ours:
+                        self.s3.delete_keys(uri.bucket, [key])
+                except CheckpointError as exc:
+                    log.warning("couldn't clean up after a step that will not be uploaded",
+                                key=key, error=str(exc))
         rec["steps"][str(step)] = {"state": state.value, "reason": why}
         self.journal.write(rec)
 
