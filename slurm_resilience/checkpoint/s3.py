@@ -32,6 +32,7 @@ import functools
 import hashlib
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +55,7 @@ MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PART_SIZE = 5 * 1024**3
 MAX_PARTS = 10_000
 MAX_OBJECT_SIZE = 5 * 1024**4
+_CRC_HEX = re.compile(r"[0-9a-f]{8}")
 
 # Answers that mean "try again": overload, throttling, in-flight corruption, clock skew.
 TRANSIENT_CODES = frozenset({
@@ -623,6 +625,9 @@ class _Checker:
     def __init__(self, key: str, size: int, crc: str, blocks: tuple[str, ...], block_size: int):
         self.key, self.size, self.crc = key, size, crc
         self.blocks, self.block_size = blocks, block_size
+        if not _CRC_HEX.fullmatch(crc):  # it also goes into S3 metadata: plain hex only
+            raise ContentMismatch(f"checkpoint: s3: upload {key}: manifest crc32c {crc!r} is "
+                                  "not 8 hex digits; refusing the file")
         self._pieces: dict[int, dict[int, tuple[int, int]]] = {}  # block -> offset -> (crc, n)
         self._lock = threading.Lock()
 

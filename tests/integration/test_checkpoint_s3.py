@@ -434,9 +434,11 @@ def test_bytes_that_do_not_match_the_manifest_are_never_uploaded(env: tuple[Endp
     _forge_step(d, 2, {"big.bin": (size, "1badc0de", (zero_block, "0badb10c", zero_block))})
     _forge_step(d, 3, {"good.bin": (1000, f"{google_crc32c.value(bytes(1000)):08x}", ()),
                        "small.bin": (1000, "1badc0de", ())})  # good.bin goes up, then away
+    _forge_step(d, 4, {"evil.bin": (size, "0\r\nx-amz-acl: public-read", ())})
     up.run_pass()
     steps = up.jobs[121]["steps"]
-    assert {s: steps[s]["state"] for s in ("1", "2", "3")} == dict.fromkeys("123", "rejected")
+    assert {s: steps[s]["state"] for s in "1234"} == dict.fromkeys("1234", "rejected")
+    assert "not 8 hex digits" in steps["4"]["reason"]
     assert "manifest says size 25165824 crc32c 1badc0de" in steps["1"]["reason"]
     assert "block 1" in steps["2"]["reason"]
     assert _objects(ep, "root/forged") == []
