@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
-from slurm_resilience.checkpoint.commit import CheckpointError, Crc32c
+from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 from slurm_resilience.checkpoint.crc_combine import combine_parts
 from slurm_resilience.checkpoint.fairpool import FairPool
@@ -583,8 +583,10 @@ class S3:
     # -- download ---------------------------------------------------------------------------
 
     def download_fd(self, bucket: str, key: str, size: int, fd: int) -> str:
-        """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the file."""
+        """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the bytes
+        received (each range's CRC32C, combined: no second pass over the file)."""
         part = self.settings.part_size
+        crcs: dict[int, tuple[int, int]] = {}
 
         def fetch(n: int) -> None:
             start = n * part
@@ -594,6 +596,7 @@ class S3:
             data = resp["Body"].read()
             if len(data) != end - start + 1:
                 raise S3Error(f"checkpoint: s3: get {key}: short read at {start}")
+            crcs[n] = (crc32c_extend(0, data), len(data))
             view = memoryview(data)
             pos = start
             while view:
@@ -603,15 +606,7 @@ class S3:
 
         os.ftruncate(fd, size)
         self._run_parallel(fetch, list(range((size + part - 1) // part)) if size else [])
-        crc = Crc32c()
-        offset = 0
-        while offset < size:
-            chunk = os.pread(fd, 8 * 1024 * 1024, offset)
-            if not chunk:
-                break
-            crc.update(chunk)
-            offset += len(chunk)
-        return crc.hexdigest()
+        return crc_hex(combine_parts([crcs[n] for n in sorted(crcs)]))
 
 
 class _Checker:
