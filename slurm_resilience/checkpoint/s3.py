@@ -62,6 +62,7 @@ TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests",
     "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "InternalError",
     "ServiceUnavailable", "RequestTimeTooSkewed", "BadDigest", "XAmzContentSHA256Mismatch",
+    "XAmzContentChecksumMismatch",
     "ConditionalRequestConflict", "OperationAborted", "IncompleteBody"})
 
 
@@ -269,13 +270,33 @@ class S3:
             kw["IfNoneMatch"] = "*"
         if self.checksums is not False:
             kw["ChecksumCRC32C"] = _b64_crc(int(crc, 16))
-        resp = self.call(f"put {key}", functools.partial(self.client.put_object, **kw))
+        resp = self._call_checksummed(f"put {key}", self.client.put_object, kw,
+                                      "ChecksumCRC32C")
         if not resp.get("ETag"):
             raise S3Error(f"checkpoint: s3: put {key}: answer has no ETag")
         if "ChecksumCRC32C" in kw:
             self._note_checksums(resp)
         with self._count_lock:
             self.objects_put += 1
+
+    def _call_checksummed(self, what: str, fn: Callable[..., dict[str, Any]],
+                          kw: dict[str, Any], field: str) -> dict[str, Any]:
+        """Call ``fn(**kw)``; an endpoint that refuses the checksum ``field`` (while we
+        don't know yet whether it takes checksums) gets the request again without it."""
+        try:
+            return self.call(what, functools.partial(fn, **kw))
+        except PermanentS3Error as exc:
+            code = error_code(exc.__cause__ or exc)
+            if field not in kw or self.checksums is not None or code not in (
+                    "NotImplemented", "InvalidArgument", "InvalidRequest", "BadRequest",
+                    "400", "501"):
+                raise
+            self.checksums = False
+            log.warning("s3 endpoint refuses CRC32C checksum headers; sending without them "
+                        "(our own comparison with the manifest still applies)",
+                        endpoint=self.settings.endpoint or "aws", code=code)
+            kw.pop(field)
+            return self.call(what, functools.partial(fn, **kw))
 
     def _note_checksums(self, resp: dict[str, Any]) -> None:
         """Learn from the first answer whether the endpoint checks our CRC32C; log it once."""
@@ -432,8 +453,9 @@ class S3:
             kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {META_CRC: crc}}
             if self.checksums is not False:
                 kw["ChecksumAlgorithm"] = "CRC32C"
-            resp = self.call(f"start upload {key}", functools.partial(
-                self.client.create_multipart_upload, **kw))
+            resp = self._call_checksummed(f"start upload {key}",
+                                          self.client.create_multipart_upload, kw,
+                                          "ChecksumAlgorithm")
             upload_id = str(resp["UploadId"])
             record["upload_id"] = upload_id
             record["part_size"] = part
