@@ -171,6 +171,9 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
                 rec.pop(key, None)
                 problems.append(f"{key} is not a number")
     rec.setdefault("ended_at", None)
+    if rec.get("failed_from") not in (None, *set(JobState)):
+        rec.pop("failed_from")
+        problems.append("failed_from is not a job state")
     if rec.get("error") is not None and not isinstance(rec["error"], str):
         rec["error"] = str(rec["error"])
     if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:

@@ -72,6 +72,7 @@ log = get_logger("checkpoint.uploader")
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
 ORPHAN_AGE_S = 24 * 3600.0
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
+FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
 
 
 def s3_settings(cfg: Config) -> S3Settings:
@@ -269,10 +270,12 @@ class Uploader:
 
     def _due(self) -> list[JobRecord]:
         """Jobs to sync now: not failed, not backing off, no sync in flight (under lock)."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         return [rec for job_id, rec in sorted(self.jobs.items())
-                if rec.get("state") != JobState.FAILED and job_id not in self.syncing
-                and now >= self.backoff.get(job_id, (0.0, 0.0))[0]]
+                if job_id not in self.syncing
+                and now >= self.backoff.get(job_id, (0.0, 0.0))[0]
+                and (rec.get("state") != JobState.FAILED
+                     or wall - float(rec.get("failed_at") or 0.0) >= FAILED_RETRY_S)]
 
     def run_pass(self) -> None:
         """Sync every due job side by side and wait for them (tests, and tools that want
@@ -294,9 +297,18 @@ class Uploader:
         job_id = int(rec["job_id"])
         _, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
         delay = delay or self.ck.retry_initial_s
+        if rec.get("state") == JobState.FAILED:  # FAILED_RETRY_S later: one more try
+            with self.lock:
+                rec["state"] = rec.get("failed_from") or JobState.ACTIVE.value
         try:
             self.sync_job(rec)
             self.backoff.pop(job_id, None)
+            if rec.get("error"):
+                with self.lock:
+                    for key in ("error", "failed_at", "failed_from"):
+                        rec.pop(key, None)
+                    self.journal.write(rec)
+                log.info("upload work of a failed job went through this time", job_id=job_id)
         except TransientS3Error as exc:
             self._back_off(job_id, delay)
             log.warning("S3 unreachable; uploads wait", job_id=job_id,
@@ -316,10 +328,13 @@ class Uploader:
                                 min(delay * 2, self.ck.retry_max_s))
 
     def _fail_job(self, rec: JobRecord, why: str) -> None:
-        """Stop working on a job after an unexpected error; other jobs go on."""
+        """Stop working on a job after an unexpected error (tried again FAILED_RETRY_S
+        later); other jobs go on."""
         log.exception("checkpoint: upload: couldn't sync job; marked failed, other jobs go on",
                       job_id=rec["job_id"], reason=why, pending=pending_steps(rec))
         with self.lock:
+            if rec.get("state") != JobState.FAILED:
+                rec["failed_from"] = rec.get("state")
             rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED.value, why, time.time()
             try:
                 self.journal.write(rec)

@@ -546,10 +546,12 @@ def test_a_huge_upload_does_not_hold_a_small_one_back(env: tuple[Endpoint, Path]
 
 
 class _BuggyUploader(Uploader):
-    """An uploader with a bug that hits one job only."""
+    """An uploader with a bug that hits one job only (until ``fixed``)."""
+
+    fixed = False
 
     def upload_step(self, rec: dict[str, object], jfd: int, uri: object, step: int) -> None:
-        if rec["job_id"] == 171:
+        if rec["job_id"] == 171 and not self.fixed:
             raise RuntimeError("a bug in job 171's work")
         super().upload_step(rec, jfd, uri, step)  # type: ignore[arg-type]
 
@@ -610,3 +612,12 @@ def test_no_job_can_stop_another_jobs_upload(env: tuple[Endpoint, Path],
         up.run_pass()
     assert not hostile.exists() and 170 not in up.jobs
     assert Path("/etc/passwd").is_file()
+    assert up.jobs[171]["state"] == "failed"  # not tried again at once
+    from slurm_resilience.checkpoint.uploader import FAILED_RETRY_S
+
+    up.fixed = True
+    up.jobs[171]["failed_at"] -= FAILED_RETRY_S  # an hour later it gets one more try
+    up.run_pass()
+    st = up.on_status({"job_id": 171}, ROOT)
+    assert st["pending"] == [] and st["upload_error"] is None
+    assert up.jobs[171]["state"] == "active"
