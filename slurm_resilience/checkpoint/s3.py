@@ -606,29 +606,48 @@ class S3:
 
     def download_fd(self, bucket: str, key: str, size: int, fd: int) -> str:
         """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the bytes
-        received (each range's CRC32C, combined: no second pass over the file)."""
+        received (each range's CRC32C, combined: no second pass over the file).
+
+        Each range streams to the file in ``_STREAM_CHUNK`` pieces as it arrives (no
+        whole part in memory), and a range that fails mid-body is fetched again.
+        """
         part = self.settings.part_size
         crcs: dict[int, tuple[int, int]] = {}
+
+        def get_range(start: int, end: int) -> int:
+            resp = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
+            body = resp["Body"]
+            crc, pos = 0, start
+            try:
+                while pos <= end:
+                    chunk = body.read(min(_STREAM_CHUNK, end + 1 - pos))
+                    if not chunk:
+                        break
+                    crc = crc32c_extend(crc, chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        written = os.pwrite(fd, view, pos)
+                        view = view[written:]
+                        pos += written
+            finally:
+                body.close()
+            if pos != end + 1:
+                raise ConnectionError(f"short read at {pos} of bytes {start}-{end}")
+            return crc
 
         def fetch(n: int) -> None:
             start = n * part
             end = min(size, start + part) - 1
-            resp = self.call(f"get {key} bytes {start}-{end}", lambda: self.client.get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{end}"))
-            data = resp["Body"].read()
-            if len(data) != end - start + 1:
-                raise S3Error(f"checkpoint: s3: get {key}: short read at {start}")
-            crcs[n] = (crc32c_extend(0, data), len(data))
-            view = memoryview(data)
-            pos = start
-            while view:
-                written = os.pwrite(fd, view, pos)
-                view = view[written:]
-                pos += written
+            crc = self.call(f"get {key} bytes {start}-{end}",
+                            functools.partial(get_range, start, end))
+            crcs[n] = (crc, end - start + 1)
 
         os.ftruncate(fd, size)
         self._run_parallel(fetch, list(range((size + part - 1) // part)) if size else [])
         return crc_hex(combine_parts([crcs[n] for n in sorted(crcs)]))
+
+
+_STREAM_CHUNK = 4 * MiB
 
 
 class _Checker:
