@@ -35,6 +35,7 @@ import random
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -219,7 +220,8 @@ class S3:
         self.limiter = _RateLimiter(settings.rate_limit)
         self.parts_sent = 0  # multipart parts actually transferred (logs and tests)
         self.objects_put = 0  # single-request uploads
-        self.sent_log: list[tuple[str, str, int]] = []  # (owner, key, part) as parts finish
+        # (owner, key, part) of the latest parts, in the order they finished (logs, tests)
+        self.sent_log: deque[tuple[str, str, int]] = deque(maxlen=10_000)
         self._count_lock = threading.Lock()
         self._pool: FairPool | None = None
         self.checksums: bool | None = None  # does the endpoint check x-amz-checksum-crc32c?
