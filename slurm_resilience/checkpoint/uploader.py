@@ -594,9 +594,12 @@ class Uploader:
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:
+        job_id = int(rec["job_id"])
         with self.lock:
-            self.jobs.pop(int(rec["job_id"]), None)
-            self.journal.delete(int(rec["job_id"]))
+            self.jobs.pop(job_id, None)
+            self.journal.delete(job_id)
+            self.backoff.pop(job_id, None)  # per-job bookkeeping goes with the job
+            self.orphans_checked.pop(job_id, None)
 
     def close(self) -> None:
         self.stopping.set()
