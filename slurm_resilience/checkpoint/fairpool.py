@@ -1,27 +1,30 @@
-"""A thread pool that serves jobs in turn, so one job's big restore can't starve another's.
+"""A fixed set of worker threads shared by every job's uploads, fair between jobs.
 
-``ckpt.fetch`` queues one task per block; a plain FIFO pool would run every block
-of a 1 TB restore before the first block of a small job queued after it. Here
-each job has its own queue and idle workers take the next task round-robin
-across jobs with work.
+Each job (owner) has its own queue; a free worker takes the next task of the owner
+served least recently (an owner new to the pool first), so a job with 10,000 parts
+queued and one with 2 alternate part by part: the small one waits at most one
+part of each other job per part of its own, never for the big one to finish.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-_Task = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
+from typing import Any
 
 
 class FairPool:
-    def __init__(self, workers: int, name: str = "fair") -> None:
-        self._queues: dict[int, deque[_Task]] = {}
-        self._turns: deque[int] = deque()  # jobs with queued work, next first
+    """Round-robin across owners; tasks of one owner run in submission order."""
+
+    def __init__(self, workers: int, name: str = "fair"):
+        if workers < 1:
+            raise ValueError(f"fairpool: workers {workers} must be at least 1")
+        self._queues: dict[str, deque[tuple[Future[Any], Callable[[], Any]]]] = {}
+        self._served: dict[str, int] = {}  # owner -> when it was last served (a counter)
+        self._clock = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -29,52 +32,50 @@ class FairPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, key: int, fn: Callable[..., T], *args: Any) -> Future[T]:
-        fut: Future[T] = Future()
+    def submit(self, owner: str, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("pool is shut down")
-            queue = self._queues.setdefault(key, deque())
-            if not queue:
-                self._turns.append(key)
-            queue.append((fn, args, fut))
+                raise RuntimeError("fairpool: couldn't submit: the pool is closed")
+            self._queues.setdefault(owner, deque()).append((fut, fn))
             self._cond.notify()
         return fut
 
-    def _next(self) -> _Task | None:
+    def _next(self) -> tuple[Future[Any], Callable[[], Any]] | None:
         with self._cond:
-            while not self._turns and not self._closed:
+            while not self._queues and not self._closed:
                 self._cond.wait()
-            if not self._turns:
+            if not self._queues:
                 return None
-            key = self._turns.popleft()
-            queue = self._queues[key]
+            owner = min(self._queues, key=lambda o: self._served.get(o, -1))
+            queue = self._queues[owner]
             task = queue.popleft()
-            if queue:
-                self._turns.append(key)  # back of the line: others go first
-            else:
-                del self._queues[key]
+            if not queue:
+                del self._queues[owner]
+            self._served[owner] = next(self._clock)
+            if len(self._served) > 4096:  # owners come and go: forget idle ones
+                self._served = {o: self._served[o] for o in self._queues if o in self._served}
+                self._served[owner] = next(self._clock)
             return task
 
     def _work(self) -> None:
-        while (task := self._next()) is not None:
-            fn, args, fut = task
+        while True:
+            task = self._next()
+            if task is None:
+                return
+            fut, fn = task
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
                 fut.set_exception(exc)
-            else:
-                fut.set_result(result)
 
-    def shutdown(self) -> None:
-        """Stop taking work; queued tasks are cancelled, running ones finish."""
+    def close(self) -> None:
         with self._cond:
             self._closed = True
             for queue in self._queues.values():
-                for _fn, _args, fut in queue:
+                for fut, _ in queue:
                     fut.cancel()
             self._queues.clear()
-            self._turns.clear()
             self._cond.notify_all()

@@ -173,7 +173,7 @@ class RangeFetcher:
             return self.counters.get(job_id, FetchCounters()).as_dict()
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.pool.close()
 
     # -- the request ------------------------------------------------------------------------
 
@@ -315,8 +315,8 @@ class RangeFetcher:
                 key = (job.job_id, step, f.relpath, i)
                 fut = self.inflight.get(key)
                 if fut is None:
-                    fut = self.pool.submit(job.job_id, self._block, job, step, sf, f, fd,
-                                           check_local, i, counters)
+                    fut = self.pool.submit(f"job-{job.job_id}", functools.partial(
+                        self._block, job, step, sf, f, fd, check_local, i, counters))
                     self.inflight[key] = fut
                     fut.add_done_callback(functools.partial(self._done, key))
                 out.append(fut)

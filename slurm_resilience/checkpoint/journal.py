@@ -5,24 +5,199 @@ the stage-in result, and per step the upload state of every file: the multipart
 upload id and each completed part with its MD5 and ETag. It is rewritten
 (temp file, fsync, rename, fsync dir) after every change, so a SIGKILLed agent
 restarts exactly where it stopped.
+
+Records are checked when read (``check_record``): states are the enums below and
+every field has its type. A record that is not JSON, or whose owner, job or
+staging dir is unusable, is moved to ``quarantine/`` with a log line and left
+out. A record whose identity is sound but whose stage-in or step entries are
+mis-shaped keeps its identity (the job's steps are then looked at again from the
+staging dir); the original is quarantined all the same. Nothing read here can
+stop the agent from starting.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from slurm_resilience.checkpoint.commit import write_durable
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.journal")
 _NAME = re.compile(r"^job-(\d+)\.json$")
+MAX_RECORD_BYTES = 64 * 1024**2
 
-JobRecord = dict[str, Any]
+JobRecord = dict[str, Any]  # the shape is JobRecordDoc; handlers index it by key
+
+
+class JobState(str, enum.Enum):
+    ACTIVE = "active"
+    ENDED = "ended"
+    FAILED = "failed"  # the uploader hit an unexpected error on this job; see "error"
+
+
+class StepState(str, enum.Enum):
+    PENDING = "pending"
+    WAITING_PEERS = "waiting-peers"
+    COMMITTED = "committed"
+    REJECTED = "rejected"  # never uploaded: unsafe or mismatched content
+    FAILED = "failed"  # S3 refused it for good (4xx); see "reason"
+    PRUNED = "pruned"
+
+
+DONE_STATES = frozenset({StepState.COMMITTED, StepState.REJECTED, StepState.FAILED,
+                         StepState.PRUNED})
+
+
+class PartDoc(TypedDict):
+    etag: str
+    size: int
+    crc32c: str
+
+
+class FileDoc(TypedDict, total=False):
+    done: bool
+    upload_id: str
+    part_size: int
+    checksums: bool
+    parts: dict[str, PartDoc]
+
+
+class StepDoc(TypedDict, total=False):
+    state: str  # a StepState
+    files: dict[str, FileDoc]
+    since: float
+    world_size: int
+    reason: str
+    committed_at: float
+    staged_in: bool
+
+
+class JobRecordDoc(TypedDict):
+    job_id: int
+    uid: int
+    gid: int
+    user: str
+    staging_root: str
+    uri: str | None
+    state: str  # a JobState
+    ended_at: float | None
+    stagein: dict[str, Any]  # owned by stage-in; must hold a string "state"
+    steps: dict[str, StepDoc]
+
+
+class BadRecord(ValueError):
+    """A journal record that does not have the shape above."""
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise BadRecord(what)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_identity(doc: object, job_id: int) -> None:
+    """The fields that say whose job this is and where its files are."""
+    _need(isinstance(doc, dict), "not a JSON object")
+    assert isinstance(doc, dict)
+    _need(doc.get("job_id") == job_id and _is_int(doc.get("job_id")),
+          f"job_id {doc.get('job_id')!r} does not match the file name")
+    for key in ("uid", "gid"):
+        _need(_is_int(doc.get(key)) and doc[key] >= 0, f"{key} {doc.get(key)!r} is not a uid")
+    for key in ("user", "staging_root"):
+        _need(isinstance(doc.get(key), str) and bool(doc[key]), f"{key} is not a string")
+    _need(doc.get("uri") is None or isinstance(doc.get("uri"), str), "uri is not a string")
+
+
+def check_step(st: object) -> None:
+    _need(isinstance(st, dict), "step entry is not an object")
+    assert isinstance(st, dict)
+    _need(st.get("state") in set(StepState), f"step state {st.get('state')!r} is unknown")
+    files = st.get("files", {})
+    _need(isinstance(files, dict), "files is not an object")
+    for key, f in files.items():
+        _need(isinstance(f, dict), f"file {key!r} is not an object")
+        _need(isinstance(f.get("done", False), bool), f"file {key!r}: done is not a bool")
+        _need(f.get("upload_id") is None or isinstance(f["upload_id"], str),
+              f"file {key!r}: upload_id is not a string")
+        _need(f.get("part_size") is None or _is_int(f["part_size"]),
+              f"file {key!r}: part_size is not an integer")
+        parts = f.get("parts", {})
+        _need(isinstance(parts, dict), f"file {key!r}: parts is not an object")
+        for n, part in parts.items():
+            _need(n.isdigit() and isinstance(part, dict) and isinstance(part.get("etag"), str)
+                  and _is_int(part.get("size")) and isinstance(part.get("crc32c", ""), str),
+                  f"file {key!r}: part {n!r} is mis-shaped")
+    for key in ("since", "committed_at"):
+        _need(st.get(key) is None or _is_num(st[key]), f"{key} is not a number")
+    _need(st.get("world_size") is None or _is_int(st["world_size"]),
+          "world_size is not an integer")
+
+
+def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
+    """A usable record from ``doc`` and what had to be dropped from it.
+
+    Raises BadRecord when even the identity is unusable.
+    """
+    check_identity(doc, job_id)
+    assert isinstance(doc, dict)
+    problems: list[str] = []
+    # Fields this module does not know (added by other services) are kept as they are.
+    rec = {**doc, **new_record(job_id, doc["uid"], doc["gid"], doc["user"],
+                               doc["staging_root"])}
+    rec["uri"] = doc.get("uri")
+    if doc.get("state") in set(JobState):
+        rec["state"] = doc["state"]
+    else:
+        problems.append(f"job state {doc.get('state')!r} is unknown")
+    for key in ("ended_at", "failed_at"):
+        if doc.get(key) is not None:
+            if _is_num(doc[key]):
+                rec[key] = doc[key]
+            else:
+                rec.pop(key, None)
+                problems.append(f"{key} is not a number")
+    rec.setdefault("ended_at", None)
+    if rec.get("failed_from") not in (None, *set(JobState)):
+        rec.pop("failed_from")
+        problems.append("failed_from is not a job state")
+    if rec.get("error") is not None and not isinstance(rec["error"], str):
+        rec["error"] = str(rec["error"])
+    if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:
+        rec["ended_at"] = time.time()
+    si = doc.get("stagein")
+    if isinstance(si, dict) and isinstance(si.get("state"), str):
+        rec["stagein"] = si
+    else:
+        problems.append(f"stagein {si!r} is mis-shaped")
+        # Nothing to redo for a job without a URI; else stage-in runs again.
+        rec["stagein"] = {"state": "pending"} if rec["uri"] else {"state": "done"}
+    steps = doc.get("steps")
+    if not isinstance(steps, dict):
+        problems.append("steps is not an object")
+        steps = {}
+    for name, st in steps.items():
+        try:
+            _need(isinstance(name, str) and name.isdigit(), f"step name {name!r}")
+            check_step(st)
+        except BadRecord as exc:
+            problems.append(f"step {name!r}: {exc}")
+            continue  # looked at again from the staging dir
+        rec["steps"][name] = st
+    return rec, problems
 
 
 class Journal:
@@ -38,21 +213,41 @@ class Journal:
         return self.dir / f"job-{int(job_id)}.json"
 
     def load_all(self) -> dict[int, JobRecord]:
+        """Every record that can be used; mis-shaped ones are quarantined, never fatal."""
         out: dict[int, JobRecord] = {}
         for name in sorted(os.listdir(self.dir)):
             m = _NAME.match(name)
             if not m:
                 continue
+            job_id = int(m.group(1))
             try:
-                with open(self.dir / name, encoding="utf-8") as fh:
-                    rec = json.load(fh)
-                if not isinstance(rec, dict) or int(rec.get("job_id", -1)) != int(m.group(1)):
-                    raise ValueError("job id does not match the file name")
-            except (OSError, ValueError) as exc:
-                log.error("couldn't read journal record", file=name, error=str(exc))
+                with open(self.dir / name, "rb") as fh:
+                    data = fh.read(MAX_RECORD_BYTES + 1)
+                if len(data) > MAX_RECORD_BYTES:
+                    raise BadRecord(f"larger than {MAX_RECORD_BYTES} bytes")
+                rec, problems = check_record(json.loads(data), job_id)
+            except (OSError, ValueError) as exc:  # BadRecord and JSON errors are ValueErrors
+                self.quarantine(name, f"unusable, left out: {exc}")
                 continue
-            out[int(m.group(1))] = rec
+            if problems:
+                self.quarantine(name, "mis-shaped parts dropped: " + "; ".join(problems))
+                self.write(rec)
+            out[job_id] = rec
         return out
+
+    def quarantine(self, name: str, why: str) -> None:
+        """Move a record aside (``quarantine/<name>.<time>``) and say why."""
+        qdir = self.dir / "quarantine"
+        qdir.mkdir(mode=0o700, exist_ok=True)
+        dest = qdir / f"{name}.{time.time_ns()}"
+        try:
+            os.rename(self.dir / name, dest)
+        except OSError as exc:
+            log.error("checkpoint: journal: couldn't quarantine record", file=name,
+                      error=str(exc), reason=why)
+            return
+        log.error("checkpoint: journal: quarantined a mis-shaped record", file=name,
+                  moved_to=str(dest), reason=why)
 
     def write(self, rec: JobRecord) -> None:
         with self.lock:
@@ -76,4 +271,10 @@ def new_record(job_id: int, uid: int, gid: int, user: str, staging_root: str) ->
 def pending_steps(rec: JobRecord) -> list[int]:
     """Steps committed locally but not yet safe (committed and verified) in S3."""
     return sorted(int(s) for s, st in rec.get("steps", {}).items()
-                  if st.get("state") not in ("committed", "rejected", "pruned"))
+                  if st.get("state") not in DONE_STATES)
+
+
+def failed_steps(rec: JobRecord) -> dict[int, str]:
+    """Steps that will never reach S3 (refused by S3, or by us), with the reason."""
+    return {int(s): str(st.get("reason", "")) for s, st in rec.get("steps", {}).items()
+            if st.get("state") in (StepState.FAILED, StepState.REJECTED)}

@@ -1,42 +1,103 @@
 """S3 transfers for the agent: multipart, concurrent, resumable, retried with backoff.
 
-Part bodies are protected in transit by the SigV4 payload hash (plain HTTP
-endpoints: botocore signs the body's SHA-256, which S3 checks) or by TLS; the
-journal record of a file (upload id, parts with their ETag and CRC32C) is updated
-after each part, so a killed agent resumes without re-sending completed parts.
-CompleteMultipartUpload can answer 200 with an error in its body: botocore turns
-that into an error for this operation, and we also require an ETag in the parsed
-answer and check the object's size and CRC32C metadata with HEAD afterwards.
+* Part size: the configured size, raised (in whole MiB) when a file would need more
+  than S3's 10,000 parts, so objects up to 5 TiB upload (``plan_part_size``).
+* Errors: transient ones (5xx, throttling, timeouts, connection errors) are retried
+  with jittered, bounded backoff and then raise ``TransientS3Error`` (the caller
+  tries again later); anything else (AccessDenied, NoSuchBucket, InvalidArgument,
+  ...) raises ``PermanentS3Error`` at once, never retried.
+* Content: the CRC32C of the bytes actually read and sent is computed per part and
+  compared with the manifest (each whole block inside the part, and the whole file,
+  rebuilt from the parts' CRCs); a mismatch aborts the upload (``ContentMismatch``)
+  and nothing is marked uploaded. The CRC32C also goes to S3 (``x-amz-checksum-crc32c``)
+  so S3 checks the bytes it receives; endpoints that ignore it (``rclone serve s3``
+  accepts and drops it) are detected, logged once, and not sent it again.
+* Part bodies are also protected in transit by the SigV4 payload hash (plain HTTP
+  endpoints: botocore signs the body's SHA-256, which S3 checks) or by TLS. The
+  journal record of a file (upload id, part size, parts with their ETag and CRC32C)
+  is updated after each part, so a killed agent resumes without re-sending parts.
+  CompleteMultipartUpload can answer 200 with an error in its body: botocore turns
+  that into an error for this operation, and we also require an ETag in the parsed
+  answer and check the object's size and CRC32C metadata with HEAD afterwards.
+* Uploads of all jobs share one ``FairPool``: parts are taken from the jobs in turn.
+* ``put_if_absent`` writes with ``If-None-Match: *`` where the endpoint honours it
+  (probed once per bucket), else checks with HEAD first and says so in the log.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import os
 import random
+import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slurm_resilience.checkpoint.commit import CheckpointError, Crc32c
+from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
+from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
+from slurm_resilience.checkpoint.crc_combine import combine_parts
+from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.s3")
 T = TypeVar("T")
 META_CRC = "crc32c"
+MiB = 1024**2
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 * 1024**3
+MAX_PARTS = 10_000
+MAX_OBJECT_SIZE = 5 * 1024**4
+_CRC_HEX = re.compile(r"[0-9a-f]{8}")
+
+# Answers that mean "try again": overload, throttling, in-flight corruption, clock skew.
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests",
+    "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "InternalError",
+    "ServiceUnavailable", "RequestTimeTooSkewed", "BadDigest", "XAmzContentSHA256Mismatch",
+    "XAmzContentChecksumMismatch",
+    "ConditionalRequestConflict", "OperationAborted", "IncompleteBody"})
 
 
 class S3Error(CheckpointError):
-    """An S3 operation failed for good (after retries, or not retryable)."""
+    """An S3 operation failed (after retries, or not retryable)."""
 
 
 class TransientS3Error(S3Error):
     """The endpoint is unreachable or overloaded; try again later."""
+
+
+class PermanentS3Error(S3Error):
+    """S3 refused the request (4xx: AccessDenied, NoSuchBucket, InvalidArgument, ...):
+    sending it again will not help."""
+
+
+class ContentMismatch(CheckpointError):
+    """The bytes read from the file do not match its manifest; the upload was aborted."""
+
+
+def plan_part_size(size: int, part_size: int, max_parts: int = MAX_PARTS) -> int:
+    """The part size for a file: ``part_size``, or the smallest whole MiB that keeps it
+    within ``max_parts`` parts. Raises PermanentS3Error past S3's object size limit."""
+    if size > MAX_OBJECT_SIZE:
+        raise PermanentS3Error(f"checkpoint: s3: couldn't plan upload: {size} bytes is more "
+                               f"than S3's object limit of {MAX_OBJECT_SIZE} bytes (5 TiB)")
+    if size <= part_size * max_parts:
+        return part_size
+    need = -(-size // max_parts)
+    planned = -(-need // MiB) * MiB
+    if planned > MAX_PART_SIZE:
+        raise PermanentS3Error(f"checkpoint: s3: couldn't plan upload: {size} bytes need parts "
+                               f"of {planned} bytes, more than S3's 5 GiB part limit")
+    return planned
 
 
 @dataclass(frozen=True)
@@ -51,6 +112,7 @@ class S3Settings:
     retry_max_s: float = 60.0
     request_timeout_s: float = 30.0
     attempts: int = 4
+    max_parts: int = MAX_PARTS  # S3's limit; tests lower it to reach the boundary
 
 
 def read_credentials(path: str) -> tuple[str, str]:
@@ -85,24 +147,29 @@ class _RateLimiter:
         time.sleep(max(0.0, start - now))
 
 
-def _is_transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException) -> bool:
+    """True for failures worth retrying: connection, timeout, 5xx, 408/429, throttling."""
     from botocore.exceptions import (
         ClientError,
         ConnectionClosedError,
         ConnectTimeoutError,
         EndpointConnectionError,
+        HTTPClientError,
         ReadTimeoutError,
     )
 
     if isinstance(exc, (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError,
-                        ReadTimeoutError, ConnectionError, TimeoutError)):
+                        ReadTimeoutError, HTTPClientError, ConnectionError, TimeoutError)):
         return True
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        return status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError",
-                                         "ServiceUnavailable", "RequestTimeTooSkewed")
+        return status >= 500 or status in (408, 429) or code in TRANSIENT_CODES
     return type(exc).__name__ in ("ProtocolError", "IncompleteReadError", "ResponseStreamingError")
+
+
+def _b64_crc(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 def multipart_etag(part_etags: list[str]) -> str:
@@ -153,7 +220,23 @@ class S3:
         self.limiter = _RateLimiter(settings.rate_limit)
         self.parts_sent = 0  # multipart parts actually transferred (logs and tests)
         self.objects_put = 0  # single-request uploads
+        # (owner, key, part) of the latest parts, in the order they finished (logs, tests)
+        self.sent_log: deque[tuple[str, str, int]] = deque(maxlen=10_000)
         self._count_lock = threading.Lock()
+        self._pool: FairPool | None = None
+        self.checksums: bool | None = None  # does the endpoint check x-amz-checksum-crc32c?
+        self._conditional: dict[str, bool] = {}  # bucket -> honours If-None-Match
+
+    @property
+    def pool(self) -> FairPool:
+        with self._count_lock:
+            if self._pool is None:
+                self._pool = FairPool(self.settings.concurrency, "s3-upload")
+            return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     # -- retries ----------------------------------------------------------------------------
 
@@ -165,8 +248,8 @@ class S3:
             try:
                 return fn()
             except Exception as exc:
-                if not _is_transient(exc):
-                    raise S3Error(f"checkpoint: s3: couldn't {what}: {exc}") from exc
+                if not is_transient(exc):
+                    raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}") from exc
                 if attempt == s.attempts:
                     raise TransientS3Error(f"checkpoint: s3: couldn't {what} after {attempt} "
                                            f"attempts: {exc}") from exc
@@ -179,15 +262,99 @@ class S3:
 
     # -- small objects ----------------------------------------------------------------------
 
-    def put_bytes(self, bucket: str, key: str, body: bytes, crc: str) -> None:
+    def put_bytes(self, bucket: str, key: str, body: bytes, crc: str, *,
+                  if_none_match: bool = False) -> None:
         md5 = hashlib.md5(body)  # noqa: S324 - S3's integrity check, not security
-        resp = self.call(f"put {key}", lambda: self.client.put_object(
-            Bucket=bucket, Key=key, Body=body, ContentMD5=base64.b64encode(md5.digest()).decode(),
-            Metadata={META_CRC: crc}))
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": body,
+                              "ContentMD5": base64.b64encode(md5.digest()).decode(),
+                              "Metadata": {META_CRC: crc}}
+        if if_none_match:
+            kw["IfNoneMatch"] = "*"
+        if self.checksums is not False:
+            kw["ChecksumCRC32C"] = _b64_crc(int(crc, 16))
+        resp = self._call_checksummed(f"put {key}", self.client.put_object, kw,
+                                      "ChecksumCRC32C")
         if not resp.get("ETag"):
             raise S3Error(f"checkpoint: s3: put {key}: answer has no ETag")
+        if "ChecksumCRC32C" in kw:
+            self._note_checksums(resp)
         with self._count_lock:
             self.objects_put += 1
+
+    def _call_checksummed(self, what: str, fn: Callable[..., dict[str, Any]],
+                          kw: dict[str, Any], field: str) -> dict[str, Any]:
+        """Call ``fn(**kw)``; an endpoint that refuses the checksum ``field`` (while we
+        don't know yet whether it takes checksums) gets the request again without it."""
+        try:
+            return self.call(what, functools.partial(fn, **kw))
+        except PermanentS3Error as exc:
+            code = error_code(exc.__cause__ or exc)
+            if field not in kw or self.checksums is not None or code not in (
+                    "NotImplemented", "InvalidArgument", "InvalidRequest", "BadRequest",
+                    "400", "501"):
+                raise
+            self.checksums = False
+            log.warning("s3 endpoint refuses CRC32C checksum headers; sending without them "
+                        "(our own comparison with the manifest still applies)",
+                        endpoint=self.settings.endpoint or "aws", code=code)
+            kw.pop(field)
+            return self.call(what, functools.partial(fn, **kw))
+
+    def _note_checksums(self, resp: dict[str, Any]) -> None:
+        """Learn from the first answer whether the endpoint checks our CRC32C; log it once."""
+        if self.checksums is not None:
+            return
+        self.checksums = bool(resp.get("ChecksumCRC32C"))
+        if self.checksums:
+            log.info("s3 endpoint checks CRC32C checksums of what we send",
+                     endpoint=self.settings.endpoint or "aws")
+        else:
+            log.warning("s3 endpoint ignores CRC32C checksums; only our own comparison with "
+                        "the manifest and the SigV4 payload hash protect the bytes",
+                        endpoint=self.settings.endpoint or "aws")
+
+    def conditional_writes(self, bucket: str, prefix: str) -> bool:
+        """Whether the endpoint honours ``If-None-Match: *`` (probed once per bucket)."""
+        if bucket in self._conditional:
+            return self._conditional[bucket]
+        probe = f"{prefix}.sr-probe-{os.urandom(6).hex()}"
+        supported = False  # unless the second write is refused
+        try:
+            self.put_bytes(bucket, probe, b"", "00000000", if_none_match=True)
+            self.put_bytes(bucket, probe, b"", "00000000", if_none_match=True)
+        except PermanentS3Error as exc:
+            code = error_code(exc.__cause__ or exc)
+            supported = code in ("PreconditionFailed", "412")
+            if not supported and code not in ("NotImplemented", "501", "InvalidArgument",
+                                              "InvalidRequest", "400"):
+                raise
+        finally:
+            with contextlib.suppress(S3Error):
+                self.delete_keys(bucket, [probe])
+        self._conditional[bucket] = supported
+        if supported:
+            log.info("commit markers are written with If-None-Match", bucket=bucket,
+                     mode="conditional")
+        else:  # a race between two jobs' last writers is not excluded: say so
+            log.warning("s3 endpoint ignores If-None-Match; commit markers are written "
+                        "check-then-put", bucket=bucket, mode="check-then-put")
+        return supported
+
+    def put_if_absent(self, bucket: str, key: str, body: bytes, crc: str,
+                      prefix: str = "") -> bool:
+        """Write ``key`` only if it does not exist; False when it already did."""
+        if self.conditional_writes(bucket, prefix):
+            try:
+                self.put_bytes(bucket, key, body, crc, if_none_match=True)
+            except PermanentS3Error as exc:
+                if error_code(exc.__cause__ or exc) in ("PreconditionFailed", "412"):
+                    return False
+                raise
+            return True
+        if self.head(bucket, key) is not None:
+            return False
+        self.put_bytes(bucket, key, body, crc)
+        return True
 
     def get_bytes(self, bucket: str, key: str, limit: int = 64 * 1024**2) -> bytes:
         resp = self.call(f"get {key}", lambda: self.client.get_object(Bucket=bucket, Key=key))
@@ -210,7 +377,11 @@ class S3:
 
     def list_keys(self, bucket: str, prefix: str) -> dict[str, int]:
         """Every key under ``prefix`` with its size."""
-        out: dict[str, int] = {}
+        return {k: size for k, (size, _) in self.list_objects(bucket, prefix).items()}
+
+    def list_objects(self, bucket: str, prefix: str) -> dict[str, tuple[int, float]]:
+        """Every key under ``prefix`` with its size and last-modified time (epoch s)."""
+        out: dict[str, tuple[int, float]] = {}
         token: str | None = None
         while True:
             kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
@@ -218,7 +389,9 @@ class S3:
                 kw["ContinuationToken"] = token
             resp = self.call(f"list {prefix}", functools.partial(self.client.list_objects_v2, **kw))
             for obj in resp.get("Contents", []) or []:
-                out[str(obj["Key"])] = int(obj["Size"])
+                mtime = obj.get("LastModified")
+                out[str(obj["Key"])] = (int(obj["Size"]), mtime.timestamp()
+                                        if hasattr(mtime, "timestamp") else 0.0)
             if not resp.get("IsTruncated"):
                 return out
             token = resp.get("NextContinuationToken")
@@ -235,17 +408,38 @@ class S3:
             self.parts_sent += n
 
     def upload_fd(self, fd: int, size: int, crc: str, bucket: str, key: str,
-                  record: dict[str, Any], save: Callable[[], None]) -> None:
-        """Upload an open file; ``record`` (journal) holds the upload id and finished parts,
-        and ``save()`` persists it after each change."""
-        part = self.settings.part_size
+                  record: dict[str, Any], save: Callable[[], None], *,
+                  blocks: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
+                  owner: str = "", lock: threading.RLock | None = None) -> None:
+        """Upload an open file whose manifest says ``size``, ``crc`` (and per-block CRCs).
+
+        ``record`` (journal) holds the upload id, part size and finished parts, and
+        ``save()`` persists it after each change. Parts go through the shared fair pool
+        under ``owner``; ``lock`` (the journal owner's) guards changes to ``record``.
+        Raises ContentMismatch (upload aborted) when the bytes read don't match the
+        manifest.
+        """
+        check = _Checker(key, size, crc, blocks, block_size)
+        part = plan_part_size(size, self.settings.part_size, self.settings.max_parts)
+        if part != self.settings.part_size:
+            log.info("part size raised to stay within the part limit", key=key, size=size,
+                     part_size=part, max_parts=self.settings.max_parts)
         if size <= part:
-            self.put_bytes(bucket, key, os.pread(fd, size, 0) if size else b"", crc)
+            data = os.pread(fd, size, 0) if size else b""
+            check.part(0, data)
+            check.whole([(crc32c_extend(0, data), len(data))])
+            self.pool.submit(owner, lambda: self.put_bytes(bucket, key, data, crc)).result()
             self._verify_head(bucket, key, size, crc)
             return
         nparts = (size + part - 1) // part
         parts: dict[str, dict[str, Any]] = record.setdefault("parts", {})
         upload_id = record.get("upload_id")
+        if upload_id and int(record.get("part_size", part)) != part:
+            log.info("part size changed since the upload started; starting it again", key=key,
+                     was=record.get("part_size"), now=part)
+            with contextlib.suppress(S3Error):
+                self.abort(bucket, key, str(upload_id))
+            upload_id = None
         if upload_id:
             server = self._list_parts(bucket, key, upload_id)
             if server is None:  # the upload is gone (aborted, or the endpoint lost it)
@@ -253,18 +447,25 @@ class S3:
                 parts.clear()
             else:
                 for n in list(parts):
-                    if server.get(int(n)) != parts[n]["etag"]:
+                    if server.get(int(n)) != parts[n].get("etag") or "crc32c" not in parts[n]:
                         log.info("journaled part not on the server; sending it again", key=key,
-                                 part=n, journal=parts[n]["etag"], server=server.get(int(n)))
+                                 part=n, journal=parts[n].get("etag"), server=server.get(int(n)))
                         del parts[n]
         if not upload_id:
-            resp = self.call(f"start upload {key}", lambda: self.client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata={META_CRC: crc}))
+            kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {META_CRC: crc}}
+            if self.checksums is not False:
+                kw["ChecksumAlgorithm"] = "CRC32C"
+            resp = self._call_checksummed(f"start upload {key}",
+                                          self.client.create_multipart_upload, kw,
+                                          "ChecksumAlgorithm")
             upload_id = str(resp["UploadId"])
             record["upload_id"] = upload_id
+            record["part_size"] = part
+            record["checksums"] = "ChecksumAlgorithm" in kw
             parts.clear()
             save()
-        lock = threading.Lock()
+        with_checksums = bool(record.get("checksums"))
+        lock = lock or threading.RLock()
         todo = [n for n in range(1, nparts + 1) if str(n) not in parts]
         resumed = nparts - len(todo)
         if resumed:
@@ -275,23 +476,45 @@ class S3:
             length = min(part, size - offset)
             data = os.pread(fd, length, offset)
             if len(data) != length:
-                raise S3Error(f"checkpoint: s3: {key}: file shrank while uploading")
-            part_crc = Crc32c()
-            part_crc.update(data)
+                raise ContentMismatch(f"checkpoint: s3: upload {key}: file shrank while "
+                                      f"uploading (read {len(data)} of {length} bytes at "
+                                      f"{offset})")
+            part_crc = check.part(offset, data)
             self.limiter.take(length)
-            resp = self.call(f"upload part {n} of {key}", lambda: self.client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data))
+            kw = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": n,
+                  "Body": data}
+            if with_checksums:
+                kw["ChecksumCRC32C"] = _b64_crc(part_crc)
+            resp = self.call(f"upload part {n} of {key}",
+                             functools.partial(self.client.upload_part, **kw))
             etag = str(resp.get("ETag", ""))
             if not etag:
                 raise S3Error(f"checkpoint: s3: upload part {n} of {key}: answer has no ETag")
+            if with_checksums:
+                self._note_checksums(resp)
             self._count(1)
             with lock:
-                parts[str(n)] = {"etag": etag, "size": length, "crc32c": part_crc.hexdigest()}
+                self.sent_log.append((owner, key, n))
+                parts[str(n)] = {"etag": etag, "size": length, "crc32c": crc_hex(part_crc)}
                 save()
 
-        self._run_parallel(send, todo)
-        done = [{"PartNumber": int(n), "ETag": parts[n]["etag"]}
-                for n in sorted(parts, key=int)]
+        try:
+            self._run_fair(owner, send, todo)
+            check.whole([(int(parts[n]["crc32c"], 16), int(parts[n]["size"]))
+                         for n in sorted(parts, key=int)])
+        except ContentMismatch:
+            with contextlib.suppress(S3Error):
+                self.abort(bucket, key, upload_id)
+            record.pop("upload_id", None)
+            parts.clear()
+            save()
+            raise
+        done = []
+        for n in sorted(parts, key=int):
+            entry = {"PartNumber": int(n), "ETag": parts[n]["etag"]}
+            if with_checksums:
+                entry["ChecksumCRC32C"] = _b64_crc(int(parts[n]["crc32c"], 16))
+            done.append(entry)
         try:
             resp = self.call(
                 f"complete upload {key}", lambda: self.client.complete_multipart_upload(
@@ -314,6 +537,20 @@ class S3:
             self._verify_head(bucket, key, size, crc)
         record.pop("upload_id", None)
         parts.clear()
+
+    def _run_fair(self, owner: str, fn: Callable[[int], None], items: list[int]) -> None:
+        """Run ``fn`` over ``items`` in the shared pool; the first failure cancels the rest."""
+        futures = [self.pool.submit(owner, functools.partial(fn, i)) for i in items]
+        try:
+            for fut in futures:
+                fut.result()
+        finally:
+            for fut in futures:
+                fut.cancel()
+            for fut in futures:
+                if not fut.cancelled():
+                    with contextlib.suppress(Exception):
+                        fut.result()  # let running parts finish before the journal is saved
 
     def _verify_head(self, bucket: str, key: str, size: int, crc: str) -> None:
         got = self.head(bucket, key)
@@ -370,32 +607,110 @@ class S3:
     # -- download ---------------------------------------------------------------------------
 
     def download_fd(self, bucket: str, key: str, size: int, fd: int) -> str:
-        """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the file."""
+        """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the bytes
+        received (each range's CRC32C, combined: no second pass over the file).
+
+        Each range streams to the file in ``_STREAM_CHUNK`` pieces as it arrives (no
+        whole part in memory), and a range that fails mid-body is fetched again.
+        """
         part = self.settings.part_size
+        crcs: dict[int, tuple[int, int]] = {}
+
+        def get_range(start: int, end: int) -> int:
+            resp = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
+            body = resp["Body"]
+            crc, pos = 0, start
+            try:
+                while pos <= end:
+                    chunk = body.read(min(_STREAM_CHUNK, end + 1 - pos))
+                    if not chunk:
+                        break
+                    crc = crc32c_extend(crc, chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        written = os.pwrite(fd, view, pos)
+                        view = view[written:]
+                        pos += written
+            finally:
+                body.close()
+            if pos != end + 1:
+                raise ConnectionError(f"short read at {pos} of bytes {start}-{end}")
+            return crc
 
         def fetch(n: int) -> None:
             start = n * part
             end = min(size, start + part) - 1
-            resp = self.call(f"get {key} bytes {start}-{end}", lambda: self.client.get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{end}"))
-            data = resp["Body"].read()
-            if len(data) != end - start + 1:
-                raise S3Error(f"checkpoint: s3: get {key}: short read at {start}")
-            view = memoryview(data)
-            pos = start
-            while view:
-                written = os.pwrite(fd, view, pos)
-                view = view[written:]
-                pos += written
+            crc = self.call(f"get {key} bytes {start}-{end}",
+                            functools.partial(get_range, start, end))
+            crcs[n] = (crc, end - start + 1)
 
         os.ftruncate(fd, size)
         self._run_parallel(fetch, list(range((size + part - 1) // part)) if size else [])
-        crc = Crc32c()
-        offset = 0
-        while offset < size:
-            chunk = os.pread(fd, 8 * 1024 * 1024, offset)
-            if not chunk:
-                break
-            crc.update(chunk)
-            offset += len(chunk)
-        return crc.hexdigest()
+        return crc_hex(combine_parts([crcs[n] for n in sorted(crcs)]))
+
+
+_STREAM_CHUNK = 4 * MiB
+
+
+class _Checker:
+    """Compares the bytes read for an upload with the file's manifest.
+
+    A block wholly inside a part is checked as the part is read; a block that spans
+    parts is checked once all its pieces were read (their CRCs combined), so with
+    blocks listed, every byte is compared before the upload completes.
+    """
+
+    def __init__(self, key: str, size: int, crc: str, blocks: tuple[str, ...], block_size: int):
+        self.key, self.size, self.crc = key, size, crc
+        self.blocks, self.block_size = blocks, block_size
+        if not _CRC_HEX.fullmatch(crc):  # it also goes into S3 metadata: plain hex only
+            raise ContentMismatch(f"checkpoint: s3: upload {key}: manifest crc32c {crc!r} is "
+                                  "not 8 hex digits; refusing the file")
+        self._pieces: dict[int, dict[int, tuple[int, int]]] = {}  # block -> offset -> (crc, n)
+        self._lock = threading.Lock()
+
+    def part(self, offset: int, data: bytes) -> int:
+        """The CRC32C of a part (read at ``offset``) after checking the blocks it covers."""
+        if self.blocks:
+            view = memoryview(data)
+            end = offset + len(data)
+            pos = offset
+            while pos < end:
+                i = pos // self.block_size
+                bstart = i * self.block_size
+                bend = min(bstart + self.block_size, self.size)
+                cut = min(bend, end)
+                piece = crc32c_extend(0, view[pos - offset:cut - offset])
+                if pos == bstart and cut == bend:
+                    self._compare(i, piece)
+                else:
+                    self._add_piece(i, pos - bstart, piece, cut - pos, bend - bstart)
+                pos = cut
+        return crc32c_extend(0, data)
+
+    def _add_piece(self, index: int, at: int, crc: int, length: int, block_len: int) -> None:
+        with self._lock:
+            pieces = self._pieces.setdefault(index, {})
+            pieces[at] = (crc, length)
+            if sum(n for _, n in pieces.values()) < block_len:
+                return
+            del self._pieces[index]
+        self._compare(index, combine_parts([pieces[k] for k in sorted(pieces)]))
+
+    def _compare(self, index: int, crc: int) -> None:
+        if index >= len(self.blocks) or crc_hex(crc) != self.blocks[index]:
+            start = index * self.block_size
+            raise ContentMismatch(
+                f"checkpoint: s3: upload {self.key}: block {index} (from byte {start}) has "
+                f"crc32c {crc_hex(crc)}, the manifest says "
+                f"{self.blocks[index] if index < len(self.blocks) else 'no such block'}; "
+                "refusing it")
+
+    def whole(self, parts: list[tuple[int, int]]) -> None:
+        """The CRC32C of the whole file, rebuilt from its parts, must be the manifest's."""
+        got = crc_hex(combine_parts(parts))
+        total = sum(length for _, length in parts)
+        if total != self.size or got != self.crc:
+            raise ContentMismatch(
+                f"checkpoint: s3: upload {self.key}: the bytes read have size {total} crc32c "
+                f"{got}, the manifest says size {self.size} crc32c {self.crc}; refusing them")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import CheckpointError
-from slurm_resilience.nofollow import remove_tree_at
+from slurm_resilience.nofollow import RemovalBudget, remove_tree_at
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -153,17 +153,19 @@ def remove_tree_nofollow(path: str | os.PathLike[str]) -> None:
         os.close(pfd)
 
 
-def remove_at(dir_fd: int, name: str) -> None:
-    """Remove one entry (tree or file) of an fd-opened dir without following links."""
-    remove_tree_at(dir_fd, name)
+def remove_at(dir_fd: int, name: str, budget: RemovalBudget | None = None) -> None:
+    """Remove one entry (tree or file) of an fd-opened dir without following links.
+
+    With a ``budget``, nofollow.RemovalIncomplete says it stopped part way."""
+    remove_tree_at(dir_fd, name, budget=budget)
 
 
-def remove_job_dir(root: str, job_id: int) -> bool:
+def remove_job_dir(root: str, job_id: int, budget: RemovalBudget | None = None) -> bool:
     """Delete a job's staging dir (root side); False when it did not exist."""
     rfd = _open_root(root)
     try:
         try:
-            remove_at(rfd, job_dir_name(job_id))
+            remove_at(rfd, job_dir_name(job_id), budget)
         except FileNotFoundError:
             return False
         return True

@@ -11,14 +11,19 @@ Requests (unix socket, caller known by SO_PEERCRED):
 
 ``tick`` hands one pass over all jobs to a worker thread: upload each committed
 step (files, then rank manifests, then COMMIT.json once every rank's manifest
-is in S3), then apply retention.
+is in S3), then apply retention. Jobs are synced side by side (at most
+``MAX_JOB_THREADS`` at once) and their parts share one fair pool, so a huge
+upload does not hold a small one back. A failure inside one job's work is logged
+and marks that job (or that step) failed with the reason; the pass goes on.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
@@ -31,11 +36,27 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
-from slurm_resilience.checkpoint.journal import JobRecord, Journal, new_record, pending_steps
+from slurm_resilience.checkpoint.journal import (
+    DONE_STATES,
+    JobRecord,
+    JobState,
+    Journal,
+    StepState,
+    failed_steps,
+    new_record,
+    pending_steps,
+)
 from slurm_resilience.checkpoint.prefix import S3Uri, check_run_uri, parse_uri
 from slurm_resilience.checkpoint.restore import fetch_for, make_fetcher, run_stagein, stagein_status
+from slurm_resilience.checkpoint.retention import plan_remote_retention
 from slurm_resilience.checkpoint.rootfs import committed_steps_at, read_small, read_step
-from slurm_resilience.checkpoint.s3 import S3, S3Settings, TransientS3Error
+from slurm_resilience.checkpoint.s3 import (
+    S3,
+    ContentMismatch,
+    PermanentS3Error,
+    S3Settings,
+    TransientS3Error,
+)
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
     open_job_dir,
@@ -46,11 +67,14 @@ from slurm_resilience.checkpoint.staging import (
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
+from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.uploader")
 
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
 ORPHAN_AGE_S = 24 * 3600.0
+MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
+FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
 
 
 def s3_settings(cfg: Config) -> S3Settings:
@@ -78,7 +102,7 @@ class Uploader:
         self.jobs: dict[int, JobRecord] = self.journal.load_all()
         self._s3 = s3
         self.lock = threading.RLock()
-        self.worker: threading.Thread | None = None
+        self.syncing: dict[int, threading.Thread] = {}  # job -> its sync in flight
         self.stageins: dict[int, threading.Thread] = {}
         self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
         self.orphans_checked: dict[int, float] = {}
@@ -171,6 +195,8 @@ class Uploader:
         rec = self._job(request, peer)
         with self.lock:
             answer = stagein_status(rec)
+            answer["failed"] = {str(k): v for k, v in failed_steps(rec).items()}
+            answer["upload_error"] = rec.get("error")
         return {"ok": True, **answer, "fetch": self.fetcher.stats(int(rec["job_id"]))}
 
     def on_fetch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -222,33 +248,95 @@ class Uploader:
     # -- uploads ----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        if self.worker is not None and self.worker.is_alive():
+        """Start a sync for every due job that has none in flight (at most
+        ``MAX_JOB_THREADS``): a job that appears while a huge upload runs starts at once,
+        and its parts take turns with the huge one's in the fair pool."""
+        if self.stopping.is_set():
             return
-        self.worker = threading.Thread(target=self.run_pass, name="ckpt-upload", daemon=True)
-        self.worker.start()
+        with self.lock:
+            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+            for rec in self._due():
+                if len(self.syncing) >= MAX_JOB_THREADS:
+                    break
+                job_id = int(rec["job_id"])
+                t = threading.Thread(target=self._sync_guarded, args=(rec,),
+                                     name=f"ckpt-job-{job_id}", daemon=True)
+                self.syncing[job_id] = t
+                t.start()
+
+    def _due(self) -> list[JobRecord]:
+        """Jobs to sync now: not failed, not backing off, no sync in flight (under lock)."""
+        now, wall = time.monotonic(), time.time()
+        return [rec for job_id, rec in sorted(self.jobs.items())
+                if job_id not in self.syncing
+                and now >= self.backoff.get(job_id, (0.0, 0.0))[0]
+                and (rec.get("state") != JobState.FAILED
+                     or wall - float(rec.get("failed_at") or 0.0) >= FAILED_RETRY_S)]
 
     def run_pass(self) -> None:
-        """One pass over every known job (the worker thread; also callable from tests)."""
-        for job_id in sorted(self.jobs):
-            if self.stopping.is_set():
+        """Sync every due job side by side and wait for them (tests, and tools that want
+        one synchronous pass); the agent calls ``tick`` instead."""
+        with self.lock:
+            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+            due = self._due()
+        if not due or self.stopping.is_set():
+            return
+        with ThreadPoolExecutor(max_workers=min(MAX_JOB_THREADS, len(due)),
+                                thread_name_prefix="ckpt-job") as pool:
+            for _ in pool.map(self._sync_guarded, due):
+                pass
+
+    def _sync_guarded(self, rec: JobRecord) -> None:
+        """Sync one job; whatever goes wrong stays with this job."""
+        if self.stopping.is_set():
+            return
+        job_id = int(rec["job_id"])
+        _, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
+        delay = delay or self.ck.retry_initial_s
+        if rec.get("state") == JobState.FAILED:  # FAILED_RETRY_S later: one more try
+            with self.lock:
+                rec["state"] = rec.get("failed_from") or JobState.ACTIVE.value
+        try:
+            self.sync_job(rec)
+            self.backoff.pop(job_id, None)
+            if rec.get("error"):
+                with self.lock:
+                    for key in ("error", "failed_at", "failed_from"):
+                        rec.pop(key, None)
+                    self.journal.write(rec)
+                log.info("upload work of a failed job went through this time", job_id=job_id)
+        except TransientS3Error as exc:
+            self._back_off(job_id, delay)
+            log.warning("S3 unreachable; uploads wait", job_id=job_id,
+                        retry_in_s=round(delay, 1), pending=pending_steps(rec), error=str(exc))
+        except (CheckpointError, OSError) as exc:
+            log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
+            self._back_off(job_id, delay)
+        except Exception as exc:  # noqa: BLE001 - a bug or a hostile tree: this job only
+            if self.stopping.is_set():  # cancelled parts at shutdown: not the job's fault
+                log.info("upload interrupted by shutdown", job_id=job_id, error=repr(exc))
                 return
-            rec = self.jobs[job_id]
-            next_try, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
-            if time.monotonic() < next_try:
-                continue
+            self._fail_job(rec, f"{type(exc).__name__}: {exc}")
+
+    def _back_off(self, job_id: int, delay: float) -> None:
+        jittered = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreads retries, not crypto
+        self.backoff[job_id] = (time.monotonic() + jittered,
+                                min(delay * 2, self.ck.retry_max_s))
+
+    def _fail_job(self, rec: JobRecord, why: str) -> None:
+        """Stop working on a job after an unexpected error (tried again FAILED_RETRY_S
+        later); other jobs go on."""
+        log.exception("checkpoint: upload: couldn't sync job; marked failed, other jobs go on",
+                      job_id=rec["job_id"], reason=why, pending=pending_steps(rec))
+        with self.lock:
+            if rec.get("state") != JobState.FAILED:
+                rec["failed_from"] = rec.get("state")
+            rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED.value, why, time.time()
             try:
-                self.sync_job(rec)
-                self.backoff.pop(job_id, None)
-            except TransientS3Error as exc:
-                self.backoff[job_id] = (time.monotonic() + delay,
-                                        min(delay * 2, self.ck.retry_max_s))
-                log.warning("S3 unreachable; uploads wait", job_id=job_id,
-                            retry_in_s=round(delay, 1), pending=pending_steps(rec),
-                            error=str(exc))
-            except (CheckpointError, OSError) as exc:
-                log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
-                self.backoff[job_id] = (time.monotonic() + delay,
-                                        min(delay * 2, self.ck.retry_max_s))
+                self.journal.write(rec)
+            except (OSError, TypeError, ValueError) as exc:
+                log.error("checkpoint: journal: couldn't record failed job", job_id=rec["job_id"],
+                          error=str(exc))
 
     def sync_job(self, rec: JobRecord) -> None:
         job_id = int(rec["job_id"])
@@ -261,18 +349,28 @@ class Uploader:
                 if rec.get("uri") and rec["stagein"].get("state") not in ("running", "pending"):
                     uri = parse_uri(rec["uri"])
                     self._note_local_steps(rec, jfd)  # pending even while S3 is down
-                    self._abort_orphans(rec, uri)
+                    try:
+                        self._abort_orphans(rec, uri)
+                    except PermanentS3Error as exc:  # housekeeping: uploads still go on
+                        log.warning("checkpoint: upload: couldn't look for orphaned uploads",
+                                    job_id=job_id, error=str(exc))
                     for step in committed_steps_at(jfd):
                         st = rec["steps"].get(str(step), {})
-                        if st.get("state") not in ("committed", "rejected", "pruned"):
+                        if st.get("state") in DONE_STATES:
+                            continue
+                        try:
                             self.upload_step(rec, jfd, uri, step)
+                        except ContentMismatch as exc:
+                            self._reject(rec, step, str(exc))
+                        except PermanentS3Error as exc:
+                            self._reject(rec, step, str(exc), StepState.FAILED)
                     self._retain_remote(rec, uri)
                 self._retain_local(rec, jfd)
         except FileNotFoundError:
-            if rec["state"] == "ended":
+            if rec["state"] == JobState.ENDED:
                 self._forget(rec)
             return
-        if rec["state"] == "ended":
+        if rec["state"] == JobState.ENDED:
             self._finish_ended(rec)
 
     def _note_local_steps(self, rec: JobRecord, jfd: int) -> None:
@@ -298,6 +396,14 @@ class Uploader:
             self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
             return
         st["world_size"] = marker.world_size
+        commit_key = uri.join(sname, COMMIT)
+        if not any(f.get("done") for f in st["files"].values()) and \
+                self.s3.head(uri.bucket, commit_key) is not None:
+            # Another job of this run committed this step: never mix our files into it.
+            self._reject(rec, step, f"{uri}/{sname} is already committed in S3 by another "
+                                    "job of this run; ours is not uploaded", StepState.FAILED,
+                         delete_ours=False)
+            return
         intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)  # intent.py
         sfd = open_dir_at(jfd, sname)
         try:
@@ -318,7 +424,9 @@ class Uploader:
                                          f"{os.fstat(fd).st_size}, manifest says {f.size}")
                             return
                         self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
-                                          lambda: self.journal.write(rec))
+                                          lambda: self.journal.write(rec), blocks=f.blocks,
+                                          block_size=f.block_size, owner=f"job-{rec['job_id']}",
+                                          lock=self.lock)
                     finally:
                         os.close(fd)
                     frec["done"] = True
@@ -347,28 +455,46 @@ class Uploader:
         body = marker.to_json()
         crc = Crc32c()
         crc.update(body)
-        self.s3.put_bytes(uri.bucket, uri.join(sname, COMMIT), body, crc.hexdigest())
+        if not self.s3.put_if_absent(uri.bucket, commit_key, body, crc.hexdigest(),
+                                     prefix=uri.join() + "/"):
+            # Another node of this job got there first (same marker), or another job did.
+            theirs = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
+            if theirs != body:
+                self._reject(rec, step, f"{uri}/{sname}: a different commit marker is already "
+                                    "in S3 (another job of this run)", StepState.FAILED,
+                         delete_ours=False)
+                return
+            log.info("commit marker already in S3 (another node of the job wrote it)",
+                     job_id=rec["job_id"], step=step)
         st["state"] = "committed"
         st["files"] = {}
         st["committed_at"] = time.time()
         self.journal.write(rec)
         log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
 
-    def _reject(self, rec: JobRecord, step: int, why: str) -> None:
-        """A step we must not upload (a link, a foreign file, a bad manifest): never retried."""
-        log.error("refusing to upload step", job_id=rec["job_id"], step=step, reason=why)
+    def _reject(self, rec: JobRecord, step: int, why: str,
+                state: StepState = StepState.REJECTED, *, delete_ours: bool = True) -> None:
+        """A step we must not upload (a link, a foreign file, a bad manifest, bytes that
+        don't match it) or that S3 refused for good (``FAILED``): never retried. Its
+        unfinished uploads are aborted and, with ``delete_ours``, the objects it had
+        completed are deleted (never committed, they would only take space)."""
+        log.error("checkpoint: upload: couldn't upload step; it will not be retried",
+                  job_id=rec["job_id"], step=step, state=state.value, reason=why)
         old = rec["steps"].get(str(step), {})
-        intent.withdraw(self.s3, rec, old, step, self.node)  # intent.py: never waited for
+        if delete_ours:  # a step another job committed keeps its intents
+            intent.withdraw(self.s3, rec, old, step, self.node)  # intent.py: never waited for
         if rec.get("uri"):
             uri = parse_uri(rec["uri"])
             for key, frec in old.get("files", {}).items():
-                if frec.get("upload_id"):  # never completed: do not leave it behind in S3
-                    try:
+                try:
+                    if frec.get("upload_id"):  # never completed: do not leave it behind
                         self.s3.abort(uri.bucket, key, frec["upload_id"])
-                    except CheckpointError as exc:
-                        log.warning("couldn't abort upload of rejected step", key=key,
-                                    error=str(exc))
-        rec["steps"][str(step)] = {"state": "rejected", "reason": why}
+                    elif frec.get("done") and delete_ours:
+                        self.s3.delete_keys(uri.bucket, [key])
+                except CheckpointError as exc:
+                    log.warning("couldn't clean up after a step that will not be uploaded",
+                                key=key, error=str(exc))
+        rec["steps"][str(step)] = {"state": state.value, "reason": why}
         self.journal.write(rec)
 
     def _abort_orphans(self, rec: JobRecord, uri: S3Uri) -> None:
@@ -391,7 +517,13 @@ class Uploader:
                          age_s=age)
                 self.s3.abort(uri.bucket, key, upload_id)
 
+    def _budget(self) -> RemovalBudget:
+        return RemovalBudget(max_entries=self.ck.remove_max_entries,
+                             max_seconds=self.ck.remove_max_s)
+
     def _retain_local(self, rec: JobRecord, jfd: int) -> None:
+        """Keep the newest ``keep_local`` committed steps; with a URI, older ones go only
+        once S3 holds them. Local-only runs keep their newest steps the same way."""
         steps = committed_steps_at(jfd)
         keep = set(steps[-self.ck.keep_local:])
         for step in steps:
@@ -400,24 +532,41 @@ class Uploader:
             st = rec["steps"].get(str(step), {})
             if rec.get("uri") and st.get("state") not in ("committed", "pruned"):
                 continue  # not safe in S3 yet
-            remove_at(jfd, step_name(step))
+            try:
+                remove_at(jfd, step_name(step), self._budget())
+            except RemovalIncomplete as exc:
+                log.warning("local step only partly removed; the rest goes next pass",
+                            job_id=rec["job_id"], step=step, error=str(exc))
+                return
             log.info("removed local step (retention)", job_id=rec["job_id"], step=step)
 
     def _retain_remote(self, rec: JobRecord, uri: S3Uri) -> None:
+        """Keep the run's newest ``keep_remote`` committed steps, over the S3 listing."""
         if self.ck.keep_remote <= 0:
             return
-        committed = sorted(int(s) for s, st in rec["steps"].items()
-                           if st.get("state") == "committed")
-        for step in committed[:-self.ck.keep_remote]:
-            prefix = uri.join(step_name(step)) + "/"
-            keys = sorted(self.s3.list_keys(uri.bucket, prefix))
-            marker = prefix + COMMIT
-            # The commit marker goes first, so a half-deleted step is never taken as complete.
-            self.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
-            self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
-            rec["steps"][str(step)] = {"state": "pruned"}
-            self.journal.write(rec)
-            log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step)
+        prefix = uri.join() + "/"
+        try:
+            objects = self.s3.list_objects(uri.bucket, prefix)
+            plan = plan_remote_retention(
+                {k[len(prefix):]: v for k, v in objects.items()}, self.ck.keep_remote,
+                self.ck.remote_retention_grace_s, ORPHAN_AGE_S, time.time())
+            for step in plan:
+                sprefix = prefix + step_name(step) + "/"
+                keys = sorted(k for k in objects if k.startswith(sprefix))
+                marker = sprefix + COMMIT
+                # The commit marker goes first, so a half-deleted step is never taken as
+                # complete; every other key (intent records too) belongs to the step.
+                self.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
+                self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
+                with self.lock:
+                    if str(step) in rec["steps"]:
+                        rec["steps"][str(step)] = {"state": StepState.PRUNED.value}
+                        self.journal.write(rec)
+                log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step,
+                         uri=str(uri), keep_remote=self.ck.keep_remote)
+        except CheckpointError as exc:  # retention waits; uploads must not
+            log.warning("checkpoint: retention: couldn't apply S3 retention", uri=str(uri),
+                        job_id=rec["job_id"], error=str(exc))
 
     def _finish_ended(self, rec: JobRecord) -> None:
         pending = pending_steps(rec)
@@ -431,24 +580,36 @@ class Uploader:
             pending = []
         if pending:
             return
-        if not rec.get("uri"):
-            self._forget(rec)  # local-only: the dir is the only copy; a requeue may need it
+        if not rec.get("uri") and age < self.ck.local_only_keep_s:
+            return  # local-only: the dir is the only copy; a requeue may still need it
+        try:
+            removed = remove_job_dir(rec["staging_root"], int(rec["job_id"]), self._budget())
+        except RemovalIncomplete as exc:
+            log.warning("staging dir of ended job only partly removed; the rest goes next pass",
+                        job_id=rec["job_id"], error=str(exc))
             return
-        if remove_job_dir(rec["staging_root"], int(rec["job_id"])):
-            log.info("removed staging dir of ended job", job_id=rec["job_id"])
+        if removed:
+            log.info("removed staging dir of ended job", job_id=rec["job_id"],
+                     local_only=not rec.get("uri"))
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:
-        self.fetcher.forget(int(rec["job_id"]))
+        job_id = int(rec["job_id"])
+        self.fetcher.forget(job_id)
         with self.lock:
-            self.jobs.pop(int(rec["job_id"]), None)
-            self.journal.delete(int(rec["job_id"]))
+            self.jobs.pop(job_id, None)
+            self.journal.delete(job_id)
+            self.backoff.pop(job_id, None)  # per-job bookkeeping goes with the job
+            self.orphans_checked.pop(job_id, None)
 
     def close(self) -> None:
         self.stopping.set()
         self.fetcher.close()
-        if self.worker is not None:
-            self.worker.join(timeout=5)
+        if self._s3 is not None:
+            self._s3.close()  # queued parts are cancelled; parts in flight finish
+        deadline = time.monotonic() + 5
+        for t in list(self.syncing.values()):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def factory(ctx: AgentContext) -> Uploader | None:

@@ -31,7 +31,9 @@ class CheckpointSection:
     )
     part_size: ByteSize = setting(
         ByteSize(64 * 1024**2), min=5 * 1024**2, max=5 * 1024**3,
-        help="multipart part size (S3 minimum 5MiB)",
+        help="multipart part size; S3 takes parts of 5MiB to 5GiB, at most 10,000 per object, "
+             "so a file that would need more parts is sent in larger ones (objects up to "
+             "5TiB); larger parts mean fewer requests",
     )
     concurrency: int = setting(8, min=1, max=128, help="parallel part uploads/downloads per file")
     rate_limit: ByteSize = setting(
@@ -47,7 +49,24 @@ class CheckpointSection:
         2, min=1, max=1000,
         help="committed steps kept on the node; older ones are deleted once verified in S3",
     )
-    keep_remote: int = setting(0, min=0, help="steps kept in S3 per run; 0: keep all")
+    keep_remote: int = setting(
+        0, min=0,
+        help="committed steps kept in S3 per run, counted over the run's S3 listing (every "
+             "job sharing the URI); 0: keep all")
+    remote_retention_grace_s: float = setting(
+        600.0, min=0, max=86400,
+        help="an S3 step beyond keep_remote is deleted only this long after a newer step was "
+             "committed, so a stage-in that chose it just before can still read it")
+    local_only_keep_s: float = setting(
+        86400.0, min=0, max=30 * 86400,
+        help="how long the staging dir of an ended job without a run URI (its only copy) is "
+             "kept for a requeue before the agent removes it")
+    remove_max_entries: int = setting(
+        200_000, min=100,
+        help="entries the agent removes from one staging dir per pass; the rest waits for "
+             "the next pass")
+    remove_max_s: float = setting(
+        20.0, min=0.1, max=3600, help="time the agent spends removing one staging dir per pass")
     epilog_wait_s: float = setting(
         30.0, min=0, max=3600,
         help="how long the epilog waits for the job's pending uploads before handing them "

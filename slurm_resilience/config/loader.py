@@ -217,7 +217,8 @@ class _Builder:
                 lo, hi = meta.get("min"), meta.get("max")
                 if (lo is not None and item < lo) or (hi is not None and item > hi):
                     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-                    raise self.error(node, path, f"{item!r} is out of range {rng}")
+                    why = f" ({meta['help']})" if meta.get("help") else ""
+                    raise self.error(node, path, f"{item!r} is out of range {rng}{why}")
 
 
 def load_text(cls: type[T], text: str, source: str = "<string>") -> T:

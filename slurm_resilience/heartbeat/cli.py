@@ -44,6 +44,12 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
         result["incidents"] = st.incidents(directory)
     except PermissionError as exc:
         result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
+    if cfg.checkpoint.enabled:
+        from slurm_resilience.checkpoint import upload_status
+
+        uploads = upload_status.collect(upload_status.journal_dir(cfg, node))
+        result["uploads"] = uploads
+        result["errors"] += uploads["errors"]
     return result
 
 
@@ -56,4 +62,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(st.render(result))
+        if "uploads" in result:
+            from slurm_resilience.checkpoint import upload_status
+
+            sys.stdout.write(upload_status.render(result["uploads"]))
     return 1 if result["errors"] else 0

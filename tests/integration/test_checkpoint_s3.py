@@ -17,9 +17,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 
@@ -296,7 +297,7 @@ def test_uri_outside_user_prefix_is_refused_and_nothing_written(env: tuple[Endpo
 def test_retention_keeps_last_k_local_and_m_remote(env: tuple[Endpoint, Path]) -> None:
     """Older local steps go only after S3 holds them; S3 keeps the newest keep_remote steps."""
     ep, base = env
-    up = Uploader(_cfg(ep, base, keep_local=1, keep_remote=2), "n1")
+    up = Uploader(_cfg(ep, base, keep_local=1, keep_remote=2, remote_retention_grace_s=0), "n1")
     d = _job(up, base, 71, "s3://ckpt/root/ret")
     for step in (1, 2, 3):
         _save(d, step)
@@ -344,3 +345,279 @@ def test_multipart_etag_matches_the_server(env: tuple[Endpoint, Path]) -> None:
                                    zip((1, 2), etags, strict=True)]})
     assert done["ETag"] == multipart_etag(etags)
     assert done["ETag"] != multipart_etag(etags[::-1])
+
+
+# -- issue 16: S3 done right, an upload path no job can stop -----------------------------------
+
+def _uploader(ep: Endpoint, base: Path, max_parts: int = 10_000, **extra: object) -> Uploader:
+    from dataclasses import replace
+
+    cfg = _cfg(ep, base, **extra)
+    return Uploader(cfg, "n1", s3=S3(replace(s3_settings(cfg), max_parts=max_parts)))
+
+
+def _objects(ep: Endpoint, run: str) -> list[str]:
+    root = ep.dir / "ckpt" / run
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _forge_step(d: Path, step: int, files: dict[str, tuple[int, str, tuple[str, ...]]]) -> None:
+    """A committed step whose files are sparse (``size`` bytes of zeros) and whose manifest
+    lists the given CRC32Cs, as a job could write it."""
+    from slurm_resilience.checkpoint.commit import CommitMarker, FileEntry, Manifest
+
+    part = d / f"step-{step:08d}" / "rank-00000"
+    part.mkdir(parents=True)
+    entries = []
+    for name, (size, crc, blocks) in files.items():
+        with open(part / name, "wb") as fh:
+            fh.truncate(size)
+        entries.append(FileEntry(name, size, crc, blocks))
+    (part / "MANIFEST.json").write_bytes(Manifest(step, 0, tuple(entries)).to_json())
+    (d / f"step-{step:08d}" / "COMMIT.json").write_bytes(CommitMarker(step, 1).to_json())
+
+
+def test_part_limit_boundary_raises_part_size(env: tuple[Endpoint, Path]) -> None:
+    """With the part limit lowered to 4, a 6-part file goes up in 4 larger parts and verifies
+    (the same rule lets a 5 TiB object fit in 10,000 parts)."""
+    ep, base = env
+    up = _uploader(ep, base, max_parts=4)
+    d = _job(up, base, 101, "s3://ckpt/root/parts")
+    _save(d, 1, mb=26)  # 26 MiB + header: 6 parts of 5 MiB, more than 4
+    up.run_pass()
+    assert up.on_status({"job_id": 101}, ROOT)["pending"] == []
+    assert up.s3.parts_sent == 4
+    verify = ["--config", str(_cfg_file(ep, base)), "ckpt", "verify", "s3://ckpt/root/parts"]
+    assert cli_main(verify) == 0
+
+
+def test_permanent_s3_error_fails_the_step_with_its_reason(env: tuple[Endpoint, Path]) -> None:
+    """A refused request (403: the node's key was revoked) stops that step with the reason
+    in the journal and ckpt.status, and is never retried."""
+    from dataclasses import replace
+
+    ep, base = env
+    up = _uploader(ep, base)
+    d = _job(up, base, 111, "s3://ckpt/root/denied")
+    _save(d, 1, mb=12)
+    revoked = base / "revoked-keys"
+    revoked.write_text(f"{ep.key} {'0' * 32}\n")
+    revoked.chmod(0o600)
+    up._s3 = S3(replace(up.s3.settings, credentials_file=str(revoked)))
+    up.run_pass()
+    st = up.on_status({"job_id": 111}, ROOT)
+    assert st["pending"] == [] and "403" in st["failed"].get("1", ""), st
+    from slurm_resilience.checkpoint import upload_status
+
+    shown = upload_status.render(upload_status.collect(base / "state" / "ckpt-journal"))
+    assert "job 111 (root) s3://ckpt/root/denied" in shown and "step 1 not uploaded" in shown
+    assert up.jobs[111]["steps"]["1"]["state"] == "failed"
+    calls = up.s3.parts_sent, up.s3.objects_put
+    up.backoff.clear()
+    up.run_pass()
+    assert (up.s3.parts_sent, up.s3.objects_put) == calls
+
+
+def test_bytes_that_do_not_match_the_manifest_are_never_uploaded(env: tuple[Endpoint, Path]
+                                                                  ) -> None:
+    """A sparse file listed with a made-up CRC32C is refused: multipart aborted, nothing in
+    S3, step rejected; a wrong block CRC (spanning parts) is caught; a small file too, and
+    the step's files already sent are deleted."""
+    from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
+
+    ep, base = env
+    up = _uploader(ep, base)
+    d = _job(up, base, 121, "s3://ckpt/root/forged")
+    size = 24 * 1024 * 1024
+    zero_block = f"{google_crc32c.value(bytes(BLOCK_SIZE)):08x}"
+    _forge_step(d, 1, {"big.bin": (size, "1badc0de", ())})
+    _forge_step(d, 2, {"big.bin": (size, "1badc0de", (zero_block, "0badb10c", zero_block))})
+    _forge_step(d, 3, {"good.bin": (1000, f"{google_crc32c.value(bytes(1000)):08x}", ()),
+                       "small.bin": (1000, "1badc0de", ())})  # good.bin goes up, then away
+    _forge_step(d, 4, {"evil.bin": (size, "0\r\nx-amz-acl: public-read", ())})
+    up.run_pass()
+    steps = up.jobs[121]["steps"]
+    assert {s: steps[s]["state"] for s in "1234"} == dict.fromkeys("1234", "rejected")
+    assert "not 8 hex digits" in steps["4"]["reason"]
+    assert "manifest says size 25165824 crc32c 1badc0de" in steps["1"]["reason"]
+    assert "block 1" in steps["2"]["reason"]
+    assert _objects(ep, "root/forged") == []
+    assert list(up.s3.multipart_uploads("ckpt", "root/forged/")) == []
+
+
+def test_commit_marker_is_never_replaced_and_the_mode_is_logged(env: tuple[Endpoint, Path]
+                                                                ) -> None:
+    """rclone ignores If-None-Match (and CRC32C headers): the fallbacks are used and logged
+    once; a second job's step 5 in the same run is not mixed into the first's."""
+    from slurm_resilience import log
+
+    ep, base = env
+    logfile = base / "agent.log"
+    log.configure(mode="json", level="info", file=str(logfile))
+    try:
+        up = _uploader(ep, base)
+        d1 = _job(up, base, 131, "s3://ckpt/root/mix")
+        _save(d1, 5, value=1.0)
+        _save(d1, 6, value=1.0)
+        up.run_pass()
+    finally:
+        log.reset()
+    events = logfile.read_text()
+    assert events.count('"mode": "check-then-put"') == 1
+    assert events.count("ignores CRC32C checksums") == 1
+    first = (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/tensors.bin").read_bytes()
+    d2 = create_job_dir(f"{base}/nvme", 132, 0, 0)  # a second job, no stage-in yet
+    up.on_job_start({"job_id": 132, "uid": 0, "gid": 0, "user": "root"}, ROOT)
+    _save(d2, 5, value=2.0)
+    up.on_register({"job_id": 132, "uri": "s3://ckpt/root/mix"}, ROOT)
+    _wait_stagein(up, 132)
+    up.run_pass()
+    st = up.on_status({"job_id": 132}, ROOT)
+    assert "already committed in S3" in st["failed"].get("5", ""), st
+    assert (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/tensors.bin").read_bytes() == first
+    assert up.s3.put_if_absent("ckpt", "root/mix/step-00000005/COMMIT.json", b"{}",
+                               "00000000") is False
+
+
+def test_retention_over_the_run_listing_with_several_jobs(env: tuple[Endpoint, Path]) -> None:
+    """keep_remote=2 over three jobs sharing a URI leaves the newest two steps, not one
+    leaked step per job ([3,4] -> [7,8] -> [11,12])."""
+    ep, base = env
+    up = _uploader(ep, base, keep_remote=2, remote_retention_grace_s=0)
+    for job, steps in ((141, (3, 4)), (142, (7, 8)), (143, (11, 12))):
+        d = _job(up, base, job, "s3://ckpt/root/shared")
+        for step in steps:
+            _save(d, step)
+        up.run_pass()
+        up.on_job_end({"job_id": job}, ROOT)
+        up.run_pass()
+    assert sorted({o.split("/")[0] for o in _objects(ep, "root/shared")}) == [
+        "step-00000011", "step-00000012"]
+
+
+def test_local_only_steps_are_retained_and_ended_dirs_removed(env: tuple[Endpoint, Path]
+                                                              ) -> None:
+    """Without a URI the newest keep_local steps stay; an ended job's dir goes after
+    local_only_keep_s (0 here), so NVMe does not fill."""
+    ep, base = env
+    up = _uploader(ep, base, keep_local=2, local_only_keep_s=0)
+    d = create_job_dir(f"{base}/nvme", 151, 0, 0)
+    up.on_job_start({"job_id": 151, "uid": 0, "gid": 0, "user": "root"}, ROOT)
+    for step in (1, 2, 3):
+        _save(d, step)
+    up.run_pass()
+    assert committed_steps(d) == [2, 3]
+    up.on_job_end({"job_id": 151}, ROOT)
+    up.run_pass()
+    assert not d.exists() and 151 not in up.jobs
+
+
+def _until(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_a_huge_upload_does_not_hold_a_small_one_back(env: tuple[Endpoint, Path]) -> None:
+    """With one upload slot, a job that commits while a huge upload is under way starts at
+    the next tick and finishes while the huge one still has most of its parts to send."""
+    ep, base = env
+    up = _uploader(ep, base, concurrency=1, rate_limit="20MiB")
+    big = _job(up, base, 161, "s3://ckpt/root/big-run")
+    small = _job(up, base, 162, "s3://ckpt/root/small-run")
+    _save(big, 1, mb=60)  # 13 parts
+    _save(small, 1, mb=6)  # 2 parts
+    up.backoff[162] = (time.monotonic() + 3600, 1.0)  # not due yet at the first tick
+    up.tick()
+    _until(lambda: len(up.s3.sent_log) >= 1, "the first part of the big upload")
+    up.backoff.clear()  # the small job's step is due now
+    up.tick()
+    marker = ep.dir / "ckpt/root/small-run/step-00000001/COMMIT.json"
+    _until(marker.exists, "the small job's commit")
+    _until(lambda: not up.syncing.get(161) or not up.syncing[161].is_alive(), "the big upload")
+    order = [owner for owner, _, _ in up.s3.sent_log]
+    assert order.count("job-161") >= 12 and order.count("job-162") == 2, order
+    last_small = max(i for i, o in enumerate(order) if o == "job-162")
+    assert order[last_small + 1:].count("job-161") >= 6, order
+    assert up.on_status({"job_id": 161}, ROOT)["pending"] == []
+    up.close()
+
+
+class _BuggyUploader(Uploader):
+    """An uploader with a bug that hits one job only (until ``fixed``)."""
+
+    fixed = False
+
+    def upload_step(self, rec: dict[str, object], jfd: int, uri: object, step: int) -> None:
+        if rec["job_id"] == 171 and not self.fixed:
+            raise RuntimeError("a bug in job 171's work")
+        super().upload_step(rec, jfd, uri, step)  # type: ignore[arg-type]
+
+
+def _plant_deep_tree(user: str, job_dir: Path, depth: int) -> None:
+    """As ``user``: a ``depth``-level tree in their staging dir (handed over as an fd)."""
+    fd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY)
+    script = textwrap.dedent(f"""
+        import os
+        fd = {fd}
+        for _ in range({depth}):
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.symlink("/etc/passwd", "passwd", dir_fd=fd)
+    """)
+    try:
+        subprocess.run([sys.executable, "-c", script], user=user, pass_fds=(fd,), check=True,
+                       cwd="/", timeout=120)
+    finally:
+        os.close(fd)
+
+
+def test_no_job_can_stop_another_jobs_upload(env: tuple[Endpoint, Path],
+                                             test_users: tuple[str, ...]) -> None:
+    """A user's 1,500-level tree, a bug in one job's work and mis-shaped journal records do
+    not stop another job's upload; each is logged, the agent starts, the tree goes."""
+    import json
+    import pwd
+
+    ep, base = env
+    user = test_users[0]
+    pw = pwd.getpwnam(user)
+    journal = base / "state" / "ckpt-journal"
+    journal.mkdir(parents=True, mode=0o700)
+    (journal / "job-901.json").write_text(json.dumps({"job_id": 901, "stagein": None}))
+    (journal / "job-902.json").write_text("\x00garbage")
+    cfg = _cfg(ep, base, remove_max_entries=500)
+    up = _BuggyUploader(cfg, "n1")  # starts although two records are broken
+    assert sorted(up.jobs) == []
+    assert len(list((journal / "quarantine").iterdir())) == 2
+
+    hostile = create_job_dir(f"{base}/nvme", 170, pw.pw_uid, pw.pw_gid)
+    up.on_job_start({"job_id": 170, "uid": pw.pw_uid, "gid": pw.pw_gid, "user": user}, ROOT)
+    _plant_deep_tree(user, hostile, 1500)
+    buggy = _job(up, base, 171, "s3://ckpt/root/buggy")
+    _save(buggy, 1)
+    victim = _job(up, base, 172, "s3://ckpt/root/victim")
+    _save(victim, 1)
+    up.on_job_end({"job_id": 170}, ROOT)
+    up.jobs[170]["ended_at"] = 1.0  # long ago: its local-only dir is due for removal
+    up.run_pass()
+    assert (ep.dir / "ckpt/root/victim/step-00000001/COMMIT.json").is_file()
+    assert up.jobs[171]["state"] == "failed" and "a bug" in up.jobs[171]["error"]
+    assert up.on_status({"job_id": 171}, ROOT)["upload_error"].startswith("RuntimeError")
+    for _ in range(10):  # 500 entries a pass: the tree goes over a few passes
+        up.run_pass()
+    assert not hostile.exists() and 170 not in up.jobs
+    assert Path("/etc/passwd").is_file()
+    assert up.jobs[171]["state"] == "failed"  # not tried again at once
+    from slurm_resilience.checkpoint.uploader import FAILED_RETRY_S
+
+    up.fixed = True
+    up.jobs[171]["failed_at"] -= FAILED_RETRY_S  # an hour later it gets one more try
+    up.run_pass()
+    st = up.on_status({"job_id": 171}, ROOT)
+    assert st["pending"] == [] and st["upload_error"] is None
+    assert up.jobs[171]["state"] == "active"

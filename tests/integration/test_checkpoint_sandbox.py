@@ -269,3 +269,46 @@ def test_spank_option_starts_stage_in_from_the_prolog(sandbox: Sandbox,
               if f'"job_id": {second},' in line]
     started = [e for e in events if e.get("event") == "stage-in finished"]
     assert started and started[0]["source"] == "s3" and started[0]["step"] == 5
+
+
+def test_deep_tree_and_broken_journal_do_not_stop_another_users_upload(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """Mis-shaped journal records don't stop the agent from starting (quarantined), and a
+    user's 1,500-level tree in their staging dir doesn't stop another user's upload on the
+    node; the tree is removed."""
+    user, other = test_users[0], test_users[1]
+    node = "node2"
+    journal = sandbox.layout.node_dir(node) / "state" / "ckpt-journal"
+    journal.mkdir(parents=True, exist_ok=True)
+    (journal / "job-990001.json").write_text(json.dumps({"job_id": 990001, "stagein": None}))
+    (journal / "job-990002.json").write_text("\x00 not json")
+    _restart_agent(sandbox, node, signal.SIGKILL)  # comes back although the records are bad
+    deadline = time.monotonic() + 30
+    while len(list(journal.glob("job-99000*"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(list((journal / "quarantine").glob("job-99000*"))) == 2
+
+    wd = sandbox.user_dir(user, "ckpt-deep")
+    nvme = f"{sandbox.layout.nodes_dir}/$SLURMD_NODENAME/nvme/job-$SLURM_JOB_ID"
+    plant = (f"{PYTHON} -c \"import os\nos.chdir('{nvme}'.replace('$SLURMD_NODENAME', "
+             "os.environ['SLURMD_NODENAME']).replace('$SLURM_JOB_ID', "
+             "os.environ['SLURM_JOB_ID']))\nfor _ in range(1500):\n"
+             "    os.mkdir('d'); os.chdir('d')\nos.symlink('/etc/passwd', 'p')\"\n")
+    hostile = _train(sandbox, user, wd, f"s3://ckpt/{user}/deep-{time.time_ns()}", [node],
+                     "--steps 5 --ckpt-every 5", after=plant)
+    info = sandbox.wait_job(hostile, timeout=120)
+    assert info.state == "COMPLETED", _out(wd, hostile)
+
+    owd = sandbox.user_dir(other, "ckpt-victim")
+    uri = f"s3://ckpt/{other}/victim-{time.time_ns()}"
+    victim = _train(sandbox, other, owd, uri, [node], "--steps 5 --ckpt-every 5")
+    assert sandbox.wait_job(victim, timeout=120).state == "COMPLETED", _out(owd, victim)
+    marker = _s3_run(sandbox, uri) / "step-00000005" / "COMMIT.json"
+    hostile_dir = sandbox.layout.node_dir(node) / "nvme" / f"job-{hostile}"
+    deadline = time.monotonic() + 60
+    while (not marker.exists() or hostile_dir.exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker.is_file() and not hostile_dir.exists()
+    assert os.path.isfile("/etc/passwd")
+    log = (sandbox.state_dir / "log" / "slurm-resilience.jsonl").read_text()
+    assert "quarantined a mis-shaped record" in log

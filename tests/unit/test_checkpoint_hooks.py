@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def test_prolog_reports_a_symlinked_staging_dir(agent: tuple[Config, Uploader],
 
 def test_epilog_keeps_local_only_steps_and_removes_empty_dirs(
         agent: tuple[Config, Uploader], tmp_path: Path) -> None:
-    """Without a URI a job's committed steps are the only copy: kept; an empty dir goes."""
+    """Without a URI a job's committed steps are the only copy: kept for local_only_keep_s,
+    then removed by the agent; an empty dir goes at once."""
     cfg, up = agent
     for job in (9, 10):
         steps.prolog(_ctx(cfg, "prolog", job))
@@ -82,7 +84,10 @@ def test_epilog_keeps_local_only_steps_and_removes_empty_dirs(
     assert committed_steps(jdir) == [1] and not (jdir / "step-00000002" / "rank-00000.tmp").exists()
     assert not (tmp_path / "nvme" / "n1" / "job-10").exists()
     up.run_pass()
-    assert 9 not in up.jobs  # ended, nothing to upload: forgotten, dir kept
+    assert up.jobs[9]["state"] == "ended" and committed_steps(jdir) == [1]  # kept for a requeue
+    up.jobs[9]["ended_at"] = time.time() - up.ck.local_only_keep_s - 1
+    up.run_pass()
+    assert 9 not in up.jobs and not jdir.exists()  # local_only_keep_s later: NVMe freed
 
 
 def test_epilog_without_agent_keeps_dir(tmp_path: Path) -> None:

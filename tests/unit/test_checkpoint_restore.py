@@ -4,7 +4,6 @@ batching, fetch request checks, block expansion, and the status lines."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
@@ -12,7 +11,6 @@ from slurm_resilience.checkpoint.agent_ranges import BATCH_BYTES, batches, merge
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import CheckpointError, FileEntry
-from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.checkpoint.fetch import (
     FetchError,
     _File,
@@ -117,25 +115,3 @@ def test_status_lines_show_fallbacks_and_errors() -> None:
     failed = {"stagein": "failed", "step": None, "error": "S3 unreachable", "pending": [4]}
     assert format_status(3, "n1", failed) == ["job 3 on n1: stage-in failed: S3 unreachable",
                                               "  uploads pending: steps [4]"]
-
-
-def test_fair_pool_serves_jobs_in_turn() -> None:
-    """A job that queued many blocks does not hold back a block another job queued later."""
-    pool = FairPool(1, "test")
-    started, gate, order = threading.Event(), threading.Event(), []
-
-    def task(name: str) -> None:
-        if name == "a0":
-            started.set()
-            gate.wait(10)
-        order.append(name)
-
-    futs = [pool.submit(1, task, "a0")]
-    assert started.wait(10)  # the one worker is busy: everything below queues
-    futs += [pool.submit(1, task, f"a{i}") for i in range(1, 4)]
-    futs.append(pool.submit(2, task, "b0"))
-    gate.set()
-    for fut in futs:
-        fut.result(timeout=10)
-    pool.shutdown()
-    assert order == ["a0", "a1", "b0", "a2", "a3"]
