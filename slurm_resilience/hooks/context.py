@@ -25,6 +25,7 @@ class Problem:
     step: str
     reason: str
     drain: bool = True
+    more: int = 0  # further findings folded into this one, counted in the drain reason
 
 
 @dataclass

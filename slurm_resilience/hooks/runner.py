@@ -18,6 +18,7 @@ from slurm_resilience import config, log
 from slurm_resilience.config import Config, ConfigError
 from slurm_resilience.hooks import steps
 from slurm_resilience.hooks.context import HookContext, HookKind, Problem
+from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 
 Step = Callable[[HookContext], list[Problem]]
@@ -83,13 +84,20 @@ def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
     return problems
 
 
+def drain_reason(prefix: str, to_drain: list[Problem]) -> str:
+    """Who found something, the first finding (the most specific) and a count of the rest:
+    short, and recognisable by its structure however it is cut (see slurm.reasons)."""
+    more = len(to_drain) - 1 + sum(p.more for p in to_drain)
+    return reasons.compose(prefix, [p.step for p in to_drain], to_drain[0].reason, more)
+
+
 def act(ctx: HookContext, problems: list[Problem]) -> None:
-    """Drain the node once, with the first problem's reason (the most specific)."""
+    """Drain the node once, with the first problem's reason and a count of the others."""
     logger = log.get_logger("hooks", hook=ctx.kind)
     to_drain = [p for p in problems if p.drain]
     if not to_drain:
         return
-    reason = "; ".join(p.reason for p in to_drain)
+    reason = drain_reason(ctx.adapter.prefix, to_drain)
     try:
         ctx.adapter.drain(ctx.node, reason)
     except ForeignDrain as exc:

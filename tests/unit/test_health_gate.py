@@ -149,9 +149,10 @@ def test_verdict_policy_for_could_not_check() -> None:
 
 
 def test_reason_is_short_with_a_count_of_the_rest() -> None:
-    """More than three blocking findings are summarised as ``+N more``."""
+    """A reason names the first blocking finding and counts the rest as ``(+N more)``."""
     v = decide([fail("gpu", f"gpu{i}", f"gpu{i} lost") for i in range(5)], {})
-    assert v.reason() == "gpu0 lost; gpu1 lost; gpu2 lost; +2 more"
+    assert v.reason() == "gpu0 lost (+4 more)"
+    assert decide([fail("gpu", "gpu0", "gpu0 lost")], {}).reason() == "gpu0 lost"
 
 
 def test_children_run_in_parallel_and_errors_come_back(tmp_path: Path) -> None:
