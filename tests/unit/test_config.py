@@ -138,3 +138,33 @@ def test_config_check_hides_secrets(tmp_path: Path) -> None:
 
     shown = redact({"s3": {"secret_access_key": "hunter2", "endpoint": "http://x"}})
     assert shown == {"s3": {"secret_access_key": "***", "endpoint": "http://x"}}
+
+
+def test_hook_budgets_are_cross_checked_and_name_the_keys() -> None:
+    """An epilog wait longer than the epilog's limit is refused at load, naming both keys."""
+    with pytest.raises(ConfigError) as err:
+        load_text(Config, "checkpoint:\n  enabled: true\n  epilog_wait_s: 3600\n")
+    msg = str(err.value)
+    assert "hooks.epilog_timeout_s=60 is shorter than" in msg
+    assert "checkpoint.epilog_wait_s=3600" in msg and "health.collector_timeout_s=5" in msg
+    assert "raise hooks.epilog_timeout_s to at least 3615.5" in msg
+
+
+def test_prolog_budget_counts_the_nccl_handoff_and_the_agent() -> None:
+    """The NCCL hand-off, the agent call and the collectors must fit in the prolog's limit."""
+    text = ("checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n  handoff_timeout_s: 15\n")
+    with pytest.raises(ConfigError, match=r"hooks.prolog_timeout_s=20 is shorter than the "
+                                          r"waits it must hold: health.collector_timeout_s=5 "
+                                          r"\+ agent.request_timeout_s=5 \+ "
+                                          r"nccl.handoff_timeout_s=15"):
+        load_text(Config, text)
+    assert load_text(Config, text + "hooks:\n  prolog_timeout_s: 30\n").hooks.prolog_timeout_s \
+        == 30
+
+
+def test_defaults_fit_every_hook_budget() -> None:
+    """The shipped defaults, with every capability on, fit their hooks' limits."""
+    from slurm_resilience.config.budgets import conflicts
+
+    cfg = load_text(Config, "checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n")
+    assert conflicts(cfg) == []
