@@ -8,7 +8,7 @@ from typing import Any
 
 
 class AgentUnavailable(Exception):
-    """The agent's socket is missing or does not answer."""
+    """The agent's socket is missing, does not answer, or is busy (over its caps)."""
 
 
 class AgentRefused(Exception):
@@ -22,7 +22,10 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(path)
-            sock.sendall(request)
+            try:
+                sock.sendall(request)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # turned away at once: its "busy" answer may be waiting to be read
             chunks: list[bytes] = []
             while not chunks or not chunks[-1].endswith(b"\n"):
                 data = sock.recv(65536)
@@ -37,6 +40,10 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, 
         raise AgentUnavailable(f"agent: unreadable answer from {path}") from exc
     if not isinstance(answer, dict):
         raise AgentUnavailable(f"agent: unreadable answer from {path}")
+    if answer.get("busy"):
+        # Over the agent's connection caps: as good as unreachable for the caller's fallback.
+        raise AgentUnavailable(f"agent: couldn't get a connection at {path}: "
+                               f"{answer.get('error', 'busy')}")
     if not answer.get("ok"):
         raise AgentRefused(str(answer.get("error", "refused")))
     return answer
