@@ -8,7 +8,8 @@ Our loggers share a small mutable state that :func:`configure` fills in:
 * the CLI: human-readable lines on stderr.
 
 Every event carries ``component`` and, once known, ``node`` and ``job_id``.
-Values under secret-looking keys are replaced before rendering.
+Values under secret-looking keys are replaced before rendering, and every string is
+escaped to one printable, bounded line (users control job names, comments, options).
 """
 
 from __future__ import annotations
@@ -95,6 +96,40 @@ def _filter_level(_: Any, method: str, event: EventDict) -> EventDict:
     return event
 
 
+MAX_VALUE = 4096  # characters of one string value; users control job names, comments, options
+
+
+def escape(text: str, limit: int = MAX_VALUE) -> str:
+    """One printable line, bounded: newlines, escape sequences and other control or
+    invisible characters (U+2028, bidi overrides) become ``\\n``, ``\\x1b``, ``\\u2028``,
+    so what a user put in a job name can't start a line of its own or hide text."""
+    if len(text) > limit:
+        text = text[:limit] + f"...[{len(text) - limit} more]"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _bound(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape(value) if len(value) > MAX_VALUE else value
+    if isinstance(value, dict):
+        return {k: _bound(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_bound(v) for v in value]
+    return value
+
+
+def _escape(_: Any, method: str, event: EventDict) -> EventDict:
+    # Both renderers escape values (json.dumps; the console's repr), not the event text,
+    # which may quote a user's value: that is escaped here, and every value is bounded.
+    for key in list(event):
+        event[key] = _bound(event[key])
+    event["event"] = escape(str(event.get("event", "")))
+    return event
+
+
 def _redact(_: Any, method: str, event: EventDict) -> EventDict:
     for key in list(event):
         if key != "event":
@@ -132,7 +167,8 @@ class _Router:
 
 
 _ROUTER = _Router()
-_PROCESSORS: list[Any] = [_add_context, _filter_level, _exc, _timestamper, _redact, _render]
+_PROCESSORS: list[Any] = [_add_context, _filter_level, _exc, _timestamper, _redact, _escape,
+                          _render]
 
 
 def get_logger(component: str, **context: Any) -> Any:
