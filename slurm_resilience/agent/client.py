@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from typing import Any
@@ -22,10 +23,9 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(path)
-            try:
+            # Turned away at once: its "busy" answer may still be waiting to be read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(request)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # turned away at once: its "busy" answer may be waiting to be read
             chunks: list[bytes] = []
             while not chunks or not chunks[-1].endswith(b"\n"):
                 data = sock.recv(65536)

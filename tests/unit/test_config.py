@@ -168,3 +168,50 @@ def test_defaults_fit_every_hook_budget() -> None:
 
     cfg = load_text(Config, "checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n")
     assert conflicts(cfg) == []
+
+
+def test_every_process_finds_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """Hooks (their env), the CLI and the agent (their own env) use one lookup:
+    the variable, then the file beside the slurm.conf in use, then /etc."""
+    (tmp_path / "slurm.conf").write_text("")
+    beside = tmp_path / "slurm-resilience.yaml"
+    beside.write_text("")
+    env = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    monkeypatch.delenv(config.ENV_VAR, raising=False)
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+    assert config.locate(None, env) == (str(beside), True)
+    assert config.job_config_path(env) == str(beside)
+    assert config.resolve_path() == (str(beside), True)  # the CLI, the agent
+    named = {config.ENV_VAR: "/x.yaml", **env}
+    assert config.locate(None, named) == ("/x.yaml", True)
+    beside.unlink()
+    assert config.locate(None, env) == (config.DEFAULT_PATH, False)
+
+
+def test_reload_reads_the_file_the_agent_was_started_with(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """After the agent names its --config, every later lookup (live reload) returns it."""
+    monkeypatch.delenv(config.ENV_VAR, raising=False)
+    mine = tmp_path / "agent.yaml"
+    mine.write_text("slurm:\n  timeout_s: 9\n")
+    config.use_path(str(mine))
+    try:
+        assert config.resolve_path() == (str(mine), True)
+        assert config.load().slurm.timeout_s == 9.0
+    finally:
+        config.use_path(None)
+    assert config.resolve_path()[0] != str(mine)
+
+
+def test_hooks_and_agent_agree_on_the_node_name() -> None:
+    """node.name in the config wins over SLURMD_NODENAME in hooks too, as in the agent
+    (which has no SLURMD_NODENAME), so {node} paths are the same in both."""
+    from slurm_resilience.config.paths import node_name
+    from slurm_resilience.hooks.context import HookContext
+
+    cfg = load_text(Config, "node:\n  name: n7\n")
+    hook = HookContext.from_env("prolog", cfg, {"SLURMD_NODENAME": "node2"})
+    assert hook.node == node_name(cfg.node.name, {}) == "n7"
+    assert HookContext.from_env("prolog", Config(), {"SLURMD_NODENAME": "node2"}).node == "node2"
