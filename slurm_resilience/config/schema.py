@@ -62,7 +62,9 @@ class NodeSection:
         "/var/lib/slurm-resilience", help="root-owned directory for caches, journals, state files"
     )
     run_dir: str = setting(
-        "/run/slurm-resilience", help="tmpfs directory for per-job sockets and heartbeat slots"
+        "/var/spool/slurm-resilience",
+        help="per-job directories (heartbeat slots) and job records; not on /run, whose small "
+             "tmpfs munge, systemd and every daemon's pid file share with it",
     )
 
 

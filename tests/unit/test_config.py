@@ -215,3 +215,10 @@ def test_hooks_and_agent_agree_on_the_node_name() -> None:
     hook = HookContext.from_env("prolog", cfg, {"SLURMD_NODENAME": "node2"})
     assert hook.node == node_name(cfg.node.name, {}) == "n7"
     assert HookContext.from_env("prolog", Config(), {"SLURMD_NODENAME": "node2"}).node == "node2"
+
+
+def test_job_files_are_not_on_the_system_tmpfs_by_default() -> None:
+    """No default puts a job-writable directory under /run (munge, systemd, pid files)."""
+    cfg = Config()
+    assert not cfg.node.run_dir.startswith("/run/")
+    assert not cfg.checkpoint.staging_root.startswith("/run/")
