@@ -108,16 +108,19 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
 
 def prolog(ctx: HookContext) -> list[Problem]:
     """Passive checks before the job starts; silent when healthy."""
+    # The job's start is this moment (slurmctld shows the job RUNNING while its prolog
+    # runs), but it is written only after the verdict.
+    started = time.time()
     problems = _gate(ctx, "prolog", job_gpus(ctx.env))
     if ctx.job_id is not None:
-        _bookkeeping(ctx, "record the job's start time", lambda: _note_job_start(ctx), None)
+        _bookkeeping(ctx, "record the job's start time",
+                     lambda: _note_job_start(ctx, started), None)
     return problems
 
 
-def _note_job_start(ctx: HookContext) -> None:
+def _note_job_start(ctx: HookContext, now: float) -> None:
     store = _store(ctx)
     starts = store.load("jobs")
-    now = time.time()
     starts = {k: v for k, v in starts.items() if now - float(v) < 14 * 86400}
     starts[str(ctx.job_id)] = now
     if len(starts) > MAX_JOBS:  # a busy node: keep the newest
