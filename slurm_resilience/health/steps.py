@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from slurm_resilience import log
@@ -193,18 +193,6 @@ def _forget_drain(ctx: HookContext) -> None:
         os.close(fd)
 
 
-def is_health_drain(reason: str, prefix: str, legacy: Iterable[str] = ()) -> bool:
-    """Whether a node reason is a drain the health gate set, whatever its length: its
-    owner tag says so (:mod:`slurm_resilience.slurm.reasons`). ``legacy``: the reasons
-    remembered by versions whose reasons carried no owner."""
-    own = reasons.parse(reason, prefix)
-    if own is not None:
-        return own.owners == {STEP}
-    parts = reason[len(prefix):].strip().split("; ")
-    remembered = set(legacy)
-    return reason.startswith(prefix) and bool(remembered) and set(parts) <= remembered
-
-
 def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
     logger = log.get_logger("health", hook=ctx.kind)
     adapter = ctx.adapter
@@ -220,7 +208,7 @@ def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
         logger.info("node in a state we don't resume from", state=node.state,
                     flags=sorted(node.flags))
         return
-    if not is_health_drain(node.reason, adapter.prefix, ours.get("reasons", [])):
+    if not reasons.owned_by(node.reason, adapter.prefix, STEP, ours.get("reasons", [])):
         logger.info("drain reason not the health gate's; not resuming", reason=node.reason)
         return
     try:

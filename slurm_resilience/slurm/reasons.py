@@ -61,3 +61,15 @@ def parse(reason: str, prefix: str) -> OwnReason | None:
     if not sep or not all(_OWNER.fullmatch(n) for n in names):
         return None
     return OwnReason(frozenset(names), text)
+
+
+def owned_by(reason: str, prefix: str, owner: str, legacy: Iterable[str] = ()) -> bool:
+    """Whether ``reason`` is a drain ``owner`` alone set, whatever its length: its owner
+    tag says so. ``legacy``: the reasons an older version remembered setting, from before
+    reasons carried their owners; an untagged reason made only of those is also ours."""
+    own = parse(reason, prefix)
+    if own is not None:
+        return own.owners == {owner}
+    remembered = set(legacy)
+    parts = reason[len(prefix):].strip().split("; ")
+    return reason.startswith(prefix) and bool(remembered) and set(parts) <= remembered

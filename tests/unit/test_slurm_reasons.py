@@ -33,3 +33,16 @@ def test_parse_finds_the_owners_of_ours_and_nothing_in_others() -> None:
     assert reasons.parse("maintenance: new PSU", "SR:") is None
     assert reasons.parse("SR: gpu3 XID 79 (GPU fell off the bus) 12:01:07", "SR:") is None
     assert reasons.parse("SR: hang job 7: rank 1 stalled", "SR:") is None
+
+
+def test_owned_by_needs_the_owner_alone_or_a_remembered_legacy_reason() -> None:
+    """A tag naming only the owner is its drain; shared tags, other owners and admins'
+    reasons are not; an untagged reason counts only if an older version remembered it."""
+    long = reasons.compose("SR:", ["nccl"], "nccl allreduce " + "z" * 300)[:120]
+    assert reasons.owned_by(long, "SR:", "nccl")
+    assert not reasons.owned_by("SR: health,nccl: x (+1 more)", "SR:", "nccl")
+    assert not reasons.owned_by("SR: health: x", "SR:", "nccl")
+    assert not reasons.owned_by("maintenance", "SR:", "nccl", ["maintenance"])
+    legacy = "SR: nccl allreduce wrong result on rank1"
+    assert reasons.owned_by(legacy, "SR:", "nccl", ["nccl allreduce wrong result on rank1"])
+    assert not reasons.owned_by(legacy, "SR:", "nccl")
