@@ -180,7 +180,9 @@ def test_raised_threshold_drains_with_measured_against_expected(box: Sandbox) ->
     assert reason.endswith(" GB/s < 10000 (2xcpu, 1MiB)")
     entry = cache.read(str(cache_file(box, "node2")))
     assert entry is not None and len(entry["variants"][0]["attempts"]) == 2
-    assert box.job(job).restarts >= 1 or box.job(job).state == "PENDING"
+    # The drain is set before the prolog exits: the requeue follows a moment later.
+    wait_for(f"job {job} requeued", lambda: (lambda j: j.restarts >= 1 or j.state == "PENDING")(
+        box.job(job)), 60)
 
 
 def test_injected_wrong_sum_drains_naming_the_rank(box: Sandbox) -> None:
