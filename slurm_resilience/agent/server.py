@@ -69,7 +69,7 @@ class AgentServer:
     """Accepts on one thread; each admitted connection gets a thread, up to the caps."""
 
     def __init__(self, path: str, *, max_bytes: int = 65536, io_timeout: float = 30.0,
-                 max_connections: int = 64, max_per_uid: int = 8,
+                 max_connections: int = 128, max_per_uid: int = 32,
                  root_reserve: int = ROOT_RESERVE, backlog: int = 256,
                  clock: Callable[[], float] = time.monotonic):
         self.path = path

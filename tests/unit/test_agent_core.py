@@ -136,12 +136,14 @@ def test_connections_over_the_cap_are_answered_busy_without_a_thread(tmp_path: P
             held.append(sock)
         _until(lambda: srv.connections() == 3)
         threads = threading.active_count()
-        for _ in range(20):
+        for _ in range(5):
             with pytest.raises(client.AgentUnavailable, match=r"busy: \d+ connections in all "
                                                               r"\(cap 3\)"):
-                client.call(srv.path, "ping", timeout=30)
+                client.call(srv.path, "ping", timeout=0.1)  # retried until its timeout
         assert threading.active_count() == threads
-        assert srv.stats.busy == 20 and srv.stats.peak_connections == 3
+        assert srv.stats.busy >= 5 and srv.stats.peak_connections == 3
+        held.pop().close()  # a slot comes free: a waiting caller gets in
+        assert client.call(srv.path, "ping", timeout=30)["ok"]
     finally:
         for sock in held:
             sock.close()
