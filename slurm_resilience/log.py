@@ -221,6 +221,14 @@ class Logger:
     def bind(self, **context: Any) -> Logger:
         return Logger({**self._context, **context})
 
+    def unbind(self, *keys: str) -> Logger:
+        return Logger({k: v for k, v in self._context.items() if k not in keys})
+
+    try_unbind = unbind
+
+    def new(self, **context: Any) -> Logger:
+        return Logger(dict(context))
+
     def _log(self, method: str, event: str | None, fields: dict[str, Any]) -> None:
         if _METHOD_LEVEL.get(method, 20) < _state.level:
             return  # cheap early exit: below the level, nothing is built

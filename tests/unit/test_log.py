@@ -94,3 +94,18 @@ def test_json_lines_bound_a_huge_user_value(tmp_path: Path) -> None:
         log.reset()
     event = json.loads((tmp_path / "ev.jsonl").read_text())
     assert event["comment"] == "c" * log.MAX_VALUE + "...[95904 more]"
+
+
+def test_loggers_bind_context_as_structlog_does(tmp_path: Path) -> None:
+    """bind adds keys to every later event of that logger; unbind drops them."""
+    log.configure(mode="json", file=str(tmp_path / "ev.jsonl"))
+    try:
+        base = log.get_logger("agent")
+        bound = base.bind(job_id=7)
+        bound.warning("a")
+        bound.unbind("job_id").warning("b")
+    finally:
+        log.reset()
+    events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("job_id")) for e in events] == [("a", 7), ("b", None)]
+    assert all(e["component"] == "agent" for e in events)
