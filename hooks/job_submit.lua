@@ -222,14 +222,32 @@ local function decide(job_desc)
 	return "switches=" .. want .. "@" .. DATA.wait4switch .. "s"
 end
 
+-- What a user typed (job name, partition, comment, constraint, environment) reaches
+-- slurmctld.log only through esc(): one printable ASCII line, bounded, with quotes,
+-- backslashes and control or non-ASCII bytes as \xHH, so it can't split or forge a line.
+local MAX_LOGGED = 200
+
+local function esc(value)
+	local s = tostring(value)
+	local more = ""
+	if #s > MAX_LOGGED then
+		more = "...[" .. (#s - MAX_LOGGED) .. " more]"
+		s = string.sub(s, 1, MAX_LOGGED)
+	end
+	s = string.gsub(s, '[%c"\\\128-\255]', function(c)
+		return string.format("\\x%02x", string.byte(c))
+	end)
+	return s .. more
+end
+
 function slurm_job_submit(job_desc, part_list, submit_uid)
 	local ok, result = pcall(decide, job_desc)
 	if not ok then
-		slurm.log_error("%s: internal error, job accepted unchanged: %s", TAG, tostring(result))
+		slurm.log_error("%s: internal error, job accepted unchanged: %s", TAG, esc(result))
 	elseif result then
-		slurm.log_info("%s: job %s uid=%s nodes=%s partition=%s: %s", TAG,
-			tostring(job_desc.name), tostring(submit_uid), tostring(job_desc.min_nodes),
-			tostring(job_desc.partition), result)
+		slurm.log_info('%s: job "%s" uid=%s nodes=%s partition="%s": %s', TAG,
+			esc(job_desc.name), esc(submit_uid), esc(job_desc.min_nodes),
+			esc(job_desc.partition), esc(result))
 	end
 	return slurm.SUCCESS
 end

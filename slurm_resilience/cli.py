@@ -43,6 +43,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", metavar="FILE",
         help="configuration file (default: $SLURM_RESILIENCE_CONFIG, then "
+             "slurm-resilience.yaml beside $SLURM_CONF or /etc/slurm/slurm.conf, then "
              "/etc/slurm-resilience/config.yaml)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")

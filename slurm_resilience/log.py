@@ -8,7 +8,11 @@ Our loggers share a small mutable state that :func:`configure` fills in:
 * the CLI: human-readable lines on stderr.
 
 Every event carries ``component`` and, once known, ``node`` and ``job_id``.
-Values under secret-looking keys are replaced before rendering.
+Loggers are structlog-style (``logger.info("event", key=value)``, ``bind``) but
+built here on the standard library: structlog's import (asyncio, ssl) cost the
+prolog, which runs on every job's critical path, about a quarter of its time.
+Values under secret-looking keys are replaced before rendering, and every string is
+escaped to one printable, bounded line (users control job names, comments, options).
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import re
 import sys
 import syslog
 import threading
+import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import structlog
-
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
 _METHOD_LEVEL = {**LEVELS, "exception": 40, "msg": 20, "fatal": 50}
+_LEVEL_NAME = {"warn": "warning", "exception": "error", "msg": "info", "fatal": "critical"}
 _SYSLOG_PRIORITY = {
     10: syslog.LOG_DEBUG,
     20: syslog.LOG_INFO,
@@ -87,11 +91,69 @@ def _add_context(_: Any, method: str, event: EventDict) -> EventDict:
     return event
 
 
+class DropEvent(Exception):
+    """Raised by a processor to drop the event (below the configured level)."""
+
+
 def _filter_level(_: Any, method: str, event: EventDict) -> EventDict:
     level = _METHOD_LEVEL.get(method, 20)
     if level < _state.level:
-        raise structlog.DropEvent
-    event["level"] = "error" if method == "exception" else method
+        raise DropEvent
+    event["level"] = _LEVEL_NAME.get(method, method)
+    return event
+
+
+def _exc(_: Any, method: str, event: EventDict) -> EventDict:
+    exc_info = event.pop("exc_info", None)
+    if exc_info:
+        if not isinstance(exc_info, tuple):
+            exc_info = sys.exc_info()
+        if exc_info[0] is not None:
+            import traceback
+
+            event["exception"] = "".join(traceback.format_exception(*exc_info)).rstrip("\n")
+    return event
+
+
+def _timestamper(_: Any, method: str, event: EventDict) -> EventDict:
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+    event["timestamp"] = f"{stamp}.{int(now % 1 * 1e6):06d}Z"
+    return event
+
+
+MAX_VALUE = 4096  # characters of one string value; users control job names, comments, options
+
+
+def escape(text: str, limit: int = MAX_VALUE) -> str:
+    """One printable line, bounded: newlines, escape sequences and other control or
+    invisible characters (U+2028, bidi overrides) become ``\\n``, ``\\x1b``, ``\\u2028``,
+    so what a user put in a job name can't start a line of its own or hide text."""
+    if len(text) > limit:
+        text = text[:limit] + f"...[{len(text) - limit} more]"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _bound(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape(value) if len(value) > MAX_VALUE else value
+    if isinstance(value, dict):
+        return {k: _bound(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_bound(v) for v in value]
+    return value
+
+
+def _escape(_: Any, method: str, event: EventDict) -> EventDict:
+    # Both renderers escape values (json.dumps; the console's repr), not the event text,
+    # which may quote a user's value: that is escaped here, and every value is bounded.
+    for key in list(event):
+        event[key] = _bound(event[key])
+    if isinstance(event.get("event"), str):
+        event["event"] = escape(event["event"])
     return event
 
 
@@ -103,21 +165,35 @@ def _redact(_: Any, method: str, event: EventDict) -> EventDict:
     return event
 
 
-_timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
-_exc = structlog.processors.format_exc_info
-_console = structlog.dev.ConsoleRenderer(colors=False)
+_QUOTE = frozenset(" \t=\r\n\"'")
+
+
+def _console_value(value: Any) -> str:
+    if isinstance(value, str) and not (set(value) & _QUOTE):
+        return value
+    return repr(value)
+
+
+def _console(event: EventDict) -> str:
+    """``<time> [<level>] <event> key=value ...``, keys sorted; a traceback below."""
+    exc = event.pop("exception", None)
+    head = (f"{event.pop('timestamp', '')} [{event.pop('level', ''):<9}] "
+            f"{event.pop('event', '')!s:<30}")
+    pairs = " ".join(f"{k}={_console_value(v)}" for k, v in sorted(event.items()))
+    line = f"{head} {pairs}".rstrip()
+    return f"{line}\n{exc}" if exc else line
 
 
 def _render(logger: Any, method: str, event: EventDict) -> str:
     if _state.json:
         return json.dumps(event, default=str, sort_keys=False)
-    return str(_console(logger, method, event))
+    return _console(event)
 
 
 class _Router:
-    """The structlog 'logger': sends each rendered line to the configured sinks."""
+    """Sends each rendered line to the configured sinks."""
 
-    def _emit(self, line: str, level: int) -> None:
+    def emit(self, line: str, level: int) -> None:
         with _state.lock:
             for stream in (_state.stream, _state.file):
                 if stream is not None:
@@ -126,23 +202,75 @@ class _Router:
         if _state.syslog:
             syslog.syslog(_SYSLOG_PRIORITY.get(level, syslog.LOG_INFO), line)
 
-    def __getattr__(self, name: str) -> Callable[[str], None]:
-        level = _METHOD_LEVEL.get(name, 20)
-        return lambda line: self._emit(line, level)
-
 
 _ROUTER = _Router()
-_PROCESSORS: list[Any] = [_add_context, _filter_level, _exc, _timestamper, _redact, _render]
+_PROCESSORS: list[Callable[[Any, str, EventDict], Any]] = [
+    _add_context, _filter_level, _exc, _timestamper, _redact, _escape, _render]
 
 
-def get_logger(component: str, **context: Any) -> Any:
+class Logger:
+    """A logger with bound context: ``logger.warning("event", key=value)``.
+
+    The event dict is the bound context, then the call's keys, then ``event``; the
+    processors above add the process context, level and time, redact, escape and render.
+    """
+
+    def __init__(self, context: dict[str, Any]):
+        self._context = context
+
+    def bind(self, **context: Any) -> Logger:
+        return Logger({**self._context, **context})
+
+    def unbind(self, *keys: str) -> Logger:
+        return Logger({k: v for k, v in self._context.items() if k not in keys})
+
+    try_unbind = unbind
+
+    def new(self, **context: Any) -> Logger:
+        return Logger(dict(context))
+
+    def _log(self, method: str, event: str | None, fields: dict[str, Any]) -> None:
+        if _METHOD_LEVEL.get(method, 20) < _state.level:
+            return  # cheap early exit: below the level, nothing is built
+        data: Any = {**self._context, **fields, "event": event}
+        try:
+            for processor in _PROCESSORS:
+                data = processor(None, method, data)
+        except DropEvent:
+            return
+        _ROUTER.emit(data, _METHOD_LEVEL.get(method, 20))
+
+    def debug(self, event: str | None = None, **fields: Any) -> None:
+        self._log("debug", event, fields)
+
+    def info(self, event: str | None = None, **fields: Any) -> None:
+        self._log("info", event, fields)
+
+    def msg(self, event: str | None = None, **fields: Any) -> None:
+        self._log("msg", event, fields)
+
+    def warning(self, event: str | None = None, **fields: Any) -> None:
+        self._log("warning", event, fields)
+
+    warn = warning
+
+    def error(self, event: str | None = None, **fields: Any) -> None:
+        self._log("error", event, fields)
+
+    def exception(self, event: str | None = None, **fields: Any) -> None:
+        """An error with the exception being handled (its traceback)."""
+        fields.setdefault("exc_info", True)
+        self._log("exception", event, fields)
+
+    def critical(self, event: str | None = None, **fields: Any) -> None:
+        self._log("critical", event, fields)
+
+    fatal = critical
+
+
+def get_logger(component: str, **context: Any) -> Logger:
     """A logger bound to ``component``; cheap to create at import time."""
-    return structlog.wrap_logger(
-        _ROUTER,
-        processors=_PROCESSORS,
-        context_class=dict,
-        cache_logger_on_first_use=False,
-    ).bind(component=component, **context)
+    return Logger({"component": component, **context})
 
 
 def configure(

@@ -28,7 +28,8 @@ from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.sandbox.layout import S3_OFFSET, Layout
 
 REPO = Path(__file__).resolve().parents[1]
-REAL_FIXTURES = REPO.parent / "shared" / "fixtures" / "real"
+# Real captures kept in the repo (see tests/fixtures/SOURCES.md).
+REAL_FIXTURES = REPO / "tests" / "fixtures"
 REQUIRE_SANDBOX = os.environ.get("SLURM_RESILIENCE_REQUIRE_SANDBOX") == "1"
 KEEP_SANDBOX = os.environ.get("SLURM_RESILIENCE_KEEP_SANDBOX") == "1"
 TEST_USERS = ("srtest1", "srtest2")

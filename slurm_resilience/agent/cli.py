@@ -22,6 +22,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
+    # Live reload (and anything else that re-reads the file) reads this same file.
+    config.use_path(config.resolve_path(args.config)[0])
     node = node_name(args.node or cfg.node.name)
     log.configure(mode="json", level="debug" if args.verbose else cfg.logging.level,
                   file=cfg.logging.file, use_syslog=cfg.logging.syslog, node=node)

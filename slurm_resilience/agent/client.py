@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
 from typing import Any
+
+BUSY_PAUSE_S = 0.02  # first pause after a "busy" answer; it doubles up to 0.5 s
 
 
 class AgentUnavailable(Exception):
-    """The agent's socket is missing or does not answer."""
+    """The agent's socket is missing, does not answer, or is busy (over its caps)."""
 
 
 class AgentRefused(Exception):
@@ -16,13 +20,38 @@ class AgentRefused(Exception):
 
 
 def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, Any]:
-    """Send one request and return the answer; raises on transport errors and refusals."""
+    """Send one request and return the answer; raises on transport errors and refusals.
+
+    An agent over its connection caps answers "busy" at once; the call tries again, with
+    a growing pause, until ``timeout`` has passed (a burst of a job's own ranks gets
+    through), then raises :class:`AgentUnavailable` like an agent that can't be reached.
+    """
     request = json.dumps({"op": op, **args}).encode() + b"\n"
+    deadline = time.monotonic() + timeout
+    pause = BUSY_PAUSE_S
+    while True:
+        answer = _once(path, request, max(deadline - time.monotonic(), 0.01))
+        if not answer.get("busy"):
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AgentUnavailable(f"agent: couldn't get a connection at {path}: "
+                                   f"{answer.get('error', 'busy')}")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)
+    if not answer.get("ok"):
+        raise AgentRefused(str(answer.get("error", "refused")))
+    return answer
+
+
+def _once(path: str, request: bytes, timeout: float) -> dict[str, Any]:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(path)
-            sock.sendall(request)
+            # Turned away at once: its "busy" answer may still be waiting to be read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(request)
             chunks: list[bytes] = []
             while not chunks or not chunks[-1].endswith(b"\n"):
                 data = sock.recv(65536)
@@ -37,6 +66,4 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, 
         raise AgentUnavailable(f"agent: unreadable answer from {path}") from exc
     if not isinstance(answer, dict):
         raise AgentUnavailable(f"agent: unreadable answer from {path}")
-    if not answer.get("ok"):
-        raise AgentRefused(str(answer.get("error", "refused")))
     return answer

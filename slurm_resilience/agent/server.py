@@ -2,17 +2,30 @@
 
 Nothing a client sends is evaluated or unpickled: requests are JSON, bounded in
 size, and every handler is told the caller's uid/gid/pid from SO_PEERCRED.
+
+Everything a local user can grow is bounded: connections in total and per uid (a
+connection over a cap is answered "busy" and closed at once, without a thread), the
+time to send one request and to take its answer (a deadline per connection, not per
+read), and the request's size. Root (the hooks) has a few slots of its own, so a
+user's flood can't shut out a prolog. At fd exhaustion the accept loop backs off
+instead of spinning, and the clients already in are served.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import select
 import socket
-import socketserver
 import stat
 import struct
 import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from slurm_resilience.agent.service import Handler, Peer, RequestError
@@ -21,6 +34,12 @@ from slurm_resilience.log import get_logger
 log = get_logger("agent")
 
 _UCRED = struct.Struct("3i")
+# Errors of accept() that mean "out of fds or memory": wait, don't spin.
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 1.0
+ROOT_RESERVE = 8  # connections only uid 0 (the hooks) may use once the others are taken
+_WARN_EVERY_S = 60.0  # one warning per kind of refusal and uid per minute: no log flood
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -30,41 +49,46 @@ def peer_of(sock: socket.socket) -> Peer:
     return Peer(pid=pid, uid=uid, gid=gid)
 
 
-class _RequestHandler(socketserver.StreamRequestHandler):
-    server: AgentServer
-
-    def handle(self) -> None:
-        peer = peer_of(self.connection)
-        self.connection.settimeout(self.server.io_timeout)
-        try:
-            line = self.rfile.readline(self.server.max_bytes + 1)
-        except OSError as exc:
-            log.warning("couldn't read request", error=str(exc), uid=peer.uid)
-            return
-        if len(line) > self.server.max_bytes:
-            too_big = f"request larger than {self.server.max_bytes} bytes"
-            self._reply({"ok": False, "error": too_big})
-            return
-        self._reply(self.server.dispatch(line, peer))
-
-    def _reply(self, response: dict[str, Any]) -> None:
-        try:
-            self.wfile.write(json.dumps(response, default=str).encode() + b"\n")
-        except OSError as exc:
-            log.warning("couldn't send answer", error=str(exc))
+class _Incomplete(Exception):
+    """A request that did not arrive whole: too slow or too big."""
 
 
-class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """Threaded so a slow handler (a stage-in) does not block heartbeat queries."""
+@dataclass
+class ServerStats:
+    """Counters a test or a status line can read."""
 
-    daemon_threads = True
+    admitted: int = 0
+    busy: int = 0  # refused over a cap
+    timed_out: int = 0
+    too_big: int = 0
+    accept_errors: int = 0
+    peak_connections: int = 0
 
-    def __init__(self, path: str, *, max_bytes: int = 65536, io_timeout: float = 30.0):
+
+class AgentServer:
+    """Accepts on one thread; each admitted connection gets a thread, up to the caps."""
+
+    def __init__(self, path: str, *, max_bytes: int = 65536, io_timeout: float = 30.0,
+                 max_connections: int = 128, max_per_uid: int = 32,
+                 root_reserve: int = ROOT_RESERVE, backlog: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
         self.path = path
         self.max_bytes = max_bytes
         self.io_timeout = io_timeout
+        self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self.root_reserve = root_reserve
+        self.clock = clock
         self.routes: dict[str, Handler] = {}
         self.routes_lock = threading.Lock()
+        self.stats = ServerStats()
+        self._open: Counter[int] = Counter()  # uid -> admitted connections now
+        self._lock = threading.Lock()
+        self._warned: dict[tuple[str, int], float] = {}
+        self._backoff = 0.0
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
         parent = os.path.dirname(path)
         os.makedirs(parent, mode=0o755, exist_ok=True)
         st = os.lstat(parent)
@@ -76,15 +100,184 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 os.unlink(path)  # a stale socket from a previous run
         except FileNotFoundError:
             pass
-        super().__init__(path, _RequestHandler)
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.socket.bind(path)
+            self.socket.listen(backlog)
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.setblocking(False)
         # Any local user may connect; handlers decide with the peer's credentials.
         os.chmod(path, 0o666)  # noqa: S103
+        self._wake_r, self._wake_w = os.pipe()
+
+    # -- routes ---------------------------------------------------------------------------
 
     def route(self, op: str, handler: Handler) -> None:
         with self.routes_lock:
             if op in self.routes:
                 raise ValueError(f"agent: two services answer op {op!r}")
             self.routes[op] = handler
+
+    # -- the accept loop ------------------------------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stopped.clear()
+        try:
+            while not self._stop.is_set():
+                ready, _, _ = select.select([self.socket.fileno(), self._wake_r], [], [],
+                                            poll_interval)
+                if self.socket.fileno() in ready:
+                    delay = self.accept_one()
+                    if delay:
+                        self._stop.wait(delay)  # out of fds: let connections finish first
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop the accept loop (connections being served finish on their own)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def accept_one(self) -> float:
+        """Accept one connection and admit or refuse it; returns how long to pause accepting
+        (0, or a growing back-off while the process is out of fds)."""
+        try:
+            conn, _ = self.socket.accept()
+        except (BlockingIOError, InterruptedError):
+            return 0.0
+        except OSError as exc:
+            self.stats.accept_errors += 1
+            if exc.errno not in _EXHAUSTED:
+                self._warn("accept", 0, "agent: accept: couldn't accept a connection",
+                           error=str(exc))
+                return BACKOFF_MIN_S
+            self._backoff = min(max(self._backoff * 2, BACKOFF_MIN_S), BACKOFF_MAX_S)
+            self._warn("exhausted", 0, "agent: accept: couldn't accept a connection: out of "
+                       "file descriptors; pausing", error=str(exc), pause_s=self._backoff)
+            return self._backoff
+        self._backoff = 0.0
+        try:
+            peer = peer_of(conn)
+        except OSError as exc:
+            conn.close()
+            self._warn("peercred", 0, "agent: accept: couldn't read the peer's credentials",
+                       error=str(exc))
+            return 0.0
+        why = self._admit(peer.uid)
+        if why:
+            self._refuse(conn, peer, why)
+            return 0.0
+        try:
+            threading.Thread(target=self._serve, args=(conn, peer), name="agent-conn",
+                             daemon=True).start()
+        except RuntimeError as exc:  # can't start new thread: the process is at its limit
+            self._release(peer.uid)
+            self._refuse(conn, peer, f"can't start a thread: {exc}")
+        return 0.0
+
+    def connections(self) -> int:
+        with self._lock:
+            return sum(self._open.values())
+
+    def _admit(self, uid: int) -> str:
+        """Take a slot for ``uid``; returns why not ('' when admitted)."""
+        with self._lock:
+            total = sum(self._open.values())
+            if uid != 0 and self._open[uid] >= self.max_per_uid:
+                return f"{self._open[uid]} connections from uid {uid} (cap {self.max_per_uid})"
+            cap = self.max_connections + (self.root_reserve if uid == 0 else 0)
+            if total >= cap:
+                return f"{total} connections in all (cap {cap})"
+            self._open[uid] += 1
+            self.stats.admitted += 1
+            self.stats.peak_connections = max(self.stats.peak_connections, total + 1)
+            return ""
+
+    def _release(self, uid: int) -> None:
+        with self._lock:
+            self._open[uid] -= 1
+            if self._open[uid] <= 0:
+                del self._open[uid]
+
+    def _refuse(self, conn: socket.socket, peer: Peer, why: str) -> None:
+        self.stats.busy += 1
+        self._warn("busy", peer.uid, "agent: accept: refused a connection: busy",
+                   uid=peer.uid, pid=peer.pid, why=why)
+        answer = {"ok": False, "busy": True, "error": f"agent: busy: {why}"}
+        with contextlib.suppress(OSError):  # never wait on a client we are turning away
+            conn.send(json.dumps(answer).encode() + b"\n", socket.MSG_DONTWAIT)
+        conn.close()
+
+    def _warn(self, kind: str, who: int, event: str, **fields: Any) -> None:
+        now = self.clock()
+        last = self._warned.get((kind, who))
+        if last is not None and now - last < _WARN_EVERY_S:
+            return
+        if len(self._warned) > 10000:  # many uids: forget, rather than grow
+            self._warned.clear()
+        self._warned[(kind, who)] = now
+        log.warning(event, **fields)
+
+    # -- one connection -------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        try:
+            try:
+                line = self._read_request(conn)
+            except _Incomplete as exc:
+                self._reply(conn, {"ok": False, "error": str(exc)})
+                return
+            except OSError as exc:
+                log.debug("agent: couldn't read request", error=str(exc), uid=peer.uid)
+                return
+            self._reply(conn, self.dispatch(line, peer))
+        finally:
+            conn.close()
+            self._release(peer.uid)
+
+    def _read_request(self, conn: socket.socket) -> bytes:
+        """One line, whole within ``io_timeout`` and ``max_bytes``: a client that trickles
+        bytes is cut at the same deadline as one that sends nothing."""
+        deadline = self.clock() + self.io_timeout
+        buf = bytearray()
+        while b"\n" not in buf:
+            if len(buf) > self.max_bytes:
+                break
+            left = deadline - self.clock()
+            if left <= 0:
+                self.stats.timed_out += 1
+                raise _Incomplete(f"agent: couldn't read request: not complete within "
+                                  f"{self.io_timeout:g}s")
+            conn.settimeout(left)
+            try:
+                chunk = conn.recv(min(65536, self.max_bytes + 1 - len(buf)) or 1)
+            except TimeoutError:
+                continue  # the deadline check above answers
+            if not chunk:
+                break  # EOF: what came is the request
+            buf += chunk
+        line = bytes(buf).split(b"\n", 1)[0]
+        if len(line) > self.max_bytes:
+            self.stats.too_big += 1
+            raise _Incomplete(f"request larger than {self.max_bytes} bytes")
+        return line
+
+    def _reply(self, conn: socket.socket, response: dict[str, Any]) -> None:
+        try:
+            conn.settimeout(self.io_timeout)
+            conn.sendall(json.dumps(response, default=str).encode() + b"\n")
+        except OSError as exc:
+            log.debug("agent: couldn't send answer", error=str(exc))
 
     def dispatch(self, line: bytes, peer: Peer) -> dict[str, Any]:
         try:
@@ -99,7 +292,7 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         handler = self.routes.get(op)
         if handler is None:
             known = ", ".join(sorted(self.routes))
-            return {"ok": False, "error": f"unknown op {op!r}; known: {known}"}
+            return {"ok": False, "error": f"unknown op {op[:64]!r}; known: {known}"}
         try:
             answer = handler(request, peer)
         except RequestError as exc:

@@ -10,40 +10,63 @@ from slurm_resilience.config.schema import DEFAULT_PATH, ENV_VAR, Config
 
 __all__ = [
     "DEFAULT_PATH", "ENV_VAR", "ByteSize", "Config", "ConfigError", "job_config_path", "load",
-    "load_text", "resolve_path", "setting", "to_dict",
+    "load_text", "locate", "resolve_path", "setting", "to_dict", "use_path",
 ]
 
 
-def resolve_path(explicit: str | None = None) -> tuple[str, bool]:
-    """The file to read and whether the user named it (a named file must exist)."""
-    if explicit:
-        return explicit, True
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return env, True
+# Where Slurm looks for slurm.conf when SLURM_CONF is not set (Debian's and most builds').
+SLURM_DEFAULT_CONF = "/etc/slurm/slurm.conf"
+BESIDE_SLURM_CONF = "slurm-resilience.yaml"
+
+_process_path: str | None = None
+
+
+def use_path(path: str | None) -> None:
+    """Name the file this process was started with (the agent's ``--config``), so that
+    whatever re-reads the configuration later (live reload) reads that same file."""
+    global _process_path
+    _process_path = path or None
+
+
+def locate(explicit: str | None = None, env: Mapping[str, str] | None = None
+           ) -> tuple[str, bool]:
+    """The one lookup every process uses (hooks, agent, CLI, reload); returns the file
+    and whether it was named (a named file must exist):
+
+    1. ``explicit`` (``--config``), or the file this process was started with;
+    2. ``$SLURM_RESILIENCE_CONFIG``;
+    3. ``slurm-resilience.yaml`` beside the slurm.conf in use (``$SLURM_CONF``, else
+       Slurm's default ``/etc/slurm/slurm.conf``): slurmd starts hooks with a fixed
+       environment but always with ``SLURM_CONF``, so a file there needs no setting;
+    4. ``/etc/slurm-resilience/config.yaml``.
+    """
+    env = os.environ if env is None else env
+    if explicit or _process_path:
+        return str(explicit or _process_path), True
+    if env.get(ENV_VAR):
+        return env[ENV_VAR], True
+    slurm_conf = env.get("SLURM_CONF") or SLURM_DEFAULT_CONF
+    beside = os.path.join(os.path.dirname(slurm_conf), BESIDE_SLURM_CONF)
+    if os.path.isfile(beside):
+        return beside, True
     return DEFAULT_PATH, False
 
 
-def job_config_path(env: Mapping[str, str]) -> str | None:
-    """The file for code started by Slurm (hooks, job tasks): ``$SLURM_RESILIENCE_CONFIG``,
-    then ``slurm-resilience.yaml`` beside the ``slurm.conf`` in use; None means the default.
+def resolve_path(explicit: str | None = None) -> tuple[str, bool]:
+    """:func:`locate` in this process's environment."""
+    return locate(explicit)
 
-    slurmd starts hooks with a fixed environment, but always with ``SLURM_CONF``, so a
-    file beside it is found without any setting (the sandbox relies on this).
-    """
-    if env.get(ENV_VAR):
-        return env[ENV_VAR]
-    slurm_conf = env.get("SLURM_CONF", "")
-    if slurm_conf:
-        beside = os.path.join(os.path.dirname(slurm_conf), "slurm-resilience.yaml")
-        if os.path.isfile(beside):
-            return beside
-    return None
+
+def job_config_path(env: Mapping[str, str]) -> str | None:
+    """:func:`locate` for code started by Slurm (hooks, job tasks) with ``env``; None
+    means the default file."""
+    path, named = locate(None, env)
+    return path if named else None
 
 
 def load(path: str | None = None) -> Config:
     """Load and validate the configuration; a missing default file means all defaults."""
-    source, named = resolve_path(path)
+    source, named = locate(path)
     try:
         with open(source, encoding="utf-8") as fh:
             text = fh.read()

@@ -22,3 +22,12 @@ class AgentSection:
     max_request_bytes: int = setting(
         65536, min=1024, max=16 * 1024 * 1024, help="largest request line accepted from a client"
     )
+    max_connections: int = setting(
+        128, min=1, max=4096,
+        help="connections served at once, all users together (root has 8 more of its own, so "
+             "a user's flood can't shut out the hooks); one more is answered busy and closed",
+    )
+    max_connections_per_uid: int = setting(
+        32, min=1, max=1024,
+        help="connections one non-root uid may have open at once (a job's ranks, its CLI)",
+    )

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 
 
-def node_name(configured: str = "") -> str:
-    """The Slurm node name of this process: config, then SLURMD_NODENAME, then the host."""
-    return configured or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+def node_name(configured: str = "", env: Mapping[str, str] | None = None) -> str:
+    """The Slurm node name, in the one order every process uses (hooks, agent, CLI):
+    ``configured`` (a ``--node`` argument, else the config's ``node.name``), then
+    ``SLURMD_NODENAME`` (from ``env``, default this process's), then the short host name.
+    The agent runs without SLURMD_NODENAME, so a name set in the config must win for
+    hooks too, or ``{node}`` paths (the agent's socket) would differ between them."""
+    env = os.environ if env is None else env
+    return configured or env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 def node_path(template: str, node: str) -> str:

@@ -62,7 +62,9 @@ class NodeSection:
         "/var/lib/slurm-resilience", help="root-owned directory for caches, journals, state files"
     )
     run_dir: str = setting(
-        "/run/slurm-resilience", help="tmpfs directory for per-job sockets and heartbeat slots"
+        "/var/spool/slurm-resilience",
+        help="per-job directories (heartbeat slots) and job records; not on /run, whose small "
+             "tmpfs munge, systemd and every daemon's pid file share with it",
     )
 
 
@@ -79,8 +81,13 @@ class HooksSection:
     )
     on_internal_error: Literal["fail-open", "fail-closed"] = setting(
         "fail-open",
-        help="a bug or crash in a hook step: fail-open logs it and lets the job run; "
-             "fail-closed drains the node",
+        help="a bug or crash in a hook step, or a hook past its limit: fail-open logs it and "
+             "lets the job run; fail-closed drains the node with an SR: reason",
+    )
+    watchdog_grace_s: float = setting(
+        10.0, min=1, max=120,
+        help="after a hook's limit, how long its watchdog may spend draining with our reason "
+             "(fail-closed); set slurm.conf's PrologEpilogTimeout above the limit plus this",
     )
 
 
@@ -100,3 +107,10 @@ class Config:
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")
     topology: TopologySection = setting(
         default_factory=TopologySection, help="fabric discovery and leaf pinning")
+
+    def validate(self) -> None:
+        from slurm_resilience.config.budgets import conflicts
+
+        found = conflicts(self)
+        if found:
+            raise ValueError("; ".join(c.message() for c in found))

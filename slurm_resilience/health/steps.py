@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from slurm_resilience import log
 from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
 
 STEP = "health"
@@ -26,6 +28,7 @@ _RESUMABLE_STATES = {"IDLE", "MIXED", "ALLOCATED"}
 _RESUMABLE_FLAGS = {"DRAIN", "DRAINING", "DRAINED"}
 _HELD_REASON = "launch failed requeued held"
 MAX_JOBS = 1000  # job start times kept for the epilog
+T = TypeVar("T")
 
 
 def gres_gpus(gres: str) -> int | None:
@@ -52,13 +55,28 @@ def _store(ctx: HookContext) -> Any:
     return StateStore(state_dir(ctx.cfg, ctx.node))
 
 
-def _remember(ctx: HookContext, reason: str) -> None:
-    """Note which drain reason is ours and, in the prolog, which job we failed."""
+def _bookkeeping(ctx: HookContext, what: str, fn: Callable[[], T], default: T) -> T:
+    """Run a state-file read or write that must never decide the verdict.
+
+    The verdict is already made when this runs; an unusable ``state_dir`` (read-only,
+    full, not a directory, garbage inside) costs only the history, and is said.
+    """
+    try:
+        return fn()
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.get_logger("health", hook=ctx.kind).warning(
+            f"health: {ctx.kind}: couldn't {what}", error=f"{type(exc).__name__}: {exc}")
+        return default
+
+
+def _remember(ctx: HookContext) -> None:
+    """Note that we drained (so the healthcheck looks for its own drain to resume) and,
+    in the prolog, which job we failed."""
     store = _store(ctx)
     fd = store.lock()
     try:
         ours = store.load(OURS)
-        ours["reasons"] = sorted(set(ours.get("reasons", [])) | set(reason.split("; ")))[-50:]
+        ours["drained"] = True
         ours["streak"] = 0
         if ctx.kind == "prolog" and ctx.job_id is not None:
             held = [j for j in ours.get("failed_jobs", []) if j != ctx.job_id]
@@ -80,24 +98,29 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
         if notable:
             logger.info("health findings", findings=notable)
         return []
-    reason = report.verdict.reason()
-    logger.warning("health gate failed", reason=reason, findings=notable,
+    blocking = report.verdict.blocking
+    logger.warning("health gate failed", reason=report.verdict.reason(), findings=notable,
                    seconds=report.seconds)
-    _remember(ctx, reason)
-    return [Problem(STEP, reason)]
+    problems = [Problem(STEP, blocking[0].message, more=len(blocking) - 1)]
+    _bookkeeping(ctx, "record that the node was drained", lambda: _remember(ctx), None)
+    return problems
 
 
 def prolog(ctx: HookContext) -> list[Problem]:
     """Passive checks before the job starts; silent when healthy."""
+    # The job's start is this moment (slurmctld shows the job RUNNING while its prolog
+    # runs), but it is written only after the verdict.
+    started = time.time()
+    problems = _gate(ctx, "prolog", job_gpus(ctx.env))
     if ctx.job_id is not None:
-        _note_job_start(ctx)
-    return _gate(ctx, "prolog", job_gpus(ctx.env))
+        _bookkeeping(ctx, "record the job's start time",
+                     lambda: _note_job_start(ctx, started), None)
+    return problems
 
 
-def _note_job_start(ctx: HookContext) -> None:
+def _note_job_start(ctx: HookContext, now: float) -> None:
     store = _store(ctx)
     starts = store.load("jobs")
-    now = time.time()
     starts = {k: v for k, v in starts.items() if now - float(v) < 14 * 86400}
     starts[str(ctx.job_id)] = now
     if len(starts) > MAX_JOBS:  # a busy node: keep the newest
@@ -105,12 +128,17 @@ def _note_job_start(ctx: HookContext) -> None:
     store.save("jobs", starts)
 
 
+def _job_start(ctx: HookContext) -> float | None:
+    value = _store(ctx).load("jobs").get(str(ctx.job_id))
+    return float(value) if value is not None else None
+
+
 def epilog(ctx: HookContext) -> list[Problem]:
     """The prolog's checks plus the Xids raised while the job ran."""
     start = None
     if ctx.job_id is not None:
-        value = _store(ctx).load("jobs").get(str(ctx.job_id))
-        start = float(value) if value is not None else None
+        # Without it the Xid check looks at its whole window instead of the job's run.
+        start = _bookkeeping(ctx, "read the job's start time", lambda: _job_start(ctx), None)
     return _gate(ctx, "epilog", job_gpus(ctx.env), job_start=start)
 
 
@@ -119,33 +147,50 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
     h = ctx.cfg.health
     expected = None
     logger = log.get_logger("health", hook=ctx.kind)
-    node = None
     if h.gpu.expected_count < 0:
         try:
-            node = ctx.adapter.show_node(ctx.node)
-            expected = gres_gpus(node.gres)
+            expected = gres_gpus(ctx.adapter.show_node(ctx.node).gres)
         except SlurmError as exc:
             logger.warning("couldn't read the node's gres; GPU count not checked", error=str(exc))
     problems = _gate(ctx, "healthcheck", expected)
-    store = _store(ctx)
     if h.release_held_jobs:
         # Whether or not this node is healthy now: the node is drained, so a released
         # job is scheduled elsewhere.
-        failed = store.load(OURS).get("failed_jobs")
+        failed: list[int] = _bookkeeping(ctx, "read the jobs our prolog failed",
+                              lambda: list(_store(ctx).load(OURS).get("failed_jobs") or []), [])
         if failed:
             _release_held(ctx, failed)
     if problems:
         return problems
+    ours = _bookkeeping(ctx, "record the streak of clean runs", lambda: _count_pass(ctx), None)
+    if ours is not None and int(ours["streak"]) >= h.resume_after_passes and (
+            ours.get("drained") or ours.get("reasons")):
+        _maybe_resume(ctx, ours)
+    return []
+
+
+def _count_pass(ctx: HookContext) -> dict[str, Any]:
+    store = _store(ctx)
     fd = store.lock()
     try:
-        ours = store.load(OURS)
+        ours: dict[str, Any] = store.load(OURS)
         ours["streak"] = int(ours.get("streak", 0)) + 1
         store.save(OURS, ours)
     finally:
         os.close(fd)
-    if ours["streak"] >= h.resume_after_passes and ours.get("reasons"):
-        _maybe_resume(ctx, ours)
-    return []
+    return ours
+
+
+def _forget_drain(ctx: HookContext) -> None:
+    store = _store(ctx)
+    fd = store.lock()
+    try:
+        ours = store.load(OURS)
+        ours.pop("drained", None)
+        ours.pop("reasons", None)
+        store.save(OURS, ours)
+    finally:
+        os.close(fd)
 
 
 def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
@@ -157,21 +202,20 @@ def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
         logger.warning("couldn't read node state; not resuming", error=str(exc))
         return
     if not node.drained:
+        _bookkeeping(ctx, "record that our drain is over", lambda: _forget_drain(ctx), None)
         return
     if node.state not in _RESUMABLE_STATES or not node.flags <= _RESUMABLE_FLAGS:
         logger.info("node in a state we don't resume from", state=node.state,
                     flags=sorted(node.flags))
         return
-    if not adapter.ours(node.reason):
-        return  # someone else's drain: never ours to lift
-    parts = node.reason[len(adapter.prefix):].strip().split("; ")
-    if not set(parts) <= set(ours.get("reasons", [])):
+    if not reasons.owned_by(node.reason, adapter.prefix, STEP, ours.get("reasons", [])):
         logger.info("drain reason not the health gate's; not resuming", reason=node.reason)
         return
     try:
         if adapter.resume(ctx.node):
             logger.warning("node healthy again: resumed", passes=ours["streak"],
                            previous_reason=node.reason)
+            _bookkeeping(ctx, "record that our drain is over", lambda: _forget_drain(ctx), None)
     except ForeignDrain as exc:
         logger.info("drain changed hands before resume; left alone", error=str(exc))
 
@@ -200,6 +244,10 @@ def _release_held(ctx: HookContext, failed_jobs: list[int]) -> None:
                 keep.append(job_id)
         elif job.state == "PENDING" and job.restarts == 0:
             keep.append(job_id)  # not requeued yet: look again next run
+    _bookkeeping(ctx, "record the jobs still held", lambda: _keep_failed(ctx, keep), None)
+
+
+def _keep_failed(ctx: HookContext, keep: list[int]) -> None:
     store = _store(ctx)
     fd = store.lock()
     try:

@@ -16,13 +16,12 @@ class Verdict:
     blocking: list[Finding]
     findings: list[Finding]
 
-    def reason(self, max_items: int = 3) -> str:
-        """A short drain reason: the first few blocking findings, then a count of the rest."""
-        parts = [f.message for f in self.blocking[:max_items]]
-        rest = len(self.blocking) - max_items
-        if rest > 0:
-            parts.append(f"+{rest} more")
-        return "; ".join(parts)
+    def reason(self) -> str:
+        """A short drain reason: the first blocking finding, then a count of the rest."""
+        if not self.blocking:
+            return ""
+        rest = len(self.blocking) - 1
+        return self.blocking[0].message + (f" (+{rest} more)" if rest else "")
 
 
 def decide(findings: list[Finding], policies: Mapping[str, str]) -> Verdict:

@@ -25,6 +25,7 @@ class Problem:
     step: str
     reason: str
     drain: bool = True
+    more: int = 0  # further findings folded into this one, counted in the drain reason
 
 
 @dataclass
@@ -84,8 +85,7 @@ class HookContext:
         return cls(
             kind=kind,
             cfg=cfg,
-            node=node or node_name(cfg.node.name if not env.get("SLURMD_NODENAME") else
-                                   env["SLURMD_NODENAME"]),
+            node=node or node_name(cfg.node.name, env),
             env=env,
             job_id=_int("SLURM_JOB_ID") or _int("SLURM_JOBID"),
             uid=uid,

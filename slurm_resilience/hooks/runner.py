@@ -18,13 +18,13 @@ from slurm_resilience import config, log
 from slurm_resilience.config import Config, ConfigError
 from slurm_resilience.hooks import steps
 from slurm_resilience.hooks.context import HookContext, HookKind, Problem
+from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 
 Step = Callable[[HookContext], list[Problem]]
 
 EXIT_OK = 0
 EXIT_FAIL = 1
-EXIT_WATCHDOG = 3
 
 STEPS: dict[HookKind, list[str]] = {
     "prolog": steps.PROLOG,
@@ -49,17 +49,78 @@ def timeout_for(cfg: Config, kind: HookKind) -> float:
             "healthcheck": h.healthcheck_timeout_s}[kind]
 
 
-def _watchdog(seconds: float, kind: str) -> threading.Timer:
-    """A thread that ends the process even if the main thread is stuck in a syscall."""
+def overrun(ctx: HookContext, limit_s: float) -> int:
+    """What a hook past its limit does before it exits; returns the exit status.
 
-    def fire() -> None:
-        log.get_logger("hooks").error("hook watchdog fired", hook=kind, limit_s=seconds)
-        os._exit(EXIT_WATCHDOG)
+    Never Slurm's own "Prolog error"/"Epilog error" drain, which nothing resumes:
+    under fail-open the job runs (exit 0); under fail-closed the node is drained with our
+    reason through the adapter, each call bounded by the watchdog's grace, and the prolog
+    then exits 1 so the job is requeued (Slurm keeps a reason already set). When that
+    drain can't be confirmed the hook exits 0 rather than leave Slurm's reason behind.
+    """
+    h = ctx.cfg.hooks
+    step = str(ctx.notes.get("step", "?"))
+    logger = log.get_logger("hooks", hook=ctx.kind)
+    logger.error(f"hooks: {ctx.kind}: couldn't finish within {limit_s:g}s", step=step,
+                 policy=h.on_internal_error)
+    if h.on_internal_error == "fail-open":
+        return EXIT_OK
+    adapter = ctx.adapter
+    adapter.timeout = min(adapter.timeout, h.watchdog_grace_s / 2)  # show node + update
+    what = f"{ctx.kind} over its {limit_s:g}s limit in {step.rsplit(':', 1)[-1]}"
+    try:
+        adapter.drain(ctx.node, reasons.compose(adapter.prefix, ["hooks"], what))
+    except ForeignDrain as exc:
+        logger.warning("node already drained by someone else", error=str(exc))
+    except SlurmError as exc:
+        logger.error(f"hooks: {ctx.kind}: couldn't drain after the limit; letting the job run",
+                     error=str(exc))
+        return EXIT_OK
+    return EXIT_FAIL if ctx.kind == "prolog" else EXIT_OK
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
+
+class Watchdog:
+    """A thread that ends the hook even if the main thread is stuck in a syscall.
+
+    At ``limit_s`` it applies :func:`overrun`; should that itself hang past the grace,
+    a second timer exits 0 (the job runs) rather than let slurmd kill us and drain.
+    ``exit`` is :func:`os._exit` (tests pass a recorder).
+    """
+
+    def __init__(self, ctx: HookContext, limit_s: float,
+                 exit: Callable[[int], object] = os._exit):
+        self.ctx = ctx
+        self.limit_s = limit_s
+        self.exit = exit
+        self._timer = threading.Timer(limit_s, self._fire)
+        self._timer.daemon = True
+        self._last = threading.Timer(limit_s + ctx.cfg.hooks.watchdog_grace_s, self._give_up)
+        self._last.daemon = True
+
+    def start(self) -> Watchdog:
+        self._timer.start()
+        self._last.start()
+        return self
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        self._last.cancel()
+
+    def _fire(self) -> None:
+        code = EXIT_OK
+        try:
+            code = overrun(self.ctx, self.limit_s)
+        except Exception:  # noqa: BLE001 - the exit below must happen whatever went wrong
+            log.get_logger("hooks", hook=self.ctx.kind).exception("hook watchdog failed")
+        finally:
+            self._last.cancel()
+            self.exit(code)
+
+    def _give_up(self) -> None:
+        log.get_logger("hooks", hook=self.ctx.kind).error(
+            f"hooks: {self.ctx.kind}: couldn't drain within the watchdog's grace; "
+            "letting the job run", grace_s=self.ctx.cfg.hooks.watchdog_grace_s)
+        self.exit(EXIT_OK)
 
 
 def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
@@ -68,6 +129,7 @@ def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
     problems: list[Problem] = []
     for spec in specs:
         started = time.monotonic()
+        ctx.notes["step"] = spec  # for the watchdog's message
         try:
             found = load_step(spec)(ctx)
         except Exception as exc:
@@ -83,13 +145,20 @@ def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
     return problems
 
 
+def drain_reason(prefix: str, to_drain: list[Problem]) -> str:
+    """Who found something, the first finding (the most specific) and a count of the rest:
+    short, and recognisable by its structure however it is cut (see slurm.reasons)."""
+    more = len(to_drain) - 1 + sum(p.more for p in to_drain)
+    return reasons.compose(prefix, [p.step for p in to_drain], to_drain[0].reason, more)
+
+
 def act(ctx: HookContext, problems: list[Problem]) -> None:
-    """Drain the node once, with the first problem's reason (the most specific)."""
+    """Drain the node once, with the first problem's reason and a count of the others."""
     logger = log.get_logger("hooks", hook=ctx.kind)
     to_drain = [p for p in problems if p.drain]
     if not to_drain:
         return
-    reason = "; ".join(p.reason for p in to_drain)
+    reason = drain_reason(ctx.adapter.prefix, to_drain)
     try:
         ctx.adapter.drain(ctx.node, reason)
     except ForeignDrain as exc:
@@ -111,7 +180,7 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
     log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
                   use_syslog=cfg.logging.syslog, node=ctx.node, job_id=ctx.job_id)
     logger = log.get_logger("hooks", hook=kind)
-    timer = _watchdog(timeout_for(cfg, kind), kind)
+    timer = Watchdog(ctx, timeout_for(cfg, kind)).start()
     started = time.monotonic()
     try:
         problems = run_steps(ctx, STEPS[kind])

@@ -17,7 +17,7 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from slurm_resilience.log import get_logger
@@ -70,11 +70,17 @@ def _open_lock(path: str) -> int:
 
 
 class NodeLock:
-    """An flock on ``<run_dir>/nccl.lock`` whose file names the holder's pid."""
+    """An flock on ``<run_dir>/nccl.lock`` whose file names the holder's pid.
 
-    def __init__(self, path: str):
+    ``clock`` and ``sleep`` time the waits (tests pass a fake pair that advances on sleep).
+    """
+
+    def __init__(self, path: str, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.path = path
         self.fd: int | None = None
+        self.clock = clock
+        self.sleep = sleep
 
     def try_acquire(self) -> bool:
         fd = _open_lock(self.path)
@@ -91,11 +97,11 @@ class NodeLock:
         return True
 
     def acquire(self, timeout_s: float, poll_s: float = 0.01) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock() + timeout_s
         while not self.try_acquire():
-            if time.monotonic() >= deadline:
+            if self.clock() >= deadline:
                 return False
-            time.sleep(poll_s)
+            self.sleep(poll_s)
         return True
 
     def release(self) -> None:
@@ -151,16 +157,16 @@ def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
     or ``nccl-test`` by hand), ask it to stop (SIGTERM: it kills its ranks and lets go),
     wait up to ``timeout_s``, and past that kill it. A holder that is not ours is never
     signalled nor waited for: the job goes on and the caller runs no test."""
-    started = time.monotonic()
+    started = lock.clock()
     if lock.try_acquire():
-        return Handoff(False, time.monotonic() - started)
+        return Handoff(False, lock.clock() - started)
     pid = holder_pid(lock.path)
     if pid is None and lock.acquire(min(0.2, timeout_s)):
-        return Handoff(False, time.monotonic() - started)  # the holder was just letting go
+        return Handoff(False, lock.clock() - started)  # the holder was just letting go
     if pid is None or not _is_ours(pid):
         log.warning("nccl: node lock held by a process that is not ours; not waiting",
                     holder=pid, lock=lock.path)
-        return Handoff(True, time.monotonic() - started, pid, locked=False)
+        return Handoff(True, lock.clock() - started, pid, locked=False)
     # Gone already: it finished on its own and the lock is about to be free.
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -173,7 +179,7 @@ def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signal.SIGKILL)
         lock.acquire(1.0)
-    seconds = time.monotonic() - started
+    seconds = lock.clock() - started
     log.info("nccl: took the node back from idle verification", holder=pid,
              seconds=round(seconds, 3), forced=forced)
     return Handoff(True, seconds, pid, forced, lock.fd is not None)

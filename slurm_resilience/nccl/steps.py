@@ -24,6 +24,7 @@ from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
 from slurm_resilience.nccl import cache, schedule
 from slurm_resilience.slurm.errors import SlurmError
+from slurm_resilience.slurm.reasons import owned_by
 
 log = get_logger("nccl")
 
@@ -94,7 +95,7 @@ def _problems(ctx: HookContext, result_verdict: str, reasons: tuple[str, ...] | 
 
 
 def maybe_resume(ctx: HookContext) -> bool:
-    """After a passing test, lift a drain whose every part is a reason we set."""
+    """After a passing test, lift a drain whose owner tag is ours alone (any length)."""
     path = drains_path(ctx)
     ours = cache.read(path)
     if not ours:
@@ -105,8 +106,7 @@ def maybe_resume(ctx: HookContext) -> bool:
         if not node.drained:
             os.unlink(path)
             return False
-        parts = node.reason[len(adapter.prefix):].strip().split("; ")
-        if not adapter.ours(node.reason) or not set(parts) <= set(ours.get("reasons", [])):
+        if not owned_by(node.reason, adapter.prefix, STEP, ours.get("reasons", [])):
             log.info("nccl: drain not (only) ours; not resuming", reason=node.reason)
             return False
         resumed = adapter.resume(ctx.node)

@@ -31,11 +31,12 @@ from slurm_resilience.slurm.parse import (
     parse_node,
     parse_squeue_json,
 )
+from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
+
+__all__ = ["MAX_REASON", "SlurmAdapter", "clean_reason", "from_config"]
 
 log = get_logger("slurm")
 
-# Slurm keeps reasons short in sinfo's default width; longer ones are still stored.
-MAX_REASON = 200
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
 _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
 
@@ -58,12 +59,6 @@ def _check_job_id(job_id: int | str) -> str:
     if not text.isdigit():
         raise ValueError(f"slurm: {job_id!r} is not a job id")
     return text
-
-
-def clean_reason(text: str) -> str:
-    """One line, printable, bounded: a reason must never break ``scontrol`` or ``sinfo``."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return text[:MAX_REASON]
 
 
 class SlurmAdapter:

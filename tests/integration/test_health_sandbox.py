@@ -55,7 +55,7 @@ def test_xid79_drains_node_and_the_job_completes_elsewhere_then_node_resumes(box
     job = box.sbatch("srun sh -c 'echo $SLURMD_NODENAME'\n", args=["-N2", "--requeue"])
     reason = wait_reason(box, "node1", "gpu3 XID 79 (GPU fell off the bus)")
     print(f"node1 drained: {reason}")
-    assert reason.startswith("SR: gpu3 XID 79 (GPU fell off the bus) ")
+    assert reason.startswith("SR: health: gpu3 XID 79 (GPU fell off the bus) ")
     info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120, poll=0.5)
     print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)")
     assert info.state == "COMPLETED"
@@ -81,8 +81,8 @@ def test_ib_port_down_and_full_nvme_drain_with_their_reasons(box: Sandbox) -> No
     ib = wait_reason(box, "node2", "mlx5_2 port1 DOWN")
     nvme = wait_reason(box, "node4", "nvme ")
     print(f"node2: {ib}\nnode4: {nvme}")
-    assert ib == "SR: mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"
-    assert nvme == "SR: nvme 0B free of 100.0GiB (expected >=10.0GiB)"
+    assert ib == "SR: health: mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"
+    assert nvme == "SR: health: nvme 0B free of 100.0GiB (expected >=10.0GiB)"
 
 
 def test_healthy_prolog_is_silent_and_jobs_run(box: Sandbox) -> None:

@@ -176,11 +176,13 @@ def test_raised_threshold_drains_with_measured_against_expected(box: Sandbox) ->
                              "min_busbw_gbps": 10000}])
     job = box.sbatch(["true"], args=["-w", "node2", *WHOLE_NODE])
     reason = wait_for("node2 drained", lambda: drained_reason(box, "node2"), 60)
-    assert reason.startswith("SR: nccl allreduce ")
+    assert reason.startswith("SR: nccl: nccl allreduce ")
     assert reason.endswith(" GB/s < 10000 (2xcpu, 1MiB)")
     entry = cache.read(str(cache_file(box, "node2")))
     assert entry is not None and len(entry["variants"][0]["attempts"]) == 2
-    assert box.job(job).restarts >= 1 or box.job(job).state == "PENDING"
+    # The drain is set before the prolog exits: the requeue follows a moment later.
+    wait_for(f"job {job} requeued", lambda: (lambda j: j.restarts >= 1 or j.state == "PENDING")(
+        box.job(job)), 60)
 
 
 def test_injected_wrong_sum_drains_naming_the_rank(box: Sandbox) -> None:
@@ -189,7 +191,7 @@ def test_injected_wrong_sum_drains_naming_the_rank(box: Sandbox) -> None:
     enable(box)
     box.sbatch(["true"], args=["-w", "node3", *WHOLE_NODE])
     reason = wait_for("node3 drained", lambda: drained_reason(box, "node3"), 60)
-    assert reason == "SR: nccl allreduce wrong result on rank1"
+    assert reason == "SR: nccl: nccl allreduce wrong result on rank1"
 
 
 def test_injected_hang_is_killed_at_the_timeout_and_drains(box: Sandbox) -> None:
@@ -199,7 +201,7 @@ def test_injected_hang_is_killed_at_the_timeout_and_drains(box: Sandbox) -> None
     enable(box, timeout_s=6)
     job = box.sbatch(["true"], args=["-w", "node4", *WHOLE_NODE])
     reason = wait_for("node4 drained", lambda: drained_reason(box, "node4"), 60)
-    assert reason == "SR: nccl test timed out after 6s"
+    assert reason == "SR: nccl: nccl test timed out after 6s"
     assert worker_processes() == []
     seconds = prolog_seconds(box, job)
     print(f"\nprolog with two hung attempts: {seconds:.3f} s")
@@ -215,7 +217,7 @@ def test_idle_nodes_are_verified_without_jobs_and_a_fault_drains_then_heals(box:
     box.update_resilience_config({"nccl": {"enabled": True}})
     reason = wait_for("node1 drained", lambda: drained_reason(box, "node1"), 90)
     drained_after = time.monotonic() - started
-    assert reason == "SR: nccl allreduce wrong result on rank0"
+    assert reason == "SR: nccl: nccl allreduce wrong result on rank0"
     for node in ("node2", "node3", "node4"):
         entry = wait_for(f"{node} verified",
                          functools.partial(cache.read, str(cache_file(box, node))), 60)

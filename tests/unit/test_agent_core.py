@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,107 @@ def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
     """Calling an agent that is not running raises AgentUnavailable."""
     with pytest.raises(client.AgentUnavailable, match="couldn't reach"):
         client.call(str(tmp_path / "none.sock"), "ping", timeout=0.5)
+
+
+def _start(srv: AgentServer) -> threading.Thread:
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Wait for another thread to get somewhere (bounded, no timing asserted)."""
+    done = threading.Event()
+    for _ in range(3000):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition never became true")
+
+
+def _stop(srv: AgentServer) -> None:
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_request_not_whole_by_the_deadline_is_cut(tmp_path: Path) -> None:
+    """A client that starts a request and never ends it is answered and closed at the
+    per-connection deadline, its slot given back."""
+    srv = AgentServer(str(tmp_path / "run" / "a.sock"), io_timeout=0.2)
+    _start(srv)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(srv.path)
+            sock.sendall(b'{"op": "pi')
+            answer = json.loads(sock.makefile("rb").readline())
+        assert answer == {"ok": False,
+                          "error": "agent: couldn't read request: not complete within 0.2s"}
+        assert srv.stats.timed_out == 1
+        assert client.call(srv.path, "ping")["ok"]
+    finally:
+        _stop(srv)
+
+
+def test_connections_over_the_cap_are_answered_busy_without_a_thread(tmp_path: Path) -> None:
+    """Past the cap a connection is told 'busy' and closed at once: no thread, no wait; the
+    client sees the agent as unavailable (the caller's fallback)."""
+    srv = AgentServer(str(tmp_path / "run" / "a.sock"), io_timeout=60, max_connections=2,
+                      root_reserve=1)
+    _start(srv)
+    held = []
+    try:
+        for _ in range(3):  # root: 2 slots + 1 of its reserve, each holding a thread
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(srv.path)
+            held.append(sock)
+        _until(lambda: srv.connections() == 3)
+        threads = threading.active_count()
+        for _ in range(5):
+            with pytest.raises(client.AgentUnavailable, match=r"busy: \d+ connections in all "
+                                                              r"\(cap 3\)"):
+                client.call(srv.path, "ping", timeout=0.1)  # retried until its timeout
+        assert threading.active_count() == threads
+        assert srv.stats.busy >= 5 and srv.stats.peak_connections == 3
+        held.pop().close()  # a slot comes free: a waiting caller gets in
+        assert client.call(srv.path, "ping", timeout=30)["ok"]
+    finally:
+        for sock in held:
+            sock.close()
+        _stop(srv)
+
+
+class _Exhausted:
+    """A listening socket whose accept() fails as at the fd limit."""
+
+    def __init__(self) -> None:
+        self.accepts = 0
+
+    def accept(self) -> tuple[socket.socket, str]:
+        self.accepts += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_fd_exhaustion_backs_off_instead_of_spinning(tmp_path: Path) -> None:
+    """Out of fds, each failed accept pauses accepting longer (up to 1 s) and is logged
+    once, not once per try; a successful accept resets the pause."""
+    srv = AgentServer(str(tmp_path / "run" / "a.sock"))
+    real = srv.socket
+    fake = _Exhausted()
+    srv.socket = fake  # type: ignore[assignment]
+    try:
+        pauses = [srv.accept_one() for _ in range(7)]
+    finally:
+        srv.socket = real
+    assert pauses == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert fake.accepts == 7 and srv.stats.accept_errors == 7
+    assert len(srv._warned) == 1
+    _start(srv)
+    try:
+        assert client.call(srv.path, "ping")["ok"]
+        assert srv._backoff == 0.0
+    finally:
+        _stop(srv)
 
 
 def test_two_services_cannot_claim_one_op(server: AgentServer) -> None:

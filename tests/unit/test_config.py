@@ -138,3 +138,87 @@ def test_config_check_hides_secrets(tmp_path: Path) -> None:
 
     shown = redact({"s3": {"secret_access_key": "hunter2", "endpoint": "http://x"}})
     assert shown == {"s3": {"secret_access_key": "***", "endpoint": "http://x"}}
+
+
+def test_hook_budgets_are_cross_checked_and_name_the_keys() -> None:
+    """An epilog wait longer than the epilog's limit is refused at load, naming both keys."""
+    with pytest.raises(ConfigError) as err:
+        load_text(Config, "checkpoint:\n  enabled: true\n  epilog_wait_s: 3600\n")
+    msg = str(err.value)
+    assert "hooks.epilog_timeout_s=60 is shorter than" in msg
+    assert "checkpoint.epilog_wait_s=3600" in msg and "health.collector_timeout_s=5" in msg
+    assert "raise hooks.epilog_timeout_s to at least 3615.5" in msg
+
+
+def test_prolog_budget_counts_the_nccl_handoff_and_the_agent() -> None:
+    """The NCCL hand-off, the agent call and the collectors must fit in the prolog's limit."""
+    text = ("checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n  handoff_timeout_s: 15\n")
+    with pytest.raises(ConfigError, match=r"hooks.prolog_timeout_s=20 is shorter than the "
+                                          r"waits it must hold: health.collector_timeout_s=5 "
+                                          r"\+ agent.request_timeout_s=5 \+ "
+                                          r"nccl.handoff_timeout_s=15"):
+        load_text(Config, text)
+    assert load_text(Config, text + "hooks:\n  prolog_timeout_s: 30\n").hooks.prolog_timeout_s \
+        == 30
+
+
+def test_defaults_fit_every_hook_budget() -> None:
+    """The shipped defaults, with every capability on, fit their hooks' limits."""
+    from slurm_resilience.config.budgets import conflicts
+
+    cfg = load_text(Config, "checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n")
+    assert conflicts(cfg) == []
+
+
+def test_every_process_finds_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """Hooks (their env), the CLI and the agent (their own env) use one lookup:
+    the variable, then the file beside the slurm.conf in use, then /etc."""
+    (tmp_path / "slurm.conf").write_text("")
+    beside = tmp_path / "slurm-resilience.yaml"
+    beside.write_text("")
+    env = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    monkeypatch.delenv(config.ENV_VAR, raising=False)
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+    assert config.locate(None, env) == (str(beside), True)
+    assert config.job_config_path(env) == str(beside)
+    assert config.resolve_path() == (str(beside), True)  # the CLI, the agent
+    named = {config.ENV_VAR: "/x.yaml", **env}
+    assert config.locate(None, named) == ("/x.yaml", True)
+    beside.unlink()
+    assert config.locate(None, env) == (config.DEFAULT_PATH, False)
+
+
+def test_reload_reads_the_file_the_agent_was_started_with(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """After the agent names its --config, every later lookup (live reload) returns it."""
+    monkeypatch.delenv(config.ENV_VAR, raising=False)
+    mine = tmp_path / "agent.yaml"
+    mine.write_text("slurm:\n  timeout_s: 9\n")
+    config.use_path(str(mine))
+    try:
+        assert config.resolve_path() == (str(mine), True)
+        assert config.load().slurm.timeout_s == 9.0
+    finally:
+        config.use_path(None)
+    assert config.resolve_path()[0] != str(mine)
+
+
+def test_hooks_and_agent_agree_on_the_node_name() -> None:
+    """node.name in the config wins over SLURMD_NODENAME in hooks too, as in the agent
+    (which has no SLURMD_NODENAME), so {node} paths are the same in both."""
+    from slurm_resilience.config.paths import node_name
+    from slurm_resilience.hooks.context import HookContext
+
+    cfg = load_text(Config, "node:\n  name: n7\n")
+    hook = HookContext.from_env("prolog", cfg, {"SLURMD_NODENAME": "node2"})
+    assert hook.node == node_name(cfg.node.name, {}) == "n7"
+    assert HookContext.from_env("prolog", Config(), {"SLURMD_NODENAME": "node2"}).node == "node2"
+
+
+def test_job_files_are_not_on_the_system_tmpfs_by_default() -> None:
+    """No default puts a job-writable directory under /run (munge, systemd, pid files)."""
+    cfg = Config()
+    assert not cfg.node.run_dir.startswith("/run/")
+    assert not cfg.checkpoint.staging_root.startswith("/run/")

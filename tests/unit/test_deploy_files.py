@@ -26,9 +26,11 @@ def test_ansible_playbook_passes_syntax_check() -> None:
 
 
 def test_systemd_unit_runs_the_agent() -> None:
-    """The agent unit starts `slurm-resilience agent` and restarts it when it dies."""
+    """The agent unit starts `slurm-resilience agent` and restarts it when it dies; it names
+    no config file, so it finds the one the hooks find (beside the slurm.conf in use)."""
     text = (REPO / "conf" / "slurm-resilience-agent.service").read_text()
-    assert "slurm-resilience --config /etc/slurm-resilience/config.yaml agent" in text
+    assert "ExecStart=/opt/slurm-resilience/bin/slurm-resilience agent\n" in text
+    assert "Environment=SLURM_CONF=/etc/slurm/slurm.conf" in text
     assert "Restart=always" in text
     if shutil.which("systemd-analyze"):
         out = subprocess.run(["systemd-analyze", "verify", "--man=no",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from slurm_resilience import config
+from slurm_resilience import config, log
 from slurm_resilience.health import steps
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.sandbox import faults, hardware
@@ -81,10 +82,10 @@ def drain_then_heal(cfg_path: Path) -> None:
 def test_healthcheck_resumes_our_drain_after_n_passes(cfg_path: Path) -> None:
     """After the fault is gone, the second clean run resumes the node drained by the gate."""
     drain_then_heal(cfg_path)
-    first = resume_runner("IDLE+DRAIN", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
+    first = resume_runner("IDLE+DRAIN", "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
     assert steps.healthcheck(ctx(cfg_path, "healthcheck", first)) == []
     assert first.calls == []  # one pass is not enough
-    second = resume_runner("IDLE+DRAIN", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
+    second = resume_runner("IDLE+DRAIN", "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
     assert steps.healthcheck(ctx(cfg_path, "healthcheck", second)) == []
     assert second.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
 
@@ -92,8 +93,10 @@ def test_healthcheck_resumes_our_drain_after_n_passes(cfg_path: Path) -> None:
 @pytest.mark.parametrize(("state", "reason"), [
     ("IDLE+DRAIN", "maintenance [alice@t]"),                       # an admin's drain
     ("IDLE+DRAIN", "SR: test: disk on fire [root@t]"),             # another SR: capability
-    ("DOWN+DRAIN", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"),   # a state we don't own
-    ("IDLE+DRAIN+MAINT", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"),
+    ("IDLE+DRAIN", "SR: health,nccl: mlx5_3 port1 DOWN (expected ACTIVE) (+1 more) [root@t]"),
+    ("IDLE+DRAIN", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"),   # untagged, unknown
+    ("DOWN+DRAIN", "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"),  # a state
+    ("IDLE+DRAIN+MAINT", "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"),
 ])
 def test_healthcheck_never_resumes_other_drains_or_states(cfg_path: Path, state: str,
                                                           reason: str) -> None:
@@ -103,3 +106,73 @@ def test_healthcheck_never_resumes_other_drains_or_states(cfg_path: Path, state:
         runner = resume_runner(state, reason)
         assert steps.healthcheck(ctx(cfg_path, "healthcheck", runner)) == []
         assert not any("State=RESUME" in arg for call in runner.calls for arg in call)
+
+
+def test_a_long_reason_of_ours_still_auto_resumes(cfg_path: Path) -> None:
+    """A health drain cut short (by us or by Slurm) is recognised by its owner tag and resumed."""
+    from slurm_resilience.hooks import runner
+    from slurm_resilience.hooks.context import Problem
+
+    many = [Problem("health", f"gpu{i} XID 79 (GPU fell off the bus) " + "x" * 200, more=4)
+            for i in range(3)]
+    reason = runner.drain_reason("SR:", many)
+    assert len(reason) <= 200 and reason.startswith("SR: health: gpu0 XID 79")
+    assert reason.endswith("... (+14 more)")
+    stored = reason[:150] + " [root@t]"  # and then cut further on the way back
+    drain_then_heal(cfg_path)
+    assert steps.healthcheck(ctx(cfg_path, "healthcheck", resume_runner("IDLE+DRAIN", stored))) \
+        == []
+    second = resume_runner("IDLE+DRAIN", stored)
+    assert steps.healthcheck(ctx(cfg_path, "healthcheck", second)) == []
+    assert second.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
+
+
+def test_a_drain_remembered_by_an_older_version_still_resumes(cfg_path: Path) -> None:
+    """Untagged reasons that an older version remembered as its own are still resumed."""
+    from slurm_resilience.health.gate import StateStore, state_dir
+
+    drain_then_heal(cfg_path)
+    store = StateStore(state_dir(config.load(str(cfg_path)), NODE))
+    store.save(steps.OURS, {**store.load(steps.OURS),
+                            "reasons": ["mlx5_3 port1 DOWN (expected ACTIVE)"]})
+    for _ in range(2):
+        runner = resume_runner("IDLE+DRAIN", "SR: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
+        steps.healthcheck(ctx(cfg_path, "healthcheck", runner))
+    assert runner.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
+
+
+def unusable_state_dir(cfg_path: Path) -> None:
+    """Put a regular file where the node's state directory should be."""
+    state = cfg_path.parent / "nodes" / NODE / "state"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    if state.is_dir():
+        import shutil
+        shutil.rmtree(state)
+    state.write_text("not a directory\n")
+
+
+@pytest.mark.parametrize("kind", ["prolog", "epilog", "healthcheck"])
+def test_a_lost_gpu_blocks_even_when_the_state_dir_is_unusable(
+        cfg_path: Path, kind: str) -> None:
+    """Bookkeeping that can't write its state never hides a finding: a lost GPU still fails
+    the hook under the default fail-open policy (the reproduced case)."""
+    from slurm_resilience.hooks import runner
+
+    faults.inject(cfg_path.parent, NODE, "gpu-missing:3")
+    unusable_state_dir(cfg_path)
+    c = ctx(cfg_path, kind)
+    assert c.cfg.hooks.on_internal_error == "fail-open"
+    events = cfg_path.parent / "events.jsonl"
+    log.configure(mode="json", file=str(events))
+    spec = {"prolog": "slurm_resilience.health.steps:prolog",
+            "epilog": "slurm_resilience.health.steps:epilog",
+            "healthcheck": "slurm_resilience.health.steps:healthcheck"}[kind]
+    try:
+        problems = runner.run_steps(c, [spec])
+    finally:
+        log.reset()
+    assert [p.step for p in problems] == ["health"]
+    assert problems[0].reason == "7 GPUs visible (expected 8)"
+    said = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert "hook step crashed" not in said
+    assert any("couldn't record" in e for e in said), said  # the bookkeeping failure is said

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks import runner
 from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.proc import CommandTimeout
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.testing import FakeRunner, completed
 
 
 @pytest.fixture
@@ -101,3 +106,64 @@ def test_bad_config_lets_jobs_run_but_says_why(
     code = runner.main("prolog", [], {"SLURM_RESILIENCE_CONFIG": str(cfgfile)})
     assert code == 0
     assert "hooks.prolog_timeout: unknown key" in capsys.readouterr().err
+
+
+IDLE = "NodeName=node2 CPUAlloc=0 CPUTot=2 State=IDLE Partitions=debug"
+
+
+def _overrun_ctx(policy: str, answers: list[Any]) -> tuple[HookContext, FakeRunner]:
+    fake = FakeRunner({"scontrol": answers})
+    cfg = load_text(Config, f"hooks:\n  on_internal_error: {policy}\n")
+    ctx = _ctx(cfg)
+    ctx._adapter = SlurmAdapter(runner=fake)
+    ctx.notes["step"] = "sr_test_steps:hang"
+    return ctx, fake
+
+
+def test_overrun_under_fail_closed_drains_with_our_reason_then_fails_the_prolog() -> None:
+    """A prolog past its limit drains with an SR: reason naming the step, then exits 1."""
+    ctx, fake = _overrun_ctx("fail-closed", [completed(IDLE), completed("")])
+    assert runner.overrun(ctx, 20) == runner.EXIT_FAIL
+    assert fake.calls[-1] == ["scontrol", "update", "NodeName=node2", "State=DRAIN",
+                              "Reason=SR: hooks: prolog over its 20s limit in hang"]
+    assert ctx.adapter.timeout == 5.0  # half the default 10 s grace per Slurm call
+
+
+def test_overrun_under_fail_open_lets_the_job_run_and_calls_no_slurm() -> None:
+    """Under fail-open an overrun is logged and the hook exits 0: no drain at all."""
+    ctx, fake = _overrun_ctx("fail-open", [completed(IDLE)])
+    assert runner.overrun(ctx, 20) == runner.EXIT_OK
+    assert fake.calls == []
+
+
+def test_overrun_whose_drain_fails_exits_0_rather_than_leave_slurms_reason() -> None:
+    """If our drain can't be set (slurmctld away), the prolog exits 0, so that Slurm
+    never drains with its own "Prolog error"."""
+    ctx, fake = _overrun_ctx("fail-closed", [CommandTimeout(["scontrol"], "timed out")])
+    assert runner.overrun(ctx, 20) == runner.EXIT_OK
+    assert len(fake.calls) == 1
+
+
+def test_watchdog_fires_on_a_stuck_step_and_exits_by_policy(
+        step_module: types.ModuleType) -> None:
+    """A step stuck past the limit: the watchdog drains with our reason and exits 1."""
+    ctx, fake = _overrun_ctx("fail-closed", [completed(IDLE), completed("")])
+    exited: list[int] = []
+    released = threading.Event()
+
+    def stuck(c: HookContext) -> list[Problem]:
+        released.wait(60)
+        return []
+
+    def exit_(code: int) -> None:
+        exited.append(code)
+        released.set()
+
+    step_module.stuck = stuck  # type: ignore[attr-defined]
+    dog = runner.Watchdog(ctx, 0.05, exit=exit_).start()
+    try:
+        runner.run_steps(ctx, ["sr_test_steps:stuck"])
+    finally:
+        dog.cancel()
+    assert exited == [runner.EXIT_FAIL]
+    assert fake.calls[-1][-1] == "Reason=SR: hooks: prolog over its 0.05s limit in stuck"

@@ -89,8 +89,23 @@ def test_tree_mode_pins_fitting_job_to_one_leaf(tree: Plugin) -> None:
     """A 3-node job gets req_switch=1 and wait4switch from the data, logged in one line."""
     job = tree.submit(min_nodes=3, req_switch=NO_VAL, wait4switch=NO_VAL, name="train")
     assert job["req_switch"] == 1 and job["wait4switch"] == 120
-    assert tree.logs[-1] == ("info: slurm-resilience leaf-pin: job train uid=1000 nodes=3 "
-                             "partition=nil: switches=1@120s")
+    assert tree.logs[-1] == ('info: slurm-resilience leaf-pin: job "train" uid=1000 nodes=3 '
+                             'partition="nil": switches=1@120s')
+
+
+def test_what_a_user_typed_is_escaped_in_the_log_line(tree: Plugin) -> None:
+    """A newline or a quote in a job name or partition can't split slurmctld's log line or
+    forge a field; long values are cut."""
+    name = 'x" uid=0\nslurmctld: error: fake\r\x1b[2J'
+    tree.submit(min_nodes=3, name=name, partition="debug,gpu\nforged line")
+    line = tree.logs[-1]
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert line == ('info: slurm-resilience leaf-pin: job "x\\x22 uid=0\\x0aslurmctld: error: '
+                    'fake\\x0d\\x1b[2J" uid=1000 nodes=3 partition="debug,gpu\\x0aforged line": '
+                    'left alone: partition debug opted out')
+    tree.submit(min_nodes=3, name="n" * 5000)
+    assert tree.logs[-1].startswith('info: slurm-resilience leaf-pin: job "' + "n" * 200
+                                    + '...[4800 more]" uid=1000')
 
 
 def test_tree_mode_large_job_gets_minimal_leaves(tree: Plugin) -> None:

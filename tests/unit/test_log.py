@@ -68,3 +68,44 @@ def test_unknown_level_is_rejected() -> None:
     """A misspelt level is an error naming the valid ones."""
     with pytest.raises(ValueError, match="valid levels"):
         log.configure(level="verbose")
+
+
+def test_user_text_never_splits_or_forges_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A newline, an escape sequence or a line separator in a job name stays on its line,
+    in a value or quoted in the event text itself."""
+    name = "train\nslurmctld: fake line\x1b[2J\u2028more"
+    log.configure(mode="cli", level="info")
+    try:
+        log.get_logger("hooks").info(f"job {name} started", job_name=name,
+                                     options={"COMMENT": "a\rb"})
+    finally:
+        log.reset()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "\u2028" not in err
+    assert "job train\\nslurmctld: fake line\\x1b[2J\\u2028more started" in err
+
+
+def test_json_lines_bound_a_huge_user_value(tmp_path: Path) -> None:
+    """A 100 kB job comment is cut to a bounded value that says how much was left out."""
+    log.configure(mode="json", file=str(tmp_path / "ev.jsonl"))
+    try:
+        log.get_logger("hooks").warning("x", comment="c" * 100_000)
+    finally:
+        log.reset()
+    event = json.loads((tmp_path / "ev.jsonl").read_text())
+    assert event["comment"] == "c" * log.MAX_VALUE + "...[95904 more]"
+
+
+def test_loggers_bind_context_as_structlog_does(tmp_path: Path) -> None:
+    """bind adds keys to every later event of that logger; unbind drops them."""
+    log.configure(mode="json", file=str(tmp_path / "ev.jsonl"))
+    try:
+        base = log.get_logger("agent")
+        bound = base.bind(job_id=7)
+        bound.warning("a")
+        bound.unbind("job_id").warning("b")
+    finally:
+        log.reset()
+    events = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("job_id")) for e in events] == [("a", 7), ("b", None)]
+    assert all(e["component"] == "agent" for e in events)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import REAL_FIXTURES
 
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.config.loader import ConfigError
 from slurm_resilience.config.nccl import GIB, NcclThreshold
 from slurm_resilience.nccl import bandwidth as bw
-from tests.conftest import REAL_FIXTURES
 
 NCCL_TESTS = REAL_FIXTURES / "nccl-tests"
 DGX = NCCL_TESTS / "all_reduce_perf_dgx-h100-8gpu-single-node_nvidia-dgxc-benchmarking.txt"

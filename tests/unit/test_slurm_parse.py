@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from conftest import REAL_FIXTURES
 
 from slurm_resilience.slurm.adapter import clean_reason
 from slurm_resilience.slurm.parse import (
@@ -14,7 +15,7 @@ from slurm_resilience.slurm.parse import (
     split_oneliner,
 )
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "real" / "slurm"
+REAL = REAL_FIXTURES / "slurm"
 
 
 def test_real_multiline_node_record_parses() -> None:

@@ -28,7 +28,6 @@ MANPAGE = IBND / "ibnetdiscover_voltaire-sdr_manpage-example.txt"
 PSMN = IBND / "ibnetdiscover_psmn-x5-cluster_voltaire-4036-qdr-11switch-89ca.txt"
 CFG = TopologySection()
 
-pytestmark = pytest.mark.skipif(not IBND.is_dir(), reason="real ibnetdiscover captures missing")
 
 
 def fabric_of(path: Path, cfg: TopologySection = CFG, site: model.SiteMap | None = None

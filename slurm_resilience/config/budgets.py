@@ -1,0 +1,84 @@
+"""Cross-checks of the hooks' time budgets: every wait a hook may do must fit in its limit.
+
+Each hook (prolog, epilog, HealthCheckProgram) runs its steps one after another under a
+watchdog set to ``hooks.<hook>_timeout_s``. The waits below are the ones a step may
+spend in full on a bad day (a collector stuck in D-state, an agent that does not answer,
+uploads still going); their sum must stay under the limit, so that the watchdog is a
+last resort and not the normal end of a slow hook. Pure: a config in, conflicts out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slurm_resilience.config.schema import Config
+
+# What the NCCL prolog/epilog keeps back from the hook's limit for itself (nccl/steps.py).
+NCCL_MARGIN_S = 2.0
+# The epilog polls the agent every this often while uploads are pending (checkpoint/steps.py).
+CKPT_POLL_S = 0.5
+# Slurm calls a healthy-again HealthCheckProgram makes: its gres, then resume (show + update).
+HEALTHCHECK_SLURM_CALLS = 3
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One wait a hook step may spend in full: the key that sets it, and its seconds."""
+
+    key: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A hook whose waits add up to more than its limit."""
+
+    limit_key: str
+    limit_s: float
+    waits: tuple[Wait, ...]
+
+    @property
+    def total_s(self) -> float:
+        return sum(w.seconds for w in self.waits)
+
+    def message(self) -> str:
+        parts = " + ".join(f"{w.key}={w.seconds:g}" for w in self.waits)
+        return (f"{self.limit_key}={self.limit_s:g} is shorter than the waits it must hold: "
+                f"{parts} = {self.total_s:g}s; raise {self.limit_key} to at least "
+                f"{self.total_s:g} or lower one of those")
+
+
+def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
+    """The worst-case waits of each hook, by the key of its limit."""
+    agent = cfg.agent.request_timeout_s
+    health = Wait("health.collector_timeout_s", cfg.health.collector_timeout_s)
+    prolog: list[Wait] = [health]
+    epilog: list[Wait] = [health]
+    if cfg.checkpoint.enabled:
+        prolog.append(Wait("agent.request_timeout_s", agent))
+        # job_end, then polling until epilog_wait_s, whose last call may take a full timeout.
+        epilog += [Wait("agent.request_timeout_s (x2)", 2 * agent + CKPT_POLL_S),
+                   Wait("checkpoint.epilog_wait_s", cfg.checkpoint.epilog_wait_s)]
+    if cfg.nccl.enabled:
+        prolog += [Wait("nccl.handoff_timeout_s", cfg.nccl.handoff_timeout_s),
+                   Wait("nccl margin", NCCL_MARGIN_S)]
+    healthcheck = (health, Wait(f"slurm.timeout_s (x{HEALTHCHECK_SLURM_CALLS})",
+                                HEALTHCHECK_SLURM_CALLS * cfg.slurm.timeout_s))
+    return {"hooks.prolog_timeout_s": tuple(prolog), "hooks.epilog_timeout_s": tuple(epilog),
+            "hooks.healthcheck_timeout_s": healthcheck}
+
+
+def conflicts(cfg: Config) -> list[Conflict]:
+    """Every hook whose waits do not fit in its limit (empty when all fit)."""
+    h = cfg.hooks
+    limits = {"hooks.prolog_timeout_s": h.prolog_timeout_s,
+              "hooks.epilog_timeout_s": h.epilog_timeout_s,
+              "hooks.healthcheck_timeout_s": h.healthcheck_timeout_s}
+    out = []
+    for key, waits in hook_waits(cfg).items():
+        conflict = Conflict(key, limits[key], waits)
+        if conflict.total_s > conflict.limit_s:
+            out.append(conflict)
+    return out
