@@ -126,6 +126,134 @@ def fsdp_load(rank: int, world: int, job: Path) -> None:
     print(f"OK {rank} loaded {got.step}", flush=True)
 
 
+def _dshard(rank: int, world: int, value: float) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    return {"w": distribute_tensor(torch.full((world * 1000,), value), mesh, [Shard(0)])}
+
+
+def async_gated(rank: int, world: int, job: Path) -> None:
+    """dcp.async_save through storage_writer(): nothing committed while writes are held."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_resilience.checkpoint.commit import committed_steps, read_manifest
+    from slurm_resilience.checkpoint.dcp_storage import StagingWriter
+
+    gate = threading.Event()
+
+    class HeldWriter(StagingWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            gate.wait(60)
+            return super().write_data(plan, planner)
+
+    ckpt = CheckpointManager(job)
+    ckpt.save(1, _dshard(rank, world, 1.0))
+    ckpt.wait()
+    state = _dshard(rank, world, 2.0)
+    writer = ckpt.storage_writer(2)
+    held = HeldWriter(job, 2, snapshot=writer._snapshot)
+    fut = dcp.async_save(state, storage_writer=held, process_group=ckpt.group)
+    ckpt.commit(2, fut)
+    state["w"].to_local().fill_(99.0)  # staged already: must not reach the checkpoint
+    assert committed_steps(job) == [1], committed_steps(job)
+    assert not (job / "step-00000002" / "COMMIT.json").exists()
+    gate.set()
+    ckpt.wait()
+    assert committed_steps(job) == [1, 2]
+    files = {f.path: f for f in read_manifest(job / "step-00000002" / f"rank-{rank:05d}").files}
+    assert files["data.distcp"].size == 1000 * 4 and files["data.distcp"].blocks
+    assert (".metadata" in files) == (rank == 0)
+    dest = _dshard(rank, world, 0.0)
+    got = ckpt.load_latest(dest)
+    assert got is not None and got.step == 2 and torch.equal(dest["w"].full_tensor(),
+                                                             torch.full((world * 1000,), 2.0))
+    print(f"OK {rank}", flush=True)
+
+
+def async_killed(rank: int, world: int, job: Path) -> None:
+    """Rank 1 dies (like SIGKILL) halfway through writing step 2 of a dcp.async_save."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_resilience.checkpoint import commit
+
+    ckpt = CheckpointManager(job)
+    ckpt.save(1, _dshard(rank, world, 1.0))
+    ckpt.wait()
+    if rank == 1:
+        real = commit.ChecksummingWriter.write
+
+        def dying(self: Any, data: Any) -> int:
+            view = memoryview(data).cast("B")
+            if len(view) >= 4000:  # the tensor bytes: write half, then die without cleanup
+                real(self, view[: len(view) // 2])
+                os._exit(9)
+            return int(real(self, data))
+
+        commit.ChecksummingWriter.write = dying  # type: ignore[method-assign]
+    fut = dcp.async_save(_dshard(rank, world, 2.0), storage_writer=ckpt.storage_writer(2),
+                         process_group=ckpt.group)
+    ckpt.commit(2, fut)
+    try:
+        ckpt.wait()
+    except Exception as exc:  # noqa: BLE001 - rank 0 sees its peer die
+        print(f"rank {rank}: save of step 2 failed as expected: {exc}"[:200], flush=True)
+        os._exit(3)
+    os._exit(4)  # step 2 must not have succeeded
+
+
+def load_one(rank: int, world: int, job: Path) -> None:
+    """load_latest into a sharded state; writes the step and the first value per rank."""
+    dest = _dshard(rank, world, 0.0)
+    got = CheckpointManager(job).load_latest(dest)
+    full = dest["w"].full_tensor()
+    (job.parent / f"loaded-{rank}").write_text(
+        f"{got.step if got else None} {float(full.min())} {float(full.max())}")
+
+
+def disagree(rank: int, world: int, job: Path) -> None:
+    """Each rank on its own 'node' dir; rank 1's node lacks step 2's marker."""
+    node = job.parent / f"node{rank}"
+    node.mkdir()
+    ckpt = CheckpointManager(node, local_leader=True)
+    for step in (1, 2):
+        ckpt.save(step, _dshard(rank, world, float(step)))
+        ckpt.wait()
+    if rank == 1:
+        (node / "step-00000002" / "COMMIT.json").unlink()
+    try:
+        ckpt.load_latest(_dshard(rank, world, 0.0))
+    except Exception as exc:  # noqa: BLE001 - the message is what the test compares
+        (job.parent / f"error-{rank}").write_text(str(exc))
+
+
+def async_process(rank: int, world: int, job: Path) -> None:
+    """dcp.async_save with the process executor: the writer is pickled to DCP's daemon."""
+    import os
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from slurm_resilience.checkpoint.commit import committed_steps
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(30000 + zlib.crc32(str(job).encode()) % 20000)
+    ckpt = CheckpointManager(job)
+    fut = dcp.async_save(_dshard(rank, world, 5.0), storage_writer=ckpt.storage_writer(5),
+                         process_group=ckpt.group,
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    ckpt.commit(5, fut)
+    ckpt.wait()
+    assert committed_steps(job) == [5]
+    dest = _dshard(rank, world, 0.0)
+    got = ckpt.load_latest(dest)
+    assert got is not None and torch.equal(dest["w"].full_tensor(), torch.full((world * 1000,), 5.0))
+    print(f"OK {rank}", flush=True)
+
+
 def run_ranks(scenario: Callable[[int, int, Path], None], world: int, work: Path,
               timeout_s: float = 120.0) -> list[int]:
     """Run ``scenario(rank, world, work/"job")`` in ``world`` forked ranks (torch is already
