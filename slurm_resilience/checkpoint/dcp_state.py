@@ -171,9 +171,9 @@ class Snapshot:
         import torch
 
         if isinstance(obj, torch.Tensor):
-            if _is_dtensor(obj):
-                from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor import DTensor
 
+            if isinstance(obj, DTensor):
                 local = self._copy(path, obj.to_local(), used)
                 return DTensor.from_local(local, obj.device_mesh, obj.placements,
                                           run_check=False, shape=obj.shape,

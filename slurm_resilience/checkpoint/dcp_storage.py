@@ -114,7 +114,7 @@ class StagingWriter(StorageWriter, AsyncStager):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._snapshot is None:
             self._snapshot = Snapshot()
         return self._snapshot.take(state_dict)
@@ -189,6 +189,11 @@ class StagingWriter(StorageWriter, AsyncStager):
             out.write(raw)
             piece = StoredPiece(relpath, offset, len(raw))
         else:
+            import torch
+
+            if not isinstance(data, torch.Tensor):
+                raise CheckpointError(f"checkpoint: dcp: save: {item.index.fqn}: the planner "
+                                      f"gave a {type(data).__name__}, not a tensor")
             t = data.detach()
             if t.device.type != "cpu":
                 t = t.to("cpu")
@@ -206,7 +211,7 @@ class StagingWriter(StorageWriter, AsyncStager):
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         meta = ChecksummingWriter(self._tmp / METADATA_FILE)
         try:
-            pickle.dump(metadata, meta)  # type: ignore[arg-type]
+            pickle.dump(metadata, meta)
         finally:
             entry = meta.close(fsync=True)
         commit_part(self._tmp, self.step, self.rank, known=[*self._entries, entry])

@@ -246,10 +246,10 @@ class CheckpointManager:
         self.last_stall_s = time.perf_counter() - started
 
     def _persist(self, step: int, snapshot: dict[str, Any], writer: Any) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_saver
 
         try:
-            dcp.save(snapshot, storage_writer=writer, process_group=self._group,
+            state_dict_saver.save(snapshot, storage_writer=writer, process_group=self._group,
                      no_dist=self._group is None)
             self._mark(step)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
@@ -401,7 +401,7 @@ class CheckpointManager:
 
         try:
             loaded = self._dcp_load(step, state)
-        except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
             self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
                                  f"{_cause(exc)}")
             return None
@@ -409,7 +409,7 @@ class CheckpointManager:
         return Loaded(step=step, path=sdir, state=loaded)
 
     def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader
 
         reader = self.storage_reader(step)
         if state is None:
@@ -420,8 +420,8 @@ class CheckpointManager:
             return _load_state_dict_from_keys(storage_reader=reader,
                                               process_group=self._group)
         check_state(state, what="load")
-        dcp.load(state, storage_reader=reader, process_group=self._group,
-                 no_dist=self._group is None)
+        state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
+                               no_dist=self._group is None)
         return state
 
     def close(self) -> None:

@@ -50,7 +50,7 @@ def reshard_load(rank: int, world: int, job: Path) -> None:
     assert got is not None and got.step == 3, got
     for key, want in _globals().items():
         dt = state["model"][key]
-        assert isinstance(dt, DTensor) and dt.to_local().numel() < want.numel() or key == "c"
+        assert (isinstance(dt, DTensor) and dt.to_local().numel() < want.numel()) or key == "c"
         full = dt.full_tensor()
         assert full.dtype == want.dtype and torch.equal(full, want), (key, full, want)
     assert state["extra"]["n"] == 11 and torch.equal(state["extra"]["v"], torch.arange(4))
@@ -250,7 +250,8 @@ def async_process(rank: int, world: int, job: Path) -> None:
     assert committed_steps(job) == [5]
     dest = _dshard(rank, world, 0.0)
     got = ckpt.load_latest(dest)
-    assert got is not None and torch.equal(dest["w"].full_tensor(), torch.full((world * 1000,), 5.0))
+    want = torch.full((world * 1000,), 5.0)
+    assert got is not None and torch.equal(dest["w"].full_tensor(), want)
     print(f"OK {rank}", flush=True)
 
 
