@@ -106,7 +106,8 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._group: Any = None
         self.last_saved: int | None = None
-        self.last_stall_s = 0.0
+        self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
+        self.last_wait_s = 0.0  # waiting for the previous save's write
         if _dist_ready():
             dist = sys.modules["torch"].distributed
             self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
@@ -218,6 +219,7 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self.wait()
+        self.last_wait_s = time.perf_counter() - started
         step_name(step)  # rejects a negative step before any collective
         problem: CheckpointError | None = None
         try:
