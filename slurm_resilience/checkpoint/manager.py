@@ -357,15 +357,11 @@ class CheckpointManager:
         print(f"checkpoint: WARNING: {message}; STARTING FROM SCRATCH because "
               f"{ENV_ALLOW_FRESH} / allow_fresh_start is set", file=sys.stderr, flush=True)
 
-    def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
-        """Load the newest committed step into ``state`` in place (any world size).
-
-        Returns the step loaded as a :class:`Loaded`, or None only when the run has no
-        committed step anywhere. Without ``state``, ``Loaded.state`` is a new dict of
-        full (unsharded) CPU tensors. A committed step that can't be loaded (stage-in
-        failed, files missing, ranks disagreeing on the step) raises a CheckpointError
-        naming the step and the cause, unless ``allow_fresh_start`` was given.
-        """
+    def latest_step(self) -> int | None:
+        """The newest committed step, the same on every rank, ready to load; None only when
+        the run has nothing committed (or allow_fresh_start turned a failure into a fresh
+        start). Waits for the agent's stage-in; raises a CheckpointError naming the step
+        and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing."""
         self.wait()
         status = self.wait_stagein()
         local = committed_steps(self.job_dir)
@@ -389,15 +385,28 @@ class CheckpointManager:
                 print("checkpoint: load: no committed step; starting from step 0",
                       file=sys.stderr)
             return None
-        step = hi
-        sdir = self.job_dir / step_name(step)
+        sdir = self.job_dir / step_name(hi)
         has_meta = (sdir / METADATA_RELPATH).is_file() and (sdir / COMMIT).is_file()
         (missing,) = self._all_max([int(not has_meta)])
         if missing:
-            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
+            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {hi}: "
                                  f"{'this node' if not has_meta else 'another node'} has no "
                                  f"{METADATA_RELPATH} (written before the DCP format, or "
                                  "staged in incompletely)")
+            return None
+        return hi
+
+    def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
+        """Load the newest committed step into ``state`` in place (any world size).
+
+        Returns the step loaded as a :class:`Loaded`, or None only when the run has no
+        committed step anywhere. Without ``state``, ``Loaded.state`` is a new dict of
+        full (unsharded) CPU tensors. A committed step that can't be loaded (stage-in
+        failed, files missing, ranks disagreeing on the step) raises a CheckpointError
+        naming the step and the cause, unless ``allow_fresh_start`` was given.
+        """
+        step = self.latest_step()
+        if step is None:
             return None
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -408,7 +417,7 @@ class CheckpointManager:
                                  f"{_cause(exc)}")
             return None
         self.last_saved = step
-        return Loaded(step=step, path=sdir, state=loaded)
+        return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
 
     def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
         from torch.distributed.checkpoint import state_dict_loader

@@ -69,8 +69,8 @@ def test_ranks_disagreeing_on_the_step_all_raise_the_same_error(tmp_path: Path) 
 
 
 def test_storage_writer_and_reader_with_plain_dcp(tmp_path: Path) -> None:
-    """A DCP user's own dcp.save/dcp.load with storage_writer()/storage_reader() and
-    commit() gives a committed step that load_latest() finds."""
+    """A DCP user's own dcp.save/dcp.load with storage_writer()/commit() and
+    latest_step()/storage_reader() gives a committed step that load_latest() finds."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = CheckpointManager(tmp_path)
@@ -79,7 +79,9 @@ def test_storage_writer_and_reader_with_plain_dcp(tmp_path: Path) -> None:
     ckpt.commit(7)
     assert committed_steps(tmp_path) == [7]
     dest = {"model": {"w": torch.zeros(10)}, "step": 0}
-    dcp.load(dest, storage_reader=ckpt.storage_reader(7), no_dist=True)
+    step = ckpt.latest_step()
+    assert step == 7
+    dcp.load(dest, storage_reader=ckpt.storage_reader(step), no_dist=True)
     assert torch.equal(dest["model"]["w"], torch.arange(10.0)) and dest["step"] == 7
     got = CheckpointManager(tmp_path).load_latest()
     assert got is not None and got.step == 7 and torch.equal(got.state["model"]["w"],
