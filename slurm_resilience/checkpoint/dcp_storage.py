@@ -18,7 +18,7 @@ Load (``dcp.load``): ``.metadata`` from ``rank-00000/``, then each rank turns it
 items into byte ranges, asks its ``RangeSource`` to make them present, and reads
 them with ``pread`` straight into the destination tensors (a piece whose destination
 is not a contiguous CPU tensor of the stored dtype goes through a buffer of that
-piece's size).
+piece's size), checking every manifest block it reads whole as the bytes arrive.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
+    MANIFEST,
     CheckpointError,
     ChecksummingWriter,
     FileEntry,
@@ -53,6 +54,7 @@ from slurm_resilience.checkpoint.commit import (
     begin_part,
     commit_part,
     part_dirs,
+    read_manifest,
     remove_tree,
     step_name,
     write_commit_marker,
@@ -67,6 +69,7 @@ from slurm_resilience.checkpoint.dcp_layout import (
     merge_ranges,
 )
 from slurm_resilience.checkpoint.dcp_state import Snapshot, tensor_view
+from slurm_resilience.checkpoint.dcp_verify import BlockVerifier
 from slurm_resilience.checkpoint.ranges import ByteRange, LocalRanges, RangeSource
 
 
@@ -230,6 +233,7 @@ class StagingReader(StorageReader):
         self.ranges: RangeSource = ranges if ranges is not None else LocalRanges(job_dir)
         self.metadata: Metadata | None = None
         self.bytes_read = 0
+        self.blocks_verified = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         _check_id(self.step_dir, checkpoint_id)
@@ -295,12 +299,23 @@ class StagingReader(StorageReader):
             out += [ByteRange(piece.relpath, off, n) for off, n in self._runs(item, piece)]
         return merge_ranges(out)
 
+    def _verifier(self, relpath: str) -> BlockVerifier | None:
+        """Checks the blocks this read covers against the file's manifest (format 2)."""
+        part, _, name = relpath.rpartition("/")
+        manifest = read_manifest(self.step_dir / part)
+        entry = next((f for f in manifest.files if f.path == name), None)
+        if entry is None:
+            raise CheckpointError(f"checkpoint: load: step {self.step}: {relpath} is not in "
+                                  f"{part}/{MANIFEST}")
+        return BlockVerifier(self.step, relpath, entry) if entry.blocks else None
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.ranges.ensure(self.step, self.needed_ranges(plan))
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._piece(item).relpath, []).append(item)
         for relpath, items in sorted(by_file.items()):
+            verifier = self._verifier(relpath)
             path = self.step_dir / relpath
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -308,13 +323,18 @@ class StagingReader(StorageReader):
                 raise CheckpointError(f"checkpoint: load: step {self.step}: couldn't open "
                                       f"{relpath}: {exc.strerror}") from None
             try:
-                for item in sorted(items, key=lambda i: self._piece(i).offset):
-                    self._read_item(fd, relpath, item, planner)
+                # In file order, so the blocks a read covers are checked as they arrive.
+                for item in sorted(items, key=lambda i: (self._piece(i).offset,
+                                                         list(i.storage_offsets))):
+                    self._read_item(fd, relpath, item, planner, verifier)
             finally:
                 os.close(fd)
+            if verifier is not None:
+                self.blocks_verified += verifier.checked
         return _done(None)
 
-    def _pread_into(self, fd: int, relpath: str, view: memoryview, offset: int) -> None:
+    def _pread_into(self, fd: int, relpath: str, view: memoryview, offset: int,
+                    verifier: BlockVerifier | None = None) -> None:
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], offset + got)
@@ -324,15 +344,18 @@ class StagingReader(StorageReader):
                                       f"{offset + len(view)}")
             got += n
         self.bytes_read += got
+        if verifier is not None:
+            verifier.feed(offset, view)
 
-    def _read_item(self, fd: int, relpath: str, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_item(self, fd: int, relpath: str, item: ReadItem, planner: LoadPlanner,
+                   verifier: BlockVerifier | None) -> None:
         import torch
 
         piece = self._piece(item)
         runs = self._runs(item, piece)
         if item.type == LoadItemType.BYTE_IO:
             buf = bytearray(piece.length)
-            self._pread_into(fd, relpath, memoryview(buf), piece.offset)
+            self._pread_into(fd, relpath, memoryview(buf), piece.offset, verifier)
             planner.load_bytes(item, io.BytesIO(buf))
             return
         dtype = getattr(torch, str(piece.dtype), None)
@@ -349,7 +372,7 @@ class StagingReader(StorageReader):
         view = tensor_view(dest, f"load {item.storage_index.fqn}")
         pos = 0
         for off, n in runs:
-            self._pread_into(fd, relpath, view[pos:pos + n], off)
+            self._pread_into(fd, relpath, view[pos:pos + n], off, verifier)
             pos += n
         if pos != len(view):
             raise CheckpointError(f"checkpoint: load: step {self.step}: "

@@ -56,6 +56,22 @@ def test_committed_step_that_cannot_be_loaded_raises_naming_it(
     assert "STARTING FROM SCRATCH" in capsys.readouterr().err
 
 
+def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path) -> None:
+    """A flipped byte in a committed step's data fails its block CRC32C while the restore
+    reads it: an error naming the step, the file and the block, never wrong tensors."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    mgr.wait()
+    f = tmp_path / "step-00000002" / "rank-00000" / "data.distcp"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"committed step 2: .*rank-00000/data\.distcp "
+                                              r"bytes 0-\d+ \(block 0\) have CRC32C"):
+        mgr.load_latest(_state(0.0))
+
+
 def test_step_without_dcp_metadata_raises(tmp_path: Path) -> None:
     """A committed step without .metadata (an older format, or an incomplete stage-in) is an
     error naming the step."""
