@@ -61,6 +61,17 @@ def _keep_traversing(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def resolve_stateful(state: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Top-level Stateful values (``state_dict``/``load_state_dict``, as DCP and torchtitan
+    use them) replaced by their ``state_dict()``; other values as they are."""
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items()}
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and \
+        callable(getattr(obj, "load_state_dict", None))
+
+
 def check_state(state: Mapping[Any, Any], what: str = "save") -> None:
     """Raise a CheckpointError naming the key if ``state`` can't be saved exactly."""
     import torch

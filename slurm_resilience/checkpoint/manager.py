@@ -32,7 +32,7 @@ from slurm_resilience.checkpoint.commit import (
     write_commit_marker,
 )
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
-from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state
+from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
@@ -212,7 +212,8 @@ class CheckpointManager:
     def save(self, step: int, state_dict: Mapping[str, Any]) -> None:
         """Snapshot ``state_dict`` now; write and commit it through DCP in the background.
 
-        Plain tensors, optimizer states and DTensor (FSDP2) state dicts work; what can't
+        Plain tensors, optimizer states, DTensor (FSDP2) state dicts and top-level
+        Stateful objects (``state_dict()``/``load_state_dict()``) work; what can't
         be saved raises a CheckpointError naming the key, on every rank, before anything
         is written. A save that arrives while the previous one is still writing waits for
         it (its buffers are reused): the stall is then the rest of that write.
@@ -223,6 +224,10 @@ class CheckpointManager:
         step_name(step)  # rejects a negative step before any collective
         problem: CheckpointError | None = None
         try:
+            if not isinstance(state_dict, Mapping):
+                raise CheckpointError(f"checkpoint: save: the state must be a mapping, not "
+                                      f"{type(state_dict).__name__}")
+            state_dict = resolve_stateful(state_dict)
             check_state(state_dict)
         except CheckpointError as exc:
             problem = exc
@@ -430,7 +435,7 @@ class CheckpointManager:
 
             return _load_state_dict_from_keys(storage_reader=reader,
                                               process_group=self._group)
-        check_state(state, what="load")
+        check_state(resolve_stateful(state), what="load")
         state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
                                no_dist=self._group is None)
         return state

@@ -96,6 +96,18 @@ def test_load_latest_fills_the_callers_state_in_place(tmp_path: Path) -> None:
     assert dest["opt"]["step"] == 4 and float(dest["opt"]["m"][0][1]) == 4.0  # type: ignore[index]
 
 
+def test_stateful_objects_save_and_load_like_dcp(tmp_path: Path) -> None:
+    """A top-level Stateful value (a module wrapper, as torchtitan passes) is saved through
+    its state_dict() and restored through load_state_dict()."""
+    model = torch.nn.Linear(3, 2)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"model": model, "step": 1})
+    other = torch.nn.Linear(3, 2)
+    got = mgr.load_latest({"model": other, "step": 0})
+    assert got is not None and got.step == 1 and got.state["step"] == 1
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
 def test_keys_that_would_share_a_name_are_refused(tmp_path: Path) -> None:
     """{"enc.w": a, "enc": {"w": b}} and keys 0 and "0" would land on one name: save()
     refuses with both keys named; "enc/w" next to enc->w stays two distinct names."""
