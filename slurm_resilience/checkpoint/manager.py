@@ -85,7 +85,8 @@ class CheckpointManager:
                  local_leader: bool | None = None, uri: str | None = None,
                  job_id: int | None = None, agent_socket: str | None = None,
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
-                 ranges: RangeSource | None = None, allow_fresh_start: bool = False):
+                 ranges: RangeSource | None = None, allow_fresh_start: bool = False,
+                 keep_buffers: bool = True):
         self.job_dir = Path(job_dir)
         self.rank = rank
         self.world_size = world_size
@@ -95,6 +96,9 @@ class CheckpointManager:
         self.agent_socket = agent_socket
         self.stagein_timeout_s = stagein_timeout_s
         self.allow_fresh_start = allow_fresh_start
+        # True: the snapshot buffers stay between saves (one copy of the state resident, no
+        # page faults in the next stall); False: freed once each save is written.
+        self.keep_buffers = keep_buffers
         self.ranges: RangeSource = ranges if ranges is not None else LocalRanges(self.job_dir)
         if not self.job_dir.is_dir():
             raise CheckpointError(
@@ -257,10 +261,13 @@ class CheckpointManager:
 
         try:
             state_dict_saver.save(snapshot, storage_writer=writer, process_group=self._group,
-                     no_dist=self._group is None)
+                                  no_dist=self._group is None)
             self._mark(step)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
             self._error = exc
+        finally:
+            if not self.keep_buffers:
+                self._snap.release()
 
     def _mark(self, step: int) -> None:
         """dcp.save returned on this rank, so every part is durable: mark this node."""

@@ -142,7 +142,7 @@ def test_unsupported_values_raise_naming_key_and_type(tmp_path: Path, value: obj
 
 def test_snapshot_buffers_are_reused_between_saves(tmp_path: Path) -> None:
     """The second save copies into the first save's buffers: one extra copy of the state,
-    never one per save."""
+    never one per save; release_buffers() or keep_buffers=False frees them."""
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, _state(1.0))
     mgr.wait()
@@ -153,6 +153,10 @@ def test_snapshot_buffers_are_reused_between_saves(tmp_path: Path) -> None:
     assert mgr._snap.nbytes == (64 * 64 + 3) * 4
     mgr.release_buffers()
     assert mgr._snap.nbytes == 0
+    lean = CheckpointManager(tmp_path, keep_buffers=False)
+    lean.save(3, _state(3.0))
+    lean.wait()
+    assert lean._snap.nbytes == 0
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
