@@ -109,6 +109,7 @@ class CheckpointManager:
         self._future: Any = None
         self._error: BaseException | None = None
         self._group: Any = None
+        self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self.last_saved: int | None = None
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
@@ -199,6 +200,7 @@ class CheckpointManager:
             print(f"checkpoint: register: couldn't reach the node agent ({exc}); checkpoints "
                   "stay on this node and nothing is staged in", file=sys.stderr)
             self.agent_socket = None
+            self._agent_lost = str(exc)
 
     def _all_max(self, values: list[int]) -> list[int]:
         """Element-wise max of ``values`` over all ranks (our own group)."""
@@ -346,9 +348,7 @@ class CheckpointManager:
             try:
                 status = call(self.agent_socket, "ckpt.status", job_id=self.job_id)
             except AgentUnavailable as exc:
-                print(f"checkpoint: stage-in: agent unavailable ({exc}); using local steps only",
-                      file=sys.stderr)
-                return StageinStatus("unavailable")
+                return StageinStatus("unavailable", error=str(exc))
             state = str(status.get("stagein", "none"))
             if state in ("done", "failed", "none"):
                 step = status.get("step")
@@ -378,11 +378,15 @@ class CheckpointManager:
         status = self.wait_stagein()
         local = committed_steps(self.job_dir)
         candidate = status.step if status.step is not None else (local[-1] if local else -1)
-        failed = status.state == "failed"
+        error = status.error if status.state == "failed" else None
+        if self.uri is not None and (self._agent_lost or status.state == "unavailable"):
+            # The run's S3 steps are unknown: loading a local one could silently go back.
+            error = f"the node agent is unreachable ({self._agent_lost or status.error})"
+        failed = error is not None
         hi, neg_lo, any_failed = self._all_max([candidate, -candidate, int(failed)])
         lo = -neg_lo
         if any_failed:
-            cause = f"stage-in failed: {status.error}" if failed else \
+            cause = f"stage-in failed: {error}" if failed else \
                 "stage-in failed on another node (its ranks' error names the cause)"
             self._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
             return None

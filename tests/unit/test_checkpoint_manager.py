@@ -72,6 +72,18 @@ def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path) -> None:
         mgr.load_latest(_state(0.0))
 
 
+def test_run_with_uri_but_no_agent_raises_instead_of_using_local_steps(tmp_path: Path) -> None:
+    """With a run URI but no reachable agent the run's S3 steps are unknown: load_latest
+    raises (naming the agent) rather than silently loading an older local step."""
+    first = CheckpointManager(tmp_path)
+    first.save(1, _state(1.0))
+    first.wait()
+    mgr = CheckpointManager(tmp_path, uri="s3://ckpt/u/run", job_id=7,
+                            agent_socket=str(tmp_path / "no-agent.sock"))
+    with pytest.raises(CheckpointError, match="stage-in failed: the node agent is unreachable"):
+        mgr.load_latest()
+
+
 def test_step_without_dcp_metadata_raises(tmp_path: Path) -> None:
     """A committed step without .metadata (an older format, or an incomplete stage-in) is an
     error naming the step."""
