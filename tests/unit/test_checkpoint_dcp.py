@@ -86,3 +86,24 @@ def test_storage_writer_and_reader_with_plain_dcp(tmp_path: Path) -> None:
     got = CheckpointManager(tmp_path).load_latest()
     assert got is not None and got.step == 7 and torch.equal(got.state["model"]["w"],
                                                              torch.arange(10.0))
+
+
+def test_async_save_with_dcp_default_stager(tmp_path: Path) -> None:
+    """dcp.async_save with DCP's own DefaultStager (async staging, an AsyncSaveResponse)
+    through storage_writer(): commit() waits for its upload future, then the step loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    ckpt = CheckpointManager(tmp_path)
+    stager = DefaultStager(StagingOptions(False, False, True, False))
+    try:
+        resp = dcp.async_save({"w": torch.arange(6.0)}, storage_writer=ckpt.storage_writer(9),
+                              async_stager=stager, no_dist=True)
+        ckpt.commit(9, resp)
+        ckpt.wait()
+    finally:
+        stager.close()
+    assert committed_steps(tmp_path) == [9]
+    dest = {"w": torch.zeros(6)}
+    got = ckpt.load_latest(dest)
+    assert got is not None and got.step == 9 and torch.equal(dest["w"], torch.arange(6.0))
