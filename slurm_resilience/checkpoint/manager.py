@@ -250,7 +250,7 @@ class CheckpointManager:
                   file=sys.stderr)
             return
         snapshot = self._snap.take(state_dict)
-        from slurm_resilience.checkpoint.dcp_storage import StagingWriter
+        from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
         writer = StagingWriter(self.job_dir, step)
         self._thread = threading.Thread(target=self._persist, args=(step, snapshot, writer),
@@ -304,7 +304,7 @@ class CheckpointManager:
         process_group=ckpt.group)`` or ``dcp.async_save(...)``, then ``ckpt.commit(step,
         future)``. As async_save's stager it reuses this manager's snapshot buffers, so
         the previous save is waited for first."""
-        from slurm_resilience.checkpoint.dcp_storage import StagingWriter
+        from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
         self.wait()
         return StagingWriter(self.job_dir, step, snapshot=self._snap)
@@ -330,7 +330,7 @@ class CheckpointManager:
 
     def storage_reader(self, step: int) -> Any:
         """A DCP StorageReader for committed ``step``, reading through this job's RangeSource."""
-        from slurm_resilience.checkpoint.dcp_storage import StagingReader
+        from slurm_resilience.checkpoint.dcp_reader import StagingReader
 
         return StagingReader(self.job_dir, step, self.ranges)
 

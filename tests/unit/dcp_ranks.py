@@ -138,7 +138,7 @@ def async_gated(rank: int, world: int, job: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from slurm_resilience.checkpoint.commit import committed_steps, read_manifest
-    from slurm_resilience.checkpoint.dcp_storage import StagingWriter
+    from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
     gate = threading.Event()
 
