@@ -255,6 +255,24 @@ def async_process(rank: int, world: int, job: Path) -> None:
     print(f"OK {rank}", flush=True)
 
 
+def refuse_bad_save(rank: int, world: int, job: Path) -> None:
+    """Rank 1's state can't be pickled: save() must raise on both ranks, writing nothing."""
+    mgr = CheckpointManager(job)
+    mgr.save(1, {f"w{rank}": torch.full((10,), float(rank))})
+    mgr.wait()
+    bad: Any = (lambda: 0) if rank == 1 else 0
+    message = ""
+    try:
+        mgr.save(2, {"w": torch.zeros(1), "bad": bad})
+        mgr.wait()
+    except Exception as exc:  # noqa: BLE001 - the message is what the test compares
+        message = str(exc)
+    dest = {f"w{rank}": torch.zeros(10)}
+    got = mgr.load_latest(dest)
+    (job.parent / f"refused-{rank}").write_text(
+        f"{got.step if got else None} {float(dest[f'w{rank}'][0])} {message}")
+
+
 def run_ranks(scenario: Callable[[int, int, Path], None], world: int, work: Path,
               timeout_s: float = 120.0) -> list[int]:
     """Run ``scenario(rank, world, work/"job")`` in ``world`` forked ranks (torch is already
