@@ -283,11 +283,13 @@ class CheckpointManager:
             self._thread.join()
             self._thread = None
         if self._future is not None:
-            fut, self._future = self._future, None
+            (fut, marked), self._future = self._future, None
             try:
                 fut.result()
             except BaseException as exc:  # noqa: BLE001 - reported below
                 self._error = self._error or exc
+            # A future's waiters wake before its callbacks run: wait for ours (the marker).
+            marked.wait()
         if self._error is not None:
             err, self._error = self._error, None
             raise CheckpointError(f"checkpoint: save failed: {err}") from err
@@ -318,14 +320,18 @@ class CheckpointManager:
             return
         done = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
 
-        def on_done(fut: Any) -> None:
-            if fut.exception() is None:
-                try:
-                    self._mark(step)
-                except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-                    self._error = exc
+        marked = threading.Event()
 
-        self._future = done
+        def on_done(fut: Any) -> None:
+            try:
+                if fut.exception() is None:
+                    self._mark(step)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+            finally:
+                marked.set()
+
+        self._future = (done, marked)
         done.add_done_callback(on_done)
 
     def storage_reader(self, step: int) -> Any:
