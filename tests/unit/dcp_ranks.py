@@ -44,10 +44,23 @@ def reshard_save(rank: int, world: int, job: Path) -> None:
 
 
 def reshard_load(rank: int, world: int, job: Path) -> None:
+    from slurm_resilience.checkpoint.ranges import LocalRanges
+
+    class Recorded(LocalRanges):
+        """LocalRanges that also counts the bytes the restore asks for."""
+
+        asked = 0
+
+        def ensure(self, step: int, ranges: Any) -> None:
+            self.asked += sum(r.length for r in ranges)
+            super().ensure(step, ranges)
+
     mesh = init_device_mesh("cpu", (world,))
     state = _sharded(mesh, fill=False)
-    got = CheckpointManager(job).load_latest(state)
+    source = Recorded(job)
+    got = CheckpointManager(job, ranges=source).load_latest(state)
     assert got is not None and got.step == 3, got
+    (job.parent / f"asked-{world}-{rank}").write_text(str(source.asked))
     for key, want in _globals().items():
         dt = state["model"][key]
         assert (isinstance(dt, DTensor) and dt.to_local().numel() < want.numel()) or key == "c"

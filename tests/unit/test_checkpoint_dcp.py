@@ -5,6 +5,7 @@ Every test runs real ranks (forked processes, gloo on CPU) through dcp_ranks.py.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import dcp_ranks as ranks
@@ -26,6 +27,16 @@ def test_four_ranks_save_two_and_eight_ranks_resume_equal(tmp_path: Path) -> Non
         assert names == ({"data.distcp", ".metadata"} if r == 0 else {"data.distcp"})
     assert ranks.run_ranks(ranks.reshard_load, 2, tmp_path) == [0] * 2
     assert ranks.run_ranks(ranks.reshard_load, 8, tmp_path) == [0] * 8
+    # Each rank asks its RangeSource for its share of the sharded tensors plus the small
+    # replicated entries, never for whole files.
+    with open(step / "rank-00000" / ".metadata", "rb") as fh:
+        pieces = pickle.load(fh).storage_data.values()
+    sharded = sum(p.length for p in pieces if p.shape is not None and len(p.shape) == 2)
+    whole = sum(p.length for p in pieces) - sharded
+    for world in (2, 8):
+        for r in range(world):
+            asked = int((tmp_path / f"asked-{world}-{r}").read_text())
+            assert sharded // world <= asked <= sharded // world * 1.1 + whole, (world, r)
 
 
 def test_fsdp2_model_and_optimizer_resume_at_another_world_size(tmp_path: Path) -> None:
