@@ -4,10 +4,11 @@
 Copy it as a starting point. It trains an MLP with DDP (gloo on CPU, NCCL works the
 same on GPUs) and uses:
 
-* ``slurm_resilience.checkpoint.CheckpointManager``: ``save()`` stalls only for a
-  host-memory snapshot; the node agent syncs committed steps to S3, and on a
-  restart (requeue, or a new job with the same ``SLURM_RESILIENCE_CKPT_URI``)
-  ``load_latest()`` returns the newest step that verifies;
+* ``slurm_resilience.checkpoint.CheckpointManager`` on torch.distributed.checkpoint:
+  ``save()`` stalls only for a host-memory snapshot; the node agent syncs committed
+  steps to S3, and on a restart (requeue, or a new job with the same
+  ``SLURM_RESILIENCE_CKPT_URI``, at any world size) ``load_latest(state)`` loads the
+  newest committed step into the model and optimizer state in place;
 * ``slurm_resilience.heartbeat``: one ``beat(step)`` per iteration and a
   ``section("checkpoint")`` around saves, so the agent can tell a hang from a
   slow phase.
@@ -35,6 +36,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slurm_resilience import heartbeat
 from slurm_resilience.checkpoint import CheckpointManager
@@ -113,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ckpt = CheckpointManager.from_env()
 
-    resumed = ckpt.load_latest()  # waits for the agent's stage-in first
+    # DCP-style state: loaded in place (resharded if the world size changed), then applied.
+    msd, osd = get_state_dict(ddp, opt)
+    resumed = ckpt.load_latest({"model": msd, "optimizer": osd})  # waits for stage-in first
     start = 0
     if resumed is not None:
-        model.load_state_dict(resumed.state["model"])
-        opt.load_state_dict(resumed.state["optimizer"])
+        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
         start = resumed.step
     heartbeat.checkpointed(start)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % a.ckpt_every == 0:
             with heartbeat.section("checkpoint"):
                 t0 = time.perf_counter()
-                ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+                msd, osd = get_state_dict(ddp, opt)
+                ckpt.save(step, {"model": msd, "optimizer": osd})
                 stall_ms = (time.perf_counter() - t0) * 1e3
                 if a.checkpoint_seconds and step == a.ckpt_every:
                     time.sleep(a.checkpoint_seconds)

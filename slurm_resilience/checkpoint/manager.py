@@ -1,10 +1,11 @@
-"""The training-side API: ``CheckpointManager``.
+"""The training-side API: ``CheckpointManager``, on torch.distributed.checkpoint (DCP).
 
-``save()`` stalls training only for a snapshot into reusable host buffers; a
-background thread serialises, fsyncs and commits it to the job's node-local
-staging dir, then all ranks agree on a separate gloo group and each node's
-local rank 0 writes the step's commit marker. The node agent uploads committed
-steps to S3 and stages the newest verified one back in when a job starts.
+``save()`` stalls training only for a snapshot into reused host buffers; a background
+thread runs ``dcp.save`` through :class:`StagingWriter` on a gloo group of our own
+(every rank's part durable, ``.metadata`` from the coordinator, COMMIT.json), and each
+node's local leader writes its node's commit marker. ``load_latest(state)`` agrees on
+one step across ranks and loads it in place with DCP's load planner, at any world
+size. The node agent uploads committed steps to S3 and stages them back in.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pwd
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,30 +26,44 @@ from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
     FileEntry,
-    begin_part,
-    commit_part,
     committed_steps,
     part_dirs,
-    rank_name,
-    remove_tree,
     step_name,
-    verify_part,
     write_commit_marker,
 )
-from slurm_resilience.checkpoint.tensorfile import SKELETON, read_state, write_state
+from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
+from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
+from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 
-STATE_FILE = SKELETON
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
+ENV_ALLOW_FRESH = "SLURM_RESILIENCE_CKPT_ALLOW_FRESH_START"
+
+# dcp.save/load without a process group (one process, no torch.distributed) warn on every call.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
+                        "uninitialized", category=UserWarning)
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """The newest complete step: its state (from ``save``) or its directory (``directory``)."""
+    """The step ``load_latest`` loaded: its number, its step dir, and the state.
+
+    ``state`` is the caller's state dict (loaded in place) or, for ``load_latest()``
+    without one, a new dict of full (unsharded) CPU tensors and plain values.
+    """
 
     step: int
     path: Path
     state: Any = None
+
+
+@dataclass(frozen=True)
+class StageinStatus:
+    """What the node agent said about this job's stage-in (``ckpt.status``)."""
+
+    state: str  # none | running | done | failed | unavailable
+    step: int | None = None
+    error: str | None = None
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -59,42 +74,19 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
-class _Snapshot:
-    """Copies of a state dict's tensors in host buffers that are reused between saves."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, Any] = {}
-
-    def take(self, obj: Any, path: str = "") -> Any:
-        import torch
-
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach()
-            buf = self.buffers.get(path)
-            if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
-                    or buf.layout != t.layout or not t.is_contiguous()):
-                buf = torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format,
-                                       pin_memory=t.is_cuda)
-                self.buffers[path] = buf
-            buf.copy_(t, non_blocking=t.is_cuda)
-            return buf
-        if isinstance(obj, Mapping):
-            return {k: self.take(v, f"{path}/{k}") for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            items = [self.take(v, f"{path}/{i}") for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else tuple(items)
-        import copy
-
-        return copy.deepcopy(obj)
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class CheckpointManager:
-    """Saves and loads one rank's checkpoints in a job's staging dir."""
+    """Saves and loads a job's DCP checkpoints in its node-local staging dir."""
 
     def __init__(self, job_dir: str | os.PathLike[str], *, rank: int = 0, world_size: int = 1,
                  local_leader: bool | None = None, uri: str | None = None,
                  job_id: int | None = None, agent_socket: str | None = None,
-                 stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0):
+                 stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
+                 ranges: RangeSource | None = None, allow_fresh_start: bool = False,
+                 keep_buffers: bool = True):
         self.job_dir = Path(job_dir)
         self.rank = rank
         self.world_size = world_size
@@ -103,17 +95,32 @@ class CheckpointManager:
         self.job_id = job_id
         self.agent_socket = agent_socket
         self.stagein_timeout_s = stagein_timeout_s
+        self.allow_fresh_start = allow_fresh_start
+        # True: the snapshot buffers stay between saves (one copy of the state resident, no
+        # page faults in the next stall); False: freed once each save is written.
+        self.keep_buffers = keep_buffers
+        self.ranges: RangeSource = ranges if ranges is not None else LocalRanges(self.job_dir)
         if not self.job_dir.is_dir():
             raise CheckpointError(
                 f"checkpoint: staging dir {self.job_dir} does not exist; the prolog creates it "
                 f"(is checkpoint.enabled set?), or set {ENV_DIR} outside Slurm")
-        self._snap = _Snapshot()
+        self._snap = Snapshot()
         self._thread: threading.Thread | None = None
+        self._future: Any = None
         self._error: BaseException | None = None
         self._group: Any = None
+        self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self.last_saved: int | None = None
-        if world_size > 1:
+        self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
+        self.last_wait_s = 0.0  # waiting for the previous save's write
+        if _dist_ready():
+            dist = sys.modules["torch"].distributed
+            self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
+            self.local_leader = self.rank == 0 if local_leader is None else local_leader
             self._group = self._make_group(barrier_timeout_s)
+        elif world_size > 1:
+            raise CheckpointError("checkpoint: world_size > 1 needs torch.distributed "
+                                  "initialised before the CheckpointManager is created")
 
     # -- construction from the job's environment -------------------------------------------
 
@@ -154,9 +161,19 @@ class CheckpointManager:
             from slurm_resilience.checkpoint.prefix import check_run_uri
 
             check_run_uri(uri, ck.allowed_prefix, pwd.getpwuid(os.getuid()).pw_name)
+        # -- RangeSource selection: the one place that decides how a restore gets its bytes.
+        # A run with a URI and an agent asks the agent (ckpt.fetch) for just the ranges this
+        # rank reads: stage-in brought only the step's metadata, the rest may be in S3.
+        # A local-only run has every byte in this node's staging dir already.
+        ranges: RangeSource = LocalRanges(jdir)
+        if uri is not None and agent_socket is not None and job_id is not None:
+            from slurm_resilience.checkpoint.agent_ranges import AgentRanges
+
+            ranges = AgentRanges(agent_socket, job_id)
         mgr = cls(jdir, rank=rank, world_size=world, local_leader=local_rank == 0, uri=uri,
                   job_id=job_id, agent_socket=agent_socket,
-                  stagein_timeout_s=ck.stagein_timeout_s)
+                  stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
+                  allow_fresh_start=_env_flag(env, ENV_ALLOW_FRESH))
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register()
         return mgr
@@ -164,12 +181,14 @@ class CheckpointManager:
     def _make_group(self, timeout_s: float) -> Any:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            raise CheckpointError("checkpoint: world_size > 1 needs torch.distributed "
-                                  "initialised before the CheckpointManager is created")
-        # A group of our own, so the background thread never interleaves with training
+        # A group of our own, so the background save never interleaves with training
         # collectives on the default group.
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def group(self) -> Any:
+        """The gloo group checkpoints use (pass it as ``process_group=`` to dcp calls)."""
+        return self._group
 
     def _register(self) -> None:
         from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
@@ -184,91 +203,152 @@ class CheckpointManager:
             print(f"checkpoint: register: couldn't reach the node agent ({exc}); checkpoints "
                   "stay on this node and nothing is staged in", file=sys.stderr)
             self.agent_socket = None
+            self._agent_lost = str(exc)
+
+    def _all_max(self, values: list[int]) -> list[int]:
+        """Element-wise max of ``values`` over all ranks (our own group)."""
+        if self._group is None:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return [int(v) for v in t.tolist()]
 
     # -- saving ----------------------------------------------------------------------------
 
     def save(self, step: int, state_dict: Mapping[str, Any]) -> None:
-        """Snapshot ``state_dict`` now; persist and commit it in the background."""
+        """Snapshot ``state_dict`` now; write and commit it through DCP in the background.
+
+        Plain tensors, optimizer states, DTensor (FSDP2) state dicts and top-level
+        Stateful objects (``state_dict()``/``load_state_dict()``) work; what can't
+        be saved raises a CheckpointError naming the key, on every rank, before anything
+        is written. A save that arrives while the previous one is still writing waits for
+        it (its buffers are reused): the stall is then the rest of that write.
+        """
+        started = time.perf_counter()
         self.wait()
-        if (self.job_dir / step_name(step) / COMMIT).exists():
+        self.last_wait_s = time.perf_counter() - started
+        step_name(step)  # rejects a negative step before any collective
+        problem: CheckpointError | None = None
+        try:
+            if not isinstance(state_dict, Mapping):
+                raise CheckpointError(f"checkpoint: save: the state must be a mapping, not "
+                                      f"{type(state_dict).__name__}")
+            state_dict = resolve_stateful(state_dict)
+            check_state(state_dict)
+        except CheckpointError as exc:
+            problem = exc
+        # One decision for every rank: a node that already holds the step committed, or a
+        # rank whose state can't be saved, stops the save everywhere.
+        committed, bad = self._all_max([int((self.job_dir / step_name(step) / COMMIT).exists()),
+                                        int(problem is not None)])
+        if bad:
+            raise problem or CheckpointError(
+                f"checkpoint: save: step {step}: another rank's state can't be saved (its "
+                "error names the key); nothing was saved")
+        if committed:
             print(f"checkpoint: save: step {step} is already committed; not overwriting",
                   file=sys.stderr)
             return
         snapshot = self._snap.take(state_dict)
-        if any(getattr(b, "is_pinned", lambda: False)() for b in self._snap.buffers.values()):
-            import torch
+        from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
-            torch.cuda.synchronize()
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot),
+        writer = StagingWriter(self.job_dir, step)
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, writer),
                                         name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
+        self.last_stall_s = time.perf_counter() - started
 
-    def _persist(self, step: int, snapshot: Any) -> None:
-        ok = False
+    def _persist(self, step: int, snapshot: dict[str, Any], writer: Any) -> None:
+        from torch.distributed.checkpoint import state_dict_saver
+
         try:
-            tmp = self._begin(step)
-            entries = write_state(tmp, snapshot)
-            commit_part(tmp, step, self.rank, known=entries)
-            ok = True
+            state_dict_saver.save(snapshot, storage_writer=writer, process_group=self._group,
+                                  no_dist=self._group is None)
+            self._mark(step)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
             self._error = exc
-        try:
-            self._agree_and_mark(step, ok)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
-            self._error = self._error or exc
+        finally:
+            if not self.keep_buffers:
+                self._snap.release()
 
-    def _begin(self, step: int) -> Path:
-        _tmp, final = part_dirs(self.job_dir, step, self.rank)
-        if final.exists() and not (final.parent / COMMIT).exists():
-            remove_tree(final)  # an earlier run committed this part but the step never completed
-        return begin_part(self.job_dir, step, self.rank)
-
-    def _agree_and_mark(self, step: int, ok: bool) -> None:
-        """All ranks committed? Then each node's local rank 0 writes the commit marker."""
-        committed = 1 if ok else 0
-        if self._group is not None:
-            import torch
-            import torch.distributed as dist
-
-            flag = torch.tensor([committed], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self._group)
-            committed = int(flag.item())
-        if committed == self.world_size:
-            if self.local_leader:
-                write_commit_marker(self.job_dir, step, self.world_size)
-            self.last_saved = step
-        elif ok:
-            raise CheckpointError(f"checkpoint: save: step {step}: only {committed} of "
-                                  f"{self.world_size} ranks committed; step left incomplete")
+    def _mark(self, step: int) -> None:
+        """dcp.save returned on this rank, so every part is durable: mark this node."""
+        if self.local_leader:
+            write_commit_marker(self.job_dir, step, self.world_size)
+        self.last_saved = step
 
     def wait(self) -> None:
-        """Block until the background save finished; re-raise its failure."""
+        """Block until the background save committed; re-raise its failure."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._future is not None:
+            (fut, marked), self._future = self._future, None
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                self._error = self._error or exc
+            # A future's waiters wake before its callbacks run: wait for ours (the marker).
+            marked.wait()
         if self._error is not None:
             err, self._error = self._error, None
             raise CheckpointError(f"checkpoint: save failed: {err}") from err
 
-    @contextmanager
-    def directory(self, step: int) -> Iterator[Path]:
-        """A fresh directory for this rank's files of ``step``; committed on clean exit."""
+    def release_buffers(self) -> None:
+        """Free the snapshot buffers (after the pending save); the next save allocates anew."""
         self.wait()
-        tmp = self._begin(step)
-        ok = False
-        try:
-            yield tmp
-            commit_part(tmp, step, self.rank)
-            ok = True
-        finally:
-            self._agree_and_mark(step, ok)
+        self._snap.release()
+
+    # -- DCP users: storage_writer / storage_reader ---------------------------------------
+
+    def storage_writer(self, step: int) -> Any:
+        """A DCP StorageWriter for ``step``: ``dcp.save(state, storage_writer=w,
+        process_group=ckpt.group)`` or ``dcp.async_save(...)``, then ``ckpt.commit(step,
+        future)``. As async_save's stager it reuses this manager's snapshot buffers, so
+        the previous save is waited for first."""
+        from slurm_resilience.checkpoint.dcp_writer import StagingWriter
+
+        self.wait()
+        return StagingWriter(self.job_dir, step, snapshot=self._snap)
+
+    def commit(self, step: int, future: Any = None) -> None:
+        """After ``dcp.save`` with ``storage_writer(step)`` returned on this rank (or, given
+        the future of ``dcp.async_save``, once it resolves): this node's local leader writes
+        the step's COMMIT.json (rank 0's node has it from DCP's finish step already)."""
+        if future is None:
+            self._mark(step)
+            return
+        done = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
+
+        marked = threading.Event()
+
+        def on_done(fut: Any) -> None:
+            try:
+                if fut.exception() is None:
+                    self._mark(step)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+            finally:
+                marked.set()
+
+        self._future = (done, marked)
+        done.add_done_callback(on_done)
+
+    def storage_reader(self, step: int) -> Any:
+        """A DCP StorageReader for committed ``step``, reading through this job's RangeSource."""
+        from slurm_resilience.checkpoint.dcp_reader import StagingReader
+
+        return StagingReader(self.job_dir, step, self.ranges)
 
     # -- loading ---------------------------------------------------------------------------
 
-    def wait_stagein(self) -> dict[str, Any]:
+    def wait_stagein(self) -> StageinStatus:
         """Wait until the agent finished staging this job's newest step in."""
         if self.agent_socket is None or self.job_id is None:
-            return {"state": "none"}
+            return StageinStatus("none")
         from slurm_resilience.agent.client import AgentUnavailable, call
 
         deadline = time.monotonic() + self.stagein_timeout_s
@@ -277,15 +357,13 @@ class CheckpointManager:
             try:
                 status = call(self.agent_socket, "ckpt.status", job_id=self.job_id)
             except AgentUnavailable as exc:
-                print(f"checkpoint: stage-in: agent unavailable ({exc}); using local steps only",
-                      file=sys.stderr)
-                return {"state": "unavailable"}
+                return StageinStatus("unavailable", error=str(exc))
             state = str(status.get("stagein", "none"))
             if state in ("done", "failed", "none"):
-                if state == "failed":
-                    print(f"checkpoint: stage-in failed: {status.get('error')}",
-                          file=sys.stderr)
-                return status
+                step = status.get("step")
+                error = status.get("error")
+                return StageinStatus(state, int(step) if isinstance(step, int) else None,
+                                     str(error) if error is not None else None)
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
@@ -293,45 +371,108 @@ class CheckpointManager:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def newest_local(self) -> int | None:
-        """Newest committed step whose part for this rank verifies; corrupt ones are skipped."""
-        for step in reversed(committed_steps(self.job_dir)):
-            try:
-                verify_part(self.job_dir / step_name(step) / rank_name(self.rank), step)
-            except (CheckpointError, OSError) as exc:
-                print(f"checkpoint: load: skipping step {step}: {exc}", file=sys.stderr)
-                continue
-            return step
-        return None
+    def _fresh_or_raise(self, message: str) -> None:
+        if not self.allow_fresh_start:
+            raise CheckpointError(f"{message}; to start from scratch instead set "
+                                  f"{ENV_ALLOW_FRESH}=1 (allow_fresh_start=True)")
+        print(f"checkpoint: WARNING: {message}; STARTING FROM SCRATCH because "
+              f"{ENV_ALLOW_FRESH} / allow_fresh_start is set", file=sys.stderr, flush=True)
 
-    def load_latest(self, map_location: Any = "cpu", weights_only: bool = True
-                    ) -> Loaded | None:
-        """The newest step complete for every rank, or None when there is none."""
+    def latest_step(self) -> int | None:
+        """The newest committed step, the same on every rank, ready to load; None only when
+        the run has nothing committed (or allow_fresh_start turned a failure into a fresh
+        start). Waits for the agent's stage-in; raises a CheckpointError naming the step
+        and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing."""
         self.wait()
-        self.wait_stagein()
-        step = self.newest_local()
-        if self._group is not None:
-            import torch
-            import torch.distributed as dist
+        status = self.wait_stagein()
+        local = committed_steps(self.job_dir)
+        candidate = status.step if status.step is not None else (local[-1] if local else -1)
+        error = status.error if status.state == "failed" else None
+        if self.uri is not None and (self._agent_lost or status.state == "unavailable"):
+            # The run's S3 steps are unknown: loading a local one could silently go back.
+            error = f"the node agent is unreachable ({self._agent_lost or status.error})"
+        failed = error is not None
+        hi, neg_lo, any_failed = self._all_max([candidate, -candidate, int(failed)])
+        lo = -neg_lo
+        if any_failed:
+            cause = f"stage-in failed: {error}" if failed else \
+                "stage-in failed on another node (its ranks' error names the cause)"
+            self._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
+            return None
+        if hi != lo:
+            self._fresh_or_raise(
+                f"checkpoint: load: ranks disagree on the newest committed step (from {lo} to "
+                f"{hi} across {self.world_size} ranks; -1: none on that node), so none "
+                "is loaded")
+            return None
+        if hi < 0:
+            if self.rank == 0:
+                print("checkpoint: load: no committed step; starting from step 0",
+                      file=sys.stderr)
+            return None
+        sdir = self.job_dir / step_name(hi)
+        has_meta = (sdir / METADATA_RELPATH).is_file() and (sdir / COMMIT).is_file()
+        (missing,) = self._all_max([int(not has_meta)])
+        if missing:
+            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {hi}: "
+                                 f"{'this node' if not has_meta else 'another node'} has no "
+                                 f"{METADATA_RELPATH} (written before the DCP format, or "
+                                 "staged in incompletely)")
+            return None
+        return hi
 
-            t = torch.tensor([-1 if step is None else step], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
-            agreed = int(t.item())
-            step = None if agreed < 0 else agreed
-            if step is not None:
-                verify_part(self.job_dir / step_name(step) / rank_name(self.rank), step)
+    def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
+        """Load the newest committed step into ``state`` in place (any world size).
+
+        Returns the step loaded as a :class:`Loaded`, or None only when the run has no
+        committed step anywhere. Without ``state``, ``Loaded.state`` is a new dict of
+        full (unsharded) CPU tensors. A committed step that can't be loaded (stage-in
+        failed, files missing, ranks disagreeing on the step) raises a CheckpointError
+        naming the step and the cause, unless ``allow_fresh_start`` was given.
+        """
+        step = self.latest_step()
         if step is None:
             return None
-        part = self.job_dir / step_name(step) / rank_name(self.rank)
-        state = None
-        if (part / STATE_FILE).is_file():
-            state = read_state(part, map_location=map_location, weights_only=weights_only)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            loaded = self._dcp_load(step, state)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
+            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
+                                 f"{_cause(exc)}")
+            return None
         self.last_saved = step
-        return Loaded(step=step, path=part, state=state)
+        return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
+
+    def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
+        from torch.distributed.checkpoint import state_dict_loader
+
+        reader = self.storage_reader(step)
+        if state is None:
+            from torch.distributed.checkpoint.state_dict_loader import (
+                _load_state_dict_from_keys,
+            )
+
+            return _load_state_dict_from_keys(storage_reader=reader,
+                                              process_group=self._group)
+        check_state(resolve_stateful(state), what="load")
+        state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
+                               no_dist=self._group is None)
+        return state
 
     def close(self) -> None:
         """Finish the pending save (call before exiting)."""
         self.wait()
+
+
+def _cause(exc: BaseException) -> str:
+    """DCP wraps each rank's failure (a CheckpointException); name the first one plainly."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, err = sorted(failures.items())[0]
+        inner = err[0] if isinstance(err, tuple) else err
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _dist_ready() -> bool:
@@ -341,4 +482,5 @@ def _dist_ready() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "FileEntry", "Loaded"]
+__all__ = ["CheckpointError", "CheckpointManager", "FileEntry", "Loaded", "StageinStatus",
+           "part_dirs"]

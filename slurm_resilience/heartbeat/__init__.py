@@ -25,7 +25,7 @@ Recovery needs the job to be requeueable and to resume on its own. Submit with
 back in the queue (it restarts from the top of the script with the same job id and
 ``SLURM_RESTART_COUNT`` one higher) and ``--open-mode=append`` keeps the output of
 earlier runs in the same file. At start, call ``CheckpointManager.from_env()``
-and ``load_latest()``: it returns the newest step whose every rank's part is
+and ``load_latest(state)``: it loads the newest step whose every rank's part is
 committed, so the run continues from there; call ``checkpointed(step)`` with it.
 """
 

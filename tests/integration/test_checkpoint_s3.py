@@ -143,7 +143,7 @@ def test_upload_commit_last_then_new_job_stages_in_and_verifies(env: tuple[Endpo
     assert up.on_status({"job_id": 11}, ROOT)["pending"] == []
     objs = sorted(p.relative_to(ep.dir / "ckpt/root/run1").as_posix()
                   for p in (ep.dir / "ckpt/root/run1").rglob("*") if p.is_file())
-    assert "step-00000010/COMMIT.json" in objs and "step-00000005/rank-00000/state.pt" in objs
+    assert "step-00000010/COMMIT.json" in objs and "step-00000005/rank-00000/.metadata" in objs
     verify = ["--config", str(_cfg_file(ep, base)), "ckpt", "verify", "s3://ckpt/root/run1"]
     assert cli_main([*verify, "--all"]) == 0
 
@@ -200,7 +200,7 @@ def test_sigkilled_agent_resumes_without_resending_parts(env: tuple[Endpoint, Pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = _journal_parts(base, 21)
-    size = (d / "step-00000001/rank-00000/tensors.bin").stat().st_size
+    size = (d / "step-00000001/rank-00000/data.distcp").stat().st_size
     nparts = -(-size // (5 * 1024**2))
     assert 3 <= done < nparts
     resumed = Uploader(_cfg(ep, base), "n1")  # reads the journal like a restarted agent
@@ -243,7 +243,7 @@ def test_corrupt_object_in_s3_falls_back_to_previous_step(env: tuple[Endpoint, P
     _save(d, 5, value=5.0)
     _save(d, 10, value=10.0)
     up.run_pass()
-    obj = ep.dir / "ckpt/root/corrupt/step-00000010/rank-00000/tensors.bin"
+    obj = ep.dir / "ckpt/root/corrupt/step-00000010/rank-00000/data.distcp"
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x01
     obj.write_bytes(bytes(data))
@@ -267,8 +267,8 @@ def test_planted_symlinks_are_not_uploaded_nor_followed(env: tuple[Endpoint, Pat
     os.symlink("/etc", part / "etc")  # not in the manifest
     _save(d, 2)
     part2 = d / "step-00000002" / "rank-00000"
-    (part2 / "state.pt").unlink()
-    os.symlink("/etc/shadow", part2 / "state.pt")  # in the manifest
+    (part2 / ".metadata").unlink()
+    os.symlink("/etc/shadow", part2 / ".metadata")  # in the manifest
     up.run_pass()
     run = ep.dir / "ckpt/root/links"
     uploaded = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
@@ -320,7 +320,7 @@ def test_orphaned_upload_of_our_key_is_aborted(env: tuple[Endpoint, Path]) -> No
     d = _job(up, base, 81, "s3://ckpt/root/orph")
     _save(d, 1, mb=12)
     s3 = S3(s3_settings(_cfg(ep, base)))
-    key = "root/orph/step-00000001/rank-00000/tensors.bin"
+    key = "root/orph/step-00000001/rank-00000/data.distcp"
     orphan = s3.client.create_multipart_upload(Bucket="ckpt", Key=key)["UploadId"]
     up.jobs[81]["steps"]["1"] = {"state": "pending", "files": {
         f"ckpt-{key}": {}, key: {"done": False, "upload_id": "gone", "parts": {}}}}

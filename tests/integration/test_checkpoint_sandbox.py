@@ -100,19 +100,26 @@ def test_uri_outside_user_prefix_fails_clearly_and_writes_nothing(
 
 def test_s3_down_training_unblocked_epilog_bounded_upload_later(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """With S3 down the job trains and ends normally, the epilog waits only epilog_wait_s, and
-    the agent uploads the pending step once S3 is back."""
+    """With S3 down at job start the job fails with a clear stage-in error (never a silent
+    fresh start); with the explicit opt-in it starts fresh, loudly, trains and ends
+    normally, the epilog waits only epilog_wait_s, and the agent uploads the pending step
+    once S3 is back."""
     user = test_users[0]
     wd = sandbox.user_dir(user, "ckpt-down")
     uri = f"s3://ckpt/{user}/down-{time.time_ns()}"
     s3 = control.s3_extra(sandbox.layout)[0]
     daemons.stop(s3.daemon)
     try:
-        job = _train(sandbox, user, wd, uri, ["node2"], "--steps 10 --ckpt-every 5")
+        refused = _train(sandbox, user, wd, uri, ["node2"], "--steps 10 --ckpt-every 5")
+        assert sandbox.wait_job(refused, timeout=120).state == "FAILED", _out(wd, refused)
+        assert "couldn't restore the run: stage-in failed" in _out(wd, refused)
+        job = _train(sandbox, user, wd, uri, ["node2"], "--steps 10 --ckpt-every 5",
+                     before="export SLURM_RESILIENCE_CKPT_ALLOW_FRESH_START=1\n")
         info = sandbox.wait_job(job, timeout=120)
         ended = time.monotonic()
         assert info.state == "COMPLETED", _out(wd, job)
         assert "done step=10 resumed_from=0" in _out(wd, job)
+        assert "STARTING FROM SCRATCH" in _out(wd, job)
         time.sleep(2)
         assert not (_s3_run(sandbox, uri) / "step-00000010" / "COMMIT.json").exists()
     finally:
@@ -240,7 +247,7 @@ def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
     uri = f"s3://ckpt/{user}/corrupt-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1"], "--steps 10 --ckpt-every 5")
     assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
-    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / "tensors.bin"
+    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / "data.distcp"
     data = bytearray(obj.read_bytes())
     data[len(data) // 3] ^= 0x40
     obj.write_bytes(bytes(data))

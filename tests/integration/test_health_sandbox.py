@@ -114,8 +114,14 @@ def test_epilog_reports_xids_raised_during_the_job(box: Sandbox) -> None:
     """A non-fatal Xid logged while the job runs is reported by the epilog as raised during
     the job, without a drain; a fatal one drains the node (at the epilog or the next
     health check, whichever runs first)."""
-    job = box.sbatch("sleep 4\n", args=["-N1", "-w", "node3"])
-    box.wait_job(job, {"RUNNING"}, timeout=30)
+    # Slurm shows RUNNING while the prolog still runs; the batch script starts only after it,
+    # so the script's own marker says the prolog has taken the job's start.
+    marker = box.state_dir / "xid-job-started"
+    job = box.sbatch(f"touch {marker}\nsleep 4\n", args=["-N1", "-w", "node3"])
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "the job's script never started"
     print(faults.inject(box.state_dir, "node3", "gpu-xid:2:43"))
     assert box.wait_job(job, timeout=60).state == "COMPLETED"
     log = box.state_dir / "log" / "slurm-resilience.jsonl"

@@ -41,44 +41,140 @@ def test_save_snapshots_then_load_latest_returns_newest(tmp_path: Path) -> None:
     assert old is not None and old.step == 5 and float(old.state["model"]["w"][0, 0]) == 1.0
 
 
-def test_load_latest_skips_corrupt_step(tmp_path: Path) -> None:
-    """A newest step whose file no longer matches its manifest falls back to the previous one."""
+def test_committed_step_that_cannot_be_loaded_raises_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A committed step whose data file is gone raises an error naming the step and the
+    cause, never a silent fresh start; allow_fresh_start turns it into a loud warning."""
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, _state(1.0))
     mgr.save(2, _state(2.0))
     mgr.wait()
-    f = tmp_path / "step-00000002" / "rank-00000" / "state.pt"
+    (tmp_path / "step-00000002" / "rank-00000" / "data.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"couldn't load committed step 2: .*data\.distcp"):
+        mgr.load_latest(_state(0.0))
+    assert CheckpointManager(tmp_path, allow_fresh_start=True).load_latest() is None
+    assert "STARTING FROM SCRATCH" in capsys.readouterr().err
+
+
+def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path) -> None:
+    """A flipped byte in a committed step's data fails its block CRC32C while the restore
+    reads it: an error naming the step, the file and the block, never wrong tensors."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    mgr.wait()
+    f = tmp_path / "step-00000002" / "rank-00000" / "data.distcp"
     data = bytearray(f.read_bytes())
     data[-100] ^= 0xFF
     f.write_bytes(bytes(data))
-    loaded = mgr.load_latest()
-    assert loaded is not None and loaded.step == 1
+    with pytest.raises(CheckpointError, match=r"committed step 2: .*rank-00000/data\.distcp "
+                                              r"bytes 0-\d+ \(block 0\) have CRC32C"):
+        mgr.load_latest(_state(0.0))
+
+
+def test_run_with_uri_but_no_agent_raises_instead_of_using_local_steps(tmp_path: Path) -> None:
+    """With a run URI but no reachable agent the run's S3 steps are unknown: load_latest
+    raises (naming the agent) rather than silently loading an older local step."""
+    first = CheckpointManager(tmp_path)
+    first.save(1, _state(1.0))
+    first.wait()
+    mgr = CheckpointManager(tmp_path, uri="s3://ckpt/u/run", job_id=7,
+                            agent_socket=str(tmp_path / "no-agent.sock"))
+    with pytest.raises(CheckpointError, match="stage-in failed: the node agent is unreachable"):
+        mgr.load_latest()
+
+
+def test_step_without_dcp_metadata_raises(tmp_path: Path) -> None:
+    """A committed step without .metadata (an older format, or an incomplete stage-in) is an
+    error naming the step."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(3, _state(3.0))
+    mgr.wait()
+    (tmp_path / "step-00000003" / "rank-00000" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"committed step 3: this node has no "
+                                              r"rank-00000/\.metadata"):
+        mgr.load_latest()
+
+
+def test_load_latest_fills_the_callers_state_in_place(tmp_path: Path) -> None:
+    """load_latest(state) copies into the caller's tensors (no new ones) and returns the step."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(4, _state(4.0))
+    dest = _state(0.0)
+    w = dest["model"]["w"]  # type: ignore[index]
+    got = mgr.load_latest(dest)
+    assert got is not None and got.step == 4 and got.state is dest
+    assert dest["model"]["w"] is w and float(w[0, 0]) == 4.0  # type: ignore[index]
+    assert dest["opt"]["step"] == 4 and float(dest["opt"]["m"][0][1]) == 4.0  # type: ignore[index]
+
+
+def test_stateful_objects_save_and_load_like_dcp(tmp_path: Path) -> None:
+    """A top-level Stateful value (a module wrapper, as torchtitan passes) is saved through
+    its state_dict() and restored through load_state_dict()."""
+    model = torch.nn.Linear(3, 2)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"model": model, "step": 1})
+    other = torch.nn.Linear(3, 2)
+    got = mgr.load_latest({"model": other, "step": 0})
+    assert got is not None and got.step == 1 and got.state["step"] == 1
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
+def test_keys_that_would_share_a_name_are_refused(tmp_path: Path) -> None:
+    """{"enc.w": a, "enc": {"w": b}} and keys 0 and "0" would land on one name: save()
+    refuses with both keys named; "enc/w" next to enc->w stays two distinct names."""
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"keys \['enc.w'\] and \['enc'\]\['w'\] would "
+                                              r"both be stored as 'enc.w'"):
+        mgr.save(1, {"enc.w": torch.ones(1), "enc": {"w": torch.zeros(1)}})
+    with pytest.raises(CheckpointError, match=r"keys \[0\] and \['0'\] would both"):
+        mgr.save(1, {0: torch.ones(1), "0": torch.zeros(1)})
+    assert committed_steps(tmp_path) == []
+    mgr.save(1, {"enc/w": torch.ones(2), "enc": {"w": torch.zeros(2)}})
+    got = mgr.load_latest()
+    assert got is not None
+    assert torch.equal(got.state["enc/w"], torch.ones(2))
+    assert torch.equal(got.state["enc"]["w"], torch.zeros(2))
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    (lambda: 0, "of type builtins.function"),
+    (torch.zeros(3, 3).to_sparse(), "torch.sparse_coo tensor"),
+    (torch.empty(4, device="meta"), "a meta tensor"),
+])
+def test_unsupported_values_raise_naming_key_and_type(tmp_path: Path, value: object,
+                                                      what: str) -> None:
+    """A value DCP can't save exactly raises before anything is written, naming the key
+    and the type, never a crash."""
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"couldn't save key \['opt'\]\['bad'\].*{what}"):
+        mgr.save(1, {"w": torch.ones(1), "opt": {"bad": value}})
+    assert not (tmp_path / "step-00000001").exists()
+
+
+def test_snapshot_buffers_are_reused_between_saves(tmp_path: Path) -> None:
+    """The second save copies into the first save's buffers: one extra copy of the state,
+    never one per save; release_buffers() or keep_buffers=False frees them."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1.0))
+    mgr.wait()
+    before = {k: b.data_ptr() for k, b in mgr._snap.buffers.items()}
+    mgr.save(2, _state(2.0))
+    mgr.wait()
+    assert {k: b.data_ptr() for k, b in mgr._snap.buffers.items()} == before
+    assert mgr._snap.nbytes == (64 * 64 + 3) * 4
+    mgr.release_buffers()
+    assert mgr._snap.nbytes == 0
+    lean = CheckpointManager(tmp_path, keep_buffers=False)
+    lean.save(3, _state(3.0))
+    lean.wait()
+    assert lean._snap.nbytes == 0
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
-    """An empty staging dir means a fresh start."""
+    """An empty staging dir (nothing committed anywhere) means a fresh start: None."""
     assert CheckpointManager(tmp_path).load_latest() is None
-
-
-def test_directory_commits_framework_files(tmp_path: Path) -> None:
-    """Files written inside directory(step) are committed with a manifest and loaded by path."""
-    mgr = CheckpointManager(tmp_path)
-    with mgr.directory(7) as d:
-        (d / "shard-0.distcp").write_bytes(b"a" * 10)
-        (d / "meta").mkdir()
-        (d / "meta" / ".metadata").write_bytes(b"m")
-    loaded = mgr.load_latest()
-    assert loaded is not None and loaded.step == 7 and loaded.state is None
-    assert (loaded.path / "meta" / ".metadata").read_bytes() == b"m"
-
-
-def test_failed_directory_save_commits_nothing(tmp_path: Path) -> None:
-    """An exception inside directory(step) leaves no complete step."""
-    mgr = CheckpointManager(tmp_path)
-    with pytest.raises(RuntimeError), mgr.directory(3) as d:
-        (d / "x").write_bytes(b"1")
-        raise RuntimeError("framework failed")
-    assert committed_steps(tmp_path) == []
+    assert CheckpointManager(tmp_path).load_latest({"w": torch.zeros(1)}) is None
 
 
 def test_missing_staging_dir_is_a_clear_error(tmp_path: Path) -> None:
@@ -125,34 +221,18 @@ def test_save_killed_mid_write_leaves_previous_step(tmp_path: Path) -> None:
     assert float(loaded.state["w"][0]) == 1.0
 
 
-def test_two_ranks_commit_only_when_both_committed(tmp_path: Path) -> None:
-    """With 2 gloo ranks the marker appears after both parts; a failing rank blocks it."""
-    script = textwrap.dedent(f"""
-        import os, sys, torch, torch.distributed as dist
-        rank = int(sys.argv[1])
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=rank,
-                                world_size=2)
-        from slurm_resilience.checkpoint.manager import CheckpointManager
-        mgr = CheckpointManager({str(tmp_path / 'job')!r}, rank=rank, world_size=2)
-        mgr.save(1, {{"w": torch.full((10,), float(rank))}}); mgr.wait()
-        bad = (lambda: 0) if rank == 1 else 0  # rank 1 cannot pickle its state
-        try:
-            mgr.save(2, {{"w": torch.zeros(1), "bad": bad}}); mgr.wait()
-        except Exception as exc:
-            print("save2 failed:", exc)
-        got = mgr.load_latest()
-        print("loaded", rank, got.step, float(got.state["w"][0]))
-        dist.destroy_process_group()
-    """)
-    (tmp_path / "job").mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    for p, (_out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
+def test_two_ranks_refuse_a_save_one_rank_cannot_make(tmp_path: Path) -> None:
+    """With 2 gloo ranks, a state rank 1 cannot save makes save() raise on both ranks before
+    anything is written; step 1 stays the newest and each rank gets its own values back."""
+    import dcp_ranks
+
+    assert dcp_ranks.run_ranks(dcp_ranks.refuse_bad_save, 2, tmp_path) == [0, 0]
     assert committed_steps(tmp_path / "job") == [1]
-    assert "loaded 0 1 0.0" in outs[0][0] and "loaded 1 1 1.0" in outs[1][0]
-    assert "only 1 of 2 ranks committed" in outs[0][0]
+    assert not (tmp_path / "job" / "step-00000002").exists()
+    out0, out1 = ((tmp_path / f"refused-{r}").read_text() for r in (0, 1))
+    assert out0.startswith("1 0.0 ") and "another rank's state can't be saved" in out0
+    assert out1.startswith("1 1.0 ") and "couldn't save key ['bad'] of type builtins.function" \
+        in out1
 
 
 def test_state_round_trips_dtypes_shapes_and_nesting(tmp_path: Path) -> None:
