@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.commit import CheckpointError, CorruptStep
 from slurm_resilience.checkpoint.ranges import ByteRange
 
 BATCH_RANGES = 1024
@@ -67,7 +67,8 @@ class AgentRanges:
                 self.last = call(self.socket_path, "ckpt.fetch", timeout=self.timeout_s,
                                  job_id=self.job_id, step=step, ranges=batch)
             except AgentRefused as exc:
-                raise CheckpointError(f"checkpoint: load: step {step}: {exc}") from None
+                kind = CorruptStep if CorruptStep.MARK in str(exc) else CheckpointError
+                raise kind(f"checkpoint: load: step {step}: {exc}") from None
             except AgentUnavailable as exc:
                 raise CheckpointError(f"checkpoint: load: step {step}: couldn't ask the node "
                                       f"agent to fetch the step's ranges: {exc}") from None

@@ -41,6 +41,13 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be saved, found, or trusted; the message says which and why."""
 
 
+class CorruptStep(CheckpointError):
+    """Bytes of a committed step don't match its manifest: the one failure that lets a
+    restore fall back to an older step (never a transient error, never a missing agent)."""
+
+    MARK = "does not verify"  # in every message, so the agent's answer carries the kind
+
+
 class StepExists(CheckpointError):
     """A committed step or rank part already exists and is never overwritten."""
 

@@ -9,7 +9,7 @@ across a block) are not checked here: the agent checks whole blocks when it fetc
 
 from __future__ import annotations
 
-from slurm_resilience.checkpoint.commit import CheckpointError, FileEntry
+from slurm_resilience.checkpoint.commit import CorruptStep, FileEntry
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 
 
@@ -46,8 +46,9 @@ class BlockVerifier:
         want = self.entry.blocks[i] if i < len(self.entry.blocks) else None
         if crc_hex(self.crc) != want:
             bs = self.entry.block_size
-            raise CheckpointError(
+            raise CorruptStep(
                 f"checkpoint: load: step {self.step}: {self.relpath} bytes {i * bs}-{end} "
-                f"(block {i}) have CRC32C {crc_hex(self.crc)}, the manifest says {want}")
+                f"(block {i}) have CRC32C {crc_hex(self.crc)}, the manifest says {want}: "
+                f"the step {CorruptStep.MARK}")
         self.checked += 1
         self.block, self.next = -1, end

@@ -30,6 +30,7 @@ from slurm_resilience.checkpoint.blocks import bad_blocks, block_span, covering
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
+    CorruptStep,
     FileEntry,
     crc32c_extend,
     crc_hex,
@@ -62,6 +63,10 @@ _FILE_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class FetchError(CheckpointError):
     """A fetch that can't complete; the message names the step and the cause."""
+
+
+class CorruptBlock(FetchError, CorruptStep):
+    """A block fetched twice from S3 doesn't match its manifest."""
 
 
 @dataclass(frozen=True)
@@ -350,9 +355,9 @@ class RangeFetcher:
             log.warning("fetched block does not match its manifest", job_id=job.job_id,
                         step=step, file=f.relpath, block=i, crc32c=got, expected=crcs[i],
                         attempt=attempt)
-        raise FetchError(f"checkpoint: fetch: step {step}: {f.relpath} block {i} (bytes "
-                         f"{start}-{start + length - 1}): crc32c {got} from S3, the manifest "
-                         f"says {crcs[i]}: the object is corrupt")
+        raise CorruptBlock(f"checkpoint: fetch: step {step}: {f.relpath} block {i} (bytes "
+                           f"{start}-{start + length - 1}): crc32c {got} from S3, the manifest "
+                           f"says {crcs[i]}: the object is corrupt ({CorruptStep.MARK})")
 
     def _mark(self, job: FetchJob, step: int, f: _File, i: int) -> None:
         with self.lock:

@@ -25,6 +25,7 @@ from typing import Any
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
+    CorruptStep,
     FileEntry,
     committed_steps,
     part_dirs,
@@ -35,6 +36,7 @@ from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 
+MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
 ENV_ALLOW_FRESH = "SLURM_RESILIENCE_CKPT_ALLOW_FRESH_START"
@@ -378,16 +380,21 @@ class CheckpointManager:
         print(f"checkpoint: WARNING: {message}; STARTING FROM SCRATCH because "
               f"{ENV_ALLOW_FRESH} / allow_fresh_start is set", file=sys.stderr, flush=True)
 
-    def latest_step(self) -> int | None:
+    def latest_step(self, exclude: Mapping[int, str] | None = None) -> int | None:
         """The newest committed step, the same on every rank, ready to load; None only when
         the run has nothing committed (or allow_fresh_start turned a failure into a fresh
         start). Waits for the agent's stage-in; raises a CheckpointError naming the step
-        and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing."""
+        and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing.
+        ``exclude``: steps this restore found corrupt (passed over, never chosen again)."""
         self.wait()
+        bad = dict(exclude or {})
         status = self.wait_stagein()
-        local = committed_steps(self.job_dir)
+        local = [s for s in committed_steps(self.job_dir) if s not in bad]
         candidate = status.step if status.step is not None else (local[-1] if local else -1)
         error = status.error if status.state == "failed" else None
+        if error is None and candidate in bad:
+            error = (f"stage-in chose step {candidate} again although this restore found it "
+                     f"corrupt ({bad[candidate]})")
         if self.uri is not None and (self._agent_lost or status.state == "unavailable"):
             # The run's S3 steps are unknown: loading a local one could silently go back.
             error = f"the node agent is unreachable ({self._agent_lost or status.error})"
@@ -404,6 +411,11 @@ class CheckpointManager:
                 f"checkpoint: load: ranks disagree on the newest committed step (from {lo} to "
                 f"{hi} across {self.world_size} ranks; -1: none on that node), so none "
                 "is loaded")
+            return None
+        if hi < 0 and bad:
+            self._fresh_or_raise(
+                "checkpoint: load: no committed step verifies: "
+                + "; ".join(f"step {s}: {why}" for s, why in sorted(bad.items(), reverse=True)))
             return None
         if hi < 0:
             if self.rank == 0:
@@ -430,19 +442,47 @@ class CheckpointManager:
         failed, files missing, ranks disagreeing on the step) raises a CheckpointError
         naming the step and the cause, unless ``allow_fresh_start`` was given.
         """
-        step = self.latest_step()
-        if step is None:
-            return None
         from torch.distributed.checkpoint.api import CheckpointException
 
-        try:
-            loaded = self._dcp_load(step, state)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
-            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
-                                 f"{_cause(exc)}")
-            return None
+        bad: dict[int, str] = {}
+        while True:
+            step = self.latest_step(exclude=bad)
+            if step is None:
+                return None
+            try:
+                loaded = self._dcp_load(step, state)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
+                # DCP hands every rank the same gathered failures, so all ranks take the same
+                # branch here without another collective.
+                corrupt = _corruption(exc)
+                if corrupt is not None and len(bad) < MAX_FALLBACKS:
+                    bad[step] = corrupt
+                    self._pass_over(step, corrupt)
+                    continue
+                self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
+                                     f"{_cause(exc)}")
+                return None
+            break
         self.last_saved = step
         return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
+
+    def _pass_over(self, step: int, why: str) -> None:
+        """Only a failed verification falls back: say so loudly, and have every node's agent
+        stage in the next older step (``ckpt.restage``) before any rank asks again."""
+        if self.rank == 0:
+            print(f"checkpoint: load: WARNING: committed step {step} does not verify; falling "
+                  f"back to an older step: {why}", file=sys.stderr, flush=True)
+        if self.local_leader and self.agent_socket is not None and self.job_id is not None:
+            from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+
+            try:
+                call(self.agent_socket, "ckpt.restage", job_id=self.job_id, step=step,
+                     reason=why[:500], timeout=30.0)
+            except (AgentRefused, AgentUnavailable) as exc:
+                # latest_step() then fails with the cause, on every rank.
+                print(f"checkpoint: load: couldn't ask the node agent to stage an older step: "
+                      f"{exc}", file=sys.stderr, flush=True)
+        self._all_max([0])  # a barrier: every agent is restaging before anyone reads status
 
     def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
         from torch.distributed.checkpoint import state_dict_loader
@@ -463,6 +503,20 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the pending save (call before exiting)."""
         self.wait()
+
+
+def _corruption(exc: BaseException) -> str | None:
+    """The message of a CorruptStep behind ``exc`` (DCP wraps each rank's failure), if any."""
+    if isinstance(exc, CorruptStep):
+        return str(exc)
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _rank, err in sorted(failures.items()):
+            inner = err[0] if isinstance(err, tuple) else err
+            if isinstance(inner, CorruptStep):
+                return str(inner)
+    cause = exc.__cause__ or exc.__context__
+    return _corruption(cause) if cause is not None and cause is not exc else None
 
 
 def _cause(exc: BaseException) -> str:

@@ -59,7 +59,8 @@ def run_stagein(up: Uploader, rec: JobRecord) -> dict[str, Any]:
                                 step=step, error=str(exc))
 
             res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
-                           policy(up.cfg), upload_local=upload_local)
+                           policy(up.cfg), upload_local=upload_local,
+                           exclude=excluded_steps(rec))
         result: dict[str, Any] = {
             "state": "done", "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,
@@ -93,6 +94,14 @@ def stagein_status(rec: JobRecord) -> dict[str, Any]:
             "fallbacks": list(si.get("fallbacks") or []),
             "stagein_bytes": int(si.get("fetched_bytes") or 0), "pending": pending_steps(rec),
             "uri": rec.get("uri")}
+
+
+def excluded_steps(rec: JobRecord) -> dict[int, str]:
+    """Steps the job's restore found corrupt (``ckpt.restage``), to be passed over."""
+    raw = rec.get("stagein_excluded")
+    if not isinstance(raw, dict):
+        return {}
+    return {int(k): str(v) for k, v in raw.items() if str(k).isdigit()}
 
 
 def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: dict[str, Any]

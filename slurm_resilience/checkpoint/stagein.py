@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -273,7 +273,8 @@ def _is_dcp(manifests: dict[int, Manifest]) -> bool:
 
 def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
              policy: StageinPolicy | None = None, clock: Clock | None = None,
-             upload_local: Callable[[int], None] | None = None) -> StageinResult:
+             upload_local: Callable[[int], None] | None = None,
+             exclude: Mapping[int, str] | None = None) -> StageinResult:
     """Choose the newest committed step of the run and bring what a restore needs to start.
 
     Candidates are local steps, S3 steps with COMMIT.json and S3 steps with only an
@@ -283,6 +284,8 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     failed verification falls back to an older step, and each fallback is reported.
     ``upload_local(step)`` uploads this node's part of a step still uploading, which may
     be the part the other nodes' upload waits for (a requeue onto the same node).
+    ``exclude`` maps steps a restore found corrupt (block CRC32C) to why: passed over,
+    each as a fallback.
     """
     policy = policy or StageinPolicy()
     clock = clock or SystemClock()
@@ -293,8 +296,12 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
         log.error("stage-in: step does not verify, falling back", step=step, error=reason)
         fallbacks.append(Fallback(step, reason))
 
+    excluded = dict(exclude or {})
     if s3 is None or uri is None:
         for step in reversed(local):
+            if step in excluded:
+                fall_back(step, excluded[step])
+                continue
             try:
                 verify_step_at(job_fd, step, uid)
             except (CheckpointError, OSError) as exc:
@@ -306,6 +313,9 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
     for step in sorted(set(local) | set(listing.committed) | set(listing.uploading),
                        reverse=True):
+        if step in excluded:
+            fall_back(step, excluded[step])
+            continue
         if step not in listing.committed and step in local:
             why = _local_incomplete(job_fd, step, uid)
             if why is None:

@@ -71,6 +71,7 @@ from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.uploader")
 
+MAX_EXCLUDED = 16  # corrupt steps one job may pass over (ckpt.restage)
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
 ORPHAN_AGE_S = 24 * 3600.0
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
@@ -125,7 +126,7 @@ class Uploader:
     def handlers(self) -> dict[str, Handler]:
         return {"ckpt.job_start": self.on_job_start, "ckpt.register": self.on_register,
                 "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end,
-                "ckpt.fetch": self.on_fetch}
+                "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage}
 
     def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
         try:
@@ -207,6 +208,29 @@ class Uploader:
         except CheckpointError as exc:
             log.error("fetch failed", job_id=rec["job_id"], error=str(exc))
             raise RequestError(str(exc)) from None
+
+    def on_restage(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """``ckpt.restage`` (the job's owner): the restore found the staged step corrupt
+        (a block's CRC32C); stage in again without it. Only the job's own restore is
+        affected, so the job's word is enough. Idempotent: every node's local leader asks."""
+        rec = self._job(request, peer)
+        step, reason = request.get("step"), str(request.get("reason", ""))[:500]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise RequestError(f"checkpoint: restage: step {step!r} is not a step number")
+        with self.lock:
+            excluded = rec.setdefault("stagein_excluded", {})
+            if len(excluded) >= MAX_EXCLUDED and str(step) not in excluded:
+                raise RequestError(f"checkpoint: restage: job {rec['job_id']} already passed "
+                                   f"over {len(excluded)} corrupt steps; not staging again")
+            excluded.setdefault(str(step), reason or "the restore found it corrupt")
+            si = rec["stagein"]
+            if si.get("state") != "running" and si.get("step") == step:
+                log.error("restore found the staged step corrupt; staging an older one",
+                          job_id=rec["job_id"], step=step, reason=reason)
+                self._start_stagein(rec)
+            else:
+                self.journal.write(rec)
+        return {"ok": True}
 
     def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         rec = self._job(request, peer, root_only=True)

@@ -56,19 +56,31 @@ def test_committed_step_that_cannot_be_loaded_raises_naming_it(
     assert "STARTING FROM SCRATCH" in capsys.readouterr().err
 
 
-def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path) -> None:
+def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
     """A flipped byte in a committed step's data fails its block CRC32C while the restore
-    reads it: an error naming the step, the file and the block, never wrong tensors."""
+    reads it: the restore falls back, loudly, to the step before; when no step verifies it
+    raises naming each step, file and block, never wrong tensors and never a fresh start."""
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, _state(1.0))
     mgr.save(2, _state(2.0))
     mgr.wait()
-    f = tmp_path / "step-00000002" / "rank-00000" / "data.distcp"
-    data = bytearray(f.read_bytes())
-    data[-100] ^= 0xFF
-    f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"committed step 2: .*rank-00000/data\.distcp "
-                                              r"bytes 0-\d+ \(block 0\) have CRC32C"):
+    for step in (2, 1):
+        f = tmp_path / f"step-0000000{step}" / "rank-00000" / "data.distcp"
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0xFF
+        f.write_bytes(bytes(data))
+        if step == 2:
+            state = _state(0.0)
+            loaded = mgr.load_latest(state)
+            assert loaded is not None and loaded.step == 1
+            assert all(bool((t == 1.0).all()) for t in state.values()
+                       if isinstance(t, torch.Tensor))
+            assert "committed step 2 does not verify; falling back" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=r"no committed step verifies: step 2: .*"
+                                              r"rank-00000/data\.distcp bytes 0-\d+ \(block 0\) "
+                                              r"have CRC32C.*; step 1: "):
         mgr.load_latest(_state(0.0))
 
 
