@@ -152,7 +152,7 @@ class CheckpointManager:
         elif job_id is not None:
             from slurm_resilience.checkpoint.staging import job_dir
 
-            node = node_name(env.get("SLURMD_NODENAME") or cfg.node.name)
+            node = node_name(cfg.node.name, env)
             jdir = job_dir(node_path(ck.staging_root, node), job_id)
             # Only a run with a URI has anything to stage in or upload.
             agent_socket = node_path(cfg.agent.socket, node) if uri else None

@@ -66,7 +66,7 @@ def _job_dir(env: Mapping[str, str], job_id: int) -> str:
     from slurm_resilience.config.paths import node_name
 
     cfg = config.load(config.job_config_path(env))
-    return job_dir(cfg.node.run_dir, node_name(env.get("SLURMD_NODENAME", "")), job_id)
+    return job_dir(cfg.node.run_dir, node_name(cfg.node.name, env), job_id)
 
 
 def init(env: Mapping[str, str] | None = None) -> Heartbeat | None:
