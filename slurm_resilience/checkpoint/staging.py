@@ -13,12 +13,16 @@ import contextlib
 import errno
 import os
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.log import get_logger
 from slurm_resilience.nofollow import RemovalBudget, remove_tree_at
+
+log = get_logger("checkpoint.staging")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -58,33 +62,81 @@ def ensure_root(root: str) -> None:
     os.close(_open_root(root))
 
 
+STALE = ".stale"  # leftovers set aside by the prolog; root-only, emptied by the agent
+
+
 def create_job_dir(root: str, job_id: int, uid: int, gid: int) -> Path:
-    """Create (or adopt) ``<root>/job-<id>`` owned by uid:gid, mode 0700, via fds only."""
+    """Create (or adopt) ``<root>/job-<id>`` owned by uid:gid, mode 0700, via fds only.
+
+    A requeued job adopts its own dir. A leftover of another user (a job ID reused after a
+    controller reset) or anything that is not a plain dir is set aside under ``.stale/``
+    for the agent to remove: it is no evidence about the node, so never a drain."""
     ensure_root(root)
     name = job_dir_name(job_id)
     rfd = _open_root(root)
     try:
-        with contextlib.suppress(FileExistsError):
-            # A requeued job keeps what is there, but only if it is a plain dir (below).
-            os.mkdir(name, 0o700, dir_fd=rfd)
-        try:
-            dfd = os.open(name, _DIR_FLAGS, dir_fd=rfd)
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint: prolog: couldn't open {root}/{name}: "
-                                  f"{os.strerror(exc.errno or 0)} (not a real directory?)"
-                                  ) from None
-        try:
-            st = os.fstat(dfd)
-            if st.st_uid not in (uid, os.geteuid()):
-                raise CheckpointError(f"checkpoint: prolog: {root}/{name} is owned by uid "
-                                      f"{st.st_uid}, expected {uid}")
-            os.fchown(dfd, uid, gid)
-            os.fchmod(dfd, 0o700)
-        finally:
-            os.close(dfd)
+        for attempt in range(2):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o700, dir_fd=rfd)
+            try:
+                dfd = os.open(name, _DIR_FLAGS, dir_fd=rfd)
+            except OSError as exc:
+                if attempt or exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise CheckpointError(f"checkpoint: prolog: couldn't open {root}/{name}: "
+                                          f"{os.strerror(exc.errno or 0)}") from None
+                set_aside(rfd, name, "not a directory")
+                continue
+            try:
+                st = os.fstat(dfd)
+                if st.st_uid not in (uid, os.geteuid()):
+                    if attempt:
+                        raise CheckpointError(f"checkpoint: prolog: {root}/{name} is owned by "
+                                              f"uid {st.st_uid}, expected {uid}")
+                    set_aside(rfd, name, f"owned by uid {st.st_uid}, not the job's {uid}")
+                    continue
+                os.fchown(dfd, uid, gid)
+                os.fchmod(dfd, 0o700)
+                break
+            finally:
+                os.close(dfd)
     finally:
         os.close(rfd)
     return Path(root) / name
+
+
+def set_aside(root_fd: int, name: str, why: str) -> None:
+    """Move ``name`` (never followed) into the root-only ``.stale/`` dir, under a unique name."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(STALE, 0o700, dir_fd=root_fd)
+    sfd = os.open(STALE, _DIR_FLAGS, dir_fd=root_fd)
+    try:
+        st = os.fstat(sfd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise CheckpointError(f"checkpoint: staging: {STALE} must be a root-only dir")
+        os.rename(name, f"{name}.{time.time_ns()}", src_dir_fd=root_fd, dst_dir_fd=sfd)
+    finally:
+        os.close(sfd)
+    log.warning("checkpoint: prolog: set a leftover staging entry aside for the agent to "
+                "remove", name=name, reason=why)
+
+
+def remove_stale(root: str, budget: RemovalBudget | None = None) -> int:
+    """Remove what the prolog set aside (agent side); returns how many entries went."""
+    rfd = _open_root(root)
+    try:
+        try:
+            sfd = os.open(STALE, _DIR_FLAGS, dir_fd=rfd)
+        except FileNotFoundError:
+            return 0
+        try:
+            names = os.listdir(sfd)
+            for n in names:
+                remove_tree_at(sfd, n, budget=budget)
+            return len(names)
+        finally:
+            os.close(sfd)
+    finally:
+        os.close(rfd)
 
 
 @contextmanager

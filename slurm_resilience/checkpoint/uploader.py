@@ -63,6 +63,7 @@ from slurm_resilience.checkpoint.staging import (
     open_owned_file,
     remove_at,
     remove_job_dir,
+    remove_stale,
 )
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
@@ -615,6 +616,13 @@ class Uploader:
         if removed:
             log.info("removed staging dir of ended job", job_id=rec["job_id"],
                      local_only=not rec.get("uri"))
+        try:
+            stale = remove_stale(rec["staging_root"], self._budget())
+            if stale:
+                log.info("removed leftover staging entries the prolog set aside", count=stale)
+        except (RemovalIncomplete, CheckpointError, OSError) as exc:
+            log.warning("leftover staging entries only partly removed; the rest goes next pass",
+                        error=str(exc))
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:

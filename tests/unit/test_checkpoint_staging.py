@@ -10,11 +10,13 @@ import pytest
 
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.staging import (
+    STALE,
     clean_tmp,
     create_job_dir,
     open_job_dir,
     open_owned_file,
     remove_job_dir,
+    remove_stale,
 )
 
 UID, GID = 54321, 54321
@@ -37,13 +39,33 @@ def test_job_dir_is_owned_by_user_mode_0700(root: str) -> None:
 
 
 def test_job_dir_symlink_is_not_followed(root: str, tmp_path: Path) -> None:
-    """A symlink planted where the job dir goes is refused, and its target is untouched."""
+    """A symlink where the job dir goes is set aside (never followed, never a drain), a real
+    dir takes its place, and the link's target is untouched."""
     victim = tmp_path / "victim"
     victim.mkdir(mode=0o755)
     os.symlink(victim, Path(root) / "job-42")
-    with pytest.raises(CheckpointError, match="not a real directory"):
-        create_job_dir(root, 42, UID, GID)
+    d = create_job_dir(root, 42, UID, GID)
+    assert not d.is_symlink() and os.lstat(d).st_uid == UID
     assert os.stat(victim).st_uid == 0 and stat.S_IMODE(os.stat(victim).st_mode) == 0o755
+    (aside,) = os.listdir(Path(root) / STALE)
+    assert os.path.islink(Path(root) / STALE / aside)
+
+
+def test_reused_job_id_sets_another_users_leftover_aside(root: str) -> None:
+    """A leftover job dir of another user (job IDs reused after a controller reset) is set
+    aside in a root-only dir and removed later by the agent; the new job gets a fresh dir."""
+    old = Path(root) / "job-9"
+    old.mkdir()
+    (old / "deep").mkdir()
+    (old / "deep" / "f").write_bytes(b"old user's data")
+    os.chown(old, UID + 1, GID + 1)
+    d = create_job_dir(root, 9, UID, GID)
+    assert os.lstat(d).st_uid == UID and os.listdir(d) == []
+    stale = Path(root) / STALE
+    assert stat.S_IMODE(os.lstat(stale).st_mode) == 0o700 and os.lstat(stale).st_uid == 0
+    (aside,) = os.listdir(stale)
+    assert os.lstat(stale / aside).st_uid == UID + 1
+    assert remove_stale(root) == 1 and os.listdir(stale) == []
 
 
 def test_symlinked_or_writable_root_is_refused(tmp_path: Path) -> None:
