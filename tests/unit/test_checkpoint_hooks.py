@@ -57,14 +57,17 @@ def test_prolog_creates_owned_dir_and_registers_job(agent: tuple[Config, Uploade
     assert up.jobs[7]["uid"] == UID and up.jobs[7]["user"] == "nobody"
 
 
-def test_prolog_reports_a_symlinked_staging_dir(agent: tuple[Config, Uploader],
+def test_prolog_sets_a_symlinked_staging_dir_aside(agent: tuple[Config, Uploader],
                                                 tmp_path: Path) -> None:
-    """A link planted where the job dir goes makes the prolog report a node problem."""
+    """A link where the job dir goes is set aside, never followed and never a drain: the job
+    gets a real dir of its own."""
     cfg, _ = agent
     (tmp_path / "nvme" / "n1").mkdir(parents=True)
+    etc_mode = os.stat("/etc").st_mode
     os.symlink("/etc", tmp_path / "nvme" / "n1" / "job-8")
-    problems = steps.prolog(_ctx(cfg, "prolog", 8))
-    assert len(problems) == 1 and "unusable" in problems[0].reason
+    assert steps.prolog(_ctx(cfg, "prolog", 8)) == []
+    job = tmp_path / "nvme" / "n1" / "job-8"
+    assert job.is_dir() and not job.is_symlink() and os.stat("/etc").st_mode == etc_mode
 
 
 def test_epilog_keeps_local_only_steps_and_removes_empty_dirs(
