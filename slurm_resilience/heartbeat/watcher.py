@@ -23,7 +23,7 @@ from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestE
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat import detect, evidence, incident, jobrecord, safefs
+from slurm_resilience.heartbeat import detect, evidence, exchange, incident, jobrecord, safefs
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.heartbeat import slot as S
@@ -114,6 +114,15 @@ class HangWatcher:
         self.config_path, _ = config.resolve_path()
         self.next_cleanup = 0.0
         self.config_mtime = self._mtime()
+        # hang-net: without a shared rendezvous_dir (checked per incident, so a reload can
+        # switch), agents exchange pieces over the network; the listener runs from the start.
+        try:
+            self.exchange = exchange.from_config(self.hb.exchange, node, adapter.node_addresses)
+        except OSError as exc:
+            log.error("exchange: start: couldn't listen; other nodes' observations won't "
+                      "reach this agent", port=self.hb.exchange.port_of(node), error=str(exc))
+            self.exchange = exchange.from_config(self.hb.exchange, node,
+                                                 adapter.node_addresses, listen=False)
 
     # -- live settings ---------------------------------------------------------------------------
 
@@ -159,6 +168,12 @@ class HangWatcher:
                 del self.jobs[job_id]
                 self.tuned.pop(job_id, None)
             self.threads = [t for t in self.threads if t.is_alive()]
+        if not self.hb.rendezvous_dir:
+            for job_id, run, sender in self.exchange.announced():
+                view = self.jobs.get(job_id)
+                if view is not None and sender != self.node:
+                    self.start_incident(view, trigger=f"hang seen on {sender}", restart=run,
+                                        remote=True)
         if time.monotonic() >= self.next_cleanup:
             self.next_cleanup = time.monotonic() + CLEANUP_EVERY_S
             self.cleanup(time.time() - STATE_RETENTION_S)
@@ -184,6 +199,7 @@ class HangWatcher:
         removed = 0
         if self.hb.rendezvous_dir:
             removed += self._cleanup_rendezvous(older_than)
+        removed += self.exchange.cleanup(older_than)
         for directory, match in ((os.path.join(self.state_dir, "acted"), lambda n: True),
                                  (self.state_dir, lambda n: n.startswith("tune-"))):
             try:
@@ -364,6 +380,15 @@ class HangWatcher:
         finally:
             os.close(fd)
 
+    def _piece_bytes(self, piece: dict[str, Any]) -> bytes:
+        """The piece for the network; stacks are left out when it would be too large."""
+        data = json.dumps(piece, default=str).encode()
+        if len(data) > self.hb.exchange.max_piece_bytes:
+            slim = {**piece, "evidence": {"omitted": f"{len(data)} bytes: kept in this node's "
+                                                    "incident report"}}
+            data = json.dumps(slim, default=str).encode()
+        return data
+
     def _gather(self, directory: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Other nodes' pieces, waiting up to rendezvous_wait_s for all of them."""
         deadline = time.monotonic() + self.hb.rendezvous_wait_s
@@ -423,6 +448,9 @@ class HangWatcher:
                 self._publish(rdv, piece)
             except OSError as exc:
                 log.warning("couldn't publish hang observations", path=rdv, error=str(exc))
+        elif job.batch_host and job.batch_host != self.node:
+            self.exchange.publish(rec.job_id, job.restarts, job.batch_host,
+                                  job.nodes or rec.nodes, self._piece_bytes(piece))
         if job.batch_host != self.node:
             report["decision"] = {"action": "report",
                                   "reason": f"batch host {job.batch_host} decides and acts"}
@@ -431,6 +459,14 @@ class HangWatcher:
         pieces = {self.node: piece}
         if rdv is not None:
             pieces.update(self._gather(rdv, job.nodes or rec.nodes))
+        else:
+            got = self.exchange.gather(rec.job_id, job.restarts, job.nodes or rec.nodes,
+                                       time.monotonic() + self.hb.rendezvous_wait_s)
+            for node, data in got.items():
+                try:
+                    pieces[node] = json.loads(data)
+                except ValueError as exc:
+                    log.warning("couldn't read a piece", node=node, error=str(exc))
         missing = [n for n in (job.nodes or rec.nodes) if n not in pieces]
         for node, other in pieces.items():
             if node != self.node:
@@ -581,6 +617,7 @@ class HangWatcher:
             threads = list(self.threads)
         for t in threads:
             t.join(timeout=self.hb.evidence_timeout_s)
+        self.exchange.close()
 
 
 def factory(ctx: AgentContext) -> HangWatcher | None:

@@ -77,6 +77,15 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "evidence_timeout_s": 10.0,
             "rendezvous_dir": f"{state}/shared/hang",
             "rendezvous_wait_s": 3.0,
+            # Used when a test removes rendezvous_dir. Every agent is on 127.0.0.1 (Slurm's
+            # NodeAddr), so each listens on a port of its own; fan-out 2 makes node2..node4
+            # a tree with an inner node even in a 4-node job.
+            "exchange": {
+                "bind": "127.0.0.1",
+                "ports": {n: layout.agent_port(i) for i, n in enumerate(layout.node_names, 1)},
+                "munge_socket": str(layout.munge_socket),
+                "fanout": 2,
+            },
         },
         "topology": {
             # The sandbox's slurm.conf names each node's leaf feature after the leaf itself.
