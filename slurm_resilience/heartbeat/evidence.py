@@ -254,7 +254,8 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
     # slow py-spy take minutes. Cancel what has not started, kill what runs, move on.
     pool.shutdown(wait=False, cancel_futures=True)
     group.kill_all()
-    late, _ = cf.wait(pending, timeout=REAP_GRACE_S)
+    # Cancelled futures never count as done for cf.wait: wait only for those that ran.
+    late, _ = cf.wait([f for f in pending if not f.cancelled()], timeout=REAP_GRACE_S)
     out: list[RankEvidence] = []
     timed_out: list[int] = []
     for fut, v in futures.items():
