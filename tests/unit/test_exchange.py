@@ -18,9 +18,11 @@ import pytest
 
 from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
-from slurm_resilience.heartbeat.exchange.rendezvous import NetworkRendezvous
+from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
 from slurm_resilience.heartbeat.exchange.tree import Tree
 from slurm_resilience.heartbeat.exchange.wire import LENGTH, Kind, Message
+from slurm_resilience.proc import Completed
+from slurm_resilience.slurm.adapter import SlurmAdapter
 
 MUNGED = shutil.which("munged", path="/usr/sbin:/usr/bin:/sbin:/bin")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or MUNGED is None,
@@ -241,3 +243,34 @@ def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> N
         for s in idle:
             s.close()
         b.close()
+
+
+class ScontrolNodes:
+    """Answers ``scontrol show node <hostlist> -o`` with literal 23.02-style node lines."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def run(self, argv: list[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        self.calls.append(list(argv))
+        out = ("NodeName=gpu001 Arch=x86_64 CoresPerSocket=48 CPUAlloc=0 NodeAddr=10.1.0.1 "
+               "NodeHostName=gpu001 Version=23.02.7 State=IDLE\n"
+               "NodeName=gpu002 Arch=x86_64 CoresPerSocket=48 CPUAlloc=0 "
+               "NodeHostName=gpu002-ib State=IDLE\n")
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+def test_peer_addresses_come_from_config_then_one_slurm_call() -> None:
+    """Configured addresses win; the rest come from Slurm's NodeAddr (else NodeHostName) in
+    one scontrol call, and are cached; unknown nodes stay unresolved."""
+    runner = ScontrolNodes()
+    adapter = SlurmAdapter(runner=runner)
+    cfg = ExchangeSection(addresses={"gpu000": "10.9.9.9"}, ports={"gpu002": 7000})
+    book = AddressBook(cfg, adapter.node_addresses)
+    want = {"gpu000": ("10.9.9.9", 6828), "gpu001": ("10.1.0.1", 6828),
+            "gpu002": ("gpu002-ib", 7000)}
+    assert book.lookup(["gpu000", "gpu001", "gpu002", "gpu003"]) == want
+    assert runner.calls == [["scontrol", "show", "node", "gpu[001-003]", "-o"]]
+    assert book.lookup(["gpu001", "gpu002"]) == {n: want[n] for n in ("gpu001", "gpu002")}
+    assert len(runner.calls) == 1
