@@ -59,8 +59,11 @@ def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
     assert any(e.get("sender") == stalled for e in received), received
     timings = report["timings"]
     decide_s = float(timings["action_at"]) - float(report["detected_at"])
+    hang = re.search(r"rank 1 hanging at step=12 at=([\d.]+)", out)
+    acted = float(timings["action_at"])
+    since_hang = f", hang -> requeue issued {acted - float(hang.group(1)):.1f}s" if hang else ""
     print(f"\nnetwork exchange: detected -> requeue issued {decide_s:.2f}s on the batch host "
-          f"(evidence {timings['evidence_s']:.2f}s of it)")
+          f"(evidence {timings['evidence_s']:.2f}s of it){since_hang}")
 
 
 FORGER = """
