@@ -9,6 +9,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -274,3 +275,39 @@ def test_peer_addresses_come_from_config_then_one_slurm_call() -> None:
     assert runner.calls == [["scontrol", "show", "node", "gpu[001-003]", "-o"]]
     assert book.lookup(["gpu001", "gpu002"]) == {n: want[n] for n in ("gpu001", "gpu002")}
     assert len(runner.calls) == 1
+
+
+OUT_OF_FDS = """
+import resource, socket, sys, time
+from slurm_resilience.heartbeat.exchange.listener import Listener
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+holder = []
+listener = Listener("127.0.0.1", 0, lambda frame, peer: "ok", max_connections=1000,
+                    max_per_peer=1000, io_timeout_s=30, max_frame_bytes=1024).start()
+print(listener.port, flush=True)
+sys.stdin.readline()
+time.sleep(2)
+s = listener.stats
+print(s.accepted, s.paused, s.longest_pause_s, flush=True)
+"""
+
+
+def test_listener_pauses_instead_of_spinning_when_out_of_descriptors() -> None:
+    """An agent out of file descriptors backs off between failed accepts (doubling pauses)
+    instead of spinning on the connections waiting in the backlog."""
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_FDS], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    port = int(child.stdout.readline())
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        accepted, paused, longest = child.stdout.readline().split()
+    finally:
+        for c in conns:
+            c.close()
+        child.kill()
+        child.wait()
+    assert 0 < int(accepted) < 64 and 1 <= int(paused) <= 40
+    assert float(longest) >= 0.4

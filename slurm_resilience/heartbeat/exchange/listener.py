@@ -36,6 +36,7 @@ class ListenerStats:
     refused_peer_cap: int = 0
     failed: int = 0
     paused: int = 0
+    longest_pause_s: float = 0.0
     bytes_in: int = 0
     peak_open: int = 0
     open_by_peer: Counter[str] = field(default_factory=Counter)
@@ -77,6 +78,7 @@ class Listener:
                 if self.stopping.is_set():
                     return
                 self.stats.paused += 1
+                self.stats.longest_pause_s = max(self.stats.longest_pause_s, pause)
                 if exc.errno in _RESOURCE_ERRORS:
                     log.warning("exchange: accept: couldn't accept a connection; pausing",
                                 error=exc.strerror, pause_s=pause)
