@@ -178,9 +178,11 @@ def main() -> int:
     # Critical path: one seal+open per level (pieces are batched per level); the batch host
     # also opens each of its children's messages, on up to 2 munged threads at once.
     extra = depth * batch + tree["messages"] * batch / 2
+    flat_extra = one + flat["messages"] * one / 2
     print(f"munge (real CLI, private munged): seal+open {one * 1e3:.1f} ms for one piece, "
           f"{batch * 1e3:.1f} ms for a batch of {args.fanout}; tree depth {depth}: on paper "
-          f"+{extra:.2f} s, decision about {tree['decision_s'] + extra:.2f} s with munge")
+          f"+{extra:.2f} s, decision about {tree['decision_s'] + extra:.2f} s with munge "
+          f"(flat: +{flat_extra:.2f} s, about {flat['decision_s'] + flat_extra:.2f} s)")
     return 0
 
 
