@@ -10,7 +10,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,10 +125,9 @@ def test_flight_recorder_dump_in_a_root_dir_is_never_opened(
     env = {"PATH": "/usr/bin:/bin", evidence.NCCL_PIPE_ENV: f"{mine}/pipe",
            evidence.NCCL_FILE_ENV: f"{secret}/dev"}
     job = subprocess.Popen(["sleep", "60"], env=env, user=pw.pw_uid, group=pw.pw_gid)
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(
-        Path(mine / "pipe0.pipe").read_bytes()))
-    reader.start()
+    # PyTorch's side of the pipe, open before the trigger (a FIFO without a reader refuses
+    # a non-blocking writer).
+    reader = os.open(mine / "pipe0.pipe", os.O_RDONLY | os.O_NONBLOCK)
     watch = OpenWatch(secret)
     ticks = iter(range(1000))
     try:
@@ -138,10 +136,11 @@ def test_flight_recorder_dump_in_a_root_dir_is_never_opened(
     finally:
         job.kill()
         job.wait()
-        reader.join(10)
+        got = os.read(reader, 16)
+        os.close(reader)
         opened = watch.opened()
         watch.close()
-    assert got == [b"1\n"] and opened == 0
+    assert got == b"1\n" and opened == 0
     assert result["error"].startswith(f"no dump in {secret}/dev0 within 3s")
     assert "Permission" not in result["error"] and "exist" not in result["error"]
 
