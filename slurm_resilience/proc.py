@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -77,6 +78,71 @@ def resolve(program: str, path: str | None = None) -> str:
     return found
 
 
+class ChildGroup:
+    """Children started for one bounded task, so the task's owner can stop them all at its
+    deadline instead of waiting for each one's own timeout.
+
+    Each child runs in a session of its own and is killed as a process group, so a wrapper
+    script's own children go too and nothing keeps the output pipes open.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.children: dict[int, subprocess.Popen[str]] = {}
+        self.started = 0
+        self.reaped = 0
+        self.killed = False
+
+    def run(self, cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None,
+            input_text: str | None) -> subprocess.CompletedProcess[str]:
+        child = subprocess.Popen(
+            list(cmd), stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        with self.lock:
+            self.children[child.pid] = child
+            self.started += 1
+            if self.killed:  # started just after the deadline: stop it at once
+                _kill_group(child.pid)
+        try:
+            try:
+                out, err = child.communicate(input_text, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(child.pid)
+                child.communicate()
+                raise
+        finally:
+            child.wait()
+            with self.lock:
+                del self.children[child.pid]
+                self.reaped += 1
+                killed = self.killed
+        if killed and child.returncode < 0:
+            raise subprocess.TimeoutExpired(list(cmd), timeout)
+        return subprocess.CompletedProcess(list(cmd), child.returncode, out, err)
+
+    def kill_all(self) -> list[int]:
+        """Kill every running child (and any started later); returns the pids killed."""
+        with self.lock:
+            self.killed = True
+            pids = list(self.children)
+        for pid in pids:
+            _kill_group(pid)
+        return pids
+
+    def running(self) -> list[int]:
+        """Pids started and not reaped yet."""
+        with self.lock:
+            return list(self.children)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+
+
 class Runner:
     """Runs argv lists with a timeout; the real implementation of the seam."""
 
@@ -92,7 +158,9 @@ class Runner:
         check: bool = True,
         input_text: str | None = None,
         env: Mapping[str, str] | None = None,
+        group: ChildGroup | None = None,
     ) -> Completed:
+        """Run ``argv``; with ``group`` the child can be killed early by ``group.kill_all``."""
         if not argv:
             raise ValueError("proc.run: empty argv")
         name = os.path.basename(argv[0])
@@ -100,17 +168,20 @@ class Runner:
         cmd = [resolve(argv[0], (full_env or os.environ).get("PATH")), *argv[1:]]
         start = time.monotonic()
         try:
-            cp = subprocess.run(
-                cmd,
-                shell=False,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                input=input_text,
-                env=full_env,
-                check=False,
-                stdin=None if input_text is not None else subprocess.DEVNULL,
-            )
+            if group is not None:
+                cp = group.run(cmd, timeout=timeout, env=full_env, input_text=input_text)
+            else:
+                cp = subprocess.run(
+                    cmd,
+                    shell=False,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    input=input_text,
+                    env=full_env,
+                    check=False,
+                    stdin=None if input_text is not None else subprocess.DEVNULL,
+                )
         except subprocess.TimeoutExpired as exc:
             self.stats.record(name, failed=True, timed_out=True)
             log.warning("command timed out", argv=list(argv), timeout=timeout)

@@ -12,9 +12,87 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from slurm_resilience.config.loader import setting
+from slurm_resilience.config.loader import ByteSize, setting
 
 DEFAULT_SECTIONS: Mapping[str, float] = MappingProxyType({"checkpoint": 900.0, "eval": 1800.0})
+
+
+@dataclass(frozen=True)
+class ExchangeSection:
+    """The agents' network exchange of hang observations (``heartbeat.exchange``), used when
+    no shared rendezvous directory is configured: munge-authenticated TCP, fanned in
+    through a tree rooted at the job's batch host."""
+
+    port: int = setting(
+        6828, min=1, max=65535,
+        help="TCP port of every agent's exchange listener; a port below 1024 keeps users "
+             "from binding it before the agent starts",
+    )
+    ports: dict[str, int] = setting(
+        default_factory=dict,
+        help="per-node port overriding `port` (node name -> port), for several agents on "
+             "one host (the sandbox)",
+    )
+    bind: str = setting("0.0.0.0", help="address the listener binds")  # noqa: S104 - agents on other nodes connect
+    addresses: dict[str, str] = setting(
+        default_factory=dict,
+        help="node name -> address to reach its agent; nodes not listed are looked up in "
+             "Slurm (NodeAddr, else NodeHostName)",
+    )
+    fanout: int = setting(
+        16, min=1, max=4096,
+        help="children per node of the fan-in tree rooted at the batch host: no agent "
+             "receives from more than this many peers for one incident",
+    )
+    munge_socket: str = setting("", help="munged's socket; empty: munge's default")
+    munge: str = setting("munge", help="the munge program")
+    unmunge: str = setting("unmunge", help="the unmunge program")
+    agent_uid: int = setting(
+        0, min=0, help="uid the agents run as: only credentials of this uid (or 0) count")
+    credential_ttl_s: int = setting(
+        120, min=10, max=3600, help="lifetime of each message's munge credential")
+    max_skew_s: float = setting(
+        60.0, min=1, max=3600,
+        help="a message whose credential was made further from this node's clock is refused")
+    max_connections: int = setting(
+        64, min=1, max=4096, help="connections the listener serves at once; more are closed")
+    max_connections_per_peer: int = setting(
+        8, min=1, max=4096, help="connections from one address served at once")
+    io_timeout_s: float = setting(
+        5.0, min=0.1, max=120, help="deadline of one connection: connect, send, receive, answer")
+    max_message_bytes: ByteSize = setting(
+        ByteSize(768 << 10),
+        help="largest message (munge credential) sent or accepted; several pieces are "
+             "split over messages below it (munged refuses payloads near 1 MiB)",
+    )
+    max_piece_bytes: ByteSize = setting(
+        ByteSize(64 << 10), help="largest piece (one node's summary) published or accepted")
+    send_timeout_s: float = setting(
+        10.0, min=0.5, max=600,
+        help="how long a node keeps trying to deliver its pieces (to its parent, then to "
+             "ancestors nearer the batch host)",
+    )
+    forward_linger_s: float = setting(
+        0.05, min=0, max=5,
+        help="an inner node waits this long for more pieces before forwarding a batch")
+    collect_after_s: float = setting(
+        0.5, min=0, max=60,
+        help="the batch host asks the run's nodes for their pieces when some are still "
+             "missing this long into its wait")
+
+    def port_of(self, node: str) -> int:
+        return self.ports.get(node, self.port)
+
+    def validate(self) -> None:
+        if self.max_piece_bytes > self.max_message_bytes // 2:
+            raise ValueError(f"max_piece_bytes={self.max_piece_bytes} must be at most half of "
+                             f"max_message_bytes={self.max_message_bytes}")
+        if self.max_message_bytes > 900 << 10:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} is over munged's "
+                             "payload limit (about 900 KiB)")
+        for node, port in self.ports.items():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"ports.{node}={port} is not a TCP port")
 
 
 @dataclass(frozen=True)
@@ -89,6 +167,9 @@ class HeartbeatSection:
     rendezvous_wait_s: float = setting(
         5.0, min=0, max=120, help="how long the batch host waits for the other nodes' reports"
     )
+    exchange: ExchangeSection = setting(
+        default_factory=ExchangeSection,
+        help="network exchange of observations between a job's agents (munge, TCP)")
     incident_dir: str = setting(
         "", help="root-owned directory for incident reports kept by the agent; "
                  "empty: <node.state_dir>/incidents",

@@ -8,7 +8,12 @@ from the gate's collectors and the Xids raised since the job started.
 
 Every process is checked first: it must still be the one that created the
 slot (pid and start time) and belong to the job's user, so a slot can never
-point the root agent at someone else's process.
+point the root agent at someone else's process. Paths from the job's
+environment are reached only as the job's user could (``safefs.open_job_path``).
+
+All rank captures share one deadline (``heartbeat.evidence_timeout_s``): at it,
+captures not started are cancelled and running py-spy children are killed as
+process groups; the incident goes on without waiting for them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +35,7 @@ from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
 from slurm_resilience.log import get_logger
-from slurm_resilience.proc import CommandError, Runner
+from slurm_resilience.proc import ChildGroup, CommandError, CommandTimeout, Runner
 
 log = get_logger("heartbeat.evidence")
 
@@ -39,6 +44,11 @@ NCCL_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 NCCL_FILE_DEFAULT = "/tmp/nccl_trace_rank_"
 MAX_TRACE_BYTES = 64 << 20
 MAX_ENVIRON_BYTES = 1 << 20
+TIMED_OUT = "evidence capture timed out"
+# After the deadline, how long killed py-spy children get to be reaped by their threads.
+REAP_GRACE_S = 1.0
+
+Clock = Callable[[], float]
 
 
 def process_uid(pid: int) -> int | None:
@@ -104,23 +114,47 @@ class RankEvidence:
 
 
 def py_spy_dump(binary: str | None, pid: int, timeout: float,
-                runner: Runner | None = None) -> tuple[str, str]:
+                runner: Runner | None = None, group: ChildGroup | None = None
+                ) -> tuple[str, str]:
     """``(stack text, error)`` of ``py-spy dump --pid``; error says why there is no stack."""
     if binary is None:
         return "", "py-spy is not installed (pip install py-spy): no stack captured"
+    if timeout <= 0:
+        return "", f"{TIMED_OUT}: no time left for a stack of pid {pid}"
     try:
-        out = (runner or Runner()).run([binary, "dump", "--pid", str(pid)], timeout=timeout)
+        out = (runner or Runner()).run([binary, "dump", "--pid", str(pid)], timeout=timeout,
+                                       group=group)
+    except CommandTimeout:
+        return "", f"{TIMED_OUT}: py-spy dump of pid {pid} stopped at the evidence deadline"
     except CommandError as exc:
         return "", f"couldn't dump stack of pid {pid}: {exc}"
     return out.stdout, ""
 
 
+def _trigger_pipe(pipe: str, uid: int) -> str:
+    """Write to the job's flight-recorder FIFO; returns an error, or "" when triggered."""
+    try:
+        fd = safefs.open_job_path(pipe, uid, kind=stat.S_IFIFO, flags=os.O_WRONLY)
+    except OSError as exc:
+        return f"couldn't trigger the flight recorder through {pipe}: {exc.strerror}"
+    try:
+        os.write(fd, b"1\n")
+    except OSError as exc:  # EAGAIN: full; EPIPE: nobody reads it
+        return f"couldn't trigger the flight recorder through {pipe}: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return ""
+
+
 def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None, *,
-                         wait_s: float = 5.0) -> dict[str, Any]:
+                         wait_s: float = 5.0, clock: Clock = time.monotonic,
+                         poll_s: float = 0.2) -> dict[str, Any]:
     """Trigger the NCCL flight recorder of one rank and keep its dump as opaque bytes.
 
-    The pipe and the dump file are in paths the job chose: each is opened
-    without following links and must belong to the job's user.
+    The pipe and the dump file are in paths the job chose: each is reached only as the job's
+    user could (:func:`safefs.open_job_path`): never through a link, never a device, FIFO or
+    socket where a file is expected, never in a directory the user does not own. Every
+    refusal reads the same, whether the path is absent, forbidden or of the wrong type.
     """
     env = read_environ(pid)
     prefix = env.get(NCCL_PIPE_ENV, "")
@@ -129,44 +163,24 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
     pipe = f"{prefix}{rank}.pipe"
     dump = f"{env.get(NCCL_FILE_ENV) or NCCL_FILE_DEFAULT}{rank}"
     result: dict[str, Any] = {"enabled": True, "pipe": pipe, "file": dump}
-    if not (os.path.isabs(pipe) and os.path.isabs(dump)):
-        result["error"] = "pipe or dump path is not absolute: not used"
-        return result
     started = time.time()
-    try:
-        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        result["error"] = f"couldn't open pipe {pipe}: {exc.strerror}"
+    error = _trigger_pipe(pipe, uid)
+    if error:
+        result["error"] = error
         return result
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != uid:
-            result["error"] = f"{pipe} is not a FIFO owned by uid {uid}: not triggered"
-            return result
-        os.write(fd, b"1\n")
-    finally:
-        os.close(fd)
-    directory, name = os.path.split(dump)
-    deadline = time.monotonic() + wait_s
+    deadline = clock() + wait_s
     while True:
         try:
-            dfd = safefs.open_dir(directory)
-            try:
-                data = safefs.read_owned_file(dfd, name, uid, max_bytes=MAX_TRACE_BYTES)
-                mtime = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
-            finally:
-                os.close(dfd)
+            data, mtime = safefs.read_job_file(dump, uid, max_bytes=MAX_TRACE_BYTES)
             if mtime >= started - 1:
                 break
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            result["error"] = f"couldn't read dump {dump}: {exc}"
+        except OSError:
+            pass  # absent yet, or refused: both look the same to the job
+        if clock() >= deadline:
+            result["error"] = (f"no dump in {dump} within {wait_s:g}s (it must be a regular "
+                               "file of the job's user in a directory the user owns)")
             return result
-        if time.monotonic() > deadline:
-            result["error"] = f"no dump in {dump} within {wait_s:g}s"
-            return result
-        time.sleep(0.2)
+        time.sleep(poll_s)
     result.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     if save_dir_fd is not None:
         saved = f"nccl-trace-rank{rank}.bin"
@@ -178,34 +192,93 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
     return result
 
 
+@dataclass(frozen=True)
+class CaptureOutcome:
+    """Evidence of every rank, and how the deadline went: ranks cut off by it, and the
+    py-spy children still unreaped when capture returned (none, unless the kernel is stuck)."""
+
+    ranks: list[RankEvidence]
+    timed_out: tuple[int, ...]
+    children_started: int
+    children_unreaped: tuple[int, ...]
+
+
 def capture_ranks(slots: Sequence[SlotView], uid: int, *, py_spy: str | None, timeout: float,
-                  save_dir_fd: int | None = None) -> list[RankEvidence]:
-    """Stacks (and NCCL traces) of every rank, in parallel, bounded by ``timeout``."""
+                  save_dir_fd: int | None = None, workers: int = 8,
+                  clock: Clock = time.monotonic, runner: Runner | None = None
+                  ) -> list[RankEvidence]:
+    """Stacks (and NCCL traces) of every rank, in parallel, all within ``timeout``."""
+    return capture_ranks_bounded(slots, uid, py_spy=py_spy, timeout=timeout,
+                                 save_dir_fd=save_dir_fd, workers=workers, clock=clock,
+                                 runner=runner).ranks
+
+
+def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | None,
+                          timeout: float, save_dir_fd: int | None = None, workers: int = 8,
+                          clock: Clock = time.monotonic, runner: Runner | None = None
+                          ) -> CaptureOutcome:
+    """:func:`capture_ranks` with the deadline's outcome.
+
+    At the deadline, captures not started are cancelled, running py-spy children are killed
+    (their process groups), and the result is returned without waiting for stragglers beyond
+    a short grace for reaping: a rank cut off says so in ``stack_error``.
+    """
+    deadline = clock() + timeout
+    group = ChildGroup()
+
     def one(v: SlotView) -> RankEvidence:
         ev = RankEvidence(v.rank, v.pid)
         if not same_process(v.pid, v.pid_start, uid):
             ev.stack_error = (f"pid {v.pid} is gone or is not the job's process: no stack")
             return ev
-        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, timeout)
+        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, deadline - clock(), runner,
+                                               group)
+        left = deadline - clock()
+        if left <= 0:
+            ev.nccl_trace = {"error": f"{TIMED_OUT}: flight recorder not triggered"}
+            return ev
         try:
             ev.nccl_trace = nccl_flight_recorder(v.pid, v.rank, uid, save_dir_fd,
-                                                 wait_s=min(5.0, timeout / 2))
+                                                 wait_s=min(5.0, left / 2), clock=clock)
         except OSError as exc:
             ev.nccl_trace = {"error": f"couldn't read environment of pid {v.pid}: {exc}"}
         return ev
 
     if not slots:
-        return []
-    with cf.ThreadPoolExecutor(max_workers=min(8, len(slots))) as pool:
-        futures = {pool.submit(one, v): v for v in slots}
-        out = []
-        done, pending = cf.wait(futures, timeout=timeout + 2)
-        for fut in done:
+        return CaptureOutcome([], (), 0, ())
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(workers, len(slots))),
+                                 thread_name_prefix="evidence")
+    futures = {pool.submit(one, v): v for v in slots}
+    done, pending = cf.wait(futures, timeout=max(0.0, deadline - clock()))
+    # Not `with pool`: its exit waits for every task, which is what made 80 slots with a
+    # slow py-spy take minutes. Cancel what has not started, kill what runs, move on.
+    pool.shutdown(wait=False, cancel_futures=True)
+    group.kill_all()
+    # Cancelled futures never count as done for cf.wait: wait only for those that ran.
+    late, _ = cf.wait([f for f in pending if not f.cancelled()], timeout=REAP_GRACE_S)
+    out: list[RankEvidence] = []
+    timed_out: list[int] = []
+    for fut, v in futures.items():
+        if fut in done:
             out.append(fut.result())
-        for fut in pending:
-            v = futures[fut]
-            out.append(RankEvidence(v.rank, v.pid, stack_error="evidence capture timed out"))
-    return sorted(out, key=lambda e: e.rank)
+            continue
+        timed_out.append(v.rank)
+        if fut in late and not fut.cancelled() and fut.exception() is None:
+            ev = fut.result()
+            if not ev.stack_error.startswith(TIMED_OUT):
+                ev.stack_error = f"{TIMED_OUT}: {ev.stack_error or 'captured after deadline'}"
+            out.append(ev)
+        else:
+            out.append(RankEvidence(v.rank, v.pid, stack_error=f"{TIMED_OUT}: not captured "
+                                                               f"within {timeout:g}s"))
+    unreaped = tuple(group.running())
+    if unreaped:
+        log.error("couldn't reap py-spy children at the evidence deadline", pids=list(unreaped))
+    if timed_out:
+        log.warning("evidence capture cut off at its deadline", ranks=len(timed_out),
+                    timeout_s=timeout)
+    return CaptureOutcome(sorted(out, key=lambda e: e.rank), tuple(sorted(timed_out)),
+                          group.started, unreaped)
 
 
 def _optional(module: str) -> Any:

@@ -8,7 +8,6 @@ TCP between agents) plugs in through :func:`make`.
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -203,23 +202,23 @@ class DirRendezvous:
         return None
 
 
-def make(cfg: Config, node: str) -> Rendezvous:
-    """The configured exchange (``heartbeat.rendezvous``)."""
+def make(cfg: Config, node: str,
+         resolver: Callable[[Sequence[str]], dict[str, str]] | None = None) -> Rendezvous:
+    """The configured exchange (``heartbeat.rendezvous``); ``resolver`` finds peers'
+    addresses (the adapter's ``node_addresses``) for the network exchange."""
     hb = cfg.heartbeat
     mode = hb.rendezvous
     if mode == "network":
-        # The network exchange lives in heartbeat/exchange (its own branch of work); until it
-        # is installed, fall back to the directory when one is configured, else to none.
+        from slurm_resilience.heartbeat import exchange
+
         try:
-            exchange = importlib.import_module("slurm_resilience.heartbeat.exchange")
-        except ImportError:
-            exchange = None
-        if exchange is not None:
-            made: Rendezvous = exchange.NetworkRendezvous(cfg, node)
-            return made
-        log.warning("heartbeat: rendezvous: network exchange not installed; falling back",
-                    to="directory" if hb.rendezvous_dir else "none")
-        mode = "directory" if hb.rendezvous_dir else "none"
+            made: Rendezvous = exchange.from_config(hb.exchange, node, resolver)
+        except OSError as exc:
+            # Pieces can still be sent to the batch host; only this node can't hear others.
+            log.error("heartbeat: exchange: couldn't listen; other nodes' observations won't "
+                      "reach this agent", port=hb.exchange.port_of(node), error=str(exc))
+            made = exchange.from_config(hb.exchange, node, resolver, listen=False)
+        return made
     if mode == "directory":
         if not hb.rendezvous_dir:
             log.error("heartbeat: rendezvous: couldn't use mode directory: rendezvous_dir is "

@@ -120,3 +120,88 @@ def makedirs_root(path: str, mode: int = 0o700) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# -- paths a job names -------------------------------------------------------------------------
+# Root reaches a path from a job's environment only as the job's user could: every directory on
+# the way must be searchable by that user, the last one owned by them, nothing is a link, and
+# the object itself is looked at through an O_PATH descriptor (which never runs a driver's
+# open(), so a device node is never opened) before a real open of that same inode.
+
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class JobPathRefused(OSError):
+    """A job-named path root won't use; the message is the same whatever the reason was."""
+
+
+def _searchable_by(st: os.stat_result, uid: int) -> bool:
+    """Whether ``uid`` may search this directory (owner bits for the owner, else others'
+    bits: group membership is not trusted, so a group-only directory counts as closed)."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def open_job_path(path: str, uid: int, *, kind: int, flags: int) -> int:
+    """Open ``path`` as named by a job of ``uid``; ``kind`` is the wanted file type
+    (``stat.S_IFREG`` or ``stat.S_IFIFO``), ``flags`` the real open's access mode.
+
+    The file must be of that type, owned by ``uid``, in a directory owned by ``uid``, reached
+    through directories ``uid`` can search, without symlinks. Every refusal raises
+    :class:`JobPathRefused` with one message, so a job learns nothing about paths it can't see.
+    """
+    refused = JobPathRefused(errno.EACCES, "not a file of the job's user in a directory the "
+                                           "user owns (symlinks, devices, FIFOs, sockets and "
+                                           "other users' paths are never opened)")
+    parts = path.split("/")
+    if not path.startswith("/") or any(p in ("", ".", "..") for p in parts[1:]):
+        raise refused
+    fd = os.open("/", _PATH_FLAGS | os.O_DIRECTORY)
+    try:
+        for part in parts[1:-1]:
+            if not _searchable_by(os.fstat(fd), uid):
+                raise refused
+            nxt = os.open(part, _PATH_FLAGS | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        parent = os.fstat(fd)
+        if parent.st_uid != uid or not _searchable_by(parent, uid):
+            raise refused
+        pfd = os.open(parts[-1], _PATH_FLAGS, dir_fd=fd)
+    except JobPathRefused:
+        raise
+    except OSError:
+        raise refused from None
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(pfd)
+        if stat.S_IFMT(st.st_mode) != kind or st.st_uid != uid:
+            raise refused
+        # Reopening through the O_PATH descriptor reaches the inode just checked, not
+        # whatever the name points at now.
+        try:
+            real = os.open(f"/proc/self/fd/{pfd}",
+                           flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            raise refused from None
+    finally:
+        os.close(pfd)
+    again = os.fstat(real)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+        os.close(real)
+        raise refused
+    return real
+
+
+def read_job_file(path: str, uid: int, *, max_bytes: int) -> tuple[bytes, float]:
+    """``(content, mtime)`` of a regular file a job names (see :func:`open_job_path`)."""
+    fd = open_job_path(path, uid, kind=stat.S_IFREG, flags=os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_size > max_bytes:
+            raise JobPathRefused(errno.EFBIG, f"larger than {max_bytes} bytes")
+        return os.pread(fd, max_bytes, 0), st.st_mtime
+    finally:
+        os.close(fd)

@@ -68,7 +68,9 @@ class HangWatcher:
         self.lock = threading.Lock()
         self.tuned = TunedTimeouts(self.state_dir)
         self.store = IncidentStore(os.path.join(self.state_dir, "acted"), hb.max_handled)
-        self.rdv = rendezvous if rendezvous is not None else RV.make(cfg, node)
+        self._own_rdv = rendezvous is None  # a reload may rebuild only what we made
+        self.rdv = (rendezvous if rendezvous is not None
+                    else RV.make(cfg, node, adapter.node_addresses))
         # Set by close(): retry waits end at once and incidents are left for the next start.
         self.stopping = threading.Event()
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
@@ -87,11 +89,24 @@ class HangWatcher:
     def interval_s(self) -> float:
         return self.cfg.heartbeat.interval_s
 
+    def _maybe_remake_rendezvous(self, before: Any) -> None:
+        """A reload that changes how agents exchange observations takes effect at once."""
+        hb = self.cfg.heartbeat
+        if not self._own_rdv or (before.rendezvous, before.rendezvous_dir, before.exchange) == \
+                (hb.rendezvous, hb.rendezvous_dir, hb.exchange):
+            return
+        old, self.rdv = self.rdv, RV.make(self.cfg, self.node, self.adapter.node_addresses)
+        self.runner.rdv = self.rdv
+        old.close()
+        log.info("heartbeat: rendezvous rebuilt after a reload", mode=hb.rendezvous)
+
     # -- the tick --------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        before = self.cfg.heartbeat
         if self.live.reload():
             self.suspects.cfg = self.cfg
+            self._maybe_remake_rendezvous(before)
         hb = self.cfg.heartbeat
         if hb.mode == "off":
             return

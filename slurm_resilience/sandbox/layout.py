@@ -14,9 +14,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_STATE_DIR = REPO / ".sandbox"
 DEFAULT_PORT_BASE = 17000
-# Ports used: slurmctld = base, slurmd = base+1 … base+N, S3 endpoint = base+S3_OFFSET.
+# Ports used: slurmctld = base, slurmd = base+1 … base+N, node agents' exchange listeners =
+# base+AGENT_OFFSET+1 … base+AGENT_OFFSET+N, S3 endpoint = base+S3_OFFSET.
 S3_OFFSET = 99
-MAX_NODES = S3_OFFSET - 1
+AGENT_OFFSET = 50
+MAX_NODES = S3_OFFSET - AGENT_OFFSET - 1
 BUCKET = "ckpt"
 
 
@@ -74,6 +76,10 @@ class Layout:
     def slurmd_port(self, index: int) -> int:
         """Port of the 1-based ``index``-th node."""
         return self.port_base + index
+
+    def agent_port(self, index: int) -> int:
+        """Exchange port of the 1-based ``index``-th node's agent (all agents share 127.0.0.1)."""
+        return self.port_base + AGENT_OFFSET + index
 
     @property
     def s3_port(self) -> int:

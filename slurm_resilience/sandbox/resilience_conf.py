@@ -75,6 +75,9 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "nccl_margin_s": 10.0,
             "interval_s": 0.5,
             "evidence_timeout_s": 10.0,
+            # The sandbox's baseline exchange is the shared directory; the network exchange
+            # (the default at sites) has tests of its own that switch to it.
+            "rendezvous": "directory",
             "rendezvous_dir": f"{state}/shared/hang",
             "rendezvous_wait_s": 3.0,
             # Suspects are verified within seconds; an incident retries Slurm for 90 s.
@@ -82,6 +85,15 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "verify_window_s": 180.0,
             "verify_idle_poll_s": 30.0,
             "incident_deadline_s": 90.0,
+            # Used with rendezvous: network. Every agent is on 127.0.0.1 (Slurm's
+            # NodeAddr), so each listens on a port of its own; fan-out 2 makes node2..node4
+            # a tree with an inner node even in a 4-node job.
+            "exchange": {
+                "bind": "127.0.0.1",
+                "ports": {n: layout.agent_port(i) for i, n in enumerate(layout.node_names, 1)},
+                "munge_socket": str(layout.munge_socket),
+                "fanout": 2,
+            },
         },
         "topology": {
             # The sandbox's slurm.conf names each node's leaf feature after the leaf itself.

@@ -127,6 +127,23 @@ class SlurmAdapter:
         lines = out.stdout.splitlines()
         return [parse_node(line) for line in lines if line.startswith("NodeName=")]
 
+    def node_addresses(self, names: Sequence[str]) -> dict[str, str]:
+        """Where each node is reached: its NodeAddr, else NodeHostName, else its name.
+
+        One ``scontrol show node <hostlist>`` for all of them; nodes Slurm does not know
+        are left out."""
+        if not names:
+            return {}
+        expr = collect_hostlist([_check_node_name(n) for n in names])
+        out = self._run("show node addresses", ["scontrol", "show", "node", expr, "-o"])
+        found: dict[str, str] = {}
+        for line in out.stdout.splitlines():
+            if line.startswith("NodeName="):
+                raw = parse_node(line).raw
+                name = raw["NodeName"]
+                found[name] = raw.get("NodeAddr") or raw.get("NodeHostName") or name
+        return {n: found[n] for n in names if n in found}
+
     def drain(self, name: str, reason: str) -> str:
         """Drain ``name`` with our prefixed reason; returns the reason set.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
 import textwrap
@@ -160,9 +161,13 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
     pipe_prefix, dump_prefix = tmp_path / "nccl_pipe_", tmp_path / "nccl_trace_"
     os.mkfifo(f"{pipe_prefix}3.pipe")
 
+    # Open before the trigger: a FIFO without a reader refuses the agent's non-blocking write.
+    pipe_fd = os.open(f"{pipe_prefix}3.pipe", os.O_RDONLY | os.O_NONBLOCK)
+
     def pytorch_side() -> None:  # what PyTorch's watchdog does: read the pipe, write the dump
-        with open(f"{pipe_prefix}3.pipe", "rb") as fh:
-            fh.read(1)
+        select.select([pipe_fd], [], [], 10)
+        os.read(pipe_fd, 1)
+        os.close(pipe_fd)
         Path(f"{dump_prefix}3").write_bytes(payload)
 
     reader = threading.Thread(target=pytorch_side)

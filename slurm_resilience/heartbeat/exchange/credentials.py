@@ -1,0 +1,107 @@
+"""Munge credentials for the agents' messages: Debian's ``munge``/``unmunge`` through the
+one subprocess seam; this project writes no cryptography of its own.
+
+``munge`` seals a payload with the cluster's munge key and the encoding process's uid;
+``unmunge`` (on any node with the key) returns the payload with that uid and the encode
+time, and refuses a credential it has already decoded (a replay) or one past its TTL.
+Credentials are restricted to the agent's uid, so a user process that receives one (e.g.
+by binding the port before the agent) can't read it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from slurm_resilience.proc import CommandError, Runner
+
+# What munge writes: "MUNGE:" base64 ":" — checked before any process is started for it.
+CREDENTIAL = re.compile(rb"^MUNGE:[A-Za-z0-9+/=]+:$")
+
+
+class CredentialError(Exception):
+    """A credential that could not be made, or one that is refused."""
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What munged vouches for: the encoding process's uid and gid, when, and the payload."""
+
+    uid: int
+    gid: int
+    encode_time: int
+    payload: bytes
+
+
+class Credentials(Protocol):
+    """Seal and open messages; the real one is :class:`MungeCredentials`."""
+
+    def encode(self, payload: bytes) -> bytes: ...
+
+    def decode(self, credential: bytes) -> Decoded: ...
+
+
+class MungeCredentials:
+    """``munge``/``unmunge`` run through :class:`slurm_resilience.proc.Runner` (argv, timeout).
+
+    Payloads must be ASCII (the exchange sends JSON with non-ASCII escaped)."""
+
+    def __init__(self, *, socket: str = "", munge: str = "munge", unmunge: str = "unmunge",
+                 restrict_uid: int = 0, ttl_s: int = 120, timeout_s: float = 5.0,
+                 runner: Runner | None = None):
+        self.socket_args = [f"--socket={socket}"] if socket else []
+        self.munge, self.unmunge = munge, unmunge
+        self.restrict_uid = restrict_uid
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.runner = runner or Runner()
+
+    def encode(self, payload: bytes) -> bytes:
+        argv = [self.munge, *self.socket_args, f"--restrict-uid={self.restrict_uid}",
+                f"--ttl={self.ttl_s}", "--zip=zlib"]
+        try:
+            out = self.runner.run(argv, timeout=self.timeout_s, input_text=payload.decode("ascii"))
+        except (CommandError, UnicodeDecodeError) as exc:
+            raise CredentialError(f"couldn't seal message with munge: {exc}") from exc
+        cred = out.stdout.strip().encode("ascii", "replace")
+        if not CREDENTIAL.match(cred):
+            raise CredentialError("couldn't seal message with munge: output is not a credential")
+        return cred
+
+    def decode(self, credential: bytes) -> Decoded:
+        if not CREDENTIAL.match(credential):
+            raise CredentialError("not a munge credential")
+        argv = [self.unmunge, *self.socket_args, "--numeric"]
+        try:
+            out = self.runner.run(argv, timeout=self.timeout_s,
+                                  input_text=credential.decode("ascii"))
+        except CommandError as exc:
+            # unmunge's own words: "Replayed credential", "Expired credential", "Invalid
+            # credential", "Unauthorized credential for client UID=...".
+            detail = (exc.result.stderr.strip() if exc.result else str(exc)) or str(exc)
+            raise CredentialError(f"munge refused the credential: {detail}") from exc
+        return parse_unmunge(out.stdout)
+
+
+def parse_unmunge(text: str) -> Decoded:
+    """``unmunge --numeric`` output: ``KEY: value`` lines, a blank line, the payload."""
+    head, sep, payload = text.partition("\n\n")
+    if not sep:
+        raise CredentialError("couldn't parse unmunge output: no payload separator")
+    meta: dict[str, str] = {}
+    for line in head.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            meta[key.strip()] = value.strip()
+    try:
+        if int(meta["STATUS"].split()[0]) != 0:
+            raise CredentialError(f"munge status {meta['STATUS']}")
+        length = int(meta["LENGTH"])
+        uid, gid, when = int(meta["UID"]), int(meta["GID"]), int(meta["ENCODE_TIME"])
+    except (KeyError, ValueError, IndexError) as exc:
+        raise CredentialError(f"couldn't parse unmunge output: {exc}") from exc
+    data = payload.encode("ascii", "replace")
+    if len(data) != length:
+        raise CredentialError(f"unmunge payload is {len(data)} bytes, metadata says {length}")
+    return Decoded(uid, gid, when, data)

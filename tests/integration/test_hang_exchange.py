@@ -1,0 +1,110 @@
+"""Cross-node hang blame without a shared directory: the agents exchange their observations
+over munge-authenticated TCP (heartbeat.exchange), and a user can neither forge nor replay
+a message. Run with ``-s`` to see the decision time."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from test_hang import _acting, _output, _reports, _submit, _wait_for
+
+from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
+from slurm_resilience.heartbeat.exchange.wire import Kind, Message
+from slurm_resilience.sandbox.handle import Sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
+              pytest.mark.skipif(not (REPO / "examples" / "train.py").exists(),
+                                 reason="needs examples/train.py")]
+
+
+def _exchange_log(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
+    path = sandbox.state_dir / "log" / "slurm-resilience.jsonl"
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if "exchange: received pieces" in line:
+            event = json.loads(line)
+            if event.get("job_id") == job_id:
+                out.append(event)
+    return out
+
+
+def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """With no rendezvous_dir, rank 1 stalling on the second node is blamed on that node by
+    the batch host, from the piece the second node's agent sent over the exchange."""
+    sandbox.update_resilience_config({"heartbeat": {"rendezvous": "network",
+                                                    "rendezvous_dir": None}})
+    time.sleep(2)  # agents pick the change up on their next tick
+    user = test_users[0]
+    work = sandbox.user_dir(user, "hangnet")
+    job_id = _submit(sandbox, user, work, "--steps 400 --ckpt-every 5 --hang-at-step 12 "
+                                          "--hang-rank 1")
+    report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 120,
+                       "the requeue decision")
+    sandbox.run(["scancel", str(job_id)])
+    out = _output(work, job_id)
+    node_line = re.search(r"rank 1 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)
+    assert node_line and isinstance(report, dict), out
+    stalled = node_line.group(1)
+    batch_host = report["node"]
+    assert stalled != batch_host
+    assert report["blame"]["drains"] == [[stalled, f"hang job {job_id}: rank 1 stalled first"]]
+    assert "no observations from" not in report["blame"]["explanation"]
+    assert set(report["evidence"]) == {batch_host, stalled}
+    received = _exchange_log(sandbox, job_id)
+    assert any(e.get("sender") == stalled for e in received), received
+    timings = report["timings"]
+    decide_s = float(timings["action_at"]) - float(report["detected_at"])
+    hang = re.search(r"rank 1 hanging at step=12 at=([\d.]+)", out)
+    acted = float(timings["action_at"])
+    since_hang = f", hang -> requeue issued {acted - float(hang.group(1)):.1f}s" if hang else ""
+    print(f"\nnetwork exchange: detected -> requeue issued {decide_s:.2f}s on the batch host "
+          f"(evidence {timings['evidence_s']:.2f}s of it){since_hang}")
+
+
+FORGER = """
+import json, secrets, socket, struct, subprocess, sys, time
+munge_socket, port, batch, other, stolen = sys.argv[1:6]
+body = {"v": 1, "kind": "pieces", "job": 999999, "run": 0, "from": other, "to": batch,
+        "batch_host": batch, "nodes": [batch, other], "nonce": secrets.token_hex(16),
+        "time": time.time(), "pieces": {other: json.dumps({"node": other, "forged": True})}}
+cred = subprocess.run(["munge", f"--socket={munge_socket}"], input=json.dumps(body).encode(),
+                      capture_output=True, check=True).stdout.strip()
+def send(frame):
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+        s.sendall(struct.pack(">I", len(frame)) + frame)
+        return s.makefile("rb").readline().decode().strip()
+print("forged:", send(cred))
+print("replayed:", send(open(stolen, "rb").read()))
+"""
+
+
+def test_user_cannot_forge_or_replay_exchange_messages(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A user's own munge credential is refused by node1's agent (not uid 0), and an agent's
+    credential replayed by the user is refused by munge."""
+    batch, other = sandbox.nodes[0], sandbox.nodes[1]
+    port = sandbox.layout.agent_port(1)
+    creds = MungeCredentials(socket=str(sandbox.layout.munge_socket))
+    genuine = Message(Kind.PIECES, 999998, 0, other, batch, batch, (batch, other),
+                      {other: json.dumps({"node": other}).encode()})
+    stolen = sandbox.user_dir(test_users[0], "stolen") / "cred"
+    stolen.write_bytes(creds.encode(genuine.to_payload()))
+    stolen.chmod(0o644)
+    probe = sandbox.run(["python3", "-c", "import socket,struct,sys\n"
+                         "f=open(sys.argv[2],'rb').read()\n"
+                         "s=socket.create_connection(('127.0.0.1',int(sys.argv[1])))\n"
+                         "s.sendall(struct.pack('>I',len(f))+f)\n"
+                         "print(s.makefile('rb').readline().decode().strip())",
+                         str(port), str(stolen)], timeout=30).stdout
+    assert probe.strip() == "ok", probe
+    out = sandbox.run(["/usr/bin/python3", "-c", FORGER, str(sandbox.layout.munge_socket),
+                       str(port), batch, other, str(stolen)], user=test_users[1],
+                      timeout=60).stdout
+    assert re.search(r"forged: refused: credential of uid \d+, not an agent's", out), out
+    assert "replayed: refused: munge refused the credential" in out, out

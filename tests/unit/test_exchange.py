@@ -1,0 +1,313 @@
+"""The agents' network exchange with a real munged: pieces fan in through the tree, and
+forged, replayed or misaddressed messages, and users' own credentials, are refused."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.config.heartbeat import ExchangeSection
+from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
+from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
+from slurm_resilience.heartbeat.exchange.tree import Tree
+from slurm_resilience.heartbeat.exchange.wire import LENGTH, Kind, Message
+from slurm_resilience.proc import Completed
+from slurm_resilience.slurm.adapter import SlurmAdapter
+
+MUNGED = shutil.which("munged", path="/usr/sbin:/usr/bin:/sbin:/bin")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or MUNGED is None,
+                                reason="needs root and munged (package munge)")
+
+
+@pytest.fixture(scope="module")
+def munge_socket() -> Iterator[str]:
+    """A private munged with a fresh key, in a directory every user can reach."""
+    assert MUNGED is not None
+    d = Path(tempfile.mkdtemp(prefix="sr-munge-", dir="/tmp"))
+    d.chmod(0o755)
+    key = d / "munge.key"
+    key.write_bytes(secrets.token_bytes(1024))
+    key.chmod(0o400)
+    sock = d / "munge.socket"
+    proc = subprocess.Popen([MUNGED, "--foreground", "--force", f"--socket={sock}",
+                             f"--key-file={key}", f"--seed-file={d / 'seed'}",
+                             f"--log-file={d / 'log'}", f"--pid-file={d / 'pid'}"],
+                            stdin=subprocess.DEVNULL)
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    yield str(sock)
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(d)
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _cfg(nodes: list[str], **kw: object) -> ExchangeSection:
+    ports = dict(zip(nodes, _free_ports(len(nodes)), strict=True))
+    base: dict[str, object] = {"bind": "127.0.0.1", "ports": ports,
+                               "addresses": dict.fromkeys(nodes, "127.0.0.1"),
+                               "send_timeout_s": 5.0, "io_timeout_s": 2.0,
+                               "forward_linger_s": 0.02, "collect_after_s": 0.2}
+    base.update(kw)
+    return ExchangeSection(**base)  # type: ignore[arg-type]
+
+
+def _agents(cfg: ExchangeSection, nodes: list[str], sock: str) -> dict[str, NetworkRendezvous]:
+    return {n: NetworkRendezvous(cfg, n, credentials=MungeCredentials(socket=sock))
+            for n in nodes}
+
+
+def _piece(node: str) -> bytes:
+    return f'{{"node": "{node}", "ranks": []}}'.encode()
+
+
+def _send_raw(port: int, frame: bytes) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(LENGTH.pack(len(frame)) + frame)
+        return s.makefile("rb").readline().decode().strip()
+
+
+def test_tree_bounds_every_agents_fan_in() -> None:
+    """In a 1,024-node run with fan-out 16 no node has more than 16 children, every node
+    reaches the batch host, and the tree is 3 levels deep."""
+    nodes = [f"n{i:04d}" for i in range(1024)]
+    tree = Tree.of("n0500", nodes, 16)
+    assert tree.root == "n0500" and tree.subtree("n0500") == frozenset(nodes)
+    assert max(len(tree.children(n)) for n in nodes) == 16
+    assert max(tree.depth(n) for n in nodes) == 3
+    assert Tree.of("n0500", list(reversed(nodes)), 16) == tree
+
+
+def test_pieces_fan_in_through_the_tree_to_the_batch_host(munge_socket: str) -> None:
+    """Thirteen agents with fan-out 3 each publish: the batch host gathers all twelve other
+    pieces, received only from its three children, over munge-authenticated TCP."""
+    nodes = [f"node{i:02d}" for i in range(13)]
+    cfg = _cfg(nodes, fanout=3)
+    agents = _agents(cfg, nodes, munge_socket)
+    try:
+        for n in nodes[1:]:
+            agents[n].publish(7, 0, nodes[0], nodes, _piece(n))
+        got = agents[nodes[0]].gather(7, 0, nodes, time.monotonic() + 20)
+        assert got == {n: _piece(n) for n in nodes[1:]}
+        assert set(agents[nodes[0]].senders) <= {"node01", "node02", "node03"}
+        assert {(7, 0, n) for n in nodes[1:]} == set(agents[nodes[0]].announced())
+    finally:
+        for a in agents.values():
+            a.close()
+
+
+def test_batch_host_asks_silent_nodes_to_join(munge_socket: str) -> None:
+    """When a node has published nothing, the batch host's gather sends a collect request
+    down the tree, which that node's agent announces so its watcher joins the incident."""
+    nodes = ["b", "c1", "c2", "c3"]
+    cfg = _cfg(nodes, fanout=2)
+    agents = _agents(cfg, nodes, munge_socket)
+    try:
+        agents["c1"].publish(9, 1, "b", nodes, _piece("c1"))
+        got = agents["b"].gather(9, 1, nodes, time.monotonic() + 1.5)
+        assert set(got) == {"c1"}
+        deadline = time.monotonic() + 10
+        seen: set[str] = set()
+        while time.monotonic() < deadline and seen != {"c2", "c3"}:
+            for n in ("c2", "c3"):
+                if (9, 1, "b") in {(j, r, s) for j, r, s in agents[n].announced()} or \
+                        n in seen:
+                    seen.add(n)
+            time.sleep(0.05)
+        assert seen == {"c2", "c3"}
+    finally:
+        for a in agents.values():
+            a.close()
+
+
+FORGER = """
+import json, socket, struct, subprocess, sys, time, secrets
+sock, port, job = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+body = {"v": 1, "kind": "pieces", "job": job, "run": 0, "from": "c1", "to": "b",
+        "batch_host": "b", "nodes": ["b", "c1"], "nonce": secrets.token_hex(16),
+        "time": time.time(), "pieces": {"c1": json.dumps({"forged": True})}}
+cred = subprocess.run(["munge", f"--socket={sock}"], input=json.dumps(body).encode(),
+                      capture_output=True, check=True).stdout.strip()
+def send(frame):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(struct.pack(">I", len(frame)) + frame)
+        return s.makefile("rb").readline().decode().strip()
+print("forged:", send(cred))
+stolen = open(sys.argv[4], "rb").read()
+print("replayed:", send(stolen))
+r = subprocess.run(["unmunge", f"--socket={sock}"], input=stolen, capture_output=True)
+print("unmunge:", r.returncode, r.stderr.decode().strip())
+"""
+
+
+def test_user_forged_and_replayed_messages_are_refused(
+        munge_socket: str, test_users: tuple[str, ...], tmp_path: Path) -> None:
+    """An unprivileged user's own munge credential is refused (wrong uid); an agent's
+    credential replayed by the user is refused by munged, and the user can't even read it."""
+    nodes = ["b", "c1"]
+    cfg = _cfg(nodes)
+    b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket))
+    creds = MungeCredentials(socket=munge_socket)
+    try:
+        genuine = Message(Kind.PIECES, 5, 0, "c1", "b", "b", tuple(nodes), {"c1": _piece("c1")})
+        cred = creds.encode(genuine.to_payload())
+        assert _send_raw(cfg.port_of("b"), cred) == "ok"
+        stolen = Path(tempfile.mkdtemp(dir="/tmp")) / "stolen"
+        stolen.parent.chmod(0o755)
+        stolen.write_bytes(cred)
+        stolen.chmod(0o644)
+        pw = pwd.getpwnam(test_users[0])
+        out = subprocess.run(["/usr/bin/python3", "-c", FORGER, munge_socket,
+                              str(cfg.port_of("b")), "5", str(stolen)],
+                             user=pw.pw_uid, group=pw.pw_gid, capture_output=True, text=True,
+                             timeout=30, env={"PATH": "/usr/bin:/bin"}, check=True).stdout
+        shutil.rmtree(stolen.parent)
+        assert f"forged: refused: credential of uid {pw.pw_uid}, not an agent's" in out, out
+        assert "replayed: refused: munge refused the credential" in out, out
+        assert "Replayed credential" in out or "replay" in out.lower(), out
+        assert "unmunge: " in out and "unmunge: 0" not in out, out
+        assert b.gather(5, 0, nodes, time.monotonic()) == {"c1": _piece("c1")}
+    finally:
+        b.close()
+
+
+def test_agent_credentials_bound_to_receiver_and_nonce(munge_socket: str) -> None:
+    """A genuine agent message sent to another node, or a fresh credential reusing a seen
+    nonce, or one for a job run the receiver is not part of, is refused and stores nothing."""
+    nodes = ["b", "c1", "c2"]
+    cfg = _cfg(nodes)
+    agents = _agents(cfg, ["b", "c2"], munge_socket)
+    creds = MungeCredentials(socket=munge_socket)
+    try:
+        to_b = Message(Kind.PIECES, 6, 0, "c1", "b", "b", tuple(nodes), {"c1": _piece("c1")})
+        answer = _send_raw(cfg.port_of("c2"), creds.encode(to_b.to_payload()))
+        assert answer == "refused: addressed to b, this is c2"
+        assert _send_raw(cfg.port_of("b"), creds.encode(to_b.to_payload())) == "ok"
+        again = _send_raw(cfg.port_of("b"), creds.encode(to_b.to_payload()))
+        assert again == "refused: replayed nonce"
+        outside = Message(Kind.PIECES, 6, 1, "c1", "b", "b", ("b", "c1"),
+                          {"c2": _piece("c2")})
+        assert _send_raw(cfg.port_of("b"), creds.encode(outside.to_payload())).startswith(
+            "refused: c1 sent pieces of nodes outside its subtree")
+        assert agents["b"].gather(6, 1, ["b", "c1"], time.monotonic()) == {}
+    finally:
+        for a in agents.values():
+            a.close()
+
+
+def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> None:
+    """Connections past the per-peer cap are closed unread, an oversized frame is refused,
+    and idle connections are cut at their deadline, so the listener is free again."""
+    cfg = _cfg(["b"], max_connections_per_peer=2, io_timeout_s=0.5,
+               max_message_bytes=64 << 10, max_piece_bytes=16 << 10)
+    b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket))
+    assert b.listener is not None
+    port = cfg.port_of("b")
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 10
+        while b.listener.stats.refused_peer_cap < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.listener.stats.refused_peer_cap == 2 and b.listener.stats.peak_open == 2
+        while b.listener.open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.listener.open == 0 and b.listener.stats.failed == 2
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(LENGTH.pack(1 << 20))
+            assert s.makefile("rb").readline() == b""
+        assert b.listener.stats.failed == 3
+    finally:
+        for s in idle:
+            s.close()
+        b.close()
+
+
+class ScontrolNodes:
+    """Answers ``scontrol show node <hostlist> -o`` with literal 23.02-style node lines."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def run(self, argv: list[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        self.calls.append(list(argv))
+        out = ("NodeName=gpu001 Arch=x86_64 CoresPerSocket=48 CPUAlloc=0 NodeAddr=10.1.0.1 "
+               "NodeHostName=gpu001 Version=23.02.7 State=IDLE\n"
+               "NodeName=gpu002 Arch=x86_64 CoresPerSocket=48 CPUAlloc=0 "
+               "NodeHostName=gpu002-ib State=IDLE\n")
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+def test_peer_addresses_come_from_config_then_one_slurm_call() -> None:
+    """Configured addresses win; the rest come from Slurm's NodeAddr (else NodeHostName) in
+    one scontrol call, and are cached; unknown nodes stay unresolved."""
+    runner = ScontrolNodes()
+    adapter = SlurmAdapter(runner=runner)
+    cfg = ExchangeSection(addresses={"gpu000": "10.9.9.9"}, ports={"gpu002": 7000})
+    book = AddressBook(cfg, adapter.node_addresses)
+    want = {"gpu000": ("10.9.9.9", 6828), "gpu001": ("10.1.0.1", 6828),
+            "gpu002": ("gpu002-ib", 7000)}
+    assert book.lookup(["gpu000", "gpu001", "gpu002", "gpu003"]) == want
+    assert runner.calls == [["scontrol", "show", "node", "gpu[001-003]", "-o"]]
+    assert book.lookup(["gpu001", "gpu002"]) == {n: want[n] for n in ("gpu001", "gpu002")}
+    assert len(runner.calls) == 1
+
+
+OUT_OF_FDS = """
+import resource, socket, sys, time
+from slurm_resilience.heartbeat.exchange.listener import Listener
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+holder = []
+listener = Listener("127.0.0.1", 0, lambda frame, peer: "ok", max_connections=1000,
+                    max_per_peer=1000, io_timeout_s=30, max_frame_bytes=1024).start()
+print(listener.port, flush=True)
+sys.stdin.readline()
+time.sleep(2)
+s = listener.stats
+print(s.accepted, s.paused, s.longest_pause_s, flush=True)
+"""
+
+
+def test_listener_pauses_instead_of_spinning_when_out_of_descriptors() -> None:
+    """An agent out of file descriptors backs off between failed accepts (doubling pauses)
+    instead of spinning on the connections waiting in the backlog."""
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_FDS], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    port = int(child.stdout.readline())
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        accepted, paused, longest = child.stdout.readline().split()
+    finally:
+        for c in conns:
+            c.close()
+        child.kill()
+        child.wait()
+    assert 0 < int(accepted) < 64 and 1 <= int(paused) <= 40
+    assert float(longest) >= 0.4
