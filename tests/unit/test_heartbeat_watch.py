@@ -62,6 +62,8 @@ def _watcher(cfg: Config, runner: object, clock: FakeClock, node: str = NODE) ->
 
 
 def _cfg(tmp_path: Path, **hb: object) -> Config:
+    # No network listener in unit tests: the shared directory when one is given, else none.
+    hb.setdefault("rendezvous", "directory" if "rendezvous_dir" in hb else "none")
     return Config(node=NodeSection(state_dir=str(tmp_path / "state"),
                                    run_dir=str(tmp_path / "run")),
                   heartbeat=replace(HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
@@ -388,6 +390,7 @@ def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> 
                  heartbeat=HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
                                             warmup_steps=0, min_timeout_s=0.5,
                                             evidence_timeout_s=10, rendezvous_wait_s=2,
+                                            rendezvous="directory",
                                             rendezvous_dir=str(tmp_path / "rdv")))
     runner = TwoNodeRunner(42, "node1")
     procs = []
