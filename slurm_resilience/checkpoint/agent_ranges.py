@@ -15,25 +15,10 @@ from typing import Any
 
 from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
 from slurm_resilience.checkpoint.commit import CheckpointError, CorruptStep
-from slurm_resilience.checkpoint.ranges import ByteRange
+from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 
 BATCH_RANGES = 1024
 BATCH_BYTES = 48 * 1024  # below the agent's default max_request_bytes (64 KiB)
-
-
-def merge(ranges: Sequence[ByteRange]) -> list[ByteRange]:
-    """Ranges of the same file that overlap or touch, joined; sorted by file and offset."""
-    out: list[ByteRange] = []
-    for r in sorted(ranges, key=lambda r: (r.relpath, r.offset)):
-        if r.length == 0:
-            continue
-        last = out[-1] if out else None
-        if last is not None and last.relpath == r.relpath and r.offset <= last.offset + last.length:
-            end = max(last.offset + last.length, r.offset + r.length)
-            out[-1] = ByteRange(last.relpath, last.offset, end - last.offset)
-        else:
-            out.append(r)
-    return out
 
 
 def batches(ranges: Sequence[ByteRange]) -> Iterator[list[list[Any]]]:
@@ -62,7 +47,7 @@ class AgentRanges:
         self.last: dict[str, Any] = {}
 
     def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
-        for batch in batches(merge(ranges)):
+        for batch in batches(merge_ranges(ranges)):
             try:
                 self.last = call(self.socket_path, "ckpt.fetch", timeout=self.timeout_s,
                                  job_id=self.job_id, step=step, ranges=batch)

@@ -9,11 +9,10 @@ part of a stored tensor (resharding) needs one or more contiguous byte runs of i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slurm_resilience.checkpoint.commit import rank_name
-from slurm_resilience.checkpoint.ranges import ByteRange
 
 DATA_FILE = "data.distcp"
 METADATA_FILE = ".metadata"
@@ -76,18 +75,3 @@ def element_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence
     outer = [range(offsets[d], offsets[d] + lengths[d]) for d in range(k)]
     return [(base + sum(i * strides[d] for d, i in enumerate(idx)), run)
             for idx in itertools.product(*outer)]
-
-
-def merge_ranges(ranges: Iterable[ByteRange]) -> list[ByteRange]:
-    """Sorted, with overlapping or touching ranges of one file merged."""
-    out: list[ByteRange] = []
-    for r in sorted(ranges, key=lambda r: (r.relpath, r.offset)):
-        if r.length == 0:
-            continue
-        last = out[-1] if out else None
-        if last is not None and last.relpath == r.relpath and r.offset <= last.offset + last.length:
-            end = max(last.offset + last.length, r.offset + r.length)
-            out[-1] = ByteRange(last.relpath, last.offset, end - last.offset)
-        else:
-            out.append(r)
-    return out

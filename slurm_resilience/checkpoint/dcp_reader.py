@@ -30,12 +30,11 @@ from slurm_resilience.checkpoint.dcp_layout import (
     METADATA_RELPATH,
     StoredPiece,
     element_runs,
-    merge_ranges,
 )
 from slurm_resilience.checkpoint.dcp_state import tensor_view
 from slurm_resilience.checkpoint.dcp_verify import BlockVerifier
 from slurm_resilience.checkpoint.dcp_writer import check_checkpoint_id, done_future
-from slurm_resilience.checkpoint.ranges import ByteRange, LocalRanges, RangeSource
+from slurm_resilience.checkpoint.ranges import ByteRange, LocalRanges, RangeSource, merge_ranges
 
 
 class StagingReader(StorageReader):

@@ -11,7 +11,7 @@ the manifests' block CRC32Cs).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +33,21 @@ class ByteRange:
         if self.offset < 0 or self.length < 0:
             raise CheckpointError(f"checkpoint: range {self.relpath}@{self.offset}+{self.length}"
                                   " is negative")
+
+
+def merge_ranges(ranges: Iterable[ByteRange]) -> list[ByteRange]:
+    """Sorted, with overlapping or touching ranges of one file merged."""
+    out: list[ByteRange] = []
+    for r in sorted(ranges, key=lambda r: (r.relpath, r.offset)):
+        if r.length == 0:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last.relpath == r.relpath and r.offset <= last.offset + last.length:
+            end = max(last.offset + last.length, r.offset + r.length)
+            out[-1] = ByteRange(last.relpath, last.offset, end - last.offset)
+        else:
+            out.append(r)
+    return out
 
 
 class RangeSource(Protocol):

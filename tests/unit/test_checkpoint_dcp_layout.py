@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from slurm_resilience.checkpoint.dcp_layout import element_runs, merge_ranges
-from slurm_resilience.checkpoint.ranges import ByteRange
+from slurm_resilience.checkpoint.dcp_layout import element_runs
+from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 
 
 def test_row_block_is_one_run_and_column_block_one_run_per_row() -> None:

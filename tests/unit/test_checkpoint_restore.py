@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from slurm_resilience.checkpoint.agent_ranges import BATCH_BYTES, batches, merge
+from slurm_resilience.checkpoint.agent_ranges import BATCH_BYTES, batches
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import CheckpointError, FileEntry
@@ -18,7 +18,7 @@ from slurm_resilience.checkpoint.fetch import (
     _StepFiles,
     parse_ranges,
 )
-from slurm_resilience.checkpoint.ranges import ByteRange
+from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 from slurm_resilience.checkpoint.s3 import TransientS3Error
 from slurm_resilience.checkpoint.stagein import StageinFailed, StageinPolicy, retrying
 
@@ -70,7 +70,7 @@ def test_ranges_merge_where_they_touch_and_batches_stay_small() -> None:
     rs = [ByteRange("rank-00001/a", 10, 5), ByteRange("rank-00001/a", 0, 10),
           ByteRange("rank-00001/a", 12, 10), ByteRange("rank-00000/a", 0, 1),
           ByteRange("rank-00001/a", 30, 0)]
-    assert merge(rs) == [ByteRange("rank-00000/a", 0, 1), ByteRange("rank-00001/a", 0, 22)]
+    assert merge_ranges(rs) == [ByteRange("rank-00000/a", 0, 1), ByteRange("rank-00001/a", 0, 22)]
     many = [ByteRange(f"rank-{i % 7:05d}/data-{i}.distcp", i, 1) for i in range(5000)]
     out = list(batches(many))
     assert sum(len(b) for b in out) == 5000
