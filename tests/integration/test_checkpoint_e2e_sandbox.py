@@ -116,10 +116,11 @@ def _job(sandbox: Sandbox, user: str, wd: Path, uri: str, nodes: list[str], per_
     script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n"
               f"srun --kill-on-bad-exit=1 -O -N{len(nodes)} -n{n} --ntasks-per-node={per_node} "
               f"{PYTHON} -u {wd}/task.py {REPO / 'examples'} {args}\n")
-    # -O: the sandbox's nodes have 2 CPUs; 4 gloo ranks on one share them.
+    # -O: the sandbox's nodes have 2 CPUs; 4 gloo ranks on one share them (sbatch refuses
+    # --ntasks-per-node above the CPUs even with -O, srun inside the allocation does not).
     job = sandbox.sbatch(script, user=user, args=[
-        "-O", f"-N{len(nodes)}", f"-n{n}", f"--ntasks-per-node={per_node}",
-        f"--nodelist={','.join(nodes)}", f"--output={wd}/slurm-%j.out"])
+        "-O", f"-N{len(nodes)}", f"-n{n}", f"--nodelist={','.join(nodes)}",
+        f"--output={wd}/slurm-%j.out"])
     info = sandbox.wait_job(job, timeout=180)
     path = wd / f"slurm-{job}.out"
     out = path.read_text() if path.exists() else ""
@@ -151,6 +152,8 @@ def _check_resume(out: str, world: int, nodes: list[str], files: dict[str, FileE
     ranks = [m.groups() for m in LOADED.finditer(out)]
     assert sorted(int(r[0]) for r in ranks) == list(range(world)), out
     assert all(r[1] == str(world) and r[3] == str(STEP) and r[5] == "True" for r in ranks), out
+    per_node = {node: sum(r[2] == node for r in ranks) for node in nodes}
+    assert set(per_node.values()) == {world // len(nodes)}, per_node
     fetched = {m[1]: (int(m[2]), int(m[5])) for m in FETCHED.finditer(out)}
     assert sorted(fetched) == sorted(nodes), out
     rows = []
