@@ -91,8 +91,10 @@ def init_distributed() -> tuple[int, int]:
             except OSError:
                 addr = "127.0.0.1"
     # Same on every rank, different per job, run and cluster (sandboxes share one host).
+    # Below Linux's ephemeral range (32768 and up by default): a port the kernel handed to
+    # some client socket there makes rank 0's store fail with EADDRINUSE.
     seed = f"{os.environ.get('SLURM_CLUSTER_NAME', '')}/{job}/{restarts}".encode()
-    port = int(os.environ.get("MASTER_PORT") or 20000 + zlib.crc32(seed) % 20000)
+    port = int(os.environ.get("MASTER_PORT") or 20000 + zlib.crc32(seed) % 12000)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world)
     return rank, world

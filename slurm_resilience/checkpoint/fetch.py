@@ -150,6 +150,10 @@ class RangeFetcher:
         self._s3 = s3
         self.policy = policy or StageinPolicy(retry_s=settings.retry_s)
         self.lock = threading.RLock()  # a done-callback may run inside _schedule
+        # Creating a target file is create (root's) + fchown + ftruncate: a second request
+        # for the same file (two ranks of a node read the same bytes) must not open it in
+        # between, when it is still root's and short.
+        self.open_lock = threading.Lock()
         self.steps: dict[tuple[int, int], _StepFiles] = {}
         self.present: dict[tuple[int, int, str], set[int]] = {}
         self.inflight: dict[tuple[int, int, str, int], Future[None]] = {}
@@ -274,6 +278,11 @@ class RangeFetcher:
 
     def _open_target(self, job: FetchJob, sfd: int, step: int, f: _File) -> tuple[int, bool]:
         """An fd of the file (created owned by the user, at full size); (fd, created)."""
+        with self.open_lock:
+            return self._open_target_locked(job, sfd, step, f)
+
+    def _open_target_locked(self, job: FetchJob, sfd: int, step: int, f: _File
+                            ) -> tuple[int, bool]:
         parts = f.relpath.split("/")
         dfd = os.dup(sfd)
         try:

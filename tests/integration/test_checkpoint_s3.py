@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import google_crc32c
@@ -25,8 +25,10 @@ import pytest
 import torch
 
 from slurm_resilience.agent.service import Peer, RequestError
-from slurm_resilience.checkpoint.commit import committed_steps
+from slurm_resilience.checkpoint.agent_ranges import batches, merge
+from slurm_resilience.checkpoint.commit import CheckpointError, committed_steps
 from slurm_resilience.checkpoint.manager import CheckpointManager
+from slurm_resilience.checkpoint.ranges import ByteRange
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
 from slurm_resilience.checkpoint.uploader import Uploader, s3_settings
@@ -125,6 +127,19 @@ def _wait_stagein(up: Uploader, job_id: int) -> dict[str, object]:
     raise AssertionError("stage-in did not finish")
 
 
+class HandlerRanges:
+    """AgentRanges without a socket: the service's ckpt.fetch handler answers directly.
+
+    Stage-in of an S3 step brings only its metadata; a restore fetches its ranges."""
+
+    def __init__(self, up: Uploader, job_id: int) -> None:
+        self.up, self.job_id = up, job_id
+
+    def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
+        for batch in batches(merge(ranges)):
+            self.up.on_fetch({"job_id": self.job_id, "step": step, "ranges": batch}, ROOT)
+
+
 def _save(d: Path, step: int, mb: float = 0.1, value: float = 1.0) -> None:
     mgr = CheckpointManager(d)
     mgr.save(step, {"w": torch.full((int(mb * 262144),), value)})
@@ -149,8 +164,9 @@ def test_upload_commit_last_then_new_job_stages_in_and_verifies(env: tuple[Endpo
 
     d2 = _job(up, base, 12, "s3://ckpt/root/run1")  # empty NVMe
     st = up.on_status({"job_id": 12}, ROOT)
-    assert (st["stagein"], st["step"], st["source"]) == ("done", 10, "s3")
-    loaded = CheckpointManager(d2).load_latest()
+    assert (st["stagein"], st["step"], st["source"], st["mode"]) == ("done", 10, "s3",
+                                                                     "metadata")
+    loaded = CheckpointManager(d2, ranges=HandlerRanges(up, 12)).load_latest()
     assert loaded is not None and loaded.step == 10 and float(loaded.state["w"][0]) == 10.0
     up.run_pass()
     assert up.s3.parts_sent > 0
@@ -235,8 +251,11 @@ def test_endpoint_down_backs_off_then_uploads_when_back(env: tuple[Endpoint, Pat
     assert 31 not in up.jobs and not d.exists()  # ended and safe in S3: staging dir removed
 
 
-def test_corrupt_object_in_s3_falls_back_to_previous_step(env: tuple[Endpoint, Path]) -> None:
-    """Stage-in detects a corrupted object by its CRC32C and stages the step before it."""
+def test_corrupt_object_in_s3_fails_the_restore_naming_step_and_block(
+        env: tuple[Endpoint, Path]) -> None:
+    """A corrupted object of the newest step is caught by its block CRC32C when the restore
+    fetches it: load_latest raises naming the step, file and block, never loading the bytes
+    nor starting fresh (stage-in brings only metadata, so it can't see data corruption)."""
     ep, base = env
     up = Uploader(_cfg(ep, base), "n1")
     d = _job(up, base, 41, "s3://ckpt/root/corrupt")
@@ -251,10 +270,10 @@ def test_corrupt_object_in_s3_falls_back_to_previous_step(env: tuple[Endpoint, P
     assert cli_main(verify) == 1
     d2 = _job(up, base, 42, "s3://ckpt/root/corrupt")
     st = up.on_status({"job_id": 42}, ROOT)
-    assert (st["stagein"], st["step"], st["source"]) == ("done", 5, "s3")
-    assert committed_steps(d2) == [5]
-    loaded = CheckpointManager(d2).load_latest()
-    assert loaded is not None and float(loaded.state["w"][0]) == 5.0
+    assert (st["stagein"], st["step"], st["source"]) == ("done", 10, "s3")
+    with pytest.raises(CheckpointError, match=r"couldn't load committed step 10: .*"
+                       r"rank-00000/data\.distcp block 0 .*the object is corrupt"):
+        CheckpointManager(d2, ranges=HandlerRanges(up, 42)).load_latest()
 
 
 def test_planted_symlinks_are_not_uploaded_nor_followed(env: tuple[Endpoint, Path]) -> None:
@@ -465,7 +484,7 @@ def test_commit_marker_is_never_replaced_and_the_mode_is_logged(env: tuple[Endpo
     events = logfile.read_text()
     assert events.count('"mode": "check-then-put"') == 1
     assert events.count("ignores CRC32C checksums") == 1
-    first = (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/tensors.bin").read_bytes()
+    first = (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/data.distcp").read_bytes()
     d2 = create_job_dir(f"{base}/nvme", 132, 0, 0)  # a second job, no stage-in yet
     up.on_job_start({"job_id": 132, "uid": 0, "gid": 0, "user": "root"}, ROOT)
     _save(d2, 5, value=2.0)
@@ -474,7 +493,7 @@ def test_commit_marker_is_never_replaced_and_the_mode_is_logged(env: tuple[Endpo
     up.run_pass()
     st = up.on_status({"job_id": 132}, ROOT)
     assert "already committed in S3" in st["failed"].get("5", ""), st
-    assert (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/tensors.bin").read_bytes() == first
+    assert (ep.dir / "ckpt/root/mix/step-00000005/rank-00000/data.distcp").read_bytes() == first
     assert up.s3.put_if_absent("ckpt", "root/mix/step-00000005/COMMIT.json", b"{}",
                                "00000000") is False
 

@@ -240,14 +240,15 @@ def test_agent_sigkilled_mid_upload_resumes_without_resending_parts(
 
 def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
                                                   test_users: tuple[str, ...]) -> None:
-    """One object of the newest step is corrupted in S3: a new job's stage-in detects it
-    (CRC32C) and resumes from the step before."""
+    """The newest step's .metadata is corrupted in S3: a new job's stage-in detects it
+    (CRC32C) and resumes from the step before. (Stage-in reads only a step's metadata; a
+    corrupt data block fails the restore instead, test_checkpoint_s3.py.)"""
     user = test_users[0]
     wd = sandbox.user_dir(user, "ckpt-corrupt")
     uri = f"s3://ckpt/{user}/corrupt-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1"], "--steps 10 --ckpt-every 5")
     assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
-    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / "data.distcp"
+    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / ".metadata"
     data = bytearray(obj.read_bytes())
     data[len(data) // 3] ^= 0x40
     obj.write_bytes(bytes(data))

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,44 @@ def test_node_replacement_partial_local_step_fetches_only_asked_ranges(
 def _ids(user: str) -> tuple[int, int]:
     pw = pwd.getpwnam(user)
     return pw.pw_uid, pw.pw_gid
+
+
+def test_a_second_fetch_never_opens_a_file_the_first_is_still_creating(
+        world: World, test_users: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of a node asking for the same file at once (replicated tensors) both get it:
+    the second never opens the target while the first is still creating it (root's, short)."""
+    user, w = test_users[0], world
+    run = f"{user}/same"
+    sdir = _build_step(w, run, 3, 1, seed=3)
+    _upload(w, run, sdir)
+    uid, gid = _ids(user)
+    created, second_done = threading.Event(), threading.Event()
+    real_fchown = os.fchown
+
+    def slow_fchown(fd: int, owner: int, group: int) -> None:
+        # Hold the first creator between create and chown until the second request is done
+        # (or, when it is kept waiting as it should be, for a moment).
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("data.distcp") and not created.is_set():
+            created.set()
+            second_done.wait(timeout=1.0)
+        real_fchown(fd, owner, group)
+
+    request = {"job_id": 152, "step": 3, "ranges": [["rank-00000/data.distcp", 0, FILE]]}
+    peer = Peer(pid=2, uid=uid, gid=gid)
+    with _nodes(w, ["n1"]) as (n1,):
+        st = _start_job(n1, w, 152, user, f"s3://ckpt/{run}")
+        assert (st["stagein"], st["step"]) == ("done", 3), st
+        monkeypatch.setattr(os, "fchown", slow_fchown)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(n1.up.on_fetch, request, peer)
+            assert created.wait(timeout=30)
+            second = pool.submit(n1.up.on_fetch, request, peer)
+            second.add_done_callback(lambda _: second_done.set())
+            answers = [first.result(), second.result()]
+        assert all(a["ok"] for a in answers)
+        assert n1.up.fetcher.stats(152)["fetched_bytes"] == FILE  # each block once
+    assert _same_bytes(w.base / "n1" / "nvme" / "job-152", sdir, "rank-00000/data.distcp", 0,
+                       FILE)
 
 
 def test_injected_503s_on_newest_step_still_give_that_step(
