@@ -414,8 +414,9 @@ class CheckpointManager:
             return None
         if hi < 0 and bad:
             self._fresh_or_raise(
-                "checkpoint: load: no committed step verifies: "
-                + "; ".join(f"step {s}: {why}" for s, why in sorted(bad.items(), reverse=True)))
+                f"checkpoint: load: couldn't load committed step {max(bad)}: "
+                + "; ".join(f"step {s}: {why}" for s, why in sorted(bad.items(), reverse=True))
+                + " (and no older committed step verifies)")
             return None
         if hi < 0:
             if self.rank == 0:

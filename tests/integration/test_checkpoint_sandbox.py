@@ -238,17 +238,18 @@ def test_agent_sigkilled_mid_upload_resumes_without_resending_parts(
           f"{resumed[-1]['parts_done']} of {resumed[-1]['parts']} parts already in S3")
 
 
-def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox,
-                                                  test_users: tuple[str, ...]) -> None:
-    """The newest step's .metadata is corrupted in S3: a new job's stage-in detects it
-    (CRC32C) and resumes from the step before. (Stage-in reads only a step's metadata; a
-    corrupt data block fails the restore instead, test_checkpoint_s3.py.)"""
+@pytest.mark.parametrize("name", [".metadata", "data.distcp"])
+def test_corrupt_object_in_s3_stage_in_falls_back(sandbox: Sandbox, test_users: tuple[str, ...],
+                                                  name: str) -> None:
+    """One object of the newest step is corrupted in S3: a new job detects it (CRC32C: the
+    metadata at stage-in, a data block while the restore reads it) and resumes from the step
+    before, with the fallback in the log; every rank passes over the same step."""
     user = test_users[0]
-    wd = sandbox.user_dir(user, "ckpt-corrupt")
+    wd = sandbox.user_dir(user, f"ckpt-corrupt-{name.strip('.')}")
     uri = f"s3://ckpt/{user}/corrupt-{time.time_ns()}"
     first = _train(sandbox, user, wd, uri, ["node1"], "--steps 10 --ckpt-every 5")
     assert sandbox.wait_job(first, timeout=120).state == "COMPLETED", _out(wd, first)
-    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / ".metadata"
+    obj = _s3_run(sandbox, uri) / "step-00000010" / "rank-00000" / name
     data = bytearray(obj.read_bytes())
     data[len(data) // 3] ^= 0x40
     obj.write_bytes(bytes(data))

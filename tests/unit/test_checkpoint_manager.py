@@ -78,9 +78,10 @@ def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path,
             assert all(bool((t == 1.0).all()) for t in state.values()
                        if isinstance(t, torch.Tensor))
             assert "committed step 2 does not verify; falling back" in capsys.readouterr().err
-    with pytest.raises(CheckpointError, match=r"no committed step verifies: step 2: .*"
+    with pytest.raises(CheckpointError, match=r"couldn't load committed step 2: step 2: .*"
                                               r"rank-00000/data\.distcp bytes 0-\d+ \(block 0\) "
-                                              r"have CRC32C.*; step 1: "):
+                                              r"have CRC32C.*; step 1: .*no older committed "
+                                              r"step verifies"):
         mgr.load_latest(_state(0.0))
 
 
