@@ -1,6 +1,6 @@
 """Stage-in and restore: what each node brings in, and how fast ``ckpt.fetch`` restores.
 
-A step saved by 8 ranks (one DCP-style data file each, 8 MiB block CRCs, a
+A step saved by 8 ranks (one DCP-style data file each, 1 MiB block CRCs, a
 ``.metadata`` in rank 0) is put into a local ``rclone serve s3``. A new job with 8
 ranks on 4 nodes (2 per node, one agent checkpoint service per node) restores it
 with a load plan whose shards don't line up with the saved files (each new rank

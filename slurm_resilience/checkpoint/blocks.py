@@ -12,7 +12,7 @@ import os
 
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 
-BLOCK_SIZE = 8 * 1024 * 1024
+BLOCK_SIZE = 256 * 1024
 
 
 class BlockCrcs:

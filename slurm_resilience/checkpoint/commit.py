@@ -27,6 +27,7 @@ from slurm_resilience.checkpoint.crc import Crc32c as Crc32c
 from slurm_resilience.checkpoint.crc import crc32c_extend as crc32c_extend
 from slurm_resilience.checkpoint.crc import crc_hex as crc_hex
 from slurm_resilience.checkpoint.crc import file_crc32c as file_crc32c
+from slurm_resilience.checkpoint.crc_combine import combine_parts
 
 MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT.json"
@@ -210,7 +211,6 @@ class ChecksummingWriter:
     def __init__(self, path: Path):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        self.crc = Crc32c()
         self.blocks = BlockCrcs()
         self.size = 0
         self._pool: Any = None
@@ -237,7 +237,7 @@ class ChecksummingWriter:
         return n
 
     def _checksum(self, view: memoryview) -> None:
-        self.crc.update(view)
+        # One pass: the whole file's CRC32C is combined from the blocks' at close().
         self.blocks.update(view)
 
     def _write_all(self, view: memoryview) -> None:
@@ -257,7 +257,11 @@ class ChecksummingWriter:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
-        return FileEntry(self.path.name, self.size, self.crc.hexdigest(), self.blocks.finish())
+        blocks = self.blocks.finish()
+        bs = self.blocks.block_size
+        whole = combine_parts([(int(b, 16), min(bs, self.size - i * bs))
+                               for i, b in enumerate(blocks)])
+        return FileEntry(self.path.name, self.size, crc_hex(whole), blocks)
 
 
 # -- the protocol ----------------------------------------------------------------------------

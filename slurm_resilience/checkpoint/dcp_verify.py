@@ -1,6 +1,6 @@
 """Checking the bytes a restore reads against the manifest's block CRC32Cs, in the same pass.
 
-A restore reads pieces of a file into destination tensors. Each 8 MiB block of the file
+A restore reads pieces of a file into destination tensors. Each 1 MiB block of the file
 that the reads cover from its first to its last byte, in order, is checked against its
 CRC32C as the bytes arrive (the CRC runs over the destination memory, still in cache),
 so verification costs no second read. Blocks a restore reads only part of (resharding

@@ -26,7 +26,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurm_resilience.checkpoint.blocks import bad_blocks, block_span, covering
+from slurm_resilience.checkpoint.blocks import BlockCrcs, bad_blocks, block_span, covering
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
@@ -321,49 +321,105 @@ class RangeFetcher:
                   check_local: bool, indices: list[int], counters: FetchCounters
                   ) -> list[Future[None]]:
         out: list[Future[None]] = []
+        # Consecutive missing blocks go in one task and one GET (up to request_bytes), so
+        # small blocks keep the bytes fetched close to what was asked without small GETs.
+        per_get = max(1, self.settings.request_bytes // max(f.block_size, 1))
         with self.lock:
             have = self.present.setdefault((job.job_id, step, f.relpath), set())
-            for i in indices:
+            run: list[int] = []
+
+            def flush() -> None:
+                if not run:
+                    return
+                keys = [(job.job_id, step, f.relpath, i) for i in run]
+                fut = self.pool.submit(f"job-{job.job_id}", functools.partial(
+                    self._blocks, job, step, sf, f, fd, check_local, list(run), counters))
+                for key in keys:
+                    self.inflight[key] = fut
+                fut.add_done_callback(functools.partial(self._done, keys))
+                out.append(fut)
+                run.clear()
+
+            for i in sorted(set(indices)):
                 if i in have:
                     continue
-                key = (job.job_id, step, f.relpath, i)
-                fut = self.inflight.get(key)
-                if fut is None:
-                    fut = self.pool.submit(f"job-{job.job_id}", functools.partial(
-                        self._block, job, step, sf, f, fd, check_local, i, counters))
-                    self.inflight[key] = fut
-                    fut.add_done_callback(functools.partial(self._done, key))
-                out.append(fut)
+                fut = self.inflight.get((job.job_id, step, f.relpath, i))
+                if fut is not None:  # another request is fetching it already
+                    flush()
+                    out.append(fut)
+                    continue
+                if run and (i != run[-1] + 1 or len(run) >= per_get):
+                    flush()
+                run.append(i)
+            flush()
         return out
 
-    def _done(self, key: tuple[int, int, str, int], _fut: Future[None]) -> None:
+    def _done(self, keys: list[tuple[int, int, str, int]], _fut: Future[None]) -> None:
         with self.lock:
-            self.inflight.pop(key, None)
+            for key in keys:
+                self.inflight.pop(key, None)
 
-    def _block(self, job: FetchJob, step: int, sf: _StepFiles, f: _File, fd: int,
-               check_local: bool, i: int, counters: FetchCounters) -> None:
+    def _blocks(self, job: FetchJob, step: int, sf: _StepFiles, f: _File, fd: int,
+                check_local: bool, run: list[int], counters: FetchCounters) -> None:
+        """Consecutive blocks ``run``: those already here and verifying are kept, the rest
+        come in one ranged GET, each checked against its own CRC32C as it streams in."""
         size, bs, crcs = f.entry.size, f.block_size, f.crcs
-        if check_local and not bad_blocks(fd, size, crcs, [i], bs):
-            self._mark(job, step, f, i)
+        missing = run
+        if check_local:
+            bad = set(bad_blocks(fd, size, crcs, run, bs))
+            for i in run:
+                if i not in bad:
+                    self._mark(job, step, f, i)
             with self.lock:
-                counters.local_blocks += 1
+                counters.local_blocks += len(run) - len(bad)
+            missing = [i for i in run if i in bad]
+        if not missing:
             return
         if sf.source != "s3" or job.uri is None:
-            raise FetchError(f"checkpoint: fetch: step {step}: {f.relpath} block {i} is not on "
-                             "this node (or does not verify) and the step is not in S3")
+            raise FetchError(f"checkpoint: fetch: step {step}: {f.relpath} block {missing[0]} "
+                             "is not on this node (or does not verify) and the step is not "
+                             "in S3")
+        # ``missing`` may have holes (blocks verified in place): one GET per consecutive part.
+        parts: list[list[int]] = []
+        for i in missing:
+            if parts and i == parts[-1][-1] + 1:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        for part in parts:
+            start = block_span(part[0], size, bs)[0]
+            end = sum(block_span(part[-1], size, bs))
+            blocks = BlockCrcs(bs)
+            self._get_range(job.uri, step, f.relpath, fd, start, end - start, counters,
+                            blocks=blocks)
+            got = blocks.finish()
+            for n, i in enumerate(part):
+                if got[n] == crcs[i]:
+                    with self.lock:
+                        counters.fetched_blocks += 1
+                    self._mark(job, step, f, i)
+                else:
+                    self._block(job, step, f, fd, i, counters, first_crc=got[n])
+
+    def _block(self, job: FetchJob, step: int, f: _File, fd: int, i: int,
+               counters: FetchCounters, first_crc: str) -> None:
+        """One block whose bytes arrived wrong: GET it once more, then call it corrupt."""
+        assert job.uri is not None
+        size, bs, crcs = f.entry.size, f.block_size, f.crcs
         start, length = block_span(i, size, bs)
-        got = ""
-        for attempt in (1, 2):  # a second GET only if the bytes arrived wrong
-            got = self._get_range(job.uri, step, f.relpath, fd, start, length, counters)
-            if got == crcs[i]:
-                with self.lock:
-                    counters.fetched_blocks += 1
-                    counters.refetched_blocks += attempt - 1
-                self._mark(job, step, f, i)
-                return
-            log.warning("fetched block does not match its manifest", job_id=job.job_id,
-                        step=step, file=f.relpath, block=i, crc32c=got, expected=crcs[i],
-                        attempt=attempt)
+        log.warning("fetched block does not match its manifest", job_id=job.job_id,
+                    step=step, file=f.relpath, block=i, crc32c=first_crc, expected=crcs[i],
+                    attempt=1)
+        got = self._get_range(job.uri, step, f.relpath, fd, start, length, counters)
+        if got == crcs[i]:
+            with self.lock:
+                counters.fetched_blocks += 1
+                counters.refetched_blocks += 1
+            self._mark(job, step, f, i)
+            return
+        log.warning("fetched block does not match its manifest", job_id=job.job_id,
+                    step=step, file=f.relpath, block=i, crc32c=got, expected=crcs[i],
+                    attempt=2)
         raise CorruptBlock(f"checkpoint: fetch: step {step}: {f.relpath} block {i} (bytes "
                            f"{start}-{start + length - 1}): crc32c {got} from S3, the manifest "
                            f"says {crcs[i]}: the object is corrupt ({CorruptStep.MARK})")
@@ -373,9 +429,10 @@ class RangeFetcher:
             self.present.setdefault((job.job_id, step, f.relpath), set()).add(i)
 
     def _get_range(self, uri: S3Uri, step: int, relpath: str, fd: int, start: int, length: int,
-                   counters: FetchCounters) -> str:
+                   counters: FetchCounters, blocks: BlockCrcs | None = None) -> str:
         """GET ``length`` bytes at ``start`` (in requests of at most request_bytes), write
-        them at their offset; the CRC32C of what arrived."""
+        them at their offset; the CRC32C of what arrived (``blocks``, when given, gets the
+        bytes too, for per-block CRC32Cs)."""
         s3 = self._s3()
         key = uri.join(step_name(step), relpath)
         crc, pos, end = 0, start, start + length
@@ -399,6 +456,8 @@ class RangeFetcher:
                     if not chunk:
                         break
                     crc = crc32c_extend(crc, chunk)
+                    if blocks is not None:
+                        blocks.update(chunk)
                     view = memoryview(chunk)
                     while view:
                         n = os.pwrite(fd, view, pos)

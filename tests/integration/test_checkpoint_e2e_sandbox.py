@@ -24,7 +24,7 @@ STEP = 7
 
 # Each tensor's elements are a hash of their global index, so any rank at any world size
 # regenerates exactly the rows it owns. About 80 MiB in all: 20 MiB per saved rank file,
-# several 8 MiB blocks each; odd row counts so shards and blocks don't line up.
+# many 1 MiB blocks each; odd row counts so shards and blocks don't line up.
 TASK = """
 import hashlib, json, math, os, sys
 sys.path.insert(0, sys.argv[1])

@@ -33,7 +33,7 @@ import pytest
 
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer
-from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
+from slurm_resilience.checkpoint.blocks import BLOCK_SIZE, covering
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     ChecksummingWriter,
@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"
 ROOT = Peer(pid=1, uid=0, gid=0)
 MIB = 1024 * 1024
-FILE = 12 * MIB  # one full 8 MiB block and one short 4 MiB block per rank file
+FILE = 12 * MIB + 4096  # several whole blocks and one short one per rank file
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent side runs as root")
 
 USER_SCRIPT = """
@@ -286,13 +286,16 @@ def test_node_replacement_partial_local_step_fetches_only_asked_ranges(
 
         asked1 = [("rank-00000/data.distcp", 0, FILE), ("rank-00001/data.distcp", 0, FILE)]
         asked2 = [("rank-00002/data.distcp", 0, FILE),
-                  ("rank-00003/data.distcp", 9 * MIB, MIB)]  # only its short second block
+                  ("rank-00003/data.distcp", 9 * MIB, MIB)]  # only the blocks that hold it
         for node, asked in ((n1, asked1), (n2, asked2)):
             out = _ensure_as(user, node, 101, 5, asked)
             assert out.returncode == 0, out.stdout + out.stderr
         f1, f2 = (n.up.fetcher.stats(101) for n in (n1, n2))
-        assert (f1["fetched_bytes"], f1["local_blocks"]) == (FILE, 2)  # rank 1 only
-        assert (f2["fetched_bytes"], f2["local_blocks"]) == (FILE + FILE - BLOCK_SIZE, 0)
+        blocks = len(covering(0, FILE, FILE))
+        assert (f1["fetched_bytes"], f1["local_blocks"]) == (FILE, blocks)  # rank 1 only
+        held = covering(9 * MIB, MIB, FILE)  # the whole blocks that hold rank 3's range
+        widened = min(FILE, (held[-1] + 1) * BLOCK_SIZE) - held[0] * BLOCK_SIZE
+        assert (f2["fetched_bytes"], f2["local_blocks"]) == (FILE + widened, 0)
         for name, asked in (("n1", asked1), ("n2", asked2)):
             for rel, off, length in asked:
                 assert _same_bytes(w.base / name / "nvme" / "job-101", step5, rel, off, length)
