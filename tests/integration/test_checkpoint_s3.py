@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from slurm_resilience.agent.service import Peer, RequestError
-from slurm_resilience.checkpoint.agent_ranges import batches, merge
+from slurm_resilience.checkpoint.agent_ranges import batches
 from slurm_resilience.checkpoint.commit import CheckpointError, committed_steps
 from slurm_resilience.checkpoint.manager import CheckpointManager
-from slurm_resilience.checkpoint.ranges import ByteRange
+from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
 from slurm_resilience.checkpoint.uploader import Uploader, s3_settings
@@ -136,7 +136,7 @@ class HandlerRanges:
         self.up, self.job_id = up, job_id
 
     def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
-        for batch in batches(merge(ranges)):
+        for batch in batches(merge_ranges(ranges)):
             self.up.on_fetch({"job_id": self.job_id, "step": step, "ranges": batch}, ROOT)
 
 
