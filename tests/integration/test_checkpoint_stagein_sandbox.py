@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"
-FILE = BLOCK_SIZE + 1024 * 1024  # one full and one short block per rank file
+FILE = 4 * BLOCK_SIZE + 100 * 1024  # whole blocks and one short last block per rank file
 
 TASK = """
 import os, sys, time
@@ -103,6 +103,6 @@ def test_two_node_job_fetches_only_its_ranks_ranges(sandbox: Sandbox,
     out = (wd / f"slurm-{job}.out").read_text()
     assert info.state == "COMPLETED", out
     lines = sorted(re.findall(r"task=(\d) step=(\d+) mode=(\w+) fetched=(\d+)", out))
-    # Rank 2t's whole file (2 blocks) and the short last block of rank 2t+1's file.
-    expected = str(FILE + FILE - BLOCK_SIZE)
+    # Rank 2t's whole file and the short last block of rank 2t+1's file.
+    expected = str(FILE + FILE % BLOCK_SIZE)
     assert lines == [("0", "10", "metadata", expected), ("1", "10", "metadata", expected)], out

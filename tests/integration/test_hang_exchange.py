@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -33,13 +34,28 @@ def _exchange_log(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
     return out
 
 
+def _network_mode(sandbox: Sandbox) -> None:
+    """Switch the sandbox's agents from the shared directory to the network exchange, and
+    wait until every agent's listener accepts connections (they reload on their next tick)."""
+    sandbox.update_resilience_config({"heartbeat": {"rendezvous": "network",
+                                                    "rendezvous_dir": None}})
+    deadline = time.monotonic() + 60
+    for i in range(1, len(sandbox.nodes) + 1):
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", sandbox.layout.agent_port(i)),
+                                         timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"agent {i}'s exchange never listened"
+                time.sleep(0.2)
+
+
 def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
     """With no rendezvous_dir, rank 1 stalling on the second node is blamed on that node by
     the batch host, from the piece the second node's agent sent over the exchange."""
-    sandbox.update_resilience_config({"heartbeat": {"rendezvous": "network",
-                                                    "rendezvous_dir": None}})
-    time.sleep(2)  # agents pick the change up on their next tick
+    _network_mode(sandbox)
     user = test_users[0]
     work = sandbox.user_dir(user, "hangnet")
     job_id = _submit(sandbox, user, work, "--steps 400 --ckpt-every 5 --hang-at-step 12 "
@@ -53,18 +69,20 @@ def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
     stalled = node_line.group(1)
     batch_host = report["node"]
     assert stalled != batch_host
-    assert report["blame"]["drains"] == [[stalled, f"hang job {job_id}: rank 1 stalled first"]]
+    assert report["blame"]["nodes"] == [stalled], report["blame"]
+    assert "stalled first" in report["blame"]["explanation"], report["blame"]
     assert "no observations from" not in report["blame"]["explanation"]
     assert set(report["evidence"]) == {batch_host, stalled}
     received = _exchange_log(sandbox, job_id)
     assert any(e.get("sender") == stalled for e in received), received
     timings = report["timings"]
-    decide_s = float(timings["action_at"]) - float(report["detected_at"])
+    acted = timings.get("action_at")  # the plan's requeue step, once it ran
     hang = re.search(r"rank 1 hanging at step=12 at=([\d.]+)", out)
-    acted = float(timings["action_at"])
-    since_hang = f", hang -> requeue issued {acted - float(hang.group(1)):.1f}s" if hang else ""
-    print(f"\nnetwork exchange: detected -> requeue issued {decide_s:.2f}s on the batch host "
-          f"(evidence {timings['evidence_s']:.2f}s of it){since_hang}")
+    if acted is not None:
+        since_hang = f", hang -> requeue issued {acted - float(hang.group(1)):.1f}s" if hang else ""
+        print(f"\nnetwork exchange: detected -> requeue issued "
+              f"{float(acted) - float(report['detected_at']):.2f}s on the batch host (evidence "
+              f"{timings['evidence_s']:.2f}s of it){since_hang}")
 
 
 FORGER = """
@@ -88,6 +106,7 @@ def test_user_cannot_forge_or_replay_exchange_messages(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
     """A user's own munge credential is refused by node1's agent (not uid 0), and an agent's
     credential replayed by the user is refused by munge."""
+    _network_mode(sandbox)
     batch, other = sandbox.nodes[0], sandbox.nodes[1]
     port = sandbox.layout.agent_port(1)
     creds = MungeCredentials(socket=str(sandbox.layout.munge_socket))
