@@ -54,15 +54,7 @@ METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and w
 
 def remote_steps(s3: S3, uri: S3Uri) -> dict[int, dict[str, int]]:
     """Steps with a COMMIT.json in S3 → their object keys (relative to the step) and sizes."""
-    keys = s3.list_keys(uri.bucket, uri.join() + "/" if uri.key else "")
-    steps: dict[int, dict[str, int]] = {}
-    base = len(uri.key) + 1 if uri.key else 0
-    for key, size in keys.items():
-        sname, _, rest = key[base:].partition("/")
-        step = parse_step(sname)
-        if step is not None and rest:
-            steps.setdefault(step, {})[rest] = size
-    return {s: objs for s, objs in steps.items() if COMMIT in objs}
+    return list_run(s3, uri).committed
 
 
 def read_remote_step(s3: S3, uri: S3Uri, step: int) -> tuple[CommitMarker, dict[int, Manifest]]:
@@ -225,6 +217,8 @@ class RunListing:
 
 
 def list_run(s3: S3, uri: S3Uri) -> RunListing:
+    """The run's steps from one S3 listing: committed ones (with their objects and sizes)
+    and ones S3 shows only by intent records (still uploading)."""
     keys = s3.list_keys(uri.bucket, uri.join() + "/" if uri.key else "")
     steps: dict[int, dict[str, int]] = {}
     base = len(uri.key) + 1 if uri.key else 0
