@@ -169,13 +169,17 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
         result["error"] = error
         return result
     deadline = clock() + wait_s
+    # PyTorch writes the dump in place, so one read can catch it half written: it is taken
+    # once two polls in a row see the same non-empty content.
+    previous: bytes | None = None
     while True:
         try:
             data, mtime = safefs.read_job_file(dump, uid, max_bytes=MAX_TRACE_BYTES)
-            if mtime >= started - 1:
+            if mtime >= started - 1 and data and data == previous:
                 break
+            previous = data if mtime >= started - 1 else None
         except OSError:
-            pass  # absent yet, or refused: both look the same to the job
+            previous = None  # absent yet, or refused: both look the same to the job
         if clock() >= deadline:
             result["error"] = (f"no dump in {dump} within {wait_s:g}s (it must be a regular "
                                "file of the job's user in a directory the user owns)")

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,7 +181,8 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
         save = tmp_path / "saved"
         save.mkdir()
         fd = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
-        result = evidence.nccl_flight_recorder(proc.pid, 3, os.getuid(), fd, wait_s=5)
+        result = evidence.nccl_flight_recorder(proc.pid, 3, os.getuid(), fd, wait_s=5,
+                                               clock=_until_done(reader), poll_s=0.01)
         os.close(fd)
     finally:
         proc.kill()
@@ -190,6 +191,22 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
     assert result["bytes"] == len(payload) and result["saved_as"] == "nccl-trace-rank3.bin"
     assert (save / "nccl-trace-rank3.bin").read_bytes() == payload
     assert not marker.exists()
+
+
+def _until_done(thread: threading.Thread, polls_after: int = 3) -> Callable[[], float]:
+    """A clock that stands still while ``thread`` runs and for a few polls after it ends, then
+    jumps past any deadline: the wait is bounded by the writer's progress, not by how busy
+    the machine is."""
+    left = polls_after
+
+    def clock() -> float:
+        nonlocal left
+        if thread.is_alive():
+            return 0.0
+        left -= 1
+        return 0.0 if left >= 0 else 1e9
+
+    return clock
 
 
 class _Boom:
