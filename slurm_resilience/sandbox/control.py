@@ -15,7 +15,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +24,11 @@ import yaml
 from slurm_resilience import config
 from slurm_resilience.log import get_logger
 from slurm_resilience.proc import CommandError, Runner
-from slurm_resilience.sandbox import daemons, hardware, resilience_conf, slurmconf
+from slurm_resilience.sandbox import daemons, hardware, resilience_conf, slurmconf, sweep
 from slurm_resilience.sandbox.daemons import Daemon
+from slurm_resilience.sandbox.errors import SandboxError as SandboxError
+from slurm_resilience.sandbox.errors import failed
+from slurm_resilience.sandbox.errors import tail as tail
 from slurm_resilience.sandbox.layout import BUCKET, Layout
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
@@ -40,10 +43,11 @@ PROGRAMS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client
             "scontrol": "slurm-client", "munged": "munge"}
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LAYOUT_FILE = "sandbox.json"
-
-
-class SandboxError(Exception):
-    """The sandbox could not be brought up, or is in a state the command cannot use."""
+# Set to the state dir in every daemon's environment and in the healthcheck's (and so in
+# whatever the healthcheck starts): how `down` recognises detached processes as its own.
+SANDBOX_ENV = "SLURM_RESILIENCE_SANDBOX"
+# How long `down` waits for cancelled jobs to end before stopping everything anyway.
+CANCEL_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,19 @@ def user_env(layout: Layout, base: dict[str, str] | None = None) -> dict[str, st
 def daemon_env(layout: Layout) -> dict[str, str]:
     """A small, fixed environment for the daemons (nothing inherited from the caller)."""
     return {"PATH": SYSTEM_PATH, "SLURM_CONF": str(layout.slurm_conf), "LANG": "C.UTF-8",
-            "HOME": "/root"}
+            "HOME": "/root", SANDBOX_ENV: str(layout.state_dir)}
+
+
+def env_match(layout: Layout) -> sweep.EnvMatch:
+    """Whether a process's environment makes it this sandbox's: our marker, or a job's
+    (or a job hook's) SLURM_CONF. A bare SLURM_CONF is not enough: it may be an admin's
+    shell after `eval "$(slurm-resilience sandbox env)"`."""
+    state, conf = str(layout.state_dir), str(layout.slurm_conf)
+
+    def match(env: Mapping[str, str]) -> bool:
+        return env.get(SANDBOX_ENV) == state or (env.get("SLURM_CONF") == conf
+                                                 and "SLURM_JOB_ID" in env)
+    return match
 
 
 def adapter(layout: Layout, timeout: float = 10.0) -> SlurmAdapter:
@@ -345,7 +361,10 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
                               pid_file=extra.daemon.pid_file, env={**env, **extra.env})
         _wait_idle(layout, wait_s - (time.monotonic() - start))
     except Exception:
-        down(layout)
+        try:
+            down(layout)
+        except SandboxError as exc:  # the start failure is the news; this comes with it
+            log.error("sandbox: up failed and down left processes", error=str(exc))
         raise
     return (f"sandbox up in {time.monotonic() - start:.1f}s: {layout.nodes} nodes, "
             f"{layout.leaves} leaves, state {layout.state_dir}")
@@ -366,14 +385,14 @@ def unreachable_ancestor(path: Path) -> Path | None:
 def _start_munge(layout: Layout, env: dict[str, str]) -> None:
     L = layout
     L.munge_socket.unlink(missing_ok=True)
+    logs = [L.log_dir / "munged.out", L.log_dir / "munged.log"]
     daemons.start_forking(
         [tool("munged"), f"--socket={L.munge_socket}", f"--key-file={L.munge_key}",
          f"--pid-file={L.pid_file('munged')}", f"--log-file={L.log_dir / 'munged.log'}",
          f"--seed-file={L.munge_dir / 'munged.seed'}", "--force"],
-        env=env, log_file=L.log_dir / "munged.out")
+        env=env, log_file=logs[0], name="munged", logs=logs[1:])
     if not daemons.wait_for(L.munge_socket, 10):
-        raise SandboxError(f"sandbox: up: munged did not create {L.munge_socket}\n"
-                           + tail(L.log_dir / "munged.log"))
+        raise failed("munged", f"did not create {L.munge_socket}", logs)
     L.munge_socket.parent.chmod(0o755)
 
 
@@ -381,19 +400,21 @@ def _start_slurm(layout: Layout, env: dict[str, str], runner: Runner) -> None:
     L = layout
     conf = str(L.slurm_conf)
     # -c: a fresh sandbox starts without the jobs of an earlier run.
+    logs = [L.log_dir / "slurmctld.out", L.log_dir / "slurmctld.log"]
     daemons.start_forking([tool("slurmctld"), "-f", conf, "-c"], env=env,
-                          log_file=L.log_dir / "slurmctld.out")
+                          log_file=logs[0], name="slurmctld", logs=logs[1:])
     ctl = adapter(L, timeout=5)
     deadline = time.monotonic() + 15
     while not _ping(ctl):
-        gone = L.pid_file("slurmctld").exists() and slurmctld(L).pid() is None
-        if gone or time.monotonic() > deadline:
-            raise SandboxError("sandbox: up: slurmctld did not answer\n"
-                               + tail(L.log_dir / "slurmctld.log"))
+        if L.pid_file("slurmctld").exists() and slurmctld(L).pid() is None:
+            raise failed("slurmctld", "exited while starting", logs)
+        if time.monotonic() > deadline:
+            raise failed("slurmctld", "did not answer within 15s", logs)
         time.sleep(0.1)
     for node in L.node_names:
         daemons.start_forking([tool("slurmd"), "-f", conf, "-N", node], env=env,
-                              log_file=L.log_dir / f"slurmd-{node}.out")
+                              log_file=L.log_dir / f"slurmd-{node}.out", name=f"slurmd-{node}",
+                              logs=[L.log_dir / f"slurmd-{node}.log"])
 
 
 def restart_slurmctld(layout: Layout, *, wait_s: float = 20.0) -> None:
@@ -401,7 +422,8 @@ def restart_slurmctld(layout: Layout, *, wait_s: float = 20.0) -> None:
     changing settings that ``scontrol reconfigure`` does not apply."""
     daemons.stop(slurmctld(layout))
     daemons.start_forking([tool("slurmctld"), "-f", str(layout.slurm_conf)],
-                          env=daemon_env(layout), log_file=layout.log_dir / "slurmctld.out")
+                          env=daemon_env(layout), log_file=layout.log_dir / "slurmctld.out",
+                          name="slurmctld", logs=[layout.log_dir / "slurmctld.log"])
     ctl = adapter(layout, timeout=5)
     deadline = time.monotonic() + wait_s
     while not _ping(ctl):
@@ -418,23 +440,48 @@ def _ping(ctl: SlurmAdapter) -> bool:
         return False
 
 
+def _daemon_logs(layout: Layout, daemon: Daemon) -> list[Path]:
+    """A daemon's logs: what it printed (``.out``) and its own log file, where it has one."""
+    out = [layout.log_dir / f"{daemon.name}.out", layout.log_dir / f"{daemon.name}.log"]
+    return [p for p in out if p.exists()] or out[1:]
+
+
+def _check_started(layout: Layout, started: list[Daemon]) -> None:
+    """Raise naming the first daemon that has exited since it was started."""
+    for daemon in started:
+        if daemon.pid_file.exists() and daemon.pid() is None:
+            raise failed(daemon.name, "exited while starting", _daemon_logs(layout, daemon))
+
+
 def _wait_idle(layout: Layout, wait_s: float) -> None:
+    """Wait until every node is IDLE, failing early, by name, when a daemon has exited."""
     ctl = adapter(layout, timeout=5)
     deadline = time.monotonic() + max(wait_s, 5.0)
+    started = [slurmctld(layout)] + [slurmd(layout, n) for n in layout.node_names]
+    for make in EXTRAS:
+        started += [e.daemon for e in make(layout)]
     nodes: list[NodeInfo] = []
-    while time.monotonic() < deadline:
+    while True:
+        _check_started(layout, started)
         try:
             nodes = ctl.list_nodes()
         except SlurmError:
             nodes = []
         if len(nodes) == layout.nodes and all(ready(n) for n in nodes):
             return
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.2)
+    seen = {n.name: n for n in nodes}
+    stuck = [n for n in layout.node_names if n not in seen or not ready(seen[n])]
     states = ", ".join(f"{n.name}={n.state}{'+' if n.flags else ''}{'+'.join(sorted(n.flags))}"
                        f"{' (' + n.reason + ')' if n.reason else ''}" for n in nodes)
-    logs = "\n".join(tail(layout.log_dir / f"slurmd-{n}.log", 8) for n in layout.node_names[:2])
-    raise SandboxError(f"sandbox: up: nodes not IDLE after {wait_s:.0f}s: {states or 'none'}\n"
-                       f"{tail(layout.log_dir / 'slurmctld.log')}\n{logs}")
+    never = [d.name for d in started if d.name.startswith("slurmd-") and not d.pid_file.exists()]
+    what = (f"did not register as IDLE within {wait_s:.0f}s (slurmctld sees: {states or 'none'})"
+            + (f"; no pid file from {', '.join(never)}" if never else ""))
+    raise failed(", ".join(f"slurmd-{n}" for n in stuck) or "slurmd", what,
+                 [layout.log_dir / "slurmctld.log"]
+                 + [layout.log_dir / f"slurmd-{n}.log" for n in stuck[:2]], lines=10)
 
 
 def ready(node: NodeInfo) -> bool:
@@ -443,23 +490,57 @@ def ready(node: NodeInfo) -> bool:
                                                        "POWERING_UP", "NO_RESPOND"})
 
 
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return f"--- {path}: missing"
-    return f"--- last {min(lines, len(text))} lines of {path}:\n" + "\n".join(text[-lines:])
-
-
 def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
-    """Stop every daemon named by a pid file in the state directory; returns their names.
+    """Stop everything of this sandbox; returns what was stopped (daemon names, then
+    ``comm[pid]`` of every other process found).
 
-    All but munged at once, then munged, which the others may need while shutting down.
+    Jobs are cancelled first (so their epilogs run while slurmd is up), then the daemons
+    named by pid files (all but munged at once, then munged, which the others may need
+    while shutting down), then every other process of the sandbox (``slurmstepd``, jobs,
+    idle verifiers and their ranks): TERM, then KILL after ``grace``. Raises SandboxError
+    naming what is still running after that.
     """
+    _cancel_jobs(layout)
     everything = list(reversed(all_daemons(layout)))
     munge = [d for d in everything if d.program == "munged"]
     rest = [d for d in everything if d.program != "munged"]
-    return daemons.stop_all(rest, grace=grace) + daemons.stop_all(munge, grace=grace)
+    names = daemons.stop_all(rest, grace=grace) + daemons.stop_all(munge, grace=grace)
+    swept, left = sweep.stop(layout.state_dir, env_match(layout), grace=grace)
+    daemons.reap_all()
+    if left:
+        raise SandboxError("sandbox: down: still running after SIGKILL: " + ", ".join(
+            f"{f.proc.comm}[{f.proc.pid}] ({f.why})" for f in left))
+    return names + [f"{f.proc.comm}[{f.proc.pid}]" for f in swept]
+
+
+def _cancel_jobs(layout: Layout, wait_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel the sandbox's unfinished jobs and wait (bounded) for them to end."""
+    if slurmctld(layout).pid() is None:
+        return
+    ctl = adapter(layout, timeout=5)
+    try:
+        jobs = [j for j in ctl.list_jobs() if j.state in ACTIVE_JOB_STATES]
+        for job in jobs:
+            ctl.cancel(job.job_id)
+    except SlurmError as exc:
+        log.warning("sandbox: down: couldn't cancel jobs; their processes are killed",
+                    error=str(exc))
+        return
+    deadline = time.monotonic() + wait_s
+    while jobs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            jobs = [j for j in ctl.list_jobs() if j.state in ACTIVE_JOB_STATES]
+        except SlurmError:
+            return
+    if jobs:
+        log.warning("sandbox: down: jobs still ending; their processes are killed",
+                    jobs=[j.job_id for j in jobs])
+
+
+# States in which a job may still have processes on a node.
+ACTIVE_JOB_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED",
+                               "REQUEUED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"})
 
 
 def status(layout: Layout) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.sandbox.errors import failed
 
 log = get_logger("sandbox")
 
@@ -90,6 +91,12 @@ def reap(pid: int) -> None:
         del _CHILDREN[pid]
 
 
+def reap_all() -> None:
+    """Collect every finished child started here (after ``down``)."""
+    for pid in list(_CHILDREN):
+        reap(pid)
+
+
 def spawn(argv: Sequence[str], *, log_file: Path, pid_file: Path,
           env: Mapping[str, str]) -> int:
     """Start a foreground daemon in its own session, logging to ``log_file``."""
@@ -104,21 +111,33 @@ def spawn(argv: Sequence[str], *, log_file: Path, pid_file: Path,
 
 
 def start_forking(argv: Sequence[str], *, env: Mapping[str, str], log_file: Path,
-                  timeout: float = 20.0) -> None:
-    """Run a daemon that forks itself; returns once its starting process has exited."""
+                  name: str = "", logs: Sequence[Path] = (), timeout: float = 20.0) -> None:
+    """Run a daemon that forks itself; returns once its starting process has exited.
+
+    Raises SandboxError naming the daemon (``name``, else the program) with the last
+    lines of ``log_file`` and ``logs`` (its own log file) when it fails or hangs.
+    """
+    name = name or os.path.basename(argv[0])
     with open(log_file, "ab") as out:
-        child = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=dict(env), start_new_session=True, close_fds=True,
-        )
+        try:
+            child = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=dict(env), start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise failed(name, f"couldn't be started: {exc}", [log_file, *logs]) from exc
         _CHILDREN[child.pid] = child
         try:
             rc = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise failed(name, f"did not finish starting within {timeout:g}s",
+                         [log_file, *logs]) from None
         finally:
             reap(child.pid)
     if rc != 0:
-        raise RuntimeError(f"sandbox: start: couldn't start {argv[0]}: exit status {rc} "
-                           f"(see {log_file})")
+        raise failed(name, f"did not start: exit status {rc}", [log_file, *logs])
 
 
 def stop(daemon: Daemon, *, grace: float = 5.0) -> bool:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from slurm_resilience.sandbox import control
+from slurm_resilience.sandbox import control, sweep
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.slurm.errors import ForeignDrain
 
@@ -77,26 +82,74 @@ def test_adapter_requeues_a_running_batch_job_which_runs_again(sandbox: Sandbox)
     assert lines[1].startswith("run 1 on node")
 
 
+DETACHED = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)   # like slurmstepd
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)   # like a verifier's rank
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _detached(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
+    """A process in its own session that ignores SIGTERM and has a child (an idle
+    verifier and its rank, as the healthcheck starts them); returns it and its child's pid."""
+    proc = subprocess.Popen([sys.executable, "-c", DETACHED], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
 def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
-    """After down, no pid from the pid files is alive and no process mentions the state dir."""
+    """After down, no pid from the pid files is alive and no process of the sandbox is left:
+    the running job and its slurmstepd, detached helpers carrying the sandbox's marker
+    (ignoring SIGTERM) and their children. A process of a sandbox whose state dir merely
+    starts with the same characters is left alone."""
     assert callable(sandbox_factory)
     box = sandbox_factory(nodes=2, leaves=1)
     daemons = control.all_daemons(box.layout)
     pids = [d.pid() for d in daemons]
     assert all(pids), dict(zip([d.name for d in daemons], pids, strict=True))
-    stopped = box.stop()
-    assert len(stopped) == len(daemons)
-    for pid in pids:
-        assert pid is not None and not control.daemons.alive(pid)
-    marker = str(box.state_dir)
-    leftovers = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and control.daemons.alive(int(proc.name)):
-            argv = control.daemons.cmdline(int(proc.name))
-            if any(marker in a for a in argv):
-                leftovers.append((proc.name, argv))
-    assert leftovers == []
-    assert not list((box.state_dir / "run").glob("*.pid"))
+    job = box.sbatch("sleep 300\n", args=["-N1", "-w", "node1"])
+    box.wait_job(job, {"RUNNING"}, timeout=30)
+    steps: list[sweep.Proc] = []
+    deadline = time.monotonic() + 30
+    while not steps and time.monotonic() < deadline:
+        steps = [f.proc for f in sweep.find(box.state_dir, control.env_match(box.layout))
+                 if f.proc.comm == "slurmstepd"]
+        time.sleep(0.1)
+    assert steps, "no slurmstepd of the running job found"
+    ours, rank = _detached({control.SANDBOX_ENV: str(box.state_dir)})
+    sibling = f"{box.state_dir}0"  # another sandbox's state dir, same prefix
+    other, other_rank = _detached({control.SANDBOX_ENV: sibling, "SLURM_CONF": sibling})
+    try:
+        stopped = box.stop()
+        assert {d.name for d in daemons} <= set(stopped)
+        for pid in pids:
+            assert pid is not None and not control.daemons.alive(pid)
+        assert ours.wait(timeout=30) == -signal.SIGKILL
+        assert not [p for p in steps if sweep.same(p)], "slurmstepd left running"
+        assert sweep.read_proc(rank) is None, "the helper's child left running"
+        assert other.poll() is None and sweep.read_proc(other_rank) is not None
+        marker = str(box.state_dir)
+        leftovers = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and control.daemons.alive(int(proc.name)):
+                argv = control.daemons.cmdline(int(proc.name))
+                if any(marker + "/" in a or a == marker for a in argv):
+                    leftovers.append((proc.name, argv))
+        assert leftovers == []
+        assert sweep.find(box.state_dir, control.env_match(box.layout)) == []
+        assert not list((box.state_dir / "run").glob("*.pid"))
+    finally:
+        for proc, child in ((ours, rank), (other, other_rank)):
+            for pid in (child, proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            assert proc.stdout is not None
+            proc.stdout.close()
 
 
 def test_job_of_an_unprivileged_user_runs_as_that_user(
