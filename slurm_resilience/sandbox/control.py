@@ -449,7 +449,7 @@ def _daemon_logs(layout: Layout, daemon: Daemon) -> list[Path]:
 def _check_started(layout: Layout, started: list[Daemon]) -> None:
     """Raise naming the first daemon that has exited since it was started."""
     for daemon in started:
-        if daemon.pid_file.exists() and daemon.pid() is None:
+        if daemons.exited(daemon):
             raise failed(daemon.name, "exited while starting", _daemon_logs(layout, daemon))
 
 

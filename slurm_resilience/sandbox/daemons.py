@@ -44,6 +44,20 @@ class Daemon:
         return pid if matches(pid, self.program, self.marker) else None
 
 
+def exited(daemon: Daemon) -> bool:
+    """Whether the daemon named by an existing pid file has exited since it wrote it.
+
+    Only liveness is asked, not the command line: a child started here shows our own
+    command line until its exec, which must not read as "exited"."""
+    pid = read_pid(daemon.pid_file)
+    if pid is None:
+        return daemon.pid_file.exists()
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        return child.poll() is not None
+    return not alive(pid)
+
+
 def read_pid(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
