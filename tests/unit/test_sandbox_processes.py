@@ -1,0 +1,139 @@
+"""The sandbox's process handling and stand-in hardware, without Slurm: start failures
+are SandboxErrors naming the daemon, `down` finds detached processes by their markers
+(and never another sandbox's), and a reset never shows a health check a missing path."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.health.collectors import infiniband
+from slurm_resilience.sandbox import daemons, hardware, sweep
+from slurm_resilience.sandbox.errors import SandboxError
+
+SLEEPER = "import time; time.sleep(600)"
+
+
+def test_a_forking_daemon_that_fails_is_a_sandbox_error_naming_it(tmp_path: Path) -> None:
+    """Was a RuntimeError (a traceback from `sandbox up`)."""
+    log_file = tmp_path / "x.out"
+    own_log = tmp_path / "x.log"
+    own_log.write_text("line 1\nfatal: something is wrong\n")
+    with pytest.raises(SandboxError) as caught:
+        daemons.start_forking([sys.executable, "-c", "import sys; print('bad'); sys.exit(3)"],
+                              env={}, log_file=log_file, name="slurmd-node7", logs=[own_log])
+    message = str(caught.value)
+    assert message.startswith("sandbox: up: slurmd-node7 did not start: exit status 3")
+    assert "bad" in message and "fatal: something is wrong" in message
+
+
+@contextlib.contextmanager
+def started(argv: list[str], env: dict[str, str] | None = None) -> Iterator[int]:
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        yield proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def wait_found(state: Path, pid: int) -> list[int]:
+    """``find`` once ``pid`` has exec'd (its cmdline is the new program's)."""
+    for _ in range(2000):
+        if sweep.read_proc(pid) and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                os.fsencode(sys.executable)):
+            break
+    found = sweep.find(state, lambda env: env.get("SR_TEST_SANDBOX") == str(state))
+    return [f.proc.pid for f in found]
+
+
+def test_find_matches_whole_paths_and_markers_never_a_sibling_sandbox(tmp_path: Path) -> None:
+    state = tmp_path / "sbx1"
+    sibling = tmp_path / "sbx10"
+    argv_ours = [sys.executable, "-c", SLEEPER, f"--socket={state}/munge/socket"]
+    argv_sibling = [sys.executable, "-c", SLEEPER, f"--socket={sibling}/munge/socket"]
+    with started(argv_ours) as ours, started(argv_sibling) as theirs, \
+            started([sys.executable, "-c", SLEEPER], {"SR_TEST_SANDBOX": str(state)}) as marked, \
+            started([sys.executable, "-c", SLEEPER], {"SR_TEST_SANDBOX": str(sibling)}) as other:
+        found = wait_found(state, ours)
+        found = wait_found(state, marked)
+        assert ours in found and marked in found
+        assert theirs not in found and other not in found
+        assert os.getpid() not in found
+
+
+def test_stop_kills_what_ignores_sigterm_and_its_children(tmp_path: Path) -> None:
+    state = tmp_path / "sbx"
+    parent = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], start_new_session=True)\n"
+              "time.sleep(600)\n")
+    marker = {"SR_TEST_SANDBOX": str(state)}
+    with started([sys.executable, "-c", parent], marker) as pid:
+        children: list[int] = []
+        while not children:
+            children = [p.pid for p in sweep.processes().values() if p.ppid == pid]
+        stopped, left = sweep.stop(state, lambda env: env.get("SR_TEST_SANDBOX") == str(state),
+                                   grace=0.5)
+        assert left == []
+        assert {pid, *children} <= {f.proc.pid for f in stopped}
+        assert sweep.read_proc(pid) is None and sweep.read_proc(children[0]) is None
+
+
+def test_reset_swaps_the_hca_tree_so_a_reader_never_sees_a_missing_path(tmp_path: Path
+                                                                        ) -> None:
+    """Was: rmtree, then rebuild; a health check in between saw no HCA or no ports."""
+    hw = hardware.locate(tmp_path, "node1")
+    hardware.reset_node(hw)
+    counters = ("link_downed", "symbol_error")
+    problems: list[str] = []
+    done = threading.Event()
+    reads = 0
+
+    def reader() -> None:
+        nonlocal reads
+        while not done.is_set() or reads < 20:
+            snap = infiniband.collect(str(hw.sysfs), counters)
+            reads += 1
+            hcas = snap["hcas"]
+            if snap["error"] or len(hcas) != hardware.HCAS:
+                problems.append(f"{snap['error']} hcas={sorted(hcas)}")
+            for name, entry in hcas.items():
+                port = entry.get("ports", {}).get("1")
+                if entry.get("error") or port is None or port.get("state") is None \
+                        or None in port["counters"].values():
+                    problems.append(f"{name}: {entry}")
+            if problems:
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(15):
+            hardware.reset_node(hw)
+            if problems:
+                break
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert problems == []
+    assert reads >= 20
+    # Nothing left beside the tree: the old one was removed after the swap.
+    assert sorted(p.name for p in hw.sysfs.parent.iterdir()) == ["infiniband"]
+
+
+def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b").mkdir()
+    hardware.exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b" / "x").read_text() == "a" and not (tmp_path / "a" / "x").exists()
