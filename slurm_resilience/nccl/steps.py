@@ -22,7 +22,7 @@ from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
-from slurm_resilience.nccl import cache, schedule
+from slurm_resilience.nccl import cache, lifetime, schedule
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.reasons import owned_by
 
@@ -190,23 +190,31 @@ def epilog(ctx: HookContext) -> list[Problem]:
     return _run_inline(ctx, lock, min(budget, s.timeout_s * (s.retries + 1)), fresh.why, how)
 
 
-def verifier_argv(ctx: HookContext) -> list[str]:
+def verifier_argv(ctx: HookContext, owner: lifetime.Owner | None = None) -> list[str]:
     from slurm_resilience.config import job_config_path
 
     argv = [sys.executable, "-I", "-m", "slurm_resilience.nccl.verify", "--node", ctx.node]
+    if owner is not None:
+        argv += ["--owner", owner.arg()]
     path = job_config_path(ctx.env)
     return [*argv, "--config", path] if path else argv
 
 
 def start_idle_verification(ctx: HookContext) -> int:
     """Start the verifier detached (own session, no inherited pipes), so the health
-    run returns at once and slurmd's limit on it never cuts the test short."""
+    run returns at once and slurmd's limit on it never cuts the test short; it is
+    told which slurmd it must not outlive."""
+    owner = lifetime.find_owner()
+    if owner is None:
+        log.warning("nccl: no slurmd or agent above this health run; the idle verifier "
+                    "is bounded by its test's deadline only")
     proc = subprocess.Popen(
-        verifier_argv(ctx), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        verifier_argv(ctx, owner), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         env=dict(ctx.env),
     )
-    log.info("nccl: idle verifier spawned", pid=proc.pid)
+    log.info("nccl: idle verifier spawned", pid=proc.pid,
+             owner=owner.pid if owner is not None else None)
     return proc.pid
 
 

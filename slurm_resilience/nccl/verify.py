@@ -6,6 +6,8 @@ node is still idle once it has the lock (a job allocated before that point
 finds the lock held and takes it back), runs the ranks at low priority, and on
 SIGTERM (a job's prolog taking the node back) kills its ranks, caches nothing
 and lets go. A failure is cached; the next health run drains the node with it.
+With ``--owner`` (the slurmd that ran the healthcheck) it does the same once that
+process has ended, so it never outlives slurmd (:mod:`slurm_resilience.nccl.lifetime`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from types import FrameType
 
 from slurm_resilience import config, log
 from slurm_resilience.config.paths import node_name, node_path
-from slurm_resilience.nccl import cache, schedule
+from slurm_resilience.nccl import cache, lifetime, schedule
 from slurm_resilience.nccl.gate import run_gate
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.errors import SlurmError
@@ -33,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slurm_resilience.nccl.verify")
     p.add_argument("--node", default="")
     p.add_argument("--config", default=None)
+    p.add_argument("--owner", type=lifetime.Owner.parse, default=None,
+                   help="PID:START of the process this must not outlive (slurmd)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    stop = threading.Event()
+    if args.owner is not None:
+        if not lifetime.alive(args.owner):
+            print(f"nccl verify: owner {args.owner.pid} has ended; not starting",
+                  file=sys.stderr)
+            return EXIT_OK
+        lifetime.watch(args.owner, stop.set)
     try:
         cfg = config.load(args.config)
     except config.ConfigError as exc:
@@ -49,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     if not lock.try_acquire():
         logger.info("nccl: idle verification: node lock busy; not starting")
         return EXIT_OK
-    stop = threading.Event()
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         stop.set()

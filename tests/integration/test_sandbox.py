@@ -143,13 +143,13 @@ def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
         assert sweep.find(box.state_dir, control.env_match(box.layout)) == []
         assert not list((box.state_dir / "run").glob("*.pid"))
     finally:
-        for proc, child in ((ours, rank), (other, other_rank)):
-            for pid in (child, proc.pid):
+        for helper, child in ((ours, rank), (other, other_rank)):
+            for pid in (child, helper.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            assert proc.stdout is not None
-            proc.stdout.close()
+            helper.wait(timeout=30)
+            assert helper.stdout is not None
+            helper.stdout.close()
 
 
 def test_job_of_an_unprivileged_user_runs_as_that_user(
