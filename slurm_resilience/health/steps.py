@@ -28,6 +28,9 @@ _RESUMABLE_STATES = {"IDLE", "MIXED", "ALLOCATED"}
 _RESUMABLE_FLAGS = {"DRAIN", "DRAINING", "DRAINED"}
 _HELD_REASON = "launch failed requeued held"
 MAX_JOBS = 1000  # job start times kept for the epilog
+# Kernel-log stamps are microseconds since boot, made wall time with the clocks of the
+# moment they are read; a clock adjustment between the Xid and the epilog moves them.
+JOB_START_MARGIN_S = 2.0
 T = TypeVar("T")
 
 
@@ -135,11 +138,22 @@ def _job_start(ctx: HookContext) -> float | None:
 
 def epilog(ctx: HookContext) -> list[Problem]:
     """The prolog's checks plus the Xids raised while the job ran."""
+    return _gate(ctx, "epilog", job_gpus(ctx.env), job_start=xids_since(ctx))
+
+
+def xids_since(ctx: HookContext) -> float:
+    """From when the epilog counts an Xid as raised during the job: never later than the
+    job's start. The prolog's start (taken before Slurm starts the job) less a margin for
+    kernel-log stamps, which are boot-relative and turned into wall time on each read;
+    without a record of it, the whole window (a job-time Xid is never taken for older)."""
     start = None
     if ctx.job_id is not None:
-        # Without it the Xid check looks at its whole window instead of the job's run.
         start = _bookkeeping(ctx, "read the job's start time", lambda: _job_start(ctx), None)
-    return _gate(ctx, "epilog", job_gpus(ctx.env), job_start=start)
+    if start is None:
+        log.get_logger("health", hook=ctx.kind).info(
+            "no record of the job's start: every Xid in the window counts as during the job")
+        return 0.0
+    return start - JOB_START_MARGIN_S
 
 
 def healthcheck(ctx: HookContext) -> list[Problem]:

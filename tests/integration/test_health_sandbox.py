@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from slurm_resilience import config
+from slurm_resilience.health.gate import StateStore, state_dir
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -110,18 +112,28 @@ def test_jobs_held_by_our_failed_prolog_are_released_without_nohold(sandbox_fact
     assert "released job held after our prolog failed" in events
 
 
+def wait_job_start_recorded(box: Sandbox, node: str, job: int, timeout: float = 30.0) -> float:
+    """Wait until the prolog on ``node`` has recorded the job's start (what the epilog
+    reads), not merely until Slurm shows RUNNING (it does while the prolog still runs)."""
+    cfg = config.load(str(box.resilience_config))
+    store = StateStore(state_dir(cfg, node))
+    deadline = time.monotonic() + timeout
+    while True:
+        started = store.load("jobs").get(str(job))
+        if started is not None:
+            return float(started)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no start of job {job} recorded on {node} after {timeout:g}s "
+                               f"(job {box.job(job).state})")
+        time.sleep(0.1)
+
+
 def test_epilog_reports_xids_raised_during_the_job(box: Sandbox) -> None:
     """A non-fatal Xid logged while the job runs is reported by the epilog as raised during
     the job, without a drain; a fatal one drains the node (at the epilog or the next
     health check, whichever runs first)."""
-    # Slurm shows RUNNING while the prolog still runs; the batch script starts only after it,
-    # so the script's own marker says the prolog has taken the job's start.
-    marker = box.state_dir / "xid-job-started"
-    job = box.sbatch(f"touch {marker}\nsleep 4\n", args=["-N1", "-w", "node3"])
-    deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert marker.exists(), "the job's script never started"
+    job = box.sbatch("sleep 4\n", args=["-N1", "-w", "node3"])
+    wait_job_start_recorded(box, "node3", job)
     print(faults.inject(box.state_dir, "node3", "gpu-xid:2:43"))
     assert box.wait_job(job, timeout=60).state == "COMPLETED"
     log = box.state_dir / "log" / "slurm-resilience.jsonl"
@@ -136,7 +148,7 @@ def test_epilog_reports_xids_raised_during_the_job(box: Sandbox) -> None:
     assert not box.adapter().show_node("node3").drained
 
     job = box.sbatch("sleep 4\n", args=["-N1", "-w", "node3"])
-    box.wait_job(job, {"RUNNING"}, timeout=30)
+    wait_job_start_recorded(box, "node3", job)
     print(faults.inject(box.state_dir, "node3", "gpu-xid:5:119"))
     reason = wait_reason(box, "node3", "gpu5 XID 119 (GSP RPC timeout)", timeout=40)
     print(f"node3 drained: {reason}")
