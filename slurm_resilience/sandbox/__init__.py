@@ -16,6 +16,9 @@ Everything lives in the state directory (default ``<repo>/.sandbox``):
 ``etc/`` (slurm.conf, topology.conf, slurm-resilience.yaml, the hooks' config),
 ``log/``, ``run/`` (pid files), ``nodes/<node>/`` (per-node directories;
 ``nvme/`` stands in for local NVMe), ``s3/``. ``sandbox env`` prints the
-``export`` lines to use it; ``sandbox down`` stops only the processes named by
-its pid files. Sandboxes with different state dirs and port bases run side by side.
+``export`` lines to use it; ``sandbox down`` cancels its jobs and stops its
+processes: the daemons of its pid files, then whatever they started (slurmstepd,
+jobs, idle verifiers), recognised by paths inside the state dir or its marker
+variable, never another sandbox's. Sandboxes with different state dirs and port
+bases run side by side.
 """

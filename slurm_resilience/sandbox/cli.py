@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     up.add_argument("--no-install", action="store_true",
                     help="fail instead of installing missing packages with apt-get")
     up.set_defaults(func=run_up)
-    for name, func, text in (("down", run_down, "stop the sandbox's processes"),
+    for name, func, text in (("down", run_down, "cancel the sandbox's jobs and stop every process of it"),
                              ("status", run_status, "show daemons and node states"),
                              ("env", run_env, "print export lines for SLURM_CONF and S3")):
         q = ssub.add_parser(name, help=text)
@@ -89,7 +89,10 @@ def run_down(args: argparse.Namespace) -> int:
         layout = control.load_layout(args.state_dir)
     except control.SandboxError as exc:
         return _fail(exc)
-    stopped = control.down(layout)
+    try:
+        stopped = control.down(layout)
+    except control.SandboxError as exc:
+        return _fail(exc)
     print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
     return 0
 

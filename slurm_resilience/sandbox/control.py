@@ -3,8 +3,10 @@
 ``up`` writes the configuration, then starts munged, slurmctld, one
 ``slurmd -N nodeX`` per node and the extra daemons (the S3 endpoint and, once
 the agent exists, one node agent per node), and waits until every node is
-IDLE. ``down`` stops exactly the processes named by the pid files in the
-state directory and removes nothing.
+IDLE; a daemon that fails is named with the end of its log (SandboxError).
+``down`` cancels the jobs, stops the daemons named by the pid files in the state
+directory, then every other process of the sandbox (:mod:`.sweep`), and
+removes nothing.
 """
 
 from __future__ import annotations
@@ -236,14 +238,24 @@ def agent_extras(layout: Layout) -> list[Extra]:
 EXTRAS: list[Callable[[Layout], list[Extra]]] = [s3_extra, agent_extras]
 
 
-def all_daemons(layout: Layout) -> list[Daemon]:
-    """Every daemon of the sandbox, in start order."""
-    out = [munged(layout), slurmctld(layout)] + [slurmd(layout, n) for n in layout.node_names]
+def extra_daemons(layout: Layout) -> list[Daemon]:
+    out = []
     for make in EXTRAS:
         try:
             out += [e.daemon for e in make(layout)]
         except (SandboxError, FileNotFoundError, ValueError):
             continue  # not configured (no keys yet): nothing of that kind can be running
+    return out
+
+
+def stage_daemons(layout: Layout) -> list[Daemon]:
+    """The daemons the stages of ``up`` start, in start order."""
+    return [d for stage in STAGES for d in stage.daemons(layout)]
+
+
+def all_daemons(layout: Layout) -> list[Daemon]:
+    """Every daemon of the sandbox, in start order, and any other pid file's."""
+    out = stage_daemons(layout)
     # Pid files of daemons no longer in the list (e.g. a node count changed) still count.
     known = {d.pid_file for d in out}
     for pid_file in sorted(layout.run_dir.glob("*.pid")) if layout.run_dir.exists() else []:
@@ -353,12 +365,8 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
     hardware.prepare_node_hardware(layout.state_dir, layout.node_names)
     env = daemon_env(layout)
     try:
-        _start_munge(layout, env)
-        _start_slurm(layout, env, runner)
-        for make in EXTRAS:
-            for extra in make(layout):
-                daemons.spawn(extra.argv, log_file=layout.log_dir / f"{extra.daemon.name}.log",
-                              pid_file=extra.daemon.pid_file, env={**env, **extra.env})
+        for stage in STAGES:
+            stage.start(layout, env)
         _wait_idle(layout, wait_s - (time.monotonic() - start))
     except Exception:
         try:
@@ -396,7 +404,7 @@ def _start_munge(layout: Layout, env: dict[str, str]) -> None:
     L.munge_socket.parent.chmod(0o755)
 
 
-def _start_slurm(layout: Layout, env: dict[str, str], runner: Runner) -> None:
+def _start_slurmctld(layout: Layout, env: dict[str, str]) -> None:
     L = layout
     conf = str(L.slurm_conf)
     # -c: a fresh sandbox starts without the jobs of an earlier run.
@@ -411,10 +419,40 @@ def _start_slurm(layout: Layout, env: dict[str, str], runner: Runner) -> None:
         if time.monotonic() > deadline:
             raise failed("slurmctld", "did not answer within 15s", logs)
         time.sleep(0.1)
+
+
+def _start_slurmds(layout: Layout, env: dict[str, str]) -> None:
+    L = layout
     for node in L.node_names:
-        daemons.start_forking([tool("slurmd"), "-f", conf, "-N", node], env=env,
+        daemons.start_forking([tool("slurmd"), "-f", str(L.slurm_conf), "-N", node], env=env,
                               log_file=L.log_dir / f"slurmd-{node}.out", name=f"slurmd-{node}",
                               logs=[L.log_dir / f"slurmd-{node}.log"])
+
+
+def _start_extras(layout: Layout, env: dict[str, str]) -> None:
+    for make in EXTRAS:
+        for extra in make(layout):
+            daemons.spawn(extra.argv, log_file=layout.log_dir / f"{extra.daemon.name}.log",
+                          pid_file=extra.daemon.pid_file, env={**env, **extra.env})
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of ``up``: the daemons it starts (for ``status``, the start checks and
+    ``down``) and how it starts them, raising SandboxError naming the daemon that failed."""
+
+    name: str
+    daemons: Callable[[Layout], list[Daemon]]
+    start: Callable[[Layout, dict[str, str]], None]
+
+
+# `up` runs these in order; to add a daemon (e.g. slurmdbd before slurmctld), add a stage.
+STAGES: list[Stage] = [
+    Stage("munge", lambda L: [munged(L)], _start_munge),
+    Stage("slurmctld", lambda L: [slurmctld(L)], _start_slurmctld),
+    Stage("slurmd", lambda L: [slurmd(L, n) for n in L.node_names], _start_slurmds),
+    Stage("extras", extra_daemons, _start_extras),
+]
 
 
 def restart_slurmctld(layout: Layout, *, wait_s: float = 20.0) -> None:
@@ -457,9 +495,7 @@ def _wait_idle(layout: Layout, wait_s: float) -> None:
     """Wait until every node is IDLE, failing early, by name, when a daemon has exited."""
     ctl = adapter(layout, timeout=5)
     deadline = time.monotonic() + max(wait_s, 5.0)
-    started = [slurmctld(layout)] + [slurmd(layout, n) for n in layout.node_names]
-    for make in EXTRAS:
-        started += [e.daemon for e in make(layout)]
+    started = stage_daemons(layout)
     nodes: list[NodeInfo] = []
     while True:
         _check_started(layout, started)
