@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     up.add_argument("--no-install", action="store_true",
                     help="fail instead of installing missing packages with apt-get")
     up.set_defaults(func=run_up)
-    for name, func, text in (("down", run_down, "cancel the sandbox's jobs and stop every process of it"),
+    for name, func, text in (("down", run_down, "cancel the jobs, stop every process"),
                              ("status", run_status, "show daemons and node states"),
                              ("env", run_env, "print export lines for SLURM_CONF and S3")):
         q = ssub.add_parser(name, help=text)

@@ -5,7 +5,8 @@ clears its environment, reparents to init and ignores SIGTERM), the jobs under
 it, and detached helpers such as the idle NCCL verifier and its ranks. A
 process is this sandbox's when
 
-* an argument names a path inside the state directory, or
+* an argument names a path inside the state directory and it has no controlling
+  terminal (daemons, jobs and hooks have none; an admin's ``less`` of a log does), or
 * its environment says so (``env_match``: the sandbox's own marker variable,
   which the daemons and the healthcheck carry, or a job's ``SLURM_CONF``; never
   a mere ``SLURM_CONF``, which an admin's shell may have exported), or
@@ -47,6 +48,7 @@ class Proc:
     ppid: int
     start: int
     comm: str
+    tty: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def read_proc(pid: int, proc: str = "/proc") -> Proc | None:
     rest = tail.split()
     if len(rest) < 20 or rest[0] in ("Z", "X"):
         return None
-    return Proc(pid, int(rest[1]), int(rest[19]), head.partition("(")[2])
+    return Proc(pid, int(rest[1]), int(rest[19]), head.partition("(")[2], int(rest[4]))
 
 
 def processes(proc: str = "/proc") -> dict[int, Proc]:
@@ -156,7 +158,7 @@ def find(state_dir: Path, env_match: EnvMatch, *, proc: str = "/proc",
             continue
         why = ""
         argv = _argv(p.pid, proc)
-        if any(pat.search(a) for a in argv for pat in patterns):
+        if not p.tty and any(pat.search(a) for a in argv for pat in patterns):
             why = "argv"
         elif env_match(_environ(p.pid, proc)):
             why = "environment"
