@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -101,17 +102,9 @@ def _detached(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
     return proc, int(proc.stdout.readline())
 
 
-def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
-    """After down, no pid from the pid files is alive and no process of the sandbox is left:
-    the running job and its slurmstepd, detached helpers carrying the sandbox's marker
-    (ignoring SIGTERM) and their children. A process of a sandbox whose state dir merely
-    starts with the same characters is left alone."""
-    assert callable(sandbox_factory)
-    box = sandbox_factory(nodes=2, leaves=1)
-    daemons = control.all_daemons(box.layout)
-    pids = [d.pid() for d in daemons]
-    assert all(pids), dict(zip([d.name for d in daemons], pids, strict=True))
-    job = box.sbatch("sleep 300\n", args=["-N1", "-w", "node1"])
+def running_job_steps(box: Sandbox, node: str) -> tuple[int, list[sweep.Proc]]:
+    """A job running on ``node``, and its slurmstepd processes."""
+    job = box.sbatch("sleep 300\n", args=["-N1", "-w", node])
     box.wait_job(job, {"RUNNING"}, timeout=30)
     steps: list[sweep.Proc] = []
     deadline = time.monotonic() + 30
@@ -120,12 +113,41 @@ def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
                  if f.proc.comm == "slurmstepd"]
         time.sleep(0.1)
     assert steps, "no slurmstepd of the running job found"
+    return job, steps
+
+
+def test_down_cancels_jobs_so_their_epilogs_run(sandbox_factory: object) -> None:
+    assert callable(sandbox_factory)
+    box = sandbox_factory(nodes=1, leaves=1)
+    job, steps = running_job_steps(box, "node1")
+    box.stop()
+    assert not [p for p in steps if sweep.same(p)], "slurmstepd left running"
+    log = box.state_dir / "log" / "slurm-resilience.jsonl"
+    epilogs = [e for e in map(json.loads, log.read_text().splitlines())
+               if e.get("hook") == "epilog" and e.get("job_id") == job]
+    assert epilogs, "the job was not cancelled before slurmd stopped (no epilog ran)"
+
+
+def test_down_leaves_no_process_of_ours(sandbox_factory: object) -> None:
+    """After down, no pid from the pid files is alive and no process of the sandbox is left,
+    even with slurmctld already gone (no job can be cancelled): the running job and its
+    slurmstepd (which ignores SIGTERM), detached helpers carrying the sandbox's marker
+    (ignoring SIGTERM) and their children. A process of a sandbox whose state dir merely
+    starts with the same characters is left alone."""
+    assert callable(sandbox_factory)
+    box = sandbox_factory(nodes=2, leaves=1)
+    daemons = control.all_daemons(box.layout)
+    pids = [d.pid() for d in daemons]
+    assert all(pids), dict(zip([d.name for d in daemons], pids, strict=True))
+    _job, steps = running_job_steps(box, "node1")
+    assert control.daemons.stop(control.slurmctld(box.layout))
     ours, rank = _detached({control.SANDBOX_ENV: str(box.state_dir)})
     sibling = f"{box.state_dir}0"  # another sandbox's state dir, same prefix
     other, other_rank = _detached({control.SANDBOX_ENV: sibling, "SLURM_CONF": sibling})
     try:
         stopped = box.stop()
-        assert {d.name for d in daemons} <= set(stopped)
+        assert {d.name for d in daemons} - {"slurmctld"} <= set(stopped)
+        assert {f"slurmstepd[{p.pid}]" for p in steps} <= set(stopped)
         for pid in pids:
             assert pid is not None and not control.daemons.alive(pid)
         assert ours.wait(timeout=30) == -signal.SIGKILL
