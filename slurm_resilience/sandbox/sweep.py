@@ -190,8 +190,11 @@ def _signal(p: Proc, sig: signal.Signals) -> None:
     if same(p):
         try:
             os.kill(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
             return
+        except PermissionError:
+            log.error("sandbox: not allowed to signal a process of the sandbox", pid=p.pid,
+                      comm=p.comm, signal=sig.name)
 
 
 def stop(state_dir: Path, env_match: EnvMatch, *, grace: float = 5.0,
@@ -202,7 +205,6 @@ def stop(state_dir: Path, env_match: EnvMatch, *, grace: float = 5.0,
     Returns (stopped, left): what was found, and what still runs after ``rounds`` passes.
     """
     stopped: dict[int, Found] = {}
-    left: list[Found] = []
     for _ in range(rounds):
         batch = find(state_dir, env_match, exclude=exclude)
         if not batch:
@@ -217,7 +219,6 @@ def stop(state_dir: Path, env_match: EnvMatch, *, grace: float = 5.0,
                         why=f.why)
             _signal(f.proc, signal.SIGKILL)
         _wait_gone([f.proc for f in survivors], 5.0)
-        left = [f for f in survivors if same(f.proc)]
     left = find(state_dir, env_match, exclude=exclude)
     if left:
         log.error("processes of the sandbox still running", pids=[f.proc.pid for f in left])

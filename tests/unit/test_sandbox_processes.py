@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,12 +47,17 @@ def started(argv: list[str], env: dict[str, str] | None = None) -> Iterator[int]
         proc.wait(timeout=30)
 
 
-def wait_found(state: Path, pid: int) -> list[int]:
-    """``find`` once ``pid`` has exec'd (its cmdline is the new program's)."""
-    for _ in range(2000):
-        if sweep.read_proc(pid) and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
-                os.fsencode(sys.executable)):
-            break
+def wait_exec(*pids: int, timeout: float = 60.0) -> None:
+    """Wait until each child has exec'd the sleeper (before that it shows our own argv
+    and environment)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while os.fsencode(SLEEPER) not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, f"{pid} did not start"
+            time.sleep(0.01)
+
+
+def found_pids(state: Path) -> list[int]:
     found = sweep.find(state, lambda env: env.get("SR_TEST_SANDBOX") == str(state))
     return [f.proc.pid for f in found]
 
@@ -64,8 +70,8 @@ def test_find_matches_whole_paths_and_markers_never_a_sibling_sandbox(tmp_path: 
     with started(argv_ours) as ours, started(argv_sibling) as theirs, \
             started([sys.executable, "-c", SLEEPER], {"SR_TEST_SANDBOX": str(state)}) as marked, \
             started([sys.executable, "-c", SLEEPER], {"SR_TEST_SANDBOX": str(sibling)}) as other:
-        found = wait_found(state, ours)
-        found = wait_found(state, marked)
+        wait_exec(ours, theirs, marked, other)
+        found = found_pids(state)
         assert ours in found and marked in found
         assert theirs not in found and other not in found
         assert os.getpid() not in found
@@ -79,9 +85,13 @@ def test_stop_kills_what_ignores_sigterm_and_its_children(tmp_path: Path) -> Non
               "time.sleep(600)\n")
     marker = {"SR_TEST_SANDBOX": str(state)}
     with started([sys.executable, "-c", parent], marker) as pid:
+        wait_exec(pid)
         children: list[int] = []
+        deadline = time.monotonic() + 60
         while not children:
+            assert time.monotonic() < deadline, "the child was never started"
             children = [p.pid for p in sweep.processes().values() if p.ppid == pid]
+            time.sleep(0.01)
         stopped, left = sweep.stop(state, lambda env: env.get("SR_TEST_SANDBOX") == str(state),
                                    grace=0.5)
         assert left == []
