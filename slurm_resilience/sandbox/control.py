@@ -549,34 +549,41 @@ def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
     return names + [f"{f.proc.comm}[{f.proc.pid}]" for f in swept]
 
 
+# States in which a job may still have processes on a node; the first ones can be cancelled.
+CANCELLABLE_JOB_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "SUSPENDED",
+                                    "REQUEUED", "RESIZING", "SIGNALING", "STOPPED"})
+ACTIVE_JOB_STATES = CANCELLABLE_JOB_STATES | {"COMPLETING", "STAGE_OUT"}
+
+
 def _cancel_jobs(layout: Layout, wait_s: float = CANCEL_WAIT_S) -> None:
-    """Cancel the sandbox's unfinished jobs and wait (bounded) for them to end."""
+    """Cancel the sandbox's unfinished jobs and wait (bounded) for them to end, so their
+    epilogs run; whatever is left is killed by ``down`` afterwards (and said so)."""
     if slurmctld(layout).pid() is None:
         return
     ctl = adapter(layout, timeout=5)
     try:
         jobs = [j for j in ctl.list_jobs() if j.state in ACTIVE_JOB_STATES]
-        for job in jobs:
-            ctl.cancel(job.job_id)
     except SlurmError as exc:
-        log.warning("sandbox: down: couldn't cancel jobs; their processes are killed",
+        log.warning("sandbox: down: couldn't list jobs; their processes are killed",
                     error=str(exc))
         return
+    for job in jobs:
+        if job.state in CANCELLABLE_JOB_STATES:
+            try:
+                ctl.cancel(job.job_id)
+            except SlurmError as exc:  # e.g. it ended meanwhile
+                log.warning("sandbox: down: couldn't cancel a job", job_id=job.job_id,
+                            error=str(exc))
     deadline = time.monotonic() + wait_s
     while jobs and time.monotonic() < deadline:
         time.sleep(0.2)
         try:
             jobs = [j for j in ctl.list_jobs() if j.state in ACTIVE_JOB_STATES]
         except SlurmError:
-            return
+            break
     if jobs:
         log.warning("sandbox: down: jobs still ending; their processes are killed",
                     jobs=[j.job_id for j in jobs])
-
-
-# States in which a job may still have processes on a node.
-ACTIVE_JOB_STATES = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED",
-                               "REQUEUED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"})
 
 
 def status(layout: Layout) -> str:
