@@ -39,12 +39,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="PID:START of the process this must not outlive (slurmd)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     stop = threading.Event()
+    owner_gone = threading.Event()
+
+    def on_owner_gone() -> None:
+        owner_gone.set()
+        stop.set()
+
     if args.owner is not None:
         if not lifetime.alive(args.owner):
             print(f"nccl verify: owner {args.owner.pid} has ended; not starting",
                   file=sys.stderr)
             return EXIT_OK
-        lifetime.watch(args.owner, stop.set)
+        lifetime.watch(args.owner, on_owner_gone)
     try:
         cfg = config.load(args.config)
     except config.ConfigError as exc:
@@ -81,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                                  interval_s=s.idle_interval_s):
             return EXIT_OK
         if stop.is_set():
-            logger.info("nccl: idle verification stopped: a job arrived", seconds=0.0)
+            logger.info(_stopped_why(owner_gone), seconds=0.0)
             return EXIT_OK
         logger.info("nccl: idle verification started", why=fresh.why)
         fault = node_path(s.fault_file, node) if s.fault_file else ""
         result = run_gate(s, fault_file=fault, nice=s.nice, stop=stop)
         if result.verdict == "aborted" or stop.is_set():
-            logger.info("nccl: idle verification stopped: a job arrived",
+            logger.info(_stopped_why(owner_gone),
                         seconds=round(result.seconds, 3))
             return EXIT_OK
         cache.store(path, result.to_json())
@@ -96,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     finally:
         lock.release()
+
+
+def _stopped_why(owner_gone: threading.Event) -> str:
+    if owner_gone.is_set():
+        return "nccl: idle verification stopped: slurmd has ended"
+    return "nccl: idle verification stopped: a job arrived"
 
 
 if __name__ == "__main__":

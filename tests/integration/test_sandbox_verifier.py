@@ -61,3 +61,5 @@ def test_an_idle_verifier_and_its_ranks_end_with_slurmd(sandbox_factory: Any) ->
     assert daemons.stop(slurmd)
     wait_for("verifier gone", lambda: not sweep.same(verifier), 60)
     wait_for("ranks gone", lambda: not [r for r in ranks if sweep.same(r)], 30)
+    log = box.state_dir / "log" / "slurm-resilience.jsonl"
+    assert "nccl: idle verification stopped: slurmd has ended" in log.read_text()
