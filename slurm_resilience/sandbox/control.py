@@ -49,7 +49,7 @@ LAYOUT_FILE = "sandbox.json"
 # whatever the healthcheck starts): how `down` recognises detached processes as its own.
 SANDBOX_ENV = "SLURM_RESILIENCE_SANDBOX"
 # How long `down` waits for cancelled jobs to end before stopping everything anyway.
-CANCEL_WAIT_S = 15.0
+CANCEL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
