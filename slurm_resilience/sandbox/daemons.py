@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.sandbox import sweep
 from slurm_resilience.sandbox.errors import failed
 
 log = get_logger("sandbox")
@@ -88,14 +89,15 @@ def alive(pid: int) -> bool:
 
 
 def matches(pid: int, program: str, marker: str) -> bool:
-    """Whether ``pid`` runs ``program`` with ``marker`` (our state dir) among its arguments."""
+    """Whether ``pid`` runs ``program`` with ``marker`` (our state dir, as a whole path:
+    never ``/tmp/sbx10`` for ``/tmp/sbx1``) among its arguments."""
     argv = cmdline(pid)
     if not argv:
         return False
     names = {os.path.basename(argv[0])}
     if len(argv) > 1:  # interpreters: "python -m …", the program is further along
         names.update(os.path.basename(a) for a in argv[1:3])
-    return program in names and any(marker in a for a in argv)
+    return program in names and any(sweep.names_path_in(a, marker) for a in argv)
 
 
 def reap(pid: int) -> None:

@@ -21,6 +21,7 @@ never included (``sandbox down`` run from a job or a shell inside the state dir)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -88,10 +89,16 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root + "/")
 
 
+@functools.lru_cache(maxsize=16)
 def _marker_re(root: str) -> re.Pattern[str]:
     # The state dir as a whole path: at the start of an argument or after '=' / ':' / ','
     # (--socket=/x/…, A:B lists), and followed by '/' or the end of the path.
     return re.compile(r"(?:^|[=:,\s])" + re.escape(root) + r"(?:/|$|[:,\s])")
+
+
+def names_path_in(arg: str, root: str) -> bool:
+    """Whether the argument ``arg`` names ``root`` or a path inside it."""
+    return bool(_marker_re(root).search(arg))
 
 
 def _argv(pid: int, proc: str) -> list[str]:
