@@ -25,8 +25,7 @@ from slurm_resilience.config.health import (
     XidCheckSection,
 )
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.health import childproc
-from slurm_resilience.health import xid_repairs
+from slurm_resilience.health import childproc, xid_repairs
 from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.checks import host_signals as host_check
 from slurm_resilience.health.checks import infiniband as ib_check

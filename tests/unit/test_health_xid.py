@@ -10,7 +10,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import XidCheckSection
 from slurm_resilience.fakes import kmsg
-from slurm_resilience.health import xid_catalog
+from slurm_resilience.health import xid_catalog, xid_repairs
 from slurm_resilience.health.checks import xid as xid_check
 from slurm_resilience.health.collectors import xid as xid_collector
 from slurm_resilience.health.collectors.xid import KernelLogSnapshot, XidEvent
@@ -47,8 +47,9 @@ def test_timestamps_of_every_format() -> None:
     assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ctime.time)) == \
         "2025-02-23 16:24:18"
     iso = parse([ln for ln in lines if ln.startswith("2024-11-15T12:02:03,470068+00:00")])[0]
-    assert abs(iso.time - 1731672123.470068) < 1e-3
+    assert iso.time is not None and abs(iso.time - 1731672123.470068) < 1e-3
     decoded = parse([ln for ln in lines if ln.startswith("kern  :warn  : 2025-01-21T02:21:33")])
+    assert decoded[0].time is not None
     assert abs(decoded[0].time - 1737426093.498559) < 1e-3
     syslog = parse([ln for ln in lines if ln.startswith("Dec  2 11:38:47 worker4")])[0]
     assert time.localtime(syslog.time).tm_mon == 12
@@ -192,7 +193,8 @@ def test_journalctl_short_iso_precise_lines_parse() -> None:
     for stamp in ("2024-11-15T12:02:03.470068+0000", "2024-11-15T12:02:03.470068+00:00"):
         ev = parse([f"{stamp} gpu-node-1 kernel: NVRM: Xid (PCI:0000:19:00): 48, pid='<unknown>', "
                     "name=<unknown>, An uncorrectable double bit error (DBE) has been detected"])
-        assert ev[0].xid == 48 and abs(ev[0].time - 1731672123.470068) < 1e-3
+        assert ev[0].xid == 48 and ev[0].time is not None
+        assert abs(ev[0].time - 1731672123.470068) < 1e-3
 
 
 def test_an_xid_storm_keeps_the_state_bounded() -> None:
@@ -202,3 +204,111 @@ def test_an_xid_storm_keeps_the_state_bounded() -> None:
     findings, state = run(storm)
     assert len(state["events"]) == xid_check.MAX_EVENTS
     assert findings[0].data["count"] == xid_check.MAX_EVENTS
+
+
+BARE_79 = ("NVRM: Xid (PCI:0000:9a:00): 79, pid='<unknown>', name=<unknown>, "
+           "GPU has fallen off the bus.")
+
+
+def read_log(lines: list[str], boot_id: str, now: float) -> KernelLogSnapshot:
+    """What the collector would return for a file holding ``lines``."""
+    got = xid_collector.parse_lines(lines, boot_id, now - 3600, now)
+    return KernelLogSnapshot("file", "", boot_id, now - 3600, tuple(got.events),
+                             tuple(got.host_events), got.unparsed,
+                             tuple(got.unparsed_sample), got.undated)
+
+
+def test_one_old_undated_line_never_drains_twice() -> None:
+    """The drain loop from one old line: a bare fatal Xid line is dated when first seen.
+    After the window ages it out, reading the same log again does not raise it again,
+    not even after a reboot (a new boot id)."""
+    cfg = XidCheckSection(window_s=3600, fatal_until="window")
+    findings, state = run(read_log([BARE_79], "b1", NOW), cfg=cfg)
+    assert [f.severity for f in findings] == [Severity.FAIL]
+    later = NOW + 3601
+    findings, state = run(read_log([BARE_79], "b1", later), state, cfg=cfg, now=later)
+    assert all(f.severity is Severity.OK for f in findings)
+    findings, state = run(read_log([BARE_79], "b1", later + 60), state, cfg=cfg, now=later + 60)
+    assert all(f.severity is Severity.OK for f in findings)
+    findings, _ = run(read_log([BARE_79], "b2", later + 120), state, cfg=cfg, now=later + 120)
+    assert all(f.severity is Severity.OK for f in findings)
+
+
+def test_fatal_xid_lasts_past_the_window_until_repaired() -> None:
+    """A GPU that needs a reset stays failed after the 24 h window; a repair recorded
+    after the event (e.g. a clean diagnostic) ends it, and reading the log again does
+    not bring it back."""
+    snap = snap_of(("", 48, "DBE", NOW - 60))
+    _, state = run(snap)
+    two_days = NOW + 2 * 86400
+    findings, state = run(snap, state, now=two_days)
+    assert [f.severity for f in findings] == [Severity.FAIL]
+    assert findings[0].data["clears_on"]
+    repair = xid_repairs.Repair("00000000:9A:00.0", two_days, "dcgm diag level 3 passed")
+    findings, state = run(snap, state, now=two_days + 1, repairs=[repair])
+    assert all(f.severity is Severity.OK for f in findings)
+    assert any("ended: dcgm diag level 3 passed" in f.message for f in findings)
+    findings, state = run(snap, state, now=two_days + 2)
+    assert all(f.severity is Severity.OK for f in findings)
+    # A new Xid after the repair fails again.
+    findings, _ = run(snap_of(("", 48, "DBE", NOW - 60), ("", 48, "DBE", two_days + 3)),
+                      state, now=two_days + 4)
+    assert [f.severity for f in findings] == [Severity.FAIL]
+
+
+def test_repair_hook_on_the_state() -> None:
+    """record_repair (the API a diagnostic can call on the state) ends earlier fatal Xids."""
+    _, saved = run(snap_of(("", 79, "x", NOW - 60)))
+    state = xid_check.XidState.from_json(saved)
+    xid_check.record_repair(state, xid_repairs.Repair("0000:9a:00", NOW, "operator reset"))
+    findings, _ = run(snap_of(("", 79, "x", NOW - 60)), state.to_json(), now=NOW + 1)
+    assert all(f.severity is Severity.OK for f in findings)
+
+
+def test_gpu_back_on_the_bus_is_a_reset() -> None:
+    """Xid 79: NVML saw the GPU lost; when it answers again, the GPU was reset."""
+    snap = snap_of(("", 79, "GPU has fallen off the bus.", NOW - 60))
+    findings, state = run(snap, gpus_ok={"00000000:9A:00.0": False})
+    assert [f.severity for f in findings] == [Severity.FAIL]
+    findings, state = run(snap, state, now=NOW + 60, gpus_ok={"00000000:9A:00.0": False})
+    assert [f.severity for f in findings] == [Severity.FAIL]
+    findings, _ = run(snap, state, now=NOW + 120, gpus_ok={"00000000:9A:00.0": True})
+    assert all(f.severity is Severity.OK for f in findings)
+    assert any("back on the bus" in f.message for f in findings)
+
+
+def test_a_gpu_never_seen_lost_is_not_taken_for_reset() -> None:
+    """Xid 48 on a GPU NVML always saw healthy: no reset evidence, still failed."""
+    snap = snap_of(("", 48, "DBE", NOW - 60))
+    findings, state = run(snap, gpus_ok={"00000000:9A:00.0": True})
+    findings, _ = run(snap, state, now=NOW + 60, gpus_ok={"00000000:9A:00.0": True})
+    assert [f.severity for f in findings] == [Severity.FAIL]
+
+
+def test_unparsed_xid_lines_reach_a_finding() -> None:
+    """Lines that name an Xid in no known format are a warning with count and sample."""
+    snap = read_log(["[ 3310.402881] NVRM: Xid (PCI:0000:9b"], "b1", NOW)
+    findings, _ = run(snap)
+    assert [(f.severity, f.subject) for f in findings] == [(Severity.WARN, "kernel-log")]
+    assert findings[0].data["unparsed"] == 1 and "0000:9b" in findings[0].message
+
+
+def test_repair_ledger_round_trip(tmp_path: Path) -> None:
+    """record() appends, load() reads back with the PCI address normalised; garbled lines
+    are counted, not fatal."""
+    xid_repairs.record(str(tmp_path), xid_repairs.Repair("00000000:9A:00.0", NOW, "diag"))
+    with open(tmp_path / xid_repairs.LEDGER, "a") as fh:
+        fh.write("{not json\n")
+    repairs, garbled = xid_repairs.load(str(tmp_path))
+    assert repairs == [xid_repairs.Repair("0000:9a:00", NOW, "diag")] and garbled == 1
+    assert xid_repairs.load(str(tmp_path / "none")) == ([], 0)
+
+
+def test_catalogue_fatal_set_and_sources() -> None:
+    """145, 46, 155, 156 and 158 drain; 121 (C2C, NVIDIA: IGNORE) does not; every listed
+    Xid names its source."""
+    fatal = xid_catalog.DEFAULT_FATAL
+    assert {145, 46, 155, 156, 158} <= fatal and 121 not in fatal
+    assert set(xid_catalog.MEANINGS) <= set(xid_catalog.SOURCES)
+    assert xid_catalog.action(121) is xid_catalog.Action.IGNORE
+    assert xid_catalog.action(46) is xid_catalog.Action.RESET_GPU

@@ -32,8 +32,8 @@ NAME = "xid"
 MAX_EVENTS = 2000
 MAX_RETIRED = 4000
 
-__all__ = ["NAME", "MAX_EVENTS", "MAX_RETIRED", "KnownEvent", "XidState", "check",
-           "pci_key", "record_repair"]
+__all__ = ["MAX_EVENTS", "MAX_RETIRED", "NAME", "KnownEvent", "XidState", "check", "pci_key",
+           "record_repair"]
 
 
 @dataclass
@@ -143,14 +143,18 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any]
         record_repair(state, rep)
     _note_gpus_seen(state, gpus_ok, now)
 
+    fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
     for ev in snap.events:
         if ev.boot is BootOf.EARLIER or ev.key in state.events or ev.key in state.retired:
             continue
+        done = state.repaired.get(ev.pci)
+        if (done is not None and ev.time is not None and ev.time <= done.time
+                and xid_catalog.is_fatal(ev.xid, ev.text, fatal)):
+            continue  # read again after its repair: already ended
         state.events[ev.key] = KnownEvent(ev.xid, ev.pci, ev.text[:200],
                                           ev.time if ev.time is not None else now,
                                           ev.time is not None)
 
-    fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
     horizon = now - cfg.window_s
     repaired_events: list[tuple[KnownEvent, Repair]] = []
     for key, kev in list(state.events.items()):

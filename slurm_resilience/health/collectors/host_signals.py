@@ -24,7 +24,7 @@ class HostSignal(enum.Enum):
 
 # Cheap substrings first: most kernel-log lines match none and skip every regex.
 _HINTS = ("nvme", "read-only", "readonly", "shut down", "Shutting down", "lockup", "LOCKUP",
-          "Hardware Error", "achine check", "EDAC")
+          "Hardware Error", "mce: ", "achine check", "EDAC")
 
 _PATTERNS: tuple[tuple[HostSignal, re.Pattern[str]], ...] = (
     # blk_update_request / blk_print_req_error: "I/O error, dev nvme0n1, sector 123 op 0x0"

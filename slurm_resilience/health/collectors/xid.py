@@ -35,10 +35,11 @@ from slurm_resilience.health.collectors.kernlog_time import (
 )
 from slurm_resilience.proc import CommandError, Runner
 
-# Current drivers print ``(PCI:0000:01:00)``; older ones ``(0000:01:00)``.
+# Current drivers print ``(PCI:0000:01:00)``, with MIG ``(PCI:0000:01:00 GPU-I:05)``;
+# older ones ``(0000:01:00)``.
 XID_RE = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<dom>[0-9a-fA-F]{4}):(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})"
-    r"(?:\.\d)?\): (?P<xid>\d+)(?:, (?P<rest>.*))?$"
+    r"(?:\.\d)?(?: [^)]*)?\): (?P<xid>\d+)(?:,(?: (?P<rest>.*))?)?$"
 )
 # Any line that names an Xid (not an NVSwitch SXid): it must parse or be counted.
 NAMES_XID = re.compile(r"(?<![A-Za-z])Xid\b")
