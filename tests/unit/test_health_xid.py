@@ -312,3 +312,13 @@ def test_catalogue_fatal_set_and_sources() -> None:
     assert set(xid_catalog.MEANINGS) <= set(xid_catalog.SOURCES)
     assert xid_catalog.action(121) is xid_catalog.Action.IGNORE
     assert xid_catalog.action(46) is xid_catalog.Action.RESET_GPU
+
+
+def test_an_xid_storm_never_pushes_out_a_fatal_event() -> None:
+    """An old unrepaired fatal Xid survives a storm of newer non-fatal ones."""
+    storm = snap_of(("", 48, "DBE", NOW - 3500),
+                    *[("", 13, "Graphics SM Warp Exception", NOW - 3000 + i * 0.5)
+                      for i in range(xid_check.MAX_EVENTS + 10)])
+    findings, state = run(storm)
+    assert len(state["events"]) == xid_check.MAX_EVENTS
+    assert [f.data["xid"] for f in findings if f.severity is Severity.FAIL] == [48]

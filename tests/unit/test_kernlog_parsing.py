@@ -67,6 +67,16 @@ def test_journal_short_formats_localised_months_and_missing_hostname() -> None:
     assert when("[Mo Mär  2 17:45:14 2026]") == local(2026, 3, 2, 17, 45, 14)
 
 
+def test_journal_short_full_format() -> None:
+    """``-o short-full`` (weekday, date, zone) in local time, or UTC when it says so."""
+    msg = "host kernel: NVRM: Xid (PCI:0000:5d:00): 79, GPU has fallen off the bus."
+    local = parse([f"Mon 2026-03-02 17:45:10 CET {msg}"]).events[0]
+    utc = parse([f"Mon 2026-03-02 17:45:10.25 UTC {msg}"]).events[0]
+    assert local.time == dt.datetime(2026, 3, 2, 17, 45, 10).timestamp()
+    assert utc.time == dt.datetime(2026, 3, 2, 17, 45, 10, 250000,
+                                   tzinfo=dt.timezone.utc).timestamp()
+
+
 def test_unknown_month_gives_no_time_but_a_stable_key() -> None:
     """A month name we can't read (Polish ``lis``) leaves the time unknown, never "now";
     the key is the same every time the line is read, whatever the boot id."""

@@ -167,8 +167,10 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any]
         elif kev.time < horizon and not (is_fatal and cfg.fatal_until == "repair"):
             del state.events[key]
             _retire(state, key, kev, now)
-    if len(state.events) > MAX_EVENTS:  # an Xid storm: keep the newest, the state stays small
-        kept = sorted(state.events.items(), key=lambda kv: kv[1].time)
+    if len(state.events) > MAX_EVENTS:
+        # An Xid storm: keep the fatal events, then the newest; the state stays small.
+        kept = sorted(state.events.items(), key=lambda kv: (
+            xid_catalog.is_fatal(kv[1].xid, kv[1].text, fatal), kv[1].time))
         for key, kev in kept[:-MAX_EVENTS]:
             _retire(state, key, kev, now)
         state.events = dict(kept[-MAX_EVENTS:])

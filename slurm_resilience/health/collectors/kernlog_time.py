@@ -10,6 +10,8 @@ Kernel-log text comes in many shapes; each one is read from the start of the lin
   kernel: ...``; the hostname may be missing and the month may be localised (``Dez``,
   ``févr.``);
 * journalctl ``-o short-unix``: ``1740327858.470068 host kernel: ...``;
+* journalctl ``-o short-full``: ``Sun 2025-02-23 16:24:18 CET host kernel: ...`` (local time,
+  or UTC when the zone says so);
 * ``dmesg --decode`` puts ``kern  :warn  : `` in front of any of these.
 
 Seconds since boot only mean something next to the boot they count from. A file may
@@ -47,6 +49,9 @@ _ISO = re.compile(
 _SHORT = re.compile(
     r"^(?P<mon>[^\W\d_]{3,5}\.?) +(?P<day>\d{1,2}),? (?P<hms>\d{2}:\d{2}:\d{2})"
     r"(?:\.(?P<frac>\d+))?(?=\s)")
+_FULL = re.compile(
+    r"^[^\W\d_]{2,4}\.? (?P<date>\d{4}-\d{2}-\d{2}) (?P<hms>\d{2}:\d{2}:\d{2})"
+    r"(?:\.(?P<frac>\d+))? (?P<zone>[A-Za-z][\w+-]*) ")
 _UNIX = re.compile(r"^(?P<sec>\d{9,11})\.(?P<frac>\d+) ")
 _MONO = re.compile(r"\[\s*(?P<sec>\d+\.\d+)\]")
 _BOOT_MARKER = re.compile(r"(?:^-- (?:Boot [0-9a-f]+|Reboot) --$|\bLinux version \d)")
@@ -90,6 +95,15 @@ def _short_year(month: int, day: int, hms: str, frac: str | None, now: float) ->
     return stamp
 
 
+def _iso_utc(year: int, month: int, day: int, hms: str, frac: str | None) -> float | None:
+    try:
+        h, m, s = (int(x) for x in hms.split(":"))
+        stamp = dt.datetime(year, month, day, h, m, s, tzinfo=dt.timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return stamp + (float("0." + frac) if frac else 0.0)
+
+
 def _iso(m: re.Match[str]) -> float | None:
     tz = m["tz"] or ""
     if tz == "Z":
@@ -124,6 +138,12 @@ def read_stamp(line: str, now: float, anchor: int = -1) -> Stamp:
     elif (m := _SHORT.match(head)) is not None:
         month = _month(m["mon"])
         wall = _short_year(month, int(m["day"]), m["hms"], m["frac"], now) if month else None
+        readable = wall is not None
+    elif (m := _FULL.match(head)) is not None:
+        y, mo, d = (int(x) for x in m["date"].split("-"))
+        wall = _local(y, mo, d, m["hms"], m["frac"])
+        if wall is not None and m["zone"] in ("UTC", "GMT"):
+            wall = _iso_utc(y, mo, d, m["hms"], m["frac"])
         readable = wall is not None
     elif (m := _UNIX.match(head)) is not None:
         wall = float(f"{m['sec']}.{m['frac']}")
