@@ -140,6 +140,23 @@ def test_fatal_xid_on_a_visible_gpu_waits_for_recorded_repair(node: Path) -> Non
     assert report.verdict.healthy, blocking(report)
 
 
+def test_operator_records_a_repair_from_the_cli(node: Path) -> None:
+    """`slurm-resilience xid-repaired --gpu 2` after a reset ends GPU 2's Xid 48; an
+    unknown index is refused with the reason."""
+    from slurm_resilience.cli import main
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    assert not gate.run(cfg, NODE, "prolog").verdict.healthy
+    args = ["--config", str(node / "config.yaml"), "xid-repaired", "--node", NODE]
+    assert main([*args, "--gpu", "2", "--evidence", "nvidia-smi -r by ops"]) == 0
+    report = gate.run(cfg, NODE, "prolog")
+    assert report.verdict.healthy, blocking(report)
+    assert any("ended: nvidia-smi -r by ops" in f.message for f in report.findings)
+    assert main([*args, "--gpu", "17"]) == 2
+
+
 def test_ib_errors_fail_against_the_previous_run(node: Path) -> None:
     """ib-errors raises symbol_error by 1000 since the previous run: a failure."""
     cfg = load(node)
