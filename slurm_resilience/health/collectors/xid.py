@@ -16,6 +16,7 @@ dropped silently. Each event gets a stable key so the check counts it once:
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
 import os
@@ -241,17 +242,53 @@ def _place_lines(lines: list[str], boot_id: str, boot: float, now: float,
     return out
 
 
+# Substrings that make a line worth a closer look: found with str.find over the whole
+# text, so the thousands of ordinary lines of a kernel log cost next to nothing.
+_NEEDLES = ("Xid", *host_signals.HINTS, "Linux version", "-- Boot", "-- Reboot")
+
+
+def _candidates(lines: list[str]) -> list[int]:
+    """Indexes of the lines holding any needle, in order."""
+    text = "\n".join(lines)
+    starts: list[int] = []
+    offset = 0
+    for ln in lines:
+        starts.append(offset)
+        offset += len(ln) + 1
+    found: set[int] = set()
+    for needle in _NEEDLES:
+        pos = text.find(needle)
+        while pos >= 0:
+            i = bisect.bisect_right(starts, pos) - 1
+            found.add(i)
+            pos = text.find(needle, starts[i + 1]) if i + 1 < len(starts) else -1
+    return sorted(found)
+
+
 def parse_lines(lines: list[str], boot_id: str, boot: float, now: float) -> ParsedLog:
-    """Xid events, host signals and unparsed Xid lines from kernel-log lines of any format."""
+    """Xid events, host signals and unparsed Xid lines from kernel-log lines of any format.
+
+    Only lines holding a needle are examined; boots are told apart on those (plus the
+    last line) by markers and by stamps going back.
+    """
     result = ParsedLog()
-    clean = [raw.rstrip("\r\n") for raw in lines]
-    signals: list[tuple[HostSignal, str] | None] = []
+    picked: list[str] = []
     wanted: list[bool] = []
-    for ln in clean:
+    signals: list[tuple[HostSignal, str] | None] = []
+    for i in _candidates(lines):
+        ln = lines[i].rstrip("\r\n")
         sig = host_signals.classify(ln)
-        signals.append(sig)
-        wanted.append(sig is not None or bool(NAMES_XID.search(ln)))
-    for ln, placed, sig in zip(clean, _place_lines(clean, boot_id, boot, now, wanted), signals,
+        want = sig is not None or bool(NAMES_XID.search(ln))
+        if want or is_boot_marker(ln):
+            picked.append(ln)
+            wanted.append(want)
+            signals.append(sig)
+    if lines and (not picked or picked[-1] != lines[-1].rstrip("\r\n")):
+        # The newest line tells whether the last boot in the file is still running.
+        picked.append(lines[-1].rstrip("\r\n"))
+        wanted.append(False)
+        signals.append(None)
+    for ln, placed, sig in zip(picked, _place_lines(picked, boot_id, boot, now, wanted), signals,
                                strict=True):
         if placed is None:
             continue
