@@ -234,6 +234,15 @@ def test_one_old_undated_line_never_drains_twice() -> None:
     assert all(f.severity is Severity.OK for f in findings)
 
 
+def test_an_undated_line_still_failing_at_a_reboot_is_not_raised_again_after_it() -> None:
+    """A reboot is repair; the undated line read before it, read again after it (a log file
+    spans boots), is the earlier boot's and does not fail the new one."""
+    findings, state = run(read_log([BARE_79], "b1", NOW))
+    assert [f.severity for f in findings] == [Severity.FAIL]
+    findings, _ = run(read_log([BARE_79], "b2", NOW + 600), state, now=NOW + 600)
+    assert all(f.severity is Severity.OK for f in findings)
+
+
 def test_fatal_xid_lasts_past_the_window_until_repaired() -> None:
     """A GPU that needs a reset stays failed after the 24 h window; a repair recorded
     after the event (e.g. a clean diagnostic) ends it, and reading the log again does

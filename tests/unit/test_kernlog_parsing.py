@@ -145,6 +145,16 @@ def test_calendar_time_before_this_boot_is_an_earlier_boot() -> None:
     assert ev.boot is BootOf.EARLIER and ev.time == BOOT - 7200
 
 
+def test_journal_boot_separator_ends_the_earlier_boot() -> None:
+    """``journalctl -k`` over several boots prints ``-- Boot <id> --``: an undated line
+    before the last separator is an earlier boot's, one after it this boot's."""
+    msg = "host kernel: NVRM: Xid (PCI:0000:5d:00): 79, GPU has fallen off the bus."
+    got = parse(["-- Boot 6d3c6b0a0e4c4b8e9e2a4f0b1c2d3e4f --", f"lis 22 10:00:00 {msg}",
+                 "-- Boot 0a9b8c7d6e5f40312233445566778899 --", f"lis 23 10:00:00 {msg}"])
+    assert [(e.boot, e.time) for e in got.events] == [(BootOf.EARLIER, None),
+                                                      (BootOf.CURRENT, None)]
+
+
 def test_kmsg_sequence_restart_starts_a_new_boot() -> None:
     """In a saved kmsg file, a sequence number that goes back starts the running boot."""
     msg = "NVRM: Xid (PCI:0000:5d:00): 79, GPU has fallen off the bus."

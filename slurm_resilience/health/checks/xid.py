@@ -137,8 +137,11 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any]
         return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap.error}")], dict(prev))
     state = XidState.from_json(prev)
     if state.boot_id != snap.boot_id:
-        # A reboot resets every GPU: only the undated keys stay remembered.
-        state = XidState(boot_id=snap.boot_id, retired=state.retired)
+        # A reboot resets every GPU. Undated lines seen before it were logged before it:
+        # their keys are kept, so reading them again after the reboot raises nothing.
+        retired = dict(state.retired)
+        retired.update({k: now for k, ev in state.events.items() if not ev.dated})
+        state = XidState(boot_id=snap.boot_id, retired=retired)
     for rep in repairs:
         record_repair(state, rep)
     _note_gpus_seen(state, gpus_ok, now)
