@@ -52,12 +52,22 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     node = node_name(args.node or cfg.node.name)
     directory = gate.state_dir(cfg, node)
-    known = {str(k): int(v) for k, v in
-             gate.StateStore(directory).load("gpu_map").get("by_pci", {}).items()}
+    from slurm_resilience.cli import UsageError
+
+    try:
+        known = {str(k): int(v) for k, v in
+                 gate.StateStore(directory).load("gpu_map").get("by_pci", {}).items()}
+    except OSError as exc:
+        raise UsageError(f"xid-repaired: couldn't read the gate's state in {directory}: "
+                         f"{exc.strerror} (run as root on the node)") from None
     now = time.time()
     for gpu in args.gpu:
         pci = _pci_of(gpu, known)
-        xid_repairs.record(directory, xid_repairs.Repair(pci, now, args.evidence))
+        try:
+            xid_repairs.record(directory, xid_repairs.Repair(pci, now, args.evidence))
+        except OSError as exc:
+            raise UsageError(f"xid-repaired: couldn't record the repair in {directory}: "
+                             f"{exc.strerror} (run as root on the node)") from None
         print(f"{node}: {xid_repairs.pci_key(pci)} repaired ({args.evidence}); the next gate "
               "run ends its fatal Xids logged before now")
     return 0
