@@ -233,7 +233,13 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                     findings.extend(host_check.check(klog, h.kernel_log, now=now))
                 if "xid" not in wanted:
                     continue
-                repairs, garbled = xid_repairs.load(store.directory)
+                try:
+                    repairs, garbled = xid_repairs.load(store.directory)
+                except OSError as exc:
+                    # Without the ledger a repaired GPU stays failed: safe, and said.
+                    repairs, garbled = [], 0
+                    findings.append(warn("xid", "repairs", f"couldn't read "
+                                                           f"{xid_repairs.LEDGER}: {exc}"))
                 if garbled:
                     findings.append(warn("xid", "repairs", f"{garbled} garbled line(s) in "
                                                            f"{xid_repairs.LEDGER} skipped"))

@@ -257,3 +257,18 @@ def test_unusable_state_dir_runs_without_history(node: Path) -> None:
     assert report.verdict.healthy
     assert [f.message for f in report.findings if f.check == "gate"] == [
         f"couldn't open state in {blocker}/health: Not a directory; checks run without history"]
+
+
+def test_an_unreadable_repair_ledger_keeps_the_gpu_failed_and_says_so(node: Path) -> None:
+    """A ledger that can't be read (here: a directory in its place) is a warning; the
+    fatal Xid stands."""
+    from slurm_resilience.health import xid_repairs
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    (Path(gate.state_dir(cfg, NODE)) / xid_repairs.LEDGER).mkdir(parents=True)
+    report = gate.run(cfg, NODE, "prolog")
+    assert not report.verdict.healthy
+    assert any(f.subject == "repairs" and "couldn't read" in f.message
+               for f in report.findings)
