@@ -25,9 +25,8 @@ class HostSignal(enum.Enum):
 # Substrings every pattern below contains: a line without any of them is skipped
 # without a regex, and the collector finds candidate lines with str.find on the whole
 # text. Long needles are found faster.
-HINTS = ("I/O error", "nvme nvme", "read-only", "readonly", "shut down",
-         "Shutting down filesystem", "soft lockup", "hard LOCKUP", "Uncorrected hardware",
-         "achine check", "EDAC MC")
+HINTS = ("I/O error", "nvme nvme", "read-only", "readonly", "XFS (", "soft lockup",
+         "hard LOCKUP", "Uncorrected hardware", "achine check", "EDAC MC")
 
 _PATTERNS: tuple[tuple[HostSignal, re.Pattern[str]], ...] = (
     # blk_update_request / blk_print_req_error: "I/O error, dev nvme0n1, sector 123 op 0x0"

@@ -16,7 +16,6 @@ dropped silently. Each event gets a stable key so the check counts it once:
 
 from __future__ import annotations
 
-import bisect
 import errno
 import hashlib
 import os
@@ -248,21 +247,24 @@ _NEEDLES = ("Xid", *host_signals.HINTS, "Linux version", "-- Boot", "-- Reboot")
 
 
 def _candidates(lines: list[str]) -> list[int]:
-    """Indexes of the lines holding any needle, in order."""
+    """Indexes of the lines holding any needle, in order (C-speed scans, no per-line loop)."""
     text = "\n".join(lines)
-    starts: list[int] = []
-    offset = 0
-    for ln in lines:
-        starts.append(offset)
-        offset += len(ln) + 1
-    found: set[int] = set()
+    hits: list[int] = []
     for needle in _NEEDLES:
         pos = text.find(needle)
         while pos >= 0:
-            i = bisect.bisect_right(starts, pos) - 1
-            found.add(i)
-            pos = text.find(needle, starts[i + 1]) if i + 1 < len(starts) else -1
-    return sorted(found)
+            hits.append(pos)
+            end = text.find("\n", pos)
+            pos = text.find(needle, end + 1) if end >= 0 else -1
+    hits.sort()
+    found: list[int] = []
+    line = prev = 0
+    for pos in hits:
+        line += text.count("\n", prev, pos)
+        prev = pos
+        if not found or found[-1] != line:
+            found.append(line)
+    return found
 
 
 def parse_lines(lines: list[str], boot_id: str, boot: float, now: float) -> ParsedLog:
