@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "report": "slurm_resilience.heartbeat.reportcli",
     "ckpt": "slurm_resilience.checkpoint.cli",
     "check": "slurm_resilience.health.cli",
+    "xid-repaired": "slurm_resilience.health.repaircli",
     "topology": "slurm_resilience.topology.cli",
 }
 

@@ -73,7 +73,11 @@ class XidCheckSection:
         "/proc/sys/kernel/random/boot_id",
         help="identifies the boot; events of an earlier boot are forgotten (a reboot resets GPUs)")
     window_s: int = setting(
-        86400, min=60, help="a fatal Xid fails the node for this long after it happened")
+        86400, min=60, help="non-fatal Xids are listed for this long; with fatal_until: window, "
+                            "fatal ones fail the node for this long too")
+    fatal_until: Literal["repair", "window"] = setting(
+        "repair", help="repair: a fatal Xid fails its GPU until a GPU reset, a reboot or a "
+                       "repair recorded by a clean diagnostic; window: until window_s passed")
     fatal: tuple[int, ...] = setting(
         default_factory=tuple,
         help="Xid codes that drain the node; empty: the built-in list (see xid_catalog.py)")
@@ -83,6 +87,29 @@ class XidCheckSection:
         default_factory=tuple, help="Xid codes removed from the fatal list")
     max_read_bytes: ByteSize = setting(
         ByteSize(4 << 20), min=4096, help="most bytes of the kernel log read per run")
+
+
+@dataclass(frozen=True)
+class KernelLogCheckSection:
+    """Host failures in the kernel log (read together with the Xids, same source)."""
+
+    enabled: bool = setting(True, help="kill switch: false skips every host-signal check")
+    on_unknown: Policy = setting("fail-open", help="kernel log unreadable: drain or only report")
+    window_s: int = setting(
+        86400, min=60, help="events of the current boot this recent are counted")
+    nvme_io_errors: bool = setting(True, help="kill switch: NVMe I/O errors and timeouts")
+    max_nvme_io_errors: int = setting(
+        0, min=0, help="NVMe I/O errors tolerated per device in the window")
+    readonly_remount: bool = setting(
+        True, help="kill switch: a filesystem remounted read-only (EXT4) or shut down (XFS, "
+                   "btrfs forced readonly) fails the node")
+    soft_lockups: bool = setting(True, help="kill switch: CPU soft lockups")
+    max_soft_lockups: int = setting(
+        2, min=0, help="soft lockups tolerated in the window (busy VMs report a few)")
+    hard_lockups: bool = setting(True, help="kill switch: any hard lockup fails the node")
+    mce: bool = setting(True, help="kill switch: machine checks; any uncorrected one fails")
+    max_corrected_mce: int = setting(
+        100, min=0, help="corrected machine-check/EDAC events tolerated in the window")
 
 
 @dataclass(frozen=True)
@@ -158,6 +185,9 @@ class HealthSection:
                    "node we drained (for sites that cannot set nohold_on_prolog_fail)")
     gpu: GpuCheckSection = setting(default_factory=GpuCheckSection, help="GPU checks")
     xid: XidCheckSection = setting(default_factory=XidCheckSection, help="Xid checks")
+    kernel_log: KernelLogCheckSection = setting(
+        default_factory=KernelLogCheckSection,
+        help="host signals in the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE")
     infiniband: InfinibandCheckSection = setting(
         default_factory=InfinibandCheckSection, help="InfiniBand checks")
     nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")

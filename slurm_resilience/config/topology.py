@@ -71,6 +71,14 @@ class TopologySection:
                                  r"(?i)\bgateway\b"),
         help="regular expressions for CAs that belong to the fabric itself (SHARP aggregation "
              "nodes, UFM, gateways): neither hosts nor reported")
+    service_host_patterns: tuple[str, ...] = setting(
+        default_factory=lambda: (
+            r"(?i)^(login|head|headnode|ctl|ctld|slurmctld|slurmdbd|controller|master|mgmt|"
+            r"admin|nfs|oss|mds|mgs|storage|stor|dtn|bastion)(\d+|[-_.]|$)",
+        ),
+        help="regular expressions searched in the host name of an HCA; a matching host "
+             "(login, controller, storage...) is kept out of the leaves, like storage HCAs. "
+             "With --slurm-conf, hosts slurm.conf lacks are left out too")
     root_switch: str = setting(
         "sr-root",
         help="name of the switch added above the top switches when no single switch reaches "
@@ -84,7 +92,7 @@ class TopologySection:
             raise ValueError(f"root_switch {self.root_switch!r} must be a non-empty name of "
                              "letters, digits, '_', '.' and '-'")
         for key in ("storage_hca_patterns", "default_description_patterns",
-                    "infrastructure_patterns"):
+                    "infrastructure_patterns", "service_host_patterns"):
             for pattern in getattr(self, key):
                 try:
                     re.compile(pattern)

@@ -26,6 +26,17 @@ XID_TEXT = {
 }
 
 
+# One line per host signal, as the kernel prints it (see health/collectors/host_signals.py).
+HOST_SIGNAL_LINES = {
+    "nvme-io-error": "I/O error, dev nvme0n1, sector 1953523712 op 0x0:(READ) flags 0x80700 "
+                     "phys_seg 1 prio class 0",
+    "readonly-remount": "EXT4-fs (nvme0n1p1): Remounting filesystem read-only",
+    "soft-lockup": "watchdog: BUG: soft lockup - CPU#17 stuck for 23s! [python:81234]",
+    "hard-lockup": "NMI watchdog: Watchdog detected hard LOCKUP on cpu 33",
+    "mce": "mce: Uncorrected hardware memory error in user-access at 3c5a1e2000",
+}
+
+
 def kernel_pci(nvml_bus_id: str) -> str:
     """``00000000:9B:00.0`` (NVML) → ``0000:9b:00`` (how NVRM prints it)."""
     dom, bus, dev = nvml_bus_id.lower().split(".")[0].split(":")

@@ -19,7 +19,8 @@ def register(sub: Any) -> None:
                                               "hostname)")
     p.add_argument("--kind", choices=_KINDS, default="manual",
                    help="which hook's check set to run (default: manual, i.e. all checks)")
-    p.add_argument("--only", default="", help="comma-separated checks: gpu,xid,infiniband,nvme")
+    p.add_argument("--only", default="",
+                   help="comma-separated checks: gpu,xid,kernel,infiniband,nvme")
     p.set_defaults(func=run)
 
 

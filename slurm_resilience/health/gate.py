@@ -20,15 +20,18 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.health import (
     GpuCheckSection,
     InfinibandCheckSection,
+    KernelLogCheckSection,
     NvmeCheckSection,
     XidCheckSection,
 )
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.health import childproc
+from slurm_resilience.health import childproc, xid_repairs
 from slurm_resilience.health.checks import gpu as gpu_check
+from slurm_resilience.health.checks import host_signals as host_check
 from slurm_resilience.health.checks import infiniband as ib_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
+from slurm_resilience.health.collectors.xid import KernelLogSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
     Finding,
@@ -40,9 +43,11 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "infiniband", "nvme")
+CHECKS = ("gpu", "xid", "kernel", "infiniband", "nvme")
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme", "gate")
+_REASON_ORDER = ("xid", "gpu", "kernel", "infiniband", "nvme", "gate")
+# Checks that judge another check's collector: the kernel log is read once for both.
+_COLLECTOR_OF = {"kernel": "xid"}
 
 
 @dataclass
@@ -125,11 +130,12 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
     if "gpu" in wanted:
         scen = node_path(h.scenario_dir, node) if h.scenario_dir else ""
         jobs["gpu"] = functools.partial(nvml.collect, h.backend, scen, node)
-    if "xid" in wanted:
-        jobs["xid"] = functools.partial(
+    if "xid" in wanted or "kernel" in wanted:
+        read = functools.partial(
             xid.collect, h.xid.source, node_path(h.xid.path, node),
-            node_path(h.xid.boot_id_file, node), h.xid.max_read_bytes, h.xid.window_s,
-            h.collector_timeout_s)
+            node_path(h.xid.boot_id_file, node), h.xid.max_read_bytes,
+            max(h.xid.window_s, h.kernel_log.window_s), h.collector_timeout_s)
+        jobs["xid"] = lambda: read().to_json()
     if "infiniband" in wanted:
         jobs["infiniband"] = functools.partial(
             infiniband.collect, node_path(h.infiniband.sysfs_root, node),
@@ -154,6 +160,18 @@ def _gpu_map(store: StateStore, snap: dict[str, Any]) -> dict[str, int]:
     return merged
 
 
+def _gpus_ok(snap: dict[str, Any], known: dict[str, int]) -> dict[str, bool] | None:
+    """PCI address → NVML answers for that GPU and it is not lost; a GPU we knew that NVML
+    no longer lists is False. None when NVML gave no list (nothing to compare)."""
+    if not snap or snap.get("error") or "gpus" not in snap:
+        return None
+    view = {xid_repairs.pci_key(str(g["pci_bus_id"])): not g.get("lost", False)
+            for g in snap.get("gpus", []) if g.get("pci_bus_id")}
+    for bus_id in known:
+        view.setdefault(xid_repairs.pci_key(bus_id), False)
+    return view
+
+
 def _timeout_finding(name: str, error: str) -> Finding:
     # A collector that hangs is itself the symptom (a GPU or disk stuck in the driver),
     # except the kernel log, where it only means we could not look.
@@ -167,9 +185,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         only: tuple[str, ...] = ()) -> GateReport:
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
-    sections: dict[str, GpuCheckSection | XidCheckSection | InfinibandCheckSection
-                   | NvmeCheckSection] = {
-        "gpu": h.gpu, "xid": h.xid, "infiniband": h.infiniband, "nvme": h.nvme}
+    sections: dict[str, GpuCheckSection | XidCheckSection | KernelLogCheckSection
+                   | InfinibandCheckSection | NvmeCheckSection] = {
+        "gpu": h.gpu, "xid": h.xid, "kernel": h.kernel_log, "infiniband": h.infiniband,
+        "nvme": h.nvme}
     wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
         wanted.remove("gpu")
@@ -192,7 +211,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         lock_fd = -1
     try:
         snaps: dict[str, dict[str, Any]] = {}
-        for name in wanted:
+        for name in dict.fromkeys(_COLLECTOR_OF.get(n, n) for n in wanted):
             o = outcomes[name]
             if o.value is None:
                 findings.append(_timeout_finding(name, o.error or "no answer") if o.timed_out
@@ -209,8 +228,25 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 result = gpu_check.check(snap, h.gpu, prev, kind=kind,
                                          expected_count=expected_gpus, job_gpus=job_gpus)
             elif name == "xid":
-                result = xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
-                                         job_start=job_start if kind == "epilog" else None)
+                klog = KernelLogSnapshot.from_json(snap)
+                if "kernel" in wanted:
+                    findings.extend(host_check.check(klog, h.kernel_log, now=now))
+                if "xid" not in wanted:
+                    continue
+                try:
+                    repairs, garbled = xid_repairs.load(store.directory)
+                except OSError as exc:
+                    # Without the ledger a repaired GPU stays failed: safe, and said.
+                    repairs, garbled = [], 0
+                    findings.append(warn("xid", "repairs", f"couldn't read "
+                                                           f"{xid_repairs.LEDGER}: {exc}"))
+                if garbled:
+                    findings.append(warn("xid", "repairs", f"{garbled} garbled line(s) in "
+                                                           f"{xid_repairs.LEDGER} skipped"))
+                result = xid_check.check(
+                    klog, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
+                    job_start=job_start if kind == "epilog" else None, repairs=repairs,
+                    gpus_ok=_gpus_ok(snaps.get("gpu", {}), gpu_by_pci))
             elif name == "infiniband":
                 result = ib_check.check(snap, h.infiniband, prev)
             else:

@@ -310,15 +310,16 @@ def xids_since(cfg: Config, node: str, since: float) -> dict[str, Any]:
     except (OSError, CommandError) as exc:
         return {"checked": False, "error": f"couldn't read the kernel log: {exc}"}
     fatal = catalog.fatal_set(x.fatal, x.extra_fatal, x.not_fatal)
-    events = [e for e in snap.get("events", []) if (e.get("time") or 0) >= since]
+    # An undated line can't be placed after the job's start: it never blames this job.
+    events = [e for e in snap.events if e.time is not None and e.time >= since]
     findings = []
     for e in events:
-        if catalog.is_fatal(int(e["xid"]), str(e.get("text", "")), fatal):
-            when = time.strftime("%H:%M:%S", time.localtime(e.get("time") or 0))
-            findings.append(f"PCI {e['pci']} XID {e['xid']} ({catalog.meaning(int(e['xid']))}) "
-                            f"at {when}")
-    return {"checked": not snap.get("error"), "error": snap.get("error") or "",
-            "events": events, "findings": findings}
+        if catalog.is_fatal(e.xid, e.text, fatal):
+            when = time.strftime("%H:%M:%S", time.localtime(e.time))
+            findings.append(f"PCI {e.pci} XID {e.xid} ({catalog.meaning(e.xid)}) at {when}")
+    return {"checked": not snap.error, "error": snap.error or "",
+            "events": [{"xid": e.xid, "pci": e.pci, "text": e.text, "time": e.time}
+                       for e in events], "findings": findings}
 
 
 def health_snapshot(cfg: Config, node: str) -> dict[str, Any]:

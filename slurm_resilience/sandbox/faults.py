@@ -5,11 +5,14 @@ Faults change the node's stand-ins the way the real failure shows up:
 * ``gpu-xid:GPU:XID`` logs an NVRM Xid line for the GPU's PCI address in the
   node's kmsg; for Xid 79 the GPU also becomes lost (NVML answers GPU_IS_LOST),
   as a GPU that fell off the bus does.
+* ``gpu-reset:GPU`` resets the GPU without a reboot (a lost GPU answers again).
 * ``gpu-ecc:GPU`` one volatile uncorrectable ECC error, and Xid 48 in the log.
 * ``gpu-missing:GPU`` the GPU disappears from NVML (the count drops).
 * ``gpu-throttle:GPU:REASON`` REASON in hw_thermal, hw_slowdown, hw_power_brake, sw_thermal.
 * ``gpu-remap-pending:GPU`` a row waiting for remapping (and Xid 63).
 * ``ib-down:HCA:PORT`` port DOWN/Disabled; ``ib-errors:HCA:PORT`` symbol errors jump by 1000.
+* ``kernel-log:SIGNAL`` logs a host-signal line in the node's kmsg: SIGNAL in
+  nvme-io-error, readonly-remount, soft-lockup, hard-lockup, mce.
 * ``nvme-full`` a sparse file as big as the node's configured disk size
   (``health.nvme.size_limit``, which the sandbox sets) fills the stand-in NVMe.
 
@@ -82,6 +85,18 @@ def gpu_xid(hw: hardware.NodeHardware, args: list[str]) -> str:
     gpu = _edit_gpu(hw, index, change)
     kmsg.append_xid(str(hw.kmsg), gpu["pci_bus_id"], xid)
     return f"gpu{index} Xid {xid} logged" + (" and GPU lost" if xid == 79 else "")
+
+
+def gpu_reset(hw: hardware.NodeHardware, args: list[str]) -> str:
+    """``nvidia-smi -r``: a lost GPU answers again and its volatile counters restart."""
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        gpu["lost"] = False
+        gpu["ecc"]["volatile_uncorrected"] = 0
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} reset (no reboot)"
 
 
 def gpu_ecc(hw: hardware.NodeHardware, args: list[str]) -> str:
@@ -157,7 +172,17 @@ def nvme_full(hw: hardware.NodeHardware, args: list[str]) -> str:
     return f"{hw.nvme} filled to its {hardware.NVME_SIZE >> 30} GiB size limit"
 
 
+def kernel_log(hw: hardware.NodeHardware, args: list[str]) -> str:
+    line = kmsg.HOST_SIGNAL_LINES.get(args[0])
+    if line is None:
+        raise FaultError(f"kernel-log signal must be one of {', '.join(kmsg.HOST_SIGNAL_LINES)}")
+    kmsg.append(str(hw.kmsg), line, priority=2)
+    return f"kernel log: {line}"
+
+
 register("gpu-xid", "gpu-xid:GPU:XID", gpu_xid)
+register("gpu-reset", "gpu-reset:GPU", gpu_reset)
+register("kernel-log", "kernel-log:SIGNAL", kernel_log)
 register("gpu-ecc", "gpu-ecc:GPU", gpu_ecc)
 register("gpu-missing", "gpu-missing:GPU", gpu_missing)
 register("gpu-throttle", "gpu-throttle:GPU:hw_thermal", gpu_throttle)

@@ -118,7 +118,7 @@ def report(fabric: model.Fabric, findings: list[validate.Finding]) -> None:
     for finding in findings:
         print(f"topology: {finding}", file=sys.stderr)
     for title, hcas in (("unknown host", fabric.unknown_hcas),
-                        ("storage, kept out", fabric.storage_hcas)):
+                        ("storage or service host, kept out", fabric.storage_hcas)):
         if not hcas:
             continue
         print(f"topology: {len(hcas)} HCA(s) {title}:", file=sys.stderr)

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slurm_resilience.topology.links import LinkRate, rate_at_end
+
 Kind = Literal["switch", "ca", "router"]
 
 _KIND_OF_PREFIX: dict[str, Kind] = {"S": "switch", "H": "ca", "R": "router"}
@@ -91,6 +93,7 @@ class Discovery:
 
     nodes: dict[str, IbNode] = field(default_factory=dict)
     links: set[IbLink] = field(default_factory=set)
+    rates: dict[IbLink, LinkRate] = field(default_factory=dict)  # where the capture says
     skipped: list[tuple[int, str]] = field(default_factory=list)
     format: str = "topology"
 
@@ -102,10 +105,14 @@ class Discovery:
             node.description = description
         return node
 
-    def add_link(self, a: str, a_port: int, b: str, b_port: int) -> None:
+    def add_link(self, a: str, a_port: int, b: str, b_port: int,
+                 rate: LinkRate | None = None) -> None:
         if (b, b_port) < (a, a_port):
             a, a_port, b, b_port = b, b_port, a, a_port
-        self.links.add(IbLink(a, a_port, b, b_port))
+        link = IbLink(a, a_port, b, b_port)
+        self.links.add(link)
+        if rate is not None:
+            self.rates[link] = rate
 
     def of_kind(self, kind: Kind) -> list[IbNode]:
         return [n for n in self.nodes.values() if n.kind == kind]
@@ -144,7 +151,8 @@ def parse(text: str) -> Discovery:
         if m and current is not None:
             peer = disc.add_node(norm_guid(m.group("guid")), _KIND_OF_PREFIX[m.group("kind")],
                                  _first_quoted(m["rest"]))
-            disc.add_link(current.guid, int(m["port"]), peer.guid, int(m["peer_port"]))
+            disc.add_link(current.guid, int(m["port"]), peer.guid, int(m["peer_port"]),
+                          rate_at_end(m["rest"]))
             continue
         m = _P_LINK.match(line)
         if m:
@@ -153,7 +161,8 @@ def parse(text: str) -> Discovery:
                               clean_description(m["desc"]))
             b = disc.add_node(norm_guid(m["pguid"]), _KIND_OF_P[m["pkind"]],
                               clean_description(m["pdesc"]))
-            disc.add_link(a.guid, int(m["port"]), b.guid, int(m["pport"]))
+            disc.add_link(a.guid, int(m["port"]), b.guid, int(m["pport"]),
+                          rate_at_end(f"{m['width']}{m['speed']}"))
             continue
         m = _P_UNLINKED.match(line)
         if m:

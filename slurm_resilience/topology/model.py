@@ -27,11 +27,15 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from slurm_resilience.config.topology import TopologySection
 from slurm_resilience.slurm.parse import collect_hostlist
 from slurm_resilience.topology.ibnetdiscover import Discovery, IbNode, norm_guid
+from slurm_resilience.topology.links import DegradedLink, RatedLink, degraded
+
+MAX_DEGRADED_LISTED = 10
 
 MAX_SWITCH_NAME = 64
 SWITCH_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -108,6 +112,7 @@ class Fabric:
     storage_hcas: tuple[HcaReport, ...] = ()
     warnings: tuple[str, ...] = ()
     source: str = ""
+    degraded_links: tuple[DegradedLink, ...] = ()
 
     def leaf_of(self) -> dict[str, str]:
         return {node: leaf.name for leaf in self.leaves for node in leaf.nodes}
@@ -122,8 +127,7 @@ class Fabric:
             return self
         leaves = tuple(Leaf(lf.name, tuple(sorted(names.get(n, n) for n in lf.nodes)),
                             lf.members) for lf in self.leaves)
-        return Fabric(leaves, self.uppers, self.unknown_hcas, self.storage_hcas, self.warnings,
-                      self.source)
+        return replace(self, leaves=leaves)
 
     def restricted_to(self, known: Iterable[str], *, why: str) -> Fabric:
         """The fabric without hosts outside ``known`` (e.g. slurm.conf); each drop is a warning."""
@@ -136,8 +140,8 @@ class Fabric:
         empty = {lf.name for lf in leaves if not lf.nodes}
         uppers = _prune(self.uppers, empty)
         note = (f"{len(dropped)} fabric host(s) left out, {why}: {collect_hostlist(dropped)}")
-        return Fabric(tuple(lf for lf in leaves if lf.nodes), uppers, self.unknown_hcas,
-                      self.storage_hcas, (*self.warnings, note), self.source)
+        return replace(self, leaves=tuple(lf for lf in leaves if lf.nodes), uppers=uppers,
+                       warnings=(*self.warnings, note))
 
 
 def _prune(uppers: tuple[UpperSwitch, ...], gone: set[str]) -> tuple[UpperSwitch, ...]:
@@ -186,6 +190,7 @@ class _Classifier:
         self.storage = [re.compile(p) for p in cfg.storage_hca_patterns]
         self.default = [re.compile(p) for p in cfg.default_description_patterns]
         self.infra = [re.compile(p) for p in cfg.infrastructure_patterns]
+        self.service = [re.compile(p) for p in cfg.service_host_patterns]
 
     def classify(self, ca: IbNode) -> tuple[str, str]:
         """(``host``|``storage``|``infra``|``unknown``, host name or reason)."""
@@ -204,6 +209,8 @@ class _Classifier:
         host = host_of_description(desc)
         if host is None:
             return "unknown", "NodeDescription is not '<host> <hca>'"
+        if any(p.search(host) for p in self.service):
+            return "storage", f"service host {host} (matches service_host_patterns)"
         return "host", host
 
 
@@ -281,14 +288,45 @@ def from_discovery(disc: Discovery, cfg: TopologySection, site: SiteMap | None =
             unknown[ca.guid] = HcaReport(ca.guid, ca.description, "",
                                          f"{why}no link to any switch in the capture")
     warnings: list[str] = []
+    slow = _degraded_links(disc, names, verdicts)
+    if slow:
+        warnings.append(f"{len(slow)} link(s) run below their peers' width or speed")
+        warnings.extend(str(d) for d in slow[:MAX_DEGRADED_LISTED])
+        if len(slow) > MAX_DEGRADED_LISTED:
+            warnings.append(f"... and {len(slow) - MAX_DEGRADED_LISTED} more degraded link(s)")
     if disc.skipped:
         first = ", ".join(str(n) for n, _ in disc.skipped[:5])
         warnings.append(f"{len(disc.skipped)} line(s) not understood and skipped (line {first}"
                         f"{', ...' if len(disc.skipped) > 5 else ''})")
-    return _assemble(host_leaves, adjacency, cfg, site, tuple(sorted(unknown.values(),
-                     key=lambda r: (r.switch, r.description, r.guid))),
-                     tuple(sorted(storage.values(), key=lambda r: (r.switch, r.guid))),
-                     warnings, source)
+    fabric = _assemble(host_leaves, adjacency, cfg, site, tuple(sorted(unknown.values(),
+                       key=lambda r: (r.switch, r.description, r.guid))),
+                       tuple(sorted(storage.values(), key=lambda r: (r.switch, r.guid))),
+                       warnings, source)
+    return replace(fabric, degraded_links=tuple(slow))
+
+
+def _degraded_links(disc: Discovery, names: Mapping[str, str],
+                    verdicts: Mapping[str, tuple[str, str]]) -> list[DegradedLink]:
+    """Links whose rate the capture gives and that run below the others of their kind."""
+    def end(node: IbNode) -> str:
+        if node.kind == "switch":
+            return names[node.guid]
+        what, detail = verdicts.get(node.guid, ("", ""))
+        return detail if what == "host" else (node.description or f"0x{node.guid}")
+
+    rated: list[RatedLink] = []
+    for link, rate in disc.rates.items():
+        a, b = disc.nodes[link.a], disc.nodes[link.b]
+        if a.guid == b.guid or "router" in (a.kind, b.kind):
+            continue  # a switch's loopback cable says nothing about the fabric
+        kind: Literal["switch", "host"] = (
+            "switch" if a.kind == b.kind == "switch" else "host")
+        if kind == "host" and b.kind == "switch":
+            a, b = b, a  # name host links switch first
+            rated.append(RatedLink(end(a), link.b_port, end(b), link.a_port, kind, rate))
+        else:
+            rated.append(RatedLink(end(a), link.a_port, end(b), link.b_port, kind, rate))
+    return degraded(rated)
 
 
 def _assemble(host_leaves: Mapping[str, set[str]], adjacency: Mapping[str, set[str]],
@@ -380,8 +418,7 @@ def add_root(fabric: Fabric, root_name: str) -> Fabric:
     root = UpperSwitch(root_name, top_level, tuple(tops))
     note = (f"no switch reaches all {total} nodes: added {root_name} above "
             f"{len(tops)} top switch(es)")
-    return Fabric(fabric.leaves, (*fabric.uppers, root), fabric.unknown_hcas,
-                  fabric.storage_hcas, (*fabric.warnings, note), fabric.source)
+    return replace(fabric, uppers=(*fabric.uppers, root), warnings=(*fabric.warnings, note))
 
 
 @dataclass(frozen=True)

@@ -77,14 +77,19 @@ def test_xid79_drains_node_and_the_job_completes_elsewhere_then_node_resumes(box
 
 
 def test_ib_port_down_and_full_nvme_drain_with_their_reasons(box: Sandbox) -> None:
-    """The HealthCheckProgram drains node2 for an IB port DOWN and node4 for a full NVMe."""
+    """The HealthCheckProgram drains node2 for an IB port DOWN, node4 for a full NVMe and
+    node3 for a filesystem the kernel remounted read-only."""
     print(faults.inject(box.state_dir, "node2", "ib-down:mlx5_2:1"))
     print(faults.inject(box.state_dir, "node4", "nvme-full"))
+    print(faults.inject(box.state_dir, "node3", "kernel-log:readonly-remount"))
     ib = wait_reason(box, "node2", "mlx5_2 port1 DOWN")
     nvme = wait_reason(box, "node4", "nvme ")
-    print(f"node2: {ib}\nnode4: {nvme}")
+    ro = wait_reason(box, "node3", "filesystem read-only")
+    print(f"node2: {ib}\nnode4: {nvme}\nnode3: {ro}")
     assert ib == "SR: health: mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"
     assert nvme == "SR: health: nvme 0B free of 100.0GiB (expected >=10.0GiB)"
+    assert ro.startswith("SR: health: nvme0n1p1 filesystem read-only x1 in the kernel log "
+                         "(tolerated 0): EXT4-fs (nvme0n1p1): Remounting")
 
 
 def test_healthy_prolog_is_silent_and_jobs_run(box: Sandbox) -> None:

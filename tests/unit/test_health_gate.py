@@ -76,6 +76,11 @@ def test_healthy_stand_ins_pass_every_check(node: Path) -> None:
     ("gpu-remap-pending:6", "gpu6 row remap pending (reset the GPU)"),
     ("ib-down:mlx5_2:1", "mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"),
     ("nvme-full", "nvme 0B free of 100.0GiB (expected >=10.0GiB)"),
+    ("kernel-log:readonly-remount", "nvme0n1p1 filesystem read-only x1 in the kernel log "
+                                    "(tolerated 0): EXT4-fs (nvme0n1p1): Remounting filesystem "
+                                    "read-only"),
+    ("kernel-log:mce", "host uncorrected machine check x1 in the kernel log (tolerated 0): "
+                       "mce: Uncorrected hardware memory error in user-access at 3c5a1e2000"),
 ])
 def test_each_injected_fault_blocks_with_its_reason(node: Path, fault: str, reason: str) -> None:
     """Every sandbox fault makes the gate fail with a reason naming actual and expected."""
@@ -102,6 +107,54 @@ def test_xid_79_reason_names_gpu_xid_meaning_and_time(node: Path) -> None:
     assert xid[0].message.startswith("gpu3 XID 79 (GPU fell off the bus) ")
     assert time.strptime(xid[0].message.rsplit(" ", 1)[1], "%H:%M:%S")
     assert "gpu3 XID 79 (GPU fell off the bus)" in report.verdict.reason()
+
+
+def test_gpu_reset_without_reboot_ends_xid_79(node: Path) -> None:
+    """Xid 79, then a GPU reset (no reboot): the GPU answers NVML again, which is evidence
+    of repair, so the node passes at once instead of staying drained for the window."""
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:3:79")
+    assert not gate.run(cfg, NODE, "prolog").verdict.healthy
+    faults.inject(node, NODE, "gpu-reset:3")
+    report = gate.run(cfg, NODE, "prolog")
+    assert report.verdict.healthy, blocking(report)
+    assert any("XID 79 ended: GPU back on the bus" in f.message for f in report.findings)
+
+
+def test_fatal_xid_on_a_visible_gpu_waits_for_recorded_repair(node: Path) -> None:
+    """Xid 48 leaves the GPU visible: only recorded repair evidence (a clean diagnostic)
+    or a reboot ends it; the ledger is read by the next gate run."""
+    from slurm_resilience.health import xid_repairs
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    assert "gpu2 XID 48" in " ".join(blocking(gate.run(cfg, NODE, "prolog")))
+    scenario = nvml.read_scenario(str(hardware.locate(node, NODE).scenario))
+    assert scenario is not None
+    bus_id = scenario["gpus"][2]["pci_bus_id"]
+    xid_repairs.record(gate.state_dir(cfg, NODE),
+                       xid_repairs.Repair(bus_id, time.time(), "dcgm diag level 3 passed"))
+    report = gate.run(cfg, NODE, "prolog")
+    assert report.verdict.healthy, blocking(report)
+
+
+def test_operator_records_a_repair_from_the_cli(node: Path) -> None:
+    """`slurm-resilience xid-repaired --gpu 2` after a reset ends GPU 2's Xid 48; an
+    unknown index is refused with the reason."""
+    from slurm_resilience.cli import main
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    assert not gate.run(cfg, NODE, "prolog").verdict.healthy
+    args = ["--config", str(node / "config.yaml"), "xid-repaired", "--node", NODE]
+    assert main([*args, "--gpu", "2", "--evidence", "nvidia-smi -r by ops"]) == 0
+    report = gate.run(cfg, NODE, "prolog")
+    assert report.verdict.healthy, blocking(report)
+    assert any("ended: nvidia-smi -r by ops" in f.message for f in report.findings)
+    assert main([*args, "--gpu", "17"]) == 2
 
 
 def test_ib_errors_fail_against_the_previous_run(node: Path) -> None:
@@ -204,3 +257,18 @@ def test_unusable_state_dir_runs_without_history(node: Path) -> None:
     assert report.verdict.healthy
     assert [f.message for f in report.findings if f.check == "gate"] == [
         f"couldn't open state in {blocker}/health: Not a directory; checks run without history"]
+
+
+def test_an_unreadable_repair_ledger_keeps_the_gpu_failed_and_says_so(node: Path) -> None:
+    """A ledger that can't be read (here: a directory in its place) is a warning; the
+    fatal Xid stands."""
+    from slurm_resilience.health import xid_repairs
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    (Path(gate.state_dir(cfg, NODE)) / xid_repairs.LEDGER).mkdir(parents=True)
+    report = gate.run(cfg, NODE, "prolog")
+    assert not report.verdict.healthy
+    assert any(f.subject == "repairs" and "couldn't read" in f.message
+               for f in report.findings)

@@ -169,7 +169,7 @@ def test_storage_hcas_are_kept_out() -> None:
     fab = model.from_discovery(ibnetdiscover.parse(text), CFG)
     assert fab.nodes == ["compute-00-00"]
     assert [r.description for r in fab.storage_hcas] == ["oss01 HCA-1"]
-    cfg = TopologySection(storage_hca_patterns=())
+    cfg = TopologySection(storage_hca_patterns=(), service_host_patterns=())
     assert model.from_discovery(ibnetdiscover.parse(text), cfg).nodes == [
         "compute-00-00", "oss01"]
 

@@ -1,33 +1,103 @@
-"""Xid checks: fatal Xids within the window fail; each event counts once.
+"""Xid checks: a fatal Xid fails its GPU until the GPU is repaired; each event counts once.
 
-The state keeps every event seen in the window, keyed by boot id and kmsg
-sequence number (or line hash), so re-reading the kernel log never counts an
-event twice and an event survives the ring buffer wrapping. Events of an
-earlier boot are dropped: a reboot resets the GPUs.
+The state keeps every event seen, keyed by boot id and kmsg sequence number (or
+line hash), so re-reading the kernel log never counts an event twice and an event
+survives the ring buffer wrapping. Non-fatal events leave after ``window_s``.
+
+A fatal Xid lasts until evidence of repair (``fatal_until: repair``, the default):
+a new boot, NVML seeing a lost GPU again (a reset), or a repair in the ledger
+(:mod:`slurm_resilience.health.xid_repairs`, e.g. a clean active diagnostic).
+``fatal_until: window`` keeps the old rule, the event expires after ``window_s``.
+
+Lines without a usable time are dated when first seen. Their keys are remembered
+in ``retired`` after they leave (window or repair), across boots too: the same old
+line read again is the same event, never a new one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from slurm_resilience.config.health import XidCheckSection
 from slurm_resilience.health import xid_catalog
+from slurm_resilience.health.collectors.kernlog_time import BootOf
+from slurm_resilience.health.collectors.xid import KernelLogSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
+from slurm_resilience.health.xid_repairs import Repair, pci_key
 
 NAME = "xid"
 MAX_EVENTS = 2000
+MAX_RETIRED = 4000
+
+__all__ = ["MAX_EVENTS", "MAX_RETIRED", "NAME", "KnownEvent", "XidState", "check", "pci_key",
+           "record_repair"]
 
 
-def pci_key(bus_id: str) -> str:
-    """``00000000:9B:00.0`` (NVML) or ``0000:9b:00`` (kernel log) → ``0000:9b:00``."""
-    text = bus_id.lower().split(".", 1)[0]
-    parts = text.split(":")
-    if len(parts) != 3:
-        return text
-    dom, bus, dev = parts
-    return f"{int(dom, 16):04x}:{bus}:{dev}"
+@dataclass
+class KnownEvent:
+    """An event as the state keeps it; ``time`` is when it was first seen if undated."""
+
+    xid: int
+    pci: str
+    text: str
+    time: float
+    dated: bool = True
+
+
+@dataclass
+class XidState:
+    """What the check keeps between runs (saved as JSON)."""
+
+    boot_id: str = ""
+    events: dict[str, KnownEvent] = field(default_factory=dict)
+    retired: dict[str, float] = field(default_factory=dict)  # key -> when it left
+    repaired: dict[str, Repair] = field(default_factory=dict)  # pci -> latest repair
+    lost: dict[str, float] = field(default_factory=dict)  # pci -> first seen lost by NVML
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "boot_id": self.boot_id,
+            "events": {k: vars(v) for k, v in self.events.items()},
+            "retired": dict(self.retired),
+            "repaired": {k: vars(v) for k, v in self.repaired.items()},
+            "lost": dict(self.lost),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> XidState:
+        """The saved state; anything garbled starts that part afresh (never crashes)."""
+        state = cls(boot_id=str(data.get("boot_id", "")))
+        for key, ev in dict(data.get("events") or {}).items():
+            try:
+                state.events[str(key)] = KnownEvent(
+                    int(ev["xid"]), str(ev["pci"]), str(ev.get("text", "")),
+                    float(ev["time"]), bool(ev.get("dated", True)))
+            except (KeyError, TypeError, ValueError):
+                continue
+        for key, when in dict(data.get("retired") or {}).items():
+            if isinstance(when, int | float):
+                state.retired[str(key)] = float(when)
+        for pci, rep in dict(data.get("repaired") or {}).items():
+            try:
+                state.repaired[str(pci)] = Repair(str(rep["pci"]), float(rep["time"]),
+                                                  str(rep["evidence"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        for pci, when in dict(data.get("lost") or {}).items():
+            if isinstance(when, int | float):
+                state.lost[str(pci)] = float(when)
+        return state
+
+
+def record_repair(state: XidState, repair: Repair) -> None:
+    """Note that a GPU was repaired; its fatal Xids logged up to then end."""
+    pci = pci_key(repair.pci)
+    prev = state.repaired.get(pci)
+    if prev is None or repair.time >= prev.time:
+        state.repaired[pci] = Repair(pci, repair.time, repair.evidence)
 
 
 def _clock(t: float, now: float) -> str:
@@ -35,47 +105,140 @@ def _clock(t: float, now: float) -> str:
     return time.strftime(fmt, time.localtime(t))
 
 
-def check(snap: dict[str, Any], cfg: XidCheckSection, state: dict[str, Any], *,
-          now: float, gpu_by_pci: Mapping[str, int] | None = None,
-          job_start: float | None = None) -> CheckResult:
-    """``job_start`` (epilog): non-fatal Xids raised since then are reported as warnings."""
-    if snap.get("error"):
-        return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap['error']}")], state)
-    boot_id = snap.get("boot_id", "")
-    events: dict[str, dict[str, Any]] = {}
-    if state.get("boot_id") == boot_id:
-        events = {k: dict(v) for k, v in state.get("events", {}).items()}
-    for ev in snap.get("events", []):
-        if ev["key"] not in events:
-            events[ev["key"]] = {"xid": ev["xid"], "pci": ev["pci"], "text": ev["text"][:200],
-                                 "time": ev["time"] if ev["time"] is not None else now}
-    horizon = now - cfg.window_s
-    events = {k: v for k, v in events.items() if v["time"] >= horizon}
-    if len(events) > MAX_EVENTS:  # an Xid storm: keep the newest, the state stays small
-        events = dict(sorted(events.items(), key=lambda kv: kv[1]["time"])[-MAX_EVENTS:])
-    fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
-    by_gpu = {pci_key(k): v for k, v in (gpu_by_pci or {}).items()}
+def _retire(state: XidState, key: str, ev: KnownEvent, now: float) -> None:
+    if not ev.dated:  # a dated event ages out again by its own time when read again
+        state.retired[key] = now
 
-    groups: dict[tuple[str, int, bool], list[dict[str, Any]]] = {}
-    for ev in events.values():
-        is_fatal = xid_catalog.is_fatal(ev["xid"], ev["text"], fatal)
-        groups.setdefault((ev["pci"], ev["xid"], is_fatal), []).append(ev)
+
+def _note_gpus_seen(state: XidState, gpus_ok: Mapping[str, bool] | None, now: float) -> None:
+    """A GPU NVML saw lost or missing that now answers again was reset."""
+    if gpus_ok is None:
+        return
+    for raw, healthy in gpus_ok.items():
+        pci = pci_key(raw)
+        if not healthy:
+            state.lost.setdefault(pci, now)
+        elif pci in state.lost:
+            del state.lost[pci]
+            record_repair(state, Repair(pci, now, "GPU back on the bus (reset)"))
+
+
+def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any], *,
+          now: float, gpu_by_pci: Mapping[str, int] | None = None,
+          job_start: float | None = None, repairs: Sequence[Repair] = (),
+          gpus_ok: Mapping[str, bool] | None = None) -> CheckResult:
+    """Judge the Xids of ``snap``.
+
+    ``job_start`` (epilog): non-fatal Xids raised since then are reported as warnings.
+    ``repairs``: repair evidence from the ledger. ``gpus_ok``: NVML's view now, PCI
+    address → present and not lost (a known GPU missing from NVML maps to False).
+    """
+    if snap.error:
+        return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap.error}")], dict(prev))
+    state = XidState.from_json(prev)
+    if state.boot_id != snap.boot_id:
+        # A reboot resets every GPU. Undated lines seen before it were logged before it:
+        # their keys are kept, so reading them again after the reboot raises nothing.
+        retired = dict(state.retired)
+        retired.update({k: now for k, ev in state.events.items() if not ev.dated})
+        state = XidState(boot_id=snap.boot_id, retired=retired)
+    for rep in repairs:
+        record_repair(state, rep)
+    _note_gpus_seen(state, gpus_ok, now)
+
+    fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
+    for ev in snap.events:
+        if ev.boot is BootOf.EARLIER or ev.key in state.events or ev.key in state.retired:
+            continue
+        done = state.repaired.get(ev.pci)
+        if (done is not None and ev.time is not None and ev.time <= done.time
+                and xid_catalog.is_fatal(ev.xid, ev.text, fatal)):
+            continue  # read again after its repair: already ended
+        state.events[ev.key] = KnownEvent(ev.xid, ev.pci, ev.text[:200],
+                                          ev.time if ev.time is not None else now,
+                                          ev.time is not None)
+
+    horizon = now - cfg.window_s
+    repaired_events: list[tuple[KnownEvent, Repair]] = []
+    for key, kev in list(state.events.items()):
+        is_fatal = xid_catalog.is_fatal(kev.xid, kev.text, fatal)
+        repair = state.repaired.get(kev.pci)
+        if is_fatal and repair is not None and kev.time <= repair.time:
+            repaired_events.append((kev, repair))
+            del state.events[key]
+            _retire(state, key, kev, now)
+        elif kev.time < horizon and not (is_fatal and cfg.fatal_until == "repair"):
+            del state.events[key]
+            _retire(state, key, kev, now)
+    if len(state.events) > MAX_EVENTS:
+        # An Xid storm: keep the fatal events, then the newest; the state stays small.
+        kept = sorted(state.events.items(), key=lambda kv: (
+            xid_catalog.is_fatal(kv[1].xid, kv[1].text, fatal), kv[1].time))
+        for key, kev in kept[:-MAX_EVENTS]:
+            _retire(state, key, kev, now)
+        state.events = dict(kept[-MAX_EVENTS:])
+    if len(state.retired) > MAX_RETIRED:
+        state.retired = dict(sorted(state.retired.items(), key=lambda kv: kv[1])[-MAX_RETIRED:])
+
+    findings = _findings(state, snap, fatal, now, gpu_by_pci or {}, job_start, cfg)
+    findings.extend(_repair_findings(repaired_events, gpu_by_pci or {}, now))
+    if not findings:
+        findings.append(ok(NAME, "kernel-log", f"no Xid in the last {cfg.window_s}s"))
+    return CheckResult(findings, state.to_json())
+
+
+def _subject(pci: str, by_gpu: Mapping[str, int]) -> tuple[str, int | None]:
+    gpu = by_gpu.get(pci)
+    return (f"gpu{gpu}" if gpu is not None else f"PCI:{pci}"), gpu
+
+
+def _findings(state: XidState, snap: KernelLogSnapshot, fatal: frozenset[int], now: float,
+              gpu_by_pci: Mapping[str, int], job_start: float | None,
+              cfg: XidCheckSection) -> list[Finding]:
+    by_gpu = {pci_key(k): v for k, v in gpu_by_pci.items()}
+    groups: dict[tuple[str, int, bool], list[KnownEvent]] = {}
+    for kev in state.events.values():
+        is_fatal = xid_catalog.is_fatal(kev.xid, kev.text, fatal)
+        groups.setdefault((kev.pci, kev.xid, is_fatal), []).append(kev)
     findings: list[Finding] = []
     for (pci, xid, is_fatal), evs in sorted(groups.items(), key=lambda kv: -max(
-            e["time"] for e in kv[1])):
-        last = max(e["time"] for e in evs)
-        gpu = by_gpu.get(pci)
-        subject = f"gpu{gpu}" if gpu is not None else f"PCI:{pci}"
+            e.time for e in kv[1])):
+        last = max(e.time for e in evs)
+        subject, gpu = _subject(pci, by_gpu)
         times = f" x{len(evs)}" if len(evs) > 1 else ""
         message = f"{subject} XID {xid} ({xid_catalog.meaning(xid)}){times} {_clock(last, now)}"
+        newest = max(evs, key=lambda e: e.time)
         data = {"xid": xid, "pci": pci, "gpu": gpu, "count": len(evs), "time": last,
-                "text": evs[-1]["text"]}
+                "text": newest.text, "dated": newest.dated,
+                "action": xid_catalog.action(xid).value}
         if is_fatal:
+            if cfg.fatal_until == "repair":
+                data["clears_on"] = "GPU reset, reboot or a clean diagnostic"
             findings.append(fail(NAME, subject, message, **data))
         elif job_start is not None and last >= job_start:
             findings.append(warn(NAME, subject, message + " during the job", **data))
         else:
             findings.append(ok(NAME, subject, message + " (not fatal)", **data))
-    if not findings:
-        findings.append(ok(NAME, "kernel-log", f"no Xid in the last {cfg.window_s}s"))
-    return CheckResult(findings, {"boot_id": boot_id, "events": events})
+    if snap.unparsed:
+        sample = " | ".join(snap.unparsed_sample)
+        findings.append(warn(
+            NAME, "kernel-log", f"{snap.unparsed} kernel-log line(s) name an Xid in no known "
+                                f"format: {sample}"[:300],
+            unparsed=snap.unparsed, sample=list(snap.unparsed_sample)))
+    return findings
+
+
+def _repair_findings(repaired: list[tuple[KnownEvent, Repair]], gpu_by_pci: Mapping[str, int],
+                     now: float) -> list[Finding]:
+    by_gpu = {pci_key(k): v for k, v in gpu_by_pci.items()}
+    seen: set[tuple[str, int]] = set()
+    out: list[Finding] = []
+    for kev, rep in repaired:
+        if (kev.pci, kev.xid) in seen:
+            continue
+        seen.add((kev.pci, kev.xid))
+        subject, gpu = _subject(kev.pci, by_gpu)
+        out.append(ok(NAME, subject, f"{subject} XID {kev.xid} ended: {rep.evidence} "
+                                     f"{_clock(rep.time, now)}",
+                      xid=kev.xid, pci=kev.pci, gpu=gpu, repaired=rep.evidence))
+    return out

@@ -1,0 +1,81 @@
+"""Host signals from the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE.
+
+A pure function of the kernel-log snapshot the Xid collector already took: events
+of the current boot within ``window_s`` are counted per signal (and per device for
+NVMe) and set against the thresholds in ``health.kernel_log``. Events of an earlier
+boot are history: a reboot cleared the lockup, remounted the disk.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from slurm_resilience.config.health import KernelLogCheckSection
+from slurm_resilience.health.collectors.host_signals import HostSignal
+from slurm_resilience.health.collectors.kernlog_time import BootOf
+from slurm_resilience.health.collectors.xid import HostEvent, KernelLogSnapshot
+from slurm_resilience.health.findings import Finding, fail, ok, unknown
+
+NAME = "kernel"
+
+_WHAT = {
+    HostSignal.NVME_IO_ERROR: "NVMe I/O error",
+    HostSignal.READONLY_REMOUNT: "filesystem read-only",
+    HostSignal.SOFT_LOCKUP: "CPU soft lockup",
+    HostSignal.HARD_LOCKUP: "CPU hard lockup",
+    HostSignal.MCE_CORRECTED: "corrected machine check",
+    HostSignal.MCE_UNCORRECTED: "uncorrected machine check",
+}
+
+
+def _limits(cfg: KernelLogCheckSection) -> dict[HostSignal, int]:
+    """Events tolerated per signal; a signal switched off is absent."""
+    limits: dict[HostSignal, int] = {}
+    if cfg.nvme_io_errors:
+        limits[HostSignal.NVME_IO_ERROR] = cfg.max_nvme_io_errors
+    if cfg.readonly_remount:
+        limits[HostSignal.READONLY_REMOUNT] = 0
+    if cfg.soft_lockups:
+        limits[HostSignal.SOFT_LOCKUP] = cfg.max_soft_lockups
+    if cfg.hard_lockups:
+        limits[HostSignal.HARD_LOCKUP] = 0
+    if cfg.mce:
+        limits[HostSignal.MCE_UNCORRECTED] = 0
+        limits[HostSignal.MCE_CORRECTED] = cfg.max_corrected_mce
+    return limits
+
+
+def _subject(signal: HostSignal, device: str) -> str:
+    if signal is HostSignal.NVME_IO_ERROR or signal is HostSignal.READONLY_REMOUNT:
+        return device or "disk"
+    return "host"
+
+
+def check(snap: KernelLogSnapshot, cfg: KernelLogCheckSection, *, now: float) -> list[Finding]:
+    if snap.error:
+        return [unknown(NAME, "kernel-log", f"host signals: {snap.error}")]
+    limits = _limits(cfg)
+    horizon = now - cfg.window_s
+    recent: list[HostEvent] = [
+        e for e in snap.host_events
+        if e.boot is BootOf.CURRENT and e.signal in limits
+        and (e.time is None or e.time >= horizon)]
+    # NVMe errors and read-only remounts are judged per device, the rest per host.
+    counts: Counter[tuple[HostSignal, str]] = Counter(
+        (e.signal, _subject(e.signal, e.device)) for e in recent)
+    findings: list[Finding] = []
+    for (signal, subject), count in sorted(counts.items(), key=lambda kv: kv[0][0].value):
+        last = [e for e in recent if e.signal is signal and _subject(signal, e.device) == subject]
+        sample = last[-1].text[:160]
+        limit = limits[signal]
+        message = (f"{subject} {_WHAT[signal]} x{count} in the kernel log "
+                   f"(tolerated {limit}): {sample}")[:240]
+        data = {"signal": signal.value, "count": count, "limit": limit, "sample": sample}
+        if count > limit:
+            findings.append(fail(NAME, subject, message, **data))
+        else:
+            findings.append(ok(NAME, subject, message, **data))
+    if not findings:
+        findings.append(ok(NAME, "kernel-log", "no NVMe I/O error, read-only remount, lockup "
+                                               "or machine check in this boot"))
+    return findings

@@ -1,0 +1,66 @@
+"""Host failures the kernel log names: NVMe I/O errors, read-only remounts, lockups, MCE.
+
+Each pattern matches the line the kernel itself prints (message formats from the
+kernel sources: block/blk-core.c, drivers/nvme/host/core.c, fs/ext4/super.c,
+fs/xfs/xfs_fsops.c, fs/btrfs, kernel/watchdog.c, arch/x86/kernel/cpu/mce,
+drivers/edac). A machine check prints a burst of ``[Hardware Error]`` detail lines
+per event; only the one summary line of an event is matched, so an event counts once.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+
+class HostSignal(enum.Enum):
+    NVME_IO_ERROR = "nvme-io-error"
+    READONLY_REMOUNT = "readonly-remount"
+    SOFT_LOCKUP = "soft-lockup"
+    HARD_LOCKUP = "hard-lockup"
+    MCE_CORRECTED = "mce-corrected"
+    MCE_UNCORRECTED = "mce-uncorrected"
+
+
+# Substrings every pattern below contains: a line without any of them is skipped
+# without a regex, and the collector finds candidate lines with str.find on the whole
+# text. Long needles are found faster.
+HINTS = ("I/O error", "nvme nvme", "read-only", "readonly", "XFS (", "soft lockup",
+         "hard LOCKUP", "Uncorrected hardware", "achine check", "EDAC MC")
+
+_PATTERNS: tuple[tuple[HostSignal, re.Pattern[str]], ...] = (
+    # blk_update_request / blk_print_req_error: "I/O error, dev nvme0n1, sector 123 op 0x0"
+    (HostSignal.NVME_IO_ERROR, re.compile(r"\bI/O error,? (?:on )?dev (?P<dev>nvme\d+n\d+)")),
+    (HostSignal.NVME_IO_ERROR, re.compile(r"\bBuffer I/O error on dev (?P<dev>nvme\d+n\d+)")),
+    (HostSignal.NVME_IO_ERROR, re.compile(
+        r"\bnvme (?P<dev>nvme\d+): (?:I/O (?:tag )?\d+ .*QID \d+ timeout|"
+        r"controller is down|Device not ready|Removing after probe failure)")),
+    (HostSignal.READONLY_REMOUNT, re.compile(
+        r"\bEXT[234]-fs (?:error )?\((?:device )?(?P<dev>[^)]+)\):.*[Rr]emounting filesystem "
+        r"read-only")),
+    (HostSignal.READONLY_REMOUNT, re.compile(
+        r"\bXFS \((?P<dev>[^)]+)\): (?:.*Shutting down filesystem|"
+        r"Filesystem has been shut down)")),
+    (HostSignal.READONLY_REMOUNT, re.compile(
+        r"\bBTRFS \w+ \(device (?P<dev>[^)]+)\): forced readonly")),
+    (HostSignal.SOFT_LOCKUP, re.compile(r"\bBUG: soft lockup - CPU#(?P<dev>\d+) stuck for")),
+    (HostSignal.HARD_LOCKUP, re.compile(r"\bWatchdog detected hard LOCKUP on cpu (?P<dev>\d+)")),
+    (HostSignal.MCE_UNCORRECTED, re.compile(
+        r"\b(?:mce: Uncorrected hardware memory error|Fatal [Mm]achine check|"
+        r"Machine check: Processor context corrupt|"
+        r"EDAC (?P<dev>MC\d+): \d+ UE )")),
+    (HostSignal.MCE_CORRECTED, re.compile(
+        r"\b(?:mce: \[Hardware Error\]: Machine check events logged|"
+        r"EDAC (?P<dev>MC\d+): \d+ CE )")),
+)
+
+
+def classify(message: str) -> tuple[HostSignal, str] | None:
+    """The signal a kernel message reports and the device/CPU it names, or None."""
+    if not any(h in message for h in HINTS):
+        return None
+    for signal, pattern in _PATTERNS:
+        m = pattern.search(message)
+        if m:
+            return signal, m.groupdict().get("dev") or ""
+    return None

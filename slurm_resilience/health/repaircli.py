@@ -1,0 +1,73 @@
+"""``slurm-resilience xid-repaired --gpu N``: record that a GPU was repaired (reset, swapped).
+
+A fatal Xid fails its GPU until evidence of repair (see ``xid_repairs``). A reboot or
+NVML seeing a lost GPU again are noticed by themselves; an operator's ``nvidia-smi -r``
+on a GPU that never left the bus (Xid 48, 119...) is not, so the operator says so here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any
+
+from slurm_resilience import config
+from slurm_resilience.config.paths import node_name
+
+_PCI = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?$")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("xid-repaired",
+                       help="record that a GPU was repaired, ending its fatal Xids")
+    p.add_argument("--gpu", required=True, action="append", metavar="GPU",
+                   help="GPU index (as the gate has seen it) or PCI address "
+                        "(0000:5d:00 or 00000000:5D:00.0); repeat for several")
+    p.add_argument("--evidence", default="operator: GPU reset",
+                   help="how it was repaired, shown in the log and the check's finding "
+                        "(default: 'operator: GPU reset')")
+    p.add_argument("--node", default="", help="node name (default: config, SLURMD_NODENAME, "
+                                              "hostname)")
+    p.set_defaults(func=run)
+
+
+def _pci_of(gpu: str, known: dict[str, int]) -> str:
+    if _PCI.match(gpu):
+        return gpu
+    from slurm_resilience.cli import UsageError
+
+    if gpu.isdigit():
+        for bus_id, index in known.items():
+            if index == int(gpu):
+                return bus_id
+        raise UsageError(f"xid-repaired: gpu{gpu}: the gate has not seen this GPU index; "
+                         "give its PCI address instead")
+    raise UsageError(f"xid-repaired: {gpu!r} is neither a GPU index nor a PCI address")
+
+
+def run(args: argparse.Namespace) -> int:
+    from slurm_resilience.health import gate, xid_repairs
+
+    cfg = config.load(args.config)
+    node = node_name(args.node or cfg.node.name)
+    directory = gate.state_dir(cfg, node)
+    from slurm_resilience.cli import UsageError
+
+    try:
+        known = {str(k): int(v) for k, v in
+                 gate.StateStore(directory).load("gpu_map").get("by_pci", {}).items()}
+    except OSError as exc:
+        raise UsageError(f"xid-repaired: couldn't read the gate's state in {directory}: "
+                         f"{exc.strerror} (run as root on the node)") from None
+    now = time.time()
+    for gpu in args.gpu:
+        pci = _pci_of(gpu, known)
+        try:
+            xid_repairs.record(directory, xid_repairs.Repair(pci, now, args.evidence))
+        except OSError as exc:
+            raise UsageError(f"xid-repaired: couldn't record the repair in {directory}: "
+                             f"{exc.strerror} (run as root on the node)") from None
+        print(f"{node}: {xid_repairs.pci_key(pci)} repaired ({args.evidence}); the next gate "
+              "run ends its fatal Xids logged before now")
+    return 0

@@ -1,0 +1,116 @@
+"""Host signals from the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from conftest import REAL_FIXTURES
+
+from slurm_resilience.config.health import KernelLogCheckSection
+from slurm_resilience.health.checks import host_signals
+from slurm_resilience.health.collectors import xid as xid_collector
+from slurm_resilience.health.collectors.host_signals import HostSignal
+from slurm_resilience.health.collectors.xid import KernelLogSnapshot
+from slurm_resilience.health.findings import Finding, Severity
+
+LINES = (REAL_FIXTURES / "kernel-log" / "host-signals_handwritten.txt").read_text().splitlines()
+NOW = dt.datetime(2026, 11, 23, 12, 0, 0).timestamp()
+BOOT = NOW - 10000  # the fixture's stamps run to 8120 s
+
+
+def snap_of(lines: list[str], boot: float = BOOT) -> KernelLogSnapshot:
+    got = xid_collector.parse_lines(lines, "b1", boot, NOW)
+    return KernelLogSnapshot("file", "", "b1", boot, tuple(got.events), tuple(got.host_events))
+
+
+def judge(lines: list[str], cfg: KernelLogCheckSection | None = None,
+          boot: float = BOOT) -> list[Finding]:
+    return host_signals.check(snap_of(lines, boot), cfg or KernelLogCheckSection(), now=NOW)
+
+
+def failed(findings: list[Finding]) -> set[str]:
+    return {f.data["signal"] for f in findings if f.severity is Severity.FAIL}
+
+
+def test_each_signal_is_recognised_once_per_event() -> None:
+    """Each kernel line maps to its signal; an MCE's detail lines don't count again."""
+    kinds = [e.signal for e in snap_of(LINES).host_events]
+    assert kinds.count(HostSignal.NVME_IO_ERROR) == 3
+    assert kinds.count(HostSignal.READONLY_REMOUNT) == 2
+    assert kinds.count(HostSignal.SOFT_LOCKUP) == 1
+    assert kinds.count(HostSignal.HARD_LOCKUP) == 1
+    assert kinds.count(HostSignal.MCE_CORRECTED) == 2
+    assert kinds.count(HostSignal.MCE_UNCORRECTED) == 1
+
+
+def test_every_host_signal_fires_with_the_defaults() -> None:
+    """NVMe I/O errors (per device), read-only remounts, a hard lockup and an uncorrected
+    machine check fail; one soft lockup and two corrected MCEs are within the defaults."""
+    findings = judge(LINES)
+    assert failed(findings) == {"nvme-io-error", "readonly-remount", "hard-lockup",
+                                "mce-uncorrected"}
+    assert {f.subject for f in findings if f.severity is Severity.FAIL} == {
+        "nvme0n1", "nvme1n1", "nvme1", "nvme1n1p1", "md0", "host"}
+    messages = " ".join(f.message for f in findings if f.severity is Severity.FAIL)
+    for words in ("nvme0n1 NVMe I/O error x1", "nvme1n1p1 filesystem read-only",
+                  "md0 filesystem read-only", "host CPU hard lockup",
+                  "host uncorrected machine check"):
+        assert words in messages
+    ok_signals = {f.data["signal"] for f in findings if f.severity is Severity.OK}
+    assert ok_signals == {"soft-lockup", "mce-corrected"}
+
+
+@pytest.mark.parametrize(("text", "signal", "cfg"), [
+    ("watchdog: BUG: soft lockup", "soft-lockup", KernelLogCheckSection(max_soft_lockups=0)),
+    ("EDAC MC0: 1 CE", "mce-corrected", KernelLogCheckSection(max_corrected_mce=0)),
+    ("I/O error, dev nvme1n1", "nvme-io-error", KernelLogCheckSection()),
+])
+def test_thresholds_decide(text: str, signal: str, cfg: KernelLogCheckSection) -> None:
+    """A signal within its threshold passes; above it fails."""
+    line = next(ln for ln in LINES if text in ln)
+    assert signal in failed(judge([line], cfg))
+    loose = KernelLogCheckSection(max_soft_lockups=5, max_corrected_mce=5, max_nvme_io_errors=5)
+    assert not failed(judge([line], loose))
+
+
+@pytest.mark.parametrize("switch", ["nvme_io_errors", "readonly_remount", "soft_lockups",
+                                    "hard_lockups", "mce"])
+def test_each_kill_switch_silences_its_signal(switch: str) -> None:
+    """Turning one signal off leaves the others judged."""
+    cfg = KernelLogCheckSection(**{switch: False, "max_soft_lockups": 0,  # type: ignore[arg-type]
+                                   "max_corrected_mce": 0})
+    signals = set(failed(judge(LINES, cfg)))
+    gone = {"nvme_io_errors": {"nvme-io-error"}, "readonly_remount": {"readonly-remount"},
+            "soft_lockups": {"soft-lockup"}, "hard_lockups": {"hard-lockup"},
+            "mce": {"mce-corrected", "mce-uncorrected"}}[switch]
+    assert signals.isdisjoint(gone) and signals
+
+
+def test_earlier_boot_and_old_events_are_history() -> None:
+    """A lockup of an earlier boot or older than the window does not fail."""
+    two_boots = (REAL_FIXTURES / "kernel-log" / "dmesg-two-boots_handwritten.txt").read_text()
+    findings = judge(two_boots.splitlines(), KernelLogCheckSection(max_soft_lockups=0),
+                     boot=NOW - 3600)
+    assert not failed(findings)
+    old = judge(LINES, KernelLogCheckSection(window_s=60))  # every stamp is > 30 min old
+    assert not failed(old)
+
+
+def test_unreadable_log_is_unknown() -> None:
+    snap = KernelLogSnapshot("kmsg", "/dev/kmsg", "", 0.0, error="couldn't read")
+    findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
+    assert [f.severity for f in findings] == [Severity.UNKNOWN]
+
+
+def test_fake_kernel_log_lines_fire(tmp_path: Path) -> None:
+    """The stand-in's host-signal records (what sandbox faults write) are read back."""
+    from slurm_resilience.fakes import kmsg
+
+    path = tmp_path / "kmsg"
+    kmsg.append(str(path), kmsg.HOST_SIGNAL_LINES["readonly-remount"], priority=2)
+    snap = xid_collector.collect("file", str(path), "", 1 << 20, 3600)
+    findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
+    assert failed(findings) == {"readonly-remount"}
+    assert [f.subject for f in findings] == ["nvme0n1p1"]
