@@ -39,6 +39,16 @@ class GpuCheckSection:
     fail_on_remap_pending: bool = setting(
         True, help="rows waiting to be remapped (a GPU reset applies them) fail the node")
     max_temperature_c: int = setting(85, min=30, max=120, help="GPU core temperature limit")
+    throttle_window_runs: int = setting(
+        10, min=1, max=1000,
+        help="HW slowdown and HW power brake are judged over this many recent runs (a rate, "
+             "not one sample); HW thermal slowdown still fails on one reading")
+    throttle_window_s: int = setting(
+        3600, min=60, help="runs older than this leave the throttle window")
+    throttle_fail_runs: int = setting(
+        3, min=1, max=1000,
+        help="runs in the window with HW slowdown or power brake that fail the GPU; "
+             "fewer are reported (warn)")
     sw_thermal_warn_runs: int = setting(
         3, min=1, max=100,
         help="consecutive runs with SW thermal slowdown before it is reported (warn)")
@@ -52,7 +62,47 @@ class GpuCheckSection:
                    "only the job's GPUs (SLURM_JOB_GPUS) when set, since jobs may share a node")
     leftover_memory: ByteSize = setting(
         ByteSize(1 << 30),
-        help="prolog only: GPU memory in use above this on the job's GPUs fails")
+        help="prolog only: GPU memory in use above this on the job's GPUs fails (NVML v2 "
+             "memory info, which leaves out the driver's reserved memory)")
+    leftover_memory_by_model: dict[str, int] = setting(
+        default_factory=lambda: {"GH200": 4 << 30, "GB200": 4 << 30},
+        help="per GPU model (a word of the NVML name), bytes allowed instead of "
+             "leftover_memory: on Grace systems pages may stay mapped after a process exits")
+    recovery_action: bool = setting(
+        True, help="a GPU whose NVML recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) is "
+                   "not NONE fails; drivers without the field are reported as not supported")
+    max_nvlink_error_delta: dict[str, int] = setting(
+        default_factory=lambda: {"crc_flit": 100, "crc_data": 100, "replay": 100,
+                                 "recovery": 0},
+        help="NVLink error totals (all links) and the rise tolerated between two runs")
+    max_pcie_replays_per_min: float = setting(
+        8.0, min=0, help="PCIe replay counter rise per minute between runs that fails "
+                         "(DCGM's default PCIe replay rate limit)")
+    max_sram_uncorrectable: int = setting(
+        0, min=-1, help="lifetime (aggregate) SRAM uncorrectable errors tolerated; -1: not "
+                        "checked")
+    fail_on_sram_threshold: bool = setting(
+        True, help="the driver's SRAM error threshold-exceeded flag fails the GPU")
+    max_sram_correctable_per_hour: float = setting(
+        100.0, min=0, help="SRAM correctable errors per hour between runs above which the GPU "
+                           "is reported (warn)")
+    fabric_health: bool = setting(
+        True, help="fabric health summary and mask (NVML V3, GB200 NVL72): unhealthy, degraded "
+                   "bandwidth, route or configuration faults fail")
+    require_persistence_mode: bool = setting(
+        True, help="every GPU must have persistence mode enabled")
+    uniform_vbios: Literal["off", "warn", "fail"] = setting(
+        "warn", help="GPUs of the same model running different VBIOS versions: reported "
+                     "(warn), drain (fail) or not checked. warn by default: a real healthy "
+                     "8xV100 capture shows two VBIOS versions on one node")
+    expected_driver: str = setting(
+        "", help="driver version the node must run (prefix match, e.g. '570.'); empty: any, "
+                 "but all GPUs report one driver")
+    peermem: Literal["off", "required"] = setting(
+        "off", help="required: the nvidia_peermem module must be loaded (GPUDirect RDMA "
+                    "without DMA-BUF); off: not checked (DMA-BUF needs no module)")
+    modules_file: str = setting(
+        "/proc/modules", help="loaded kernel modules, for the peermem check; may hold {node}")
     fabric_manager: Literal["auto", "required", "off"] = setting(
         "auto", help="NVSwitch fabric state: auto checks it where NVML reports it, "
                      "required fails when it is not reported")

@@ -29,6 +29,7 @@ from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.checks import infiniband as ib_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
+from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
     Finding,
@@ -124,7 +125,8 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     if "gpu" in wanted:
         scen = node_path(h.scenario_dir, node) if h.scenario_dir else ""
-        jobs["gpu"] = functools.partial(nvml.collect, h.backend, scen, node)
+        modules = node_path(h.gpu.modules_file, node) if h.gpu.peermem != "off" else ""
+        jobs["gpu"] = functools.partial(nvml.collect_json, h.backend, scen, node, modules)
     if "xid" in wanted:
         jobs["xid"] = functools.partial(
             xid.collect, h.xid.source, node_path(h.xid.path, node),
@@ -142,12 +144,11 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
     return jobs
 
 
-def _gpu_map(store: StateStore, snap: dict[str, Any]) -> dict[str, int]:
+def _gpu_map(store: StateStore, snap: NvmlSnapshot | None) -> dict[str, int]:
     """PCI address → GPU index, remembered across runs: a GPU that fell off the bus no
     longer tells NVML its address, yet its Xid must still name it."""
     known: dict[str, int] = dict(store.load("gpu_map").get("by_pci", {}))
-    current = {g["pci_bus_id"]: int(g["index"]) for g in snap.get("gpus", [])
-               if g.get("pci_bus_id")}
+    current = {g.pci_bus_id: g.index for g in (snap.gpus if snap else []) if g.pci_bus_id}
     merged = {**known, **current}
     if merged != known:
         store.save("gpu_map", {"by_pci": merged})
@@ -201,12 +202,13 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
             else:
                 snaps[name] = o.value
         now = time.time()
-        gpu_by_pci = _gpu_map(store, snaps.get("gpu", {}))
+        gpu_snap = NvmlSnapshot.from_json(snaps["gpu"]) if "gpu" in snaps else None
+        gpu_by_pci = _gpu_map(store, gpu_snap)
         for name, snap in snaps.items():
             prev = store.load(name)
             result: CheckResult
-            if name == "gpu":
-                result = gpu_check.check(snap, h.gpu, prev, kind=kind,
+            if name == "gpu" and gpu_snap is not None:
+                result = gpu_check.check(gpu_snap, h.gpu, prev, kind=kind, now=now,
                                          expected_count=expected_gpus, job_gpus=job_gpus)
             elif name == "xid":
                 result = xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
