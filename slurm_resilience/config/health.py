@@ -150,6 +150,16 @@ class InfinibandCheckSection:
     ports: tuple[int, ...] = setting(default_factory=lambda: (1,), help="ports checked per HCA")
     min_rate_gbps: float = setting(
         0.0, min=0, help="lowest acceptable rate, e.g. 400 for NDR; 0: not checked")
+    hcas_by_gpu_model: dict[str, int] = setting(
+        default_factory=lambda: {"H100": 8, "H200": 8, "A100": 8, "B200": 8, "GB200": 4},
+        help="InfiniBand HCAs a node with this GPU model (a word of the NVML name; PCIe/NVL "
+             "boards don't match) must show when expected_hcas is empty. Applied only where "
+             "at least one InfiniBand HCA is present, so nodes on Ethernet/EFA are not failed")
+    min_rate_gbps_by_gpu_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 400.0, "H200": 400.0, "A100": 200.0, "B200": 400.0,
+                                 "GB200": 400.0},
+        help="lowest port rate for this GPU model when min_rate_gbps is 0 (same matching and "
+             "condition as hcas_by_gpu_model)")
     max_counter_delta: dict[str, int] = setting(
         default_factory=lambda: {
             "symbol_error": 100, "link_downed": 0, "link_error_recovery": 10,
@@ -183,6 +193,12 @@ class NvmeCheckSection:
     device: str = setting("/dev/nvme0", help="device for nvme smart-log")
     max_percentage_used: int = setting(
         95, min=1, max=255, help="NVMe endurance used (percentage_used) above this fails")
+    max_media_errors: int = setting(
+        0, min=-1, help="NVMe media and data integrity errors (unrecovered reads/writes) "
+                        "tolerated; -1: not checked")
+    min_available_spare: int = setting(
+        0, min=0, max=100, help="available spare (percent) below this fails; the drive's own "
+                                "available_spare_threshold always applies")
 
 
 @dataclass(frozen=True)

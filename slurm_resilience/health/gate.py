@@ -214,7 +214,9 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 result = xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
                                          job_start=job_start if kind == "epilog" else None)
             elif name == "infiniband":
-                result = ib_check.check(snap, h.infiniband, prev)
+                model = next((g.name for g in gpu_snap.gpus if g.name), None) \
+                    if gpu_snap else None
+                result = ib_check.check(snap, h.infiniband, prev, gpu_model=model)
             else:
                 result = nvme_check.check(snap, h.nvme, prev)
             if result.state != prev:

@@ -142,3 +142,24 @@ def test_a_down_port_is_not_also_reported_as_a_flap(tmp_path: Path) -> None:
     assert fails(findings) == ["mlx5_0 port1 DOWN (expected ACTIVE)"]
     sysfs.set_port(root, "mlx5_0", 1, state="ACTIVE", phys_state="LinkUp")
     assert not fails(run(collector.collect(root, COUNTERS), state=state)[0])
+
+
+def test_gpu_model_defaults_catch_a_vanished_hca_and_a_downtrained_link(tmp_path: Path
+                                                                         ) -> None:
+    """With no site config, an H100 node showing 7 of 8 HCAs fails, as does an HDR link;
+    an H100 PCIe board, a node without IB, or site settings don't get the defaults."""
+    root = str(tmp_path)
+    sysfs.build(root, 7)
+    sysfs.set_port(root, "mlx5_3", 1, state="ACTIVE", phys_state="LinkUp",
+                   rate="200 Gb/sec (4X HDR)")
+    snap = collector.collect(root, COUNTERS)
+    r = ib.check(snap, InfinibandCheckSection(), {}, gpu_model="NVIDIA H100 80GB HBM3")
+    assert fails(r.findings) == ["7 InfiniBand HCAs (expected 8 for NVIDIA H100 80GB HBM3)",
+                                 "mlx5_3 port1 200Gb/s (expected >=400Gb/s)"]
+    assert not fails(ib.check(snap, InfinibandCheckSection(), {},
+                              gpu_model="NVIDIA H100 PCIe").findings)
+    site = InfinibandCheckSection(expected_hcas=HCAS[:7], min_rate_gbps=100)
+    assert not fails(ib.check(snap, site, {}, gpu_model="NVIDIA H100 80GB HBM3").findings)
+    empty = collector.collect(str(tmp_path / "none"), COUNTERS)
+    assert not fails(ib.check(empty, InfinibandCheckSection(), {},
+                              gpu_model="NVIDIA H100 80GB HBM3").findings)

@@ -82,7 +82,22 @@ def test_smart_logs_of_real_drives_parse() -> None:
         "percentage_used"] == 1
     nvme_cli = '{"critical_warning": 4, "temperature": 310, "percent_used": 3}'
     assert collector.parse_smart(nvme_cli) == {"critical_warning": 4, "percentage_used": 3,
-                                               "media_errors": None}
+                                               "media_errors": None, "available_spare": None,
+                                               "available_spare_threshold": None}
+
+
+def test_smart_media_errors_and_spare_are_judged() -> None:
+    """The real drive with 7 media errors (smartctl still says passed) fails; spare below
+    the drive's threshold fails; nvme-cli's key names are read too."""
+    base = {"path": "/x", "exists": True, "error": None, "free": 1 << 40, "total": 1 << 41}
+    worn = collector.parse_smart(
+        (NVME / "smartctl-x-j_nvme_samsung-970evo_media-errors.json").read_text())
+    assert fails(run({**base, "smart": worn})) == ["nvme 7 media errors (expected <=0)"]
+    assert not fails(run({**base, "smart": worn}, NvmeCheckSection(min_free=1 << 20,
+                                                                   max_media_errors=-1)))
+    low = collector.parse_smart('{"critical_warning": 0, "avail_spare": 4, "spare_thresh": 10,'
+                                ' "media_errors": 0, "percent_used": 50}')
+    assert fails(run({**base, "smart": low})) == ["nvme 4% available spare (expected >=10%)"]
 
 
 def test_smart_critical_warning_and_wear_fail() -> None:

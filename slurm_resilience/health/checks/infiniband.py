@@ -7,10 +7,12 @@ went down was reset and becomes the new baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 from slurm_resilience.config.health import InfinibandCheckSection
+from slurm_resilience.health import gpu_models
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 NAME = "infiniband"
@@ -70,15 +72,37 @@ def _counters(subject: str, cur: dict[str, int | None], prev: dict[str, int],
     return out, keep
 
 
-def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, Any]
-          ) -> CheckResult:
+def model_defaults(cfg: InfinibandCheckSection, gpu_model: str | None
+                   ) -> tuple[int, float]:
+    """(HCA count, least rate) shipped for the node's GPU model; (0, 0) when none fits."""
+    if not gpu_model:
+        return 0, 0.0
+    hcas = next((n for m, n in cfg.hcas_by_gpu_model.items()
+                 if gpu_models.matches(m, gpu_model)), 0)
+    rate = next((r for m, r in cfg.min_rate_gbps_by_gpu_model.items()
+                 if gpu_models.matches(m, gpu_model)), 0.0)
+    return hcas, rate
+
+
+def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, Any],
+          gpu_model: str | None = None) -> CheckResult:
+    """``gpu_model``: the NVML name of the node's GPUs, for the shipped per-model HCA
+    count and rate (used where the site set neither)."""
     if snap.get("error"):
         return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap['error']}")], state)
     findings: list[Finding] = []
     prev_all: dict[str, dict[str, int]] = state.get("counters", {})
     baseline: dict[str, dict[str, int]] = {}
-    want_rate = f" {_gbps(cfg.min_rate_gbps)}" if cfg.min_rate_gbps else ""
     expected = _expected_hcas(snap, cfg)
+    want_hcas, model_rate = model_defaults(cfg, gpu_model)
+    if not cfg.expected_hcas and expected and want_hcas and len(expected) < want_hcas:
+        findings.append(fail(NAME, "hcas", f"{len(expected)} InfiniBand HCAs (expected "
+                                           f"{want_hcas} for {gpu_model})"))
+    if cfg.min_rate_gbps or not expected or not model_rate:
+        model_rate = 0.0
+    else:
+        cfg = dataclasses.replace(cfg, min_rate_gbps=model_rate)
+    want_rate = f" {_gbps(cfg.min_rate_gbps)}" if cfg.min_rate_gbps else ""
     if not expected:
         findings.append(ok(NAME, "sysfs", "no InfiniBand HCA expected or found"))
     for hca in expected:

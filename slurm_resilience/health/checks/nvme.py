@@ -51,6 +51,15 @@ def check(snap: dict[str, Any], cfg: NvmeCheckSection, state: dict[str, Any]) ->
     if used is not None and used > cfg.max_percentage_used:
         out.append(fail(NAME, "nvme-smart", f"nvme {used}% endurance used "
                                             f"(expected <={cfg.max_percentage_used}%)"))
+    media = smart.get("media_errors")
+    if media is not None and cfg.max_media_errors >= 0 and media > cfg.max_media_errors:
+        out.append(fail(NAME, "nvme-smart", f"nvme {media} media errors "
+                                            f"(expected <={cfg.max_media_errors})"))
+    spare, spare_min = smart.get("available_spare"), smart.get("available_spare_threshold")
+    floor = max(cfg.min_available_spare, spare_min or 0)
+    if spare is not None and floor and spare < floor:
+        out.append(fail(NAME, "nvme-smart", f"nvme {spare}% available spare "
+                                            f"(expected >={floor}%)"))
     if not out:
         out.append(ok(NAME, "nvme", f"nvme {path} {human_size(free or 0)} free"
                                     + (f", probe {probe:.1f}ms" if probe is not None else "")))

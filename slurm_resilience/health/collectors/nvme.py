@@ -63,10 +63,14 @@ def parse_smart(text: str) -> dict[str, int | None]:
     used = log.get("percentage_used", log.get("percent_used"))
     warning = log.get("critical_warning")
     media = log.get("media_errors")
+    spare = log.get("available_spare", log.get("avail_spare"))
+    spare_min = log.get("available_spare_threshold", log.get("spare_thresh"))
     return {
         "critical_warning": int(warning) if warning is not None else None,
         "percentage_used": int(used) if used is not None else None,
         "media_errors": int(media) if media is not None else None,
+        "available_spare": int(spare) if spare is not None else None,
+        "available_spare_threshold": int(spare_min) if spare_min is not None else None,
     }
 
 
