@@ -202,6 +202,25 @@ class NvmeCheckSection:
 
 
 @dataclass(frozen=True)
+class MountsCheckSection:
+    """Shared filesystems the jobs need (home, datasets, checkpoints)."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="probe impossible: drain or only report")
+    paths: tuple[str, ...] = setting(
+        default_factory=tuple,
+        help="paths that must answer, e.g. [/home, /datasets]; each is stat'ed in its own "
+             "child; empty: nothing checked")
+    timeout_s: float = setting(
+        2.0, min=0.1, max=60,
+        help="a path that doesn't answer within this fails (a hung server); kept below "
+             "health.collector_timeout_s")
+    require_mountpoint: bool = setting(
+        True, help="each path must itself be a mount point (an unmounted filesystem leaves "
+                   "an empty directory that stat happily answers for)")
+
+
+@dataclass(frozen=True)
 class HealthSection:
     """The node health gate run by the prolog, epilog and HealthCheckProgram."""
 
@@ -227,7 +246,12 @@ class HealthSection:
     infiniband: InfinibandCheckSection = setting(
         default_factory=InfinibandCheckSection, help="InfiniBand checks")
     nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")
+    mounts: MountsCheckSection = setting(
+        default_factory=MountsCheckSection, help="shared filesystem checks")
 
     def validate(self) -> None:
         if self.backend == "fake" and not self.scenario_dir:
             raise ValueError("backend fake needs scenario_dir")
+        if self.mounts.paths and self.mounts.timeout_s >= self.collector_timeout_s:
+            raise ValueError("health.mounts.timeout_s must be below "
+                             "health.collector_timeout_s (the mounts collector's own limit)")

@@ -20,6 +20,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.health import (
     GpuCheckSection,
     InfinibandCheckSection,
+    MountsCheckSection,
     NvmeCheckSection,
     XidCheckSection,
 )
@@ -27,8 +28,10 @@ from slurm_resilience.config.paths import node_path
 from slurm_resilience.health import childproc
 from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.checks import infiniband as ib_check
+from slurm_resilience.health.checks import mounts as mounts_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
+from slurm_resilience.health.collectors.mounts import MountsSnapshot
 from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
@@ -41,9 +44,9 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "infiniband", "nvme")
+CHECKS = ("gpu", "xid", "infiniband", "nvme", "mounts")
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme", "gate")
+_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme", "mounts", "gate")
 
 
 @dataclass
@@ -119,7 +122,7 @@ class StateStore:
 
 def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
                 ) -> dict[str, Callable[[], dict[str, Any]]]:
-    from slurm_resilience.health.collectors import infiniband, nvme, nvml, xid
+    from slurm_resilience.health.collectors import infiniband, mounts, nvme, nvml, xid
 
     h = cfg.health
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -141,6 +144,10 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
             nvme.collect, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
             active=active and h.nvme.probe, smart=active and h.nvme.smart,
             device=h.nvme.device, timeout=h.collector_timeout_s)
+    if "mounts" in wanted:
+        jobs["mounts"] = functools.partial(
+            mounts.collect_json, [node_path(p, node) for p in h.mounts.paths],
+            h.mounts.timeout_s)
     return jobs
 
 
@@ -169,13 +176,16 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | InfinibandCheckSection
-                   | NvmeCheckSection] = {
-        "gpu": h.gpu, "xid": h.xid, "infiniband": h.infiniband, "nvme": h.nvme}
+                   | NvmeCheckSection | MountsCheckSection] = {
+        "gpu": h.gpu, "xid": h.xid, "infiniband": h.infiniband, "nvme": h.nvme,
+        "mounts": h.mounts}
     wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
         wanted.remove("gpu")
     if not h.nvme.path and "nvme" in wanted:
         wanted.remove("nvme")
+    if not h.mounts.paths and "mounts" in wanted:
+        wanted.remove("mounts")
     active = kind not in ("prolog", "epilog")
     started = time.monotonic()
     outcomes = childproc.run_all(_collectors(cfg, node, active, wanted), h.collector_timeout_s)
@@ -217,6 +227,8 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 model = next((g.name for g in gpu_snap.gpus if g.name), None) \
                     if gpu_snap else None
                 result = ib_check.check(snap, h.infiniband, prev, gpu_model=model)
+            elif name == "mounts":
+                result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
             else:
                 result = nvme_check.check(snap, h.nvme, prev)
             if result.state != prev:

@@ -34,6 +34,8 @@ def conf(tmp_path: Path, **health: Any) -> dict[str, Any]:
                        "expected_hcas": [f"mlx5_{i}" for i in range(8)]},
         "nvme": {"path": f"{root}/nvme", "size_limit": 100 << 30, "min_free": 10 << 30,
                  "smart": False},
+        # "/" is reachable and a mount point wherever the tests run.
+        "mounts": {"paths": ["/"], "timeout_s": 2.0},
     }
     for key, value in health.items():
         if isinstance(value, dict):
@@ -119,7 +121,7 @@ def test_hung_collector_is_a_failure_and_the_gate_returns(node: Path) -> None:
     assert scen is not None
     scen["hang"] = {"function": "nvmlDeviceGetCount", "seconds": 60}
     nvml.write_scenario(str(hardware.locate(node, NODE).scenario), scen)
-    report = gate.run(load(node, collector_timeout_s=0.5), NODE, "prolog")
+    report = gate.run(load(node, collector_timeout_s=0.5, mounts={"paths": []}), NODE, "prolog")
     assert blocking(report) == ["gpu collector hung: no answer within 0.5s"]
 
 
