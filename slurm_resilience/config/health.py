@@ -221,6 +221,33 @@ class MountsCheckSection:
 
 
 @dataclass(frozen=True)
+class DiagCheckSection:
+    """Active GPU diagnostics: ``dcgmi diag`` where DCGM is installed, else a small torch
+    memory and bandwidth test. Never part of a hook's run: only ``slurm-resilience check
+    --only diag`` (or a caller that names it) runs them."""
+
+    enabled: bool = setting(True, help="kill switch: false skips active diagnostics")
+    on_unknown: Policy = setting(
+        "fail-open", help="no tool to run them (no dcgmi, no CUDA torch): drain or only report")
+    tool: Literal["auto", "dcgmi", "torch"] = setting(
+        "auto", help="auto: dcgmi when installed, else the torch test")
+    level: int = setting(2, min=1, max=4, help="dcgmi diag -r level (2 ~2 min, 3 ~15 min)")
+    timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
+    memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
+    memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    min_hbm_gbps_by_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 2000.0, "H200": 3000.0, "A100": 1200.0,
+                                 "B200": 4500.0, "GB200": 4500.0},
+        help="torch test: least device-to-device copy bandwidth (GB/s, read+write) per GPU "
+             "model; set at ~60% of the HBM peak (no public figure for this copy test)")
+    min_host_gbps_by_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 48.0, "H200": 48.0, "A100": 20.0, "B200": 48.0,
+                                 "GB200": 100.0},
+        help="torch test: least host-to-device and device-to-host bandwidth (GB/s) per GPU "
+             "model; H100 is aznhc's check_gpu_bw 48, the others are set conservatively")
+
+
+@dataclass(frozen=True)
 class HealthSection:
     """The node health gate run by the prolog, epilog and HealthCheckProgram."""
 
@@ -248,6 +275,8 @@ class HealthSection:
     nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")
     mounts: MountsCheckSection = setting(
         default_factory=MountsCheckSection, help="shared filesystem checks")
+    diag: DiagCheckSection = setting(
+        default_factory=DiagCheckSection, help="active GPU diagnostics (only when asked)")
 
     def validate(self) -> None:
         if self.backend == "fake" and not self.scenario_dir:

@@ -19,7 +19,9 @@ def register(sub: Any) -> None:
                                               "hostname)")
     p.add_argument("--kind", choices=_KINDS, default="manual",
                    help="which hook's check set to run (default: manual, i.e. all checks)")
-    p.add_argument("--only", default="", help="comma-separated checks: gpu,xid,infiniband,nvme")
+    p.add_argument("--only", default="",
+                   help="comma-separated checks: gpu,xid,infiniband,nvme,mounts; diag (active "
+                        "GPU diagnostics, minutes of GPU load) runs only when named here")
     p.set_defaults(func=run)
 
 

@@ -22,6 +22,7 @@ from slurm_resilience.config.health import (
     InfinibandCheckSection,
     MountsCheckSection,
     NvmeCheckSection,
+    DiagCheckSection,
     XidCheckSection,
 )
 from slurm_resilience.config.paths import node_path
@@ -44,9 +45,11 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "infiniband", "nvme", "mounts")
+CHECKS = ("gpu", "xid", "infiniband", "nvme", "mounts", "diag")
+# Active checks load the GPUs for minutes: they run only when a caller names them.
+ACTIVE = ("diag",)
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "infiniband", "nvme", "mounts", "gate")
+_REASON_ORDER = ("xid", "gpu", "diag", "infiniband", "nvme", "mounts", "gate")
 
 
 @dataclass
@@ -148,6 +151,12 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
         jobs["mounts"] = functools.partial(
             mounts.collect_json, [node_path(p, node) for p in h.mounts.paths],
             h.mounts.timeout_s)
+    if "diag" in wanted:
+        from slurm_resilience.health.collectors import diag
+
+        jobs["diag"] = functools.partial(diag.collect_json, h.diag.tool, h.diag.level,
+                                         h.diag.timeout_s, h.diag.memtest_bytes,
+                                         h.diag.memtest_iters)
     return jobs
 
 
@@ -176,10 +185,11 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | InfinibandCheckSection
-                   | NvmeCheckSection | MountsCheckSection] = {
+                   | NvmeCheckSection | MountsCheckSection | DiagCheckSection] = {
         "gpu": h.gpu, "xid": h.xid, "infiniband": h.infiniband, "nvme": h.nvme,
-        "mounts": h.mounts}
-    wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)]
+        "mounts": h.mounts, "diag": h.diag}
+    wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)
+              and (n not in ACTIVE or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
         wanted.remove("gpu")
     if not h.nvme.path and "nvme" in wanted:
@@ -188,7 +198,11 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         wanted.remove("mounts")
     active = kind not in ("prolog", "epilog")
     started = time.monotonic()
-    outcomes = childproc.run_all(_collectors(cfg, node, active, wanted), h.collector_timeout_s)
+    jobs = _collectors(cfg, node, active, wanted)
+    slow = {n: jobs.pop(n) for n in ACTIVE if n in jobs}
+    outcomes = childproc.run_all(jobs, h.collector_timeout_s)
+    if slow:
+        outcomes.update(childproc.run_all(slow, h.diag.timeout_s))
     seconds = {name: o.seconds for name, o in outcomes.items()}
     findings: list[Finding] = []
     store = StateStore(state_dir(cfg, node))
@@ -227,6 +241,15 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 model = next((g.name for g in gpu_snap.gpus if g.name), None) \
                     if gpu_snap else None
                 result = ib_check.check(snap, h.infiniband, prev, gpu_model=model)
+            elif name == "diag":
+                # Only when asked for, so its imports stay off the hooks' path.
+                from slurm_resilience.health.checks import diag as diag_check
+                from slurm_resilience.health.collectors import cuda_memtest, dcgm
+
+                result = (diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), prev, now)
+                          if "dcgm" in snap else
+                          diag_check.check_memtest(cuda_memtest.from_json(snap["memtest"]),
+                                                   h.diag, prev, now))
             elif name == "mounts":
                 result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
             else:

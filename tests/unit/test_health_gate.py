@@ -206,3 +206,16 @@ def test_unusable_state_dir_runs_without_history(node: Path) -> None:
     assert report.verdict.healthy
     assert [f.message for f in report.findings if f.check == "gate"] == [
         f"couldn't open state in {blocker}/health: Not a directory; checks run without history"]
+
+
+def test_active_diagnostics_run_only_when_named(node: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the prolog nor a full manual run starts active diagnostics; naming them
+    runs them (here: no dcgmi, no CUDA, so "could not check", policy fail-open)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    cfg = load(node)
+    for kind in ("prolog", "epilog", "healthcheck", "manual"):
+        assert not [f for f in gate.run(cfg, NODE, kind).findings if f.check == "diag"], kind
+    report = gate.run(cfg, NODE, "manual", only=("diag",))
+    assert [f.check for f in report.findings] == ["diag"]
+    assert report.findings[0].severity is Severity.UNKNOWN and report.verdict.healthy
