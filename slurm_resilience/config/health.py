@@ -75,6 +75,13 @@ class GpuCheckSection:
         default_factory=lambda: {"crc_flit": 100, "crc_data": 100, "replay": 100,
                                  "recovery": 0},
         help="NVLink error totals (all links) and the rise tolerated between two runs")
+    pci_sysfs_root: str = setting(
+        "/sys/bus/pci/devices", help="where each GPU's PCIe AER counters are read "
+                                     "(<bdf>/aer_dev_*); may hold {node}; empty: not read")
+    max_pcie_aer_delta: dict[str, int] = setting(
+        default_factory=lambda: {"fatal": 0, "nonfatal": 0, "correctable": 100},
+        help="PCIe AER totals of a GPU (correctable, nonfatal, fatal) and the rise "
+             "tolerated between two runs")
     max_pcie_replays_per_min: float = setting(
         8.0, min=0, help="PCIe replay counter rise per minute between runs that fails "
                          "(DCGM's default PCIe replay rate limit)")

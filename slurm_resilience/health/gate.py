@@ -132,7 +132,8 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
     if "gpu" in wanted:
         scen = node_path(h.scenario_dir, node) if h.scenario_dir else ""
         modules = node_path(h.gpu.modules_file, node) if h.gpu.peermem != "off" else ""
-        jobs["gpu"] = functools.partial(nvml.collect_json, h.backend, scen, node, modules)
+        pci = node_path(h.gpu.pci_sysfs_root, node) if h.gpu.pci_sysfs_root else ""
+        jobs["gpu"] = functools.partial(nvml.collect_json, h.backend, scen, node, modules, pci)
     if "xid" in wanted:
         jobs["xid"] = functools.partial(
             xid.collect, h.xid.source, node_path(h.xid.path, node),

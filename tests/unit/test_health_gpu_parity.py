@@ -169,3 +169,33 @@ def test_sku_without_the_fields_reads_not_supported(tmp_path: Path) -> None:
     assert g.sram_ecc is None and g.nvlink_errors is None and g.recovery_action is None
     assert {"sram_ecc", "recovery_action", "nvlink_replay", "pcie_replay"} <= set(g.unsupported)
     assert not fails(judge(snap)[0])
+
+
+def _aer(root: Path, bdf: str, cor: int, nonfatal: int, fatal: int) -> None:
+    """sysfs aer_dev_* files in the kernel's format (sysfs-bus-pci-devices-aer_stats)."""
+    d = root / bdf
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "aer_dev_correctable").write_text(
+        f"RxErr {cor}\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\nNonFatalErr 0\n"
+        f"CorrIntErr 0\nHeaderOF 0\nTOTAL_ERR_COR {cor}\n")
+    (d / "aer_dev_nonfatal").write_text(
+        f"Undefined 0\nDLP 0\nCmpltTO {nonfatal}\nUnsupReq 0\nTOTAL_ERR_NONFATAL {nonfatal}\n")
+    (d / "aer_dev_fatal").write_text(
+        f"Undefined 0\nDLP {fatal}\nSDES 0\nTLP 0\nMalfTLP 0\nTOTAL_ERR_FATAL {fatal}\n")
+
+
+def test_pcie_aer_counters_fail_on_their_rise(tmp_path: Path) -> None:
+    """A GPU's AER fatal/nonfatal totals rising between runs fail; a device without AER
+    files is named unsupported."""
+    scen = fake.default_scenario(2)
+    pci = tmp_path / "pci"
+    _aer(pci, "0000:18:00.0", 5, 0, 0)  # gpu0 (bus 18); gpu1 (2a) has no AER files
+    fake.write_scenario(str(tmp_path / "n1.json"), scen)
+    snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
+    assert snap.gpus[0].pcie_aer == {"correctable": 5, "nonfatal": 0, "fatal": 0}
+    assert snap.gpus[1].pcie_aer is None and "pcie_aer" in snap.gpus[1].unsupported
+    _, state = judge(snap, now=0)
+    _aer(pci, "0000:18:00.0", 50, 1, 0)
+    snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
+    assert fails(judge(snap, state=state, now=60)[0]) == [
+        "gpu0 PCIe AER nonfatal +1 (expected <=0)"]

@@ -173,6 +173,12 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
         if value - before > limit:
             out.append(fail(NAME, subject, f"{subject} NVLink {name} errors +{value - before} "
                                            f"(expected <={limit})"))
+    aer, before_aer = gpu.pcie_aer or {}, prev.get("pcie_aer") or {}
+    for name, limit in sorted(cfg.max_pcie_aer_delta.items()):
+        value, was = aer.get(name), before_aer.get(name)
+        if value is not None and was is not None and value >= was and value - was > limit:
+            out.append(fail(NAME, subject, f"{subject} PCIe AER {name} +{value - was} "
+                                           f"(expected <={limit})"))
     replay, before, then = gpu.pcie.replay, prev.get("pcie_replay"), prev.get("t")
     if replay is not None and isinstance(before, int) and isinstance(then, (int, float)) \
             and now > then and replay >= before:
@@ -186,7 +192,7 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
 
 def _baseline(gpu: GpuRecord, now: float) -> dict[str, Any]:
     return {"t": now, "nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
-            "pcie_replay": gpu.pcie.replay,
+            "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
             "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
 
 
@@ -277,7 +283,7 @@ def _unsupported(snap: NvmlSnapshot) -> list[Finding]:
     NOT_SUPPORTED is neither a pass nor a failure."""
     names = sorted({u for g in snap.gpus if not g.lost for u in g.unsupported}
                    & {"recovery_action", "sram_ecc", "nvlink_replay", "pcie_replay",
-                      "memory_v2"})
+                      "memory_v2", "pcie_aer"})
     if not names:
         return []
     return [ok(NAME, "support", f"not supported by driver {snap.driver}: {', '.join(names)} "

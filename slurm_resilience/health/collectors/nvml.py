@@ -10,6 +10,7 @@ by name so the check can say "could not check".
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -278,10 +279,34 @@ def _peermem(modules_file: str) -> bool | None:
         return None
 
 
-def collect(backend: str, scenario_dir: str, node: str, modules_file: str = ""
-            ) -> NvmlSnapshot:
+_AER = {"correctable": ("aer_dev_correctable", "TOTAL_ERR_COR"),
+        "nonfatal": ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
+        "fatal": ("aer_dev_fatal", "TOTAL_ERR_FATAL")}
+
+
+def read_aer(pci_root: str, bus_id: str) -> dict[str, int] | None:
+    """A GPU's PCIe AER totals from ``<pci_root>/<bdf>/aer_dev_*`` (kernel ABI
+    sysfs-bus-pci-devices-aer_stats: ``NAME COUNT`` lines ending in ``TOTAL_ERR_*``).
+    NVML writes the bus id as ``00000000:18:00.0``; sysfs as ``0000:18:00.0``."""
+    dom, rest = bus_id.split(":", 1)
+    base = os.path.join(pci_root, f"{int(dom, 16):04x}:{rest.lower()}")
+    out: dict[str, int] = {}
+    for key, (name, total) in _AER.items():
+        try:
+            with open(os.path.join(base, name), encoding="ascii", errors="replace") as fh:
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0] == total and parts[1].isdigit():
+                        out[key] = int(parts[1])
+        except OSError:
+            return None  # no AER capability or no such device: not supported here
+    return out if len(out) == len(_AER) else None
+
+
+def collect(backend: str, scenario_dir: str, node: str, modules_file: str = "",
+            pci_root: str = "") -> NvmlSnapshot:
     """One snapshot of every GPU the driver lists (and, given ``modules_file``, whether
-    nvidia_peermem is loaded)."""
+    nvidia_peermem is loaded; given ``pci_root``, each GPU's PCIe AER totals)."""
     snap = NvmlSnapshot(backend=backend, peermem_loaded=_peermem(modules_file))
     try:
         nv = load_module(backend, scenario_dir, node)
@@ -299,6 +324,11 @@ def collect(backend: str, scenario_dir: str, node: str, modules_file: str = ""
         count = int(nv.nvmlDeviceGetCount())
         snap.count = count
         snap.gpus = [_read_gpu(nv, i) for i in range(count)]
+        for g in snap.gpus:
+            if pci_root and g.pci_bus_id:
+                g.pcie_aer = read_aer(pci_root, g.pci_bus_id)
+                if g.pcie_aer is None:
+                    g.unsupported.append("pcie_aer")
     except nv.NVMLError as exc:
         snap.error = f"couldn't list GPUs: {_error_name(nv, exc)}"
     finally:
@@ -309,7 +339,7 @@ def collect(backend: str, scenario_dir: str, node: str, modules_file: str = ""
     return snap
 
 
-def collect_json(backend: str, scenario_dir: str, node: str, modules_file: str = ""
-                 ) -> dict[str, Any]:
+def collect_json(backend: str, scenario_dir: str, node: str, modules_file: str = "",
+                 pci_root: str = "") -> dict[str, Any]:
     """:func:`collect` for the collector child, whose answer travels as JSON."""
-    return collect(backend, scenario_dir, node, modules_file).to_json()
+    return collect(backend, scenario_dir, node, modules_file, pci_root).to_json()

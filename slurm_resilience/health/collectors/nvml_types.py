@@ -100,6 +100,8 @@ class GpuRecord:
     fabric: Fabric | None = None
     recovery_action: int | None = None
     sram_ecc: SramEcc | None = None
+    # PCIe AER totals from sysfs (aer_dev_{correctable,nonfatal,fatal} TOTAL_ERR_*).
+    pcie_aer: dict[str, int] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GpuRecord:
@@ -124,7 +126,8 @@ class GpuRecord:
             memory_info_version=d.get("memory_info_version"),
             memory_reserved_bytes=d.get("memory_reserved_bytes"),
             fabric=opt("fabric", Fabric), recovery_action=d.get("recovery_action"),
-            sram_ecc=opt("sram_ecc", SramEcc))
+            sram_ecc=opt("sram_ecc", SramEcc),
+            pcie_aer=None if d.get("pcie_aer") is None else dict(d["pcie_aer"]))
 
 
 @dataclass
