@@ -228,6 +228,20 @@ class MountsCheckSection:
 
 
 @dataclass(frozen=True)
+class ServicesCheckSection:
+    """systemd units the GPUs need (HealthCheckProgram and manual runs; the prolog runs
+    no external command)."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="systemctl unusable: drain or only report")
+    units: tuple[str, ...] = setting(
+        default_factory=tuple,
+        help="units that must be active, e.g. [nvidia-fabricmanager] on NVSwitch (HGX/DGX) "
+             "systems, [nvidia-imex, nvidia-fabricmanager] on GB200 NVL72 trays; "
+             "empty: nothing checked")
+
+
+@dataclass(frozen=True)
 class DiagCheckSection:
     """Active GPU diagnostics: ``dcgmi diag`` where DCGM is installed, else a small torch
     memory and bandwidth test. Never part of a hook's run: only ``slurm-resilience check
@@ -282,6 +296,8 @@ class HealthSection:
     nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")
     mounts: MountsCheckSection = setting(
         default_factory=MountsCheckSection, help="shared filesystem checks")
+    services: ServicesCheckSection = setting(
+        default_factory=ServicesCheckSection, help="GPU service units (Fabric Manager, IMEX)")
     diag: DiagCheckSection = setting(
         default_factory=DiagCheckSection, help="active GPU diagnostics (only when asked)")
 

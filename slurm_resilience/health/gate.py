@@ -45,11 +45,11 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "infiniband", "nvme", "mounts", "diag")
+CHECKS = ("gpu", "xid", "infiniband", "nvme", "mounts", "services", "diag")
 # Active checks load the GPUs for minutes: they run only when a caller names them.
 ACTIVE = ("diag",)
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "diag", "infiniband", "nvme", "mounts", "gate")
+_REASON_ORDER = ("xid", "gpu", "diag", "services", "infiniband", "nvme", "mounts", "gate")
 
 
 @dataclass
@@ -152,6 +152,11 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
         jobs["mounts"] = functools.partial(
             mounts.collect_json, [node_path(p, node) for p in h.mounts.paths],
             h.mounts.timeout_s)
+    if "services" in wanted:
+        from slurm_resilience.health.collectors import services
+
+        jobs["services"] = functools.partial(services.collect, list(h.services.units),
+                                             h.collector_timeout_s / 2)
     if "diag" in wanted:
         from slurm_resilience.health.collectors import diag
 
@@ -186,9 +191,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | InfinibandCheckSection
-                   | NvmeCheckSection | MountsCheckSection | DiagCheckSection] = {
+                   | NvmeCheckSection | MountsCheckSection | ServicesCheckSection
+                   | DiagCheckSection] = {
         "gpu": h.gpu, "xid": h.xid, "infiniband": h.infiniband, "nvme": h.nvme,
-        "mounts": h.mounts, "diag": h.diag}
+        "mounts": h.mounts, "services": h.services, "diag": h.diag}
     wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)
               and (n not in ACTIVE or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
@@ -197,6 +203,8 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         wanted.remove("nvme")
     if not h.mounts.paths and "mounts" in wanted:
         wanted.remove("mounts")
+    if "services" in wanted and (not h.services.units or kind in ("prolog", "epilog")):
+        wanted.remove("services")  # the hooks run no external command
     active = kind not in ("prolog", "epilog")
     started = time.monotonic()
     jobs = _collectors(cfg, node, active, wanted)
@@ -251,6 +259,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                           if "dcgm" in snap else
                           diag_check.check_memtest(cuda_memtest.from_json(snap["memtest"]),
                                                    h.diag, prev, now))
+            elif name == "services":
+                from slurm_resilience.health.checks import services as services_check
+
+                result = services_check.check(snap, h.services, prev)
             elif name == "mounts":
                 result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
             else:

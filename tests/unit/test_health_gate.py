@@ -67,7 +67,8 @@ def test_healthy_stand_ins_pass_every_check(node: Path) -> None:
     """8 GPUs, 8 HCAs, an empty kernel log and an empty NVMe: healthy, every check ran."""
     report = gate.run(load(node), NODE, "healthcheck")
     assert report.verdict.healthy, blocking(report)
-    assert {f.check for f in report.findings} == set(gate.CHECKS) - set(gate.ACTIVE)
+    # services: no units configured here (they need systemctl); diag: only when named.
+    assert {f.check for f in report.findings} == set(gate.CHECKS) - {"services", *gate.ACTIVE}
 
 
 @pytest.mark.parametrize(("fault", "reason"), [
@@ -219,3 +220,20 @@ def test_active_diagnostics_run_only_when_named(node: Path,
     report = gate.run(cfg, NODE, "manual", only=("diag",))
     assert [f.check for f in report.findings] == ["diag"]
     assert report.findings[0].severity is Severity.UNKNOWN and report.verdict.healthy
+
+
+def test_gpu_service_units_must_be_active(node: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """nvidia-fabricmanager failed and nvidia-imex active, as systemctl reports them: the
+    healthcheck fails naming the unit and its state; the prolog does not ask."""
+    bindir = node / "bin"
+    bindir.mkdir()
+    tool = bindir / "systemctl"
+    tool.write_text('#!/bin/sh\ncase "$3" in nvidia-imex) echo active; exit 0;;\n'
+                    '*) echo failed; exit 3;; esac\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    cfg = load(node, services={"units": ["nvidia-fabricmanager", "nvidia-imex"]})
+    report = gate.run(cfg, NODE, "healthcheck")
+    assert blocking(report) == ["nvidia-fabricmanager failed (expected active)"]
+    assert not [f for f in gate.run(cfg, NODE, "prolog").findings if f.check == "services"]
