@@ -310,7 +310,8 @@ def default_gpu(index: int) -> dict[str, Any]:
         "processes": [],
         # H100 HGX on R565: registered; the V3 health mask and summary are NOT_SUPPORTED (0).
         "fabric": {"state": NVML_GPU_FABRIC_STATE_COMPLETED, "status": NVML_SUCCESS,
-                   "health_mask": 0, "health_summary": NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED},
+                   "health_mask": 0,
+                   "health_summary": NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED},
         "lost": False,
         "errors": {},
     }
@@ -752,7 +753,7 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
             str(block.get("Persistence Mode"))),
         "nvlink_errors": None,  # not in nvidia-smi -q (nvidia-smi nvlink -e has them)
         "pcie_replay": _num(pci.get("Replays Since Reset")),
-        "recovery_action": _RECOVERY.get(str(block.get("GPU Recovery Action")), None),
+        "recovery_action": _RECOVERY.get(str(block.get("GPU Recovery Action"))),
         "sram_ecc": _sram_from_smi(ecc),
         "processes": [],
         "fabric": None,

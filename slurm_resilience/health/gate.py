@@ -18,11 +18,12 @@ from typing import Any
 
 from slurm_resilience.config import Config
 from slurm_resilience.config.health import (
+    DiagCheckSection,
     GpuCheckSection,
     InfinibandCheckSection,
     MountsCheckSection,
     NvmeCheckSection,
-    DiagCheckSection,
+    ServicesCheckSection,
     XidCheckSection,
 )
 from slurm_resilience.config.paths import node_path

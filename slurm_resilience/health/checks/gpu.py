@@ -59,7 +59,7 @@ def _throttle(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, streak: int,
         out.append(fail(NAME, subject, f"{subject} HW thermal slowdown (expected none)"))
     hw = reasons & (HW_SLOWDOWN | HW_POWER_BRAKE) and not reasons & HW_THERMAL
     kept = [s for s in samples if now - s[0] <= cfg.throttle_window_s]
-    kept = (kept + [[now, float(reasons)]])[-cfg.throttle_window_runs:]
+    kept = [*kept, [now, float(reasons)]][-cfg.throttle_window_runs:]
     if hw:
         what = "HW power brake slowdown" if reasons & HW_POWER_BRAKE else "HW slowdown"
         seen = sum(1 for _, bits in kept if int(bits) & (HW_SLOWDOWN | HW_POWER_BRAKE))

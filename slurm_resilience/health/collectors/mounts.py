@@ -54,21 +54,22 @@ def _probe(path: str) -> dict[str, Any]:
 def collect(paths: list[str], timeout: float,
             probe: Callable[[str], dict[str, Any]] = _probe) -> MountsSnapshot:
     """``probe`` is replaceable so tests can stand in for a server that never answers."""
-    jobs = {p: functools.partial(probe, p) for p in paths}
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        p: functools.partial(probe, p) for p in paths}
     outcomes = childproc.run_all(jobs, timeout) if jobs else {}
     snap = MountsSnapshot()
     for path in paths:
         o = outcomes[path]
-        probe = MountProbe(path, timed_out=o.timed_out)
+        found = MountProbe(path, timed_out=o.timed_out)
         if o.value is None:
-            probe.error = o.error or "no answer"
+            found.error = o.error or "no answer"
         elif o.value.get("error"):
-            probe.error = str(o.value["error"])
+            found.error = str(o.value["error"])
         else:
-            probe.reachable = True
-            probe.ms = float(o.value["ms"])
-            probe.mountpoint = bool(o.value["mountpoint"])
-        snap.probes.append(probe)
+            found.reachable = True
+            found.ms = float(o.value["ms"])
+            found.mountpoint = bool(o.value["mountpoint"])
+        snap.probes.append(found)
     return snap
 
 
