@@ -33,7 +33,9 @@ from slurm_resilience.health.checks import infiniband as ib_check
 from slurm_resilience.health.checks import mounts as mounts_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
+from slurm_resilience.health.collectors.infiniband import IbSnapshot
 from slurm_resilience.health.collectors.mounts import MountsSnapshot
+from slurm_resilience.health.collectors.nvme import NvmeSnapshot
 from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
@@ -142,11 +144,11 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
             h.collector_timeout_s)
     if "infiniband" in wanted:
         jobs["infiniband"] = functools.partial(
-            infiniband.collect, node_path(h.infiniband.sysfs_root, node),
+            infiniband.collect_json, node_path(h.infiniband.sysfs_root, node),
             list(h.infiniband.max_counter_delta))
     if "nvme" in wanted:
         jobs["nvme"] = functools.partial(
-            nvme.collect, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
+            nvme.collect_json, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
             active=active and h.nvme.probe, smart=active and h.nvme.smart,
             device=h.nvme.device, timeout=h.collector_timeout_s)
     if "mounts" in wanted:
@@ -250,7 +252,8 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
             elif name == "infiniband":
                 model = next((g.name for g in gpu_snap.gpus if g.name), None) \
                     if gpu_snap else None
-                result = ib_check.check(snap, h.infiniband, prev, gpu_model=model)
+                result = ib_check.check(IbSnapshot.from_json(snap), h.infiniband, prev,
+                                        gpu_model=model)
             elif name == "diag":
                 # Only when asked for, so its imports stay off the hooks' path.
                 from slurm_resilience.health.checks import diag as diag_check
@@ -267,7 +270,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
             elif name == "mounts":
                 result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
             else:
-                result = nvme_check.check(snap, h.nvme, prev)
+                result = nvme_check.check(NvmeSnapshot.from_json(snap), h.nvme, prev)
             if result.state != prev:
                 store.save(name, result.state)
             findings.extend(result.findings)

@@ -13,6 +13,7 @@ from typing import Any
 
 from slurm_resilience.config.health import InfinibandCheckSection
 from slurm_resilience.health import gpu_models
+from slurm_resilience.health.collectors.infiniband import IbSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 NAME = "infiniband"
@@ -40,11 +41,11 @@ def _gbps(x: float) -> str:
     return f"{x:g}Gb/s"
 
 
-def _expected_hcas(snap: dict[str, Any], cfg: InfinibandCheckSection) -> list[str]:
+def _expected_hcas(snap: IbSnapshot, cfg: InfinibandCheckSection) -> list[str]:
     if cfg.expected_hcas:
         return list(cfg.expected_hcas)
-    return [h for h, e in snap.get("hcas", {}).items()
-            if any(p.get("link_layer") == "InfiniBand" for p in e.get("ports", {}).values())]
+    return [h for h, e in snap.hcas.items()
+            if any(p.link_layer == "InfiniBand" for p in e.ports.values())]
 
 
 def _counters(subject: str, cur: dict[str, int | None], prev: dict[str, int],
@@ -84,12 +85,12 @@ def model_defaults(cfg: InfinibandCheckSection, gpu_model: str | None
     return hcas, rate
 
 
-def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, Any],
+def check(snap: IbSnapshot, cfg: InfinibandCheckSection, state: dict[str, Any],
           gpu_model: str | None = None) -> CheckResult:
     """``gpu_model``: the NVML name of the node's GPUs, for the shipped per-model HCA
     count and rate (used where the site set neither)."""
-    if snap.get("error"):
-        return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap['error']}")], state)
+    if snap.error:
+        return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap.error}")], state)
     findings: list[Finding] = []
     prev_all: dict[str, dict[str, int]] = state.get("counters", {})
     baseline: dict[str, dict[str, int]] = {}
@@ -106,34 +107,34 @@ def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, An
     if not expected:
         findings.append(ok(NAME, "sysfs", "no InfiniBand HCA expected or found"))
     for hca in expected:
-        entry = snap.get("hcas", {}).get(hca)
+        entry = snap.hcas.get(hca)
         if entry is None:
             findings.append(fail(NAME, hca, f"{hca} missing (expected present)"))
             continue
-        if entry.get("error"):
-            findings.append(unknown(NAME, hca, f"{hca}: {entry['error']}"))
+        if entry.error:
+            findings.append(unknown(NAME, hca, f"{hca}: {entry.error}"))
             continue
         for port in cfg.ports:
             subject = f"{hca} port{port}"
-            pinfo = entry.get("ports", {}).get(str(port))
+            pinfo = entry.ports.get(str(port))
             if pinfo is None:
                 findings.append(fail(NAME, subject, f"{subject} missing (expected present)"))
                 continue
             before = len(findings)
-            state_word, phys = _word(pinfo.get("state")), _word(pinfo.get("phys_state"))
+            state_word, phys = _word(pinfo.state), _word(pinfo.phys_state)
             if state_word != "ACTIVE":
                 findings.append(fail(NAME, subject, f"{subject} {state_word} "
                                                     f"(expected ACTIVE{want_rate})"))
             elif phys != "LinkUp":
                 findings.append(fail(NAME, subject, f"{subject} phys {phys} (expected LinkUp)"))
-            rate = rate_gbps(pinfo.get("rate"))
+            rate = rate_gbps(pinfo.rate)
             if state_word == "ACTIVE" and cfg.min_rate_gbps and (
                     rate is None or rate < cfg.min_rate_gbps):
-                shown = _gbps(rate) if rate is not None else repr(pinfo.get("rate"))
+                shown = _gbps(rate) if rate is not None else repr(pinfo.rate)
                 findings.append(fail(NAME, subject, f"{subject} {shown} "
                                                     f"(expected >={_gbps(cfg.min_rate_gbps)})"))
             key = f"{hca}/{port}"
-            found, baseline[key] = _counters(subject, pinfo.get("counters", {}),
+            found, baseline[key] = _counters(subject, pinfo.counters,
                                              prev_all.get(key, {}), dict(cfg.max_counter_delta))
             if state_word != "ACTIVE":
                 # The link is down now: that is the finding, not the link_downed tick it caused.
@@ -141,5 +142,5 @@ def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, An
             findings.extend(found)
             if len(findings) == before:
                 findings.append(ok(NAME, subject, f"{subject} ACTIVE LinkUp "
-                                                  f"{pinfo.get('rate') or '?'}"))
+                                                  f"{pinfo.rate or '?'}"))
     return CheckResult(findings, {"counters": baseline})
