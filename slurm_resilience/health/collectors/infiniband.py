@@ -13,9 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
-
-
 @dataclass
 class IbPort:
     state: str | None = None  # "4: ACTIVE"
@@ -81,7 +78,10 @@ def collect(root: str, counters: Iterable[str]) -> IbSnapshot:
             continue
         for port in ports:
             pdir = os.path.join(base, "ports", port)
-            pinfo = IbPort(*(_read(os.path.join(pdir, f)) for f in _PORT_FILES))
+            pinfo = IbPort(state=_read(os.path.join(pdir, "state")),
+                           phys_state=_read(os.path.join(pdir, "phys_state")),
+                           rate=_read(os.path.join(pdir, "rate")),
+                           link_layer=_read(os.path.join(pdir, "link_layer")))
             for name in names:
                 text = _read(os.path.join(pdir, "counters", name))
                 pinfo.counters[name] = int(text) if text is not None and text.isdigit() \
