@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+
 @dataclass
 class IbPort:
     state: str | None = None  # "4: ACTIVE"
