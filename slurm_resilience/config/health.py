@@ -39,15 +39,13 @@ class GpuCheckSection:
     fail_on_remap_pending: bool = setting(
         True, help="rows waiting to be remapped (a GPU reset applies them) fail the node")
     max_temperature_c: int = setting(85, min=30, max=120, help="GPU core temperature limit")
-    throttle_window_runs: int = setting(
-        10, min=1, max=1000,
-        help="HW slowdown and HW power brake are judged over this many recent runs (a rate, "
-             "not one sample); HW thermal slowdown still fails on one reading")
     throttle_window_s: int = setting(
-        3600, min=60, help="runs older than this leave the throttle window")
+        3600, min=60,
+        help="HW slowdown and HW power brake are judged as a rate over this window (not one "
+             "sample); HW thermal slowdown still fails on one reading")
     throttle_fail_runs: int = setting(
         3, min=1, max=1000,
-        help="runs in the window with HW slowdown or power brake that fail the GPU; "
+        help="runs within the window that saw HW slowdown or power brake and fail the GPU; "
              "fewer are reported (warn)")
     sw_thermal_warn_runs: int = setting(
         3, min=1, max=100,

@@ -120,8 +120,8 @@ def test_one_hw_thermal_reading_fails() -> None:
     (gpu.HW_SLOWDOWN, "HW slowdown"),
 ])
 def test_hw_slowdown_is_judged_as_a_rate(bits: int, what: str) -> None:
-    """One HW slowdown or power brake sample only warns; the third within the window of
-    recent runs fails; samples older than the window drop out."""
+    """One HW slowdown or power brake sample only warns; the third within the window
+    fails; samples older than the window drop out."""
     s, cfg = with_gpu3(throttle_reasons=bits), GpuCheckSection()
     state: dict[str, Any] = {}
     results = []
@@ -131,11 +131,15 @@ def test_hw_slowdown_is_judged_as_a_rate(bits: int, what: str) -> None:
         results.append(r)
     assert not fails(results[0].findings)
     assert [f.message for f in results[0].findings if f.severity is Severity.WARN] == [
-        f"gpu3 {what} in 1 of the last 1 runs (expected <3)"]
-    assert fails(results[2].findings) == [f"gpu3 {what} in 3 of the last 3 runs (expected <3)"]
+        f"gpu3 {what} in 1 runs within 60min (expected <3)"]
+    assert fails(results[2].findings) == [f"gpu3 {what} in 3 runs within 60min (expected <3)"]
     # Two hours later the earlier samples are out of the window: one reading warns again.
     r = gpu.check(NvmlSnapshot.from_json(s), cfg, state, now=120.0 + 7200)
     assert not fails(r.findings)
+    # A healthy run leaves the state as it was (nothing to write on the prolog path).
+    healthy = gpu.check(NvmlSnapshot.from_json(snap()), cfg, state, now=8000.0)
+    assert healthy.state == gpu.check(NvmlSnapshot.from_json(snap()), cfg, healthy.state,
+                                      now=9000.0).state
 
 
 def test_idle_and_sw_power_cap_are_ignored() -> None:

@@ -46,29 +46,27 @@ FABRIC_COMPLETED = gpu_fabric.FABRIC_COMPLETED
 
 
 def _throttle(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, streak: int,
-              samples: list[list[float]], now: float
-              ) -> tuple[list[Finding], int, list[list[float]]]:
+              samples: list[float], now: float) -> tuple[list[Finding], int, list[float]]:
     """HW thermal slowdown fails at once (the GPU is protecting itself from heat); HW
-    slowdown and power brake fail only when frequent in the recent runs: one reading is
-    often a PSU or power-capping transient."""
+    slowdown and power brake fail only when seen in throttle_fail_runs runs within
+    throttle_window_s: one reading is often a PSU or power-capping transient.
+    ``samples`` holds the times of the runs that saw them (only those, so a healthy
+    run leaves the state, and the state file, untouched)."""
     reasons = gpu.throttle_reasons
     if reasons is None:
         return [], 0, samples
     out: list[Finding] = []
     if reasons & HW_THERMAL:
         out.append(fail(NAME, subject, f"{subject} HW thermal slowdown (expected none)"))
-    hw = reasons & (HW_SLOWDOWN | HW_POWER_BRAKE) and not reasons & HW_THERMAL
-    kept = [s for s in samples if now - s[0] <= cfg.throttle_window_s]
-    kept = [*kept, [now, float(reasons)]][-cfg.throttle_window_runs:]
-    if hw:
+    kept = [t for t in samples if now - t <= cfg.throttle_window_s]
+    if reasons & (HW_SLOWDOWN | HW_POWER_BRAKE) and not reasons & HW_THERMAL:
+        kept = [*kept, now][-cfg.throttle_fail_runs:]
         what = "HW power brake slowdown" if reasons & HW_POWER_BRAKE else "HW slowdown"
-        seen = sum(1 for _, bits in kept if int(bits) & (HW_SLOWDOWN | HW_POWER_BRAKE))
-        text = (f"{subject} {what} in {seen} of the last {len(kept)} runs "
+        window = f"{cfg.throttle_window_s // 60}min"
+        text = (f"{subject} {what} in {len(kept)} runs within {window} "
                 f"(expected <{cfg.throttle_fail_runs})")
-        if seen >= cfg.throttle_fail_runs:
-            out.append(fail(NAME, subject, text, runs=seen))
-        else:
-            out.append(warn(NAME, subject, text, runs=seen))
+        judge = fail if len(kept) >= cfg.throttle_fail_runs else warn
+        out.append(judge(NAME, subject, text, runs=len(kept)))
     streak = streak + 1 if reasons & SW_THERMAL else 0
     if streak >= cfg.sw_thermal_warn_runs:
         out.append(warn(NAME, subject, f"{subject} SW thermal slowdown for {streak} runs",
@@ -190,10 +188,15 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
     return out
 
 
-def _baseline(gpu: GpuRecord, now: float) -> dict[str, Any]:
-    return {"t": now, "nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
-            "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
-            "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
+def _baseline(gpu: GpuRecord, now: float, prev: dict[str, Any]) -> dict[str, Any]:
+    """Counter values to compare the next run with. Unchanged counters keep the old
+    baseline and its time: rates then span longer, and a quiet run writes no state."""
+    values = {"nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
+              "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
+              "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
+    if prev.get("t") is not None and all(prev.get(k) == v for k, v in values.items()):
+        return prev
+    return {"t": now, **values}
 
 
 def _memory_errors(gpu: GpuRecord, subject: str, cfg: GpuCheckSection) -> list[Finding]:
@@ -251,7 +254,8 @@ def _one_gpu(gpu: GpuRecord, cfg: GpuCheckSection, kind: str, state: dict[str, A
         out.append(fail(NAME, subject, f"{subject} persistence mode off (expected on)"))
     if not out:
         out.append(ok(NAME, subject, f"{subject} ok", name=gpu.name, pci=gpu.pci_bus_id))
-    return out, {"streak": streak, "throttle": samples, "counters": _baseline(gpu, now)}
+    return out, {"streak": streak, "throttle": samples,
+                 "counters": _baseline(gpu, now, state.get("counters", {}))}
 
 
 def _consistency(snap: NvmlSnapshot, cfg: GpuCheckSection) -> list[Finding]:
