@@ -32,6 +32,11 @@ class GpuCheckSection:
         0, min=0, help="volatile (since driver load) uncorrectable ECC errors tolerated")
     max_aggregate_uncorrectable_ecc: int = setting(
         -1, min=-1, help="lifetime uncorrectable ECC errors tolerated; -1: not checked")
+    max_ecc_corrected_per_hour: float = setting(
+        10000.0, min=0,
+        help="rise of the lifetime corrected ECC count (HBM and SRAM) per hour between runs "
+             "that fails: degrading memory corrects more and more before it fails. No "
+             "public rate figure was found; set high so only a clearly degrading GPU drains")
     max_retired_pages: int = setting(
         60, min=0, help="retired pages (single + double bit) tolerated on pre-Ampere GPUs")
     fail_on_retired_pages_pending: bool = setting(

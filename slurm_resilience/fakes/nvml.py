@@ -721,6 +721,16 @@ def _sram_from_smi(ecc: Any) -> dict[str, Any] | None:
             "threshold_exceeded": agg.get("SRAM Threshold Exceeded") == "Yes"}
 
 
+def _ecc_corrected(block: Any) -> int | None:
+    if not isinstance(block, dict):
+        return None
+    if "DRAM Correctable" in block:  # Ampere and later
+        return (_num(block.get("DRAM Correctable")) or 0) + \
+            (_num(block.get("SRAM Correctable")) or 0)
+    single = block.get("Single Bit")  # Volta
+    return _num(single.get("Total")) if isinstance(single, dict) else None
+
+
 def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
     pci = block.get("PCI", {})
     link = pci.get("GPU Link Info", {})
@@ -736,7 +746,8 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
         "uuid": block.get("GPU UUID"),
         "pci_bus_id": bus_id,
         "ecc": {"volatile_uncorrected": _ecc_uncorrected(ecc.get("Volatile")) or 0,
-                "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0},
+                "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0,
+                "aggregate_corrected": _ecc_corrected(ecc.get("Aggregate")) or 0},
         "retired_pages": None,
         "remapped_rows": None,
         "throttle_reasons": _reasons(reasons),

@@ -14,6 +14,8 @@ Faults change the node's stand-ins the way the real failure shows up:
   (judged as a rise between runs, like the IB counters).
 * ``gpu-recovery:GPU`` NVML's recovery action becomes DRAIN_AND_RESET.
 * ``sram-ecc:GPU`` one SRAM uncorrectable error and the threshold-exceeded flag.
+* ``hbm-degraded:GPU`` the GPU's corrected ECC count jumps by 100000 and a row is
+  remapped (correctable): memory that corrects ever more before it fails.
 * ``fabric-unhealthy`` every GPU's fabric health (NVML V3) turns UNHEALTHY with degraded
   bandwidth, as on a GB200 NVL72 tray whose NVLink switch tray lost links.
 * ``nvme-full`` a sparse file as big as the node's configured disk size
@@ -197,6 +199,21 @@ def sram_ecc(hw: hardware.NodeHardware, args: list[str]) -> str:
     return f"gpu{index} SRAM uncorrectable error, threshold exceeded"
 
 
+def hbm_degraded(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        ecc = gpu.setdefault("ecc", {})
+        for key in ("volatile_corrected", "aggregate_corrected"):
+            ecc[key] = int(ecc.get(key) or 0) + 100000
+        rows = gpu.get("remapped_rows")
+        if rows is not None:
+            rows["correctable"] += 1
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} corrected ECC +100000, one more row remapped"
+
+
 def fabric_unhealthy(hw: hardware.NodeHardware, args: list[str]) -> str:
     scenario = nvml.read_scenario(str(hw.scenario)) or nvml.default_scenario(hardware.GPUS)
     mask = (nvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE
@@ -223,6 +240,7 @@ register("nvlink-errors", "nvlink-errors:GPU", nvlink_errors)
 register("gpu-recovery", "gpu-recovery:GPU", gpu_recovery)
 register("sram-ecc", "sram-ecc:GPU", sram_ecc)
 register("fabric-unhealthy", "fabric-unhealthy", fabric_unhealthy)
+register("hbm-degraded", "hbm-degraded:GPU", hbm_degraded)
 
 
 def usages() -> str:

@@ -1,5 +1,5 @@
 """The new GPU fault classes in the real sandbox: each drains its node with a reason that
-states measured against expected, and the node comes back once healed. One test, four
+states measured against expected, and the node comes back once healed. One test, all
 nodes at once, sharing the session sandbox."""
 
 from __future__ import annotations
@@ -14,14 +14,19 @@ from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = pytest.mark.sandbox
 
-# node → (fault, text its drain reason must hold)
-CASES = {
-    "node1": ("nvlink-errors:2", "gpu2 NVLink "),
-    "node2": ("gpu-recovery:1", "gpu1 NVML recovery action DRAIN_AND_RESET (expected NONE)"),
-    "node3": ("sram-ecc:0", "gpu0 1 SRAM uncorrectable errors (expected <=0)"),
-    "node4": ("fabric-unhealthy", "fabric health UNHEALTHY: degraded bandwidth "
-                                  "(expected HEALTHY)"),
-}
+# Round → node → (fault, text its drain reason must hold). A node's reason names its
+# first finding only, so faults on one node go in separate rounds.
+ROUNDS = [
+    {"node1": ("nvlink-errors:2", "gpu2 NVLink "),
+     "node2": ("gpu-recovery:1", "gpu1 NVML recovery action DRAIN_AND_RESET (expected NONE)"),
+     "node3": ("sram-ecc:0", "gpu0 1 SRAM uncorrectable errors (expected <=0)"),
+     "node4": ("fabric-unhealthy", "fabric health UNHEALTHY: degraded bandwidth "
+                                   "(expected HEALTHY)")},
+    {"node1": ("hbm-degraded:3", "gpu3 ECC corrected ")},
+]
+# Counters judged as a rise between two runs: if the first run after the fault was also
+# the node's first (no baseline yet), the fault is applied again.
+RISES = ("nvlink-errors", "hbm-degraded")
 
 
 @pytest.fixture
@@ -36,35 +41,46 @@ def _drained(box: Sandbox, node: str, text: str) -> str | None:
     return info.reason if info.drained and text in info.reason else None
 
 
-def test_new_gpu_fault_classes_drain_with_measured_against_expected_then_heal(box: Sandbox
-                                                                              ) -> None:
-    """nvlink-errors, gpu-recovery, sram-ecc and fabric-unhealthy each drain their node
-    (HealthCheckProgram) naming the value and what was expected; healed, all resume."""
-    for node, (fault, _) in CASES.items():
+def _drain_all(box: Sandbox, cases: dict[str, tuple[str, str]]) -> dict[str, str]:
+    for node, (fault, _) in cases.items():
         print(faults.inject(box.state_dir, node, fault))
     reasons: dict[str, str] = {}
     deadline = time.monotonic() + 90
-    last_nudge = time.monotonic()
-    while len(reasons) < len(CASES):
-        for node, (_, text) in CASES.items():
+    nudged = time.monotonic()
+    while len(reasons) < len(cases):
+        for node, (_, text) in cases.items():
             if node not in reasons and (reason := _drained(box, node, text)):
                 reasons[node] = reason
         if time.monotonic() > deadline:
             raise TimeoutError(f"drained so far: {reasons}")
-        if "node1" not in reasons and time.monotonic() - last_nudge > 15:
-            # NVLink counters are judged as a rise between two runs: if the first run
-            # after the fault was also the node's first (no baseline), rise them again.
-            faults.inject(box.state_dir, "node1", CASES["node1"][0])
-            last_nudge = time.monotonic()
+        if time.monotonic() - nudged > 15:
+            for node, (fault, _) in cases.items():
+                if node not in reasons and fault.startswith(RISES):
+                    faults.inject(box.state_dir, node, fault)
+            nudged = time.monotonic()
         time.sleep(0.5)
-    for node, reason in sorted(reasons.items()):
-        print(f"{node}: {reason}")
-        assert reason.startswith("SR: health: ") and "(expected " in reason
-    for node in CASES:
+    return reasons
+
+
+def _heal_all(box: Sandbox, nodes: list[str]) -> None:
+    for node in nodes:
         faults.heal(box.state_dir, node)
     ctl = box.adapter()
     deadline = time.monotonic() + 120
-    while any(ctl.show_node(n).drained for n in CASES):
+    while any(ctl.show_node(n).drained for n in nodes):
         if time.monotonic() > deadline:
-            raise TimeoutError({n: ctl.show_node(n).reason for n in CASES})
+            raise TimeoutError({n: ctl.show_node(n).reason for n in nodes})
         time.sleep(0.5)
+
+
+def test_new_gpu_fault_classes_drain_with_measured_against_expected_then_heal(box: Sandbox
+                                                                              ) -> None:
+    """nvlink-errors, gpu-recovery, sram-ecc, fabric-unhealthy and hbm-degraded each drain
+    their node (HealthCheckProgram) naming the value and what was expected; healed, the
+    nodes resume."""
+    for cases in ROUNDS:
+        reasons = _drain_all(box, cases)
+        for node, reason in sorted(reasons.items()):
+            print(f"{node}: {reason}")
+            assert reason.startswith("SR: health: ") and "(expected " in reason
+        _heal_all(box, list(cases))

@@ -80,7 +80,7 @@ def test_default_scenario_matches_the_real_healthy_h100_capture(tmp_path: Path) 
         for key in ("name", "pci_bus_id", "ecc_volatile_uncorrected", "retired_pages",
                     "retired_pending", "remap", "throttle_reasons", "fabric", "vbios",
                     "persistence_mode", "memory_reserved_bytes", "memory_info_version",
-                    "recovery_action", "sram_ecc"):
+                    "recovery_action", "sram_ecc", "ecc_aggregate_corrected"):
             assert getattr(r, key) == getattr(o, key), key
         assert (r.pcie.gen, r.pcie.width) == (o.pcie.gen, o.pcie.width)
     assert ours.gpus[0].retired_pages is None  # Hopper: NOT_SUPPORTED, "N/A" in smi

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from conftest import REAL_FIXTURES
+
 from slurm_resilience.config.health import GpuCheckSection
 from slurm_resilience.fakes import nvml as fake
 from slurm_resilience.health.checks import gpu, gpu_fabric
@@ -199,3 +201,23 @@ def test_pcie_aer_counters_fail_on_their_rise(tmp_path: Path) -> None:
     snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
     assert fails(judge(snap, state=state, now=60)[0]) == [
         "gpu0 PCIe AER nonfatal +1 (expected <=0)"]
+
+
+def test_degrading_memory_fails_on_its_corrected_error_rate(tmp_path: Path) -> None:
+    """A GPU whose corrected ECC count climbs fast (degrading HBM) fails, stating the rate
+    against the limit; a slow climb and old history do not. The real A100 capture with
+    DRAM correctables reads them."""
+    scen = fake.default_scenario(2)
+    scen["gpus"][1]["ecc"]["aggregate_corrected"] = 50_000  # history: a baseline only
+    _, state = judge(collect(tmp_path, scen), now=0)
+    scen["gpus"][1]["ecc"]["aggregate_corrected"] = 50_500  # +500 in an hour
+    findings, state = judge(collect(tmp_path, scen), state=state, now=3600)
+    assert not fails(findings)
+    scen["gpus"][1]["ecc"]["aggregate_corrected"] = 150_500  # +100000 in 10 minutes
+    findings, _ = judge(collect(tmp_path, scen), state=state, now=4200)
+    assert fails(findings) == [
+        "gpu1 ECC corrected 600000/h (expected <=10000/h; degrading memory)"]
+    real = fake.scenario_from_nvidia_smi(
+        (REAL_FIXTURES / "nvidia-smi" /
+         "nvidia-smi-q_a100-sxm4-80gb-x4_drv555_remap-pending_dram-ce.txt").read_text())
+    assert any(g["ecc"]["aggregate_corrected"] > 0 for g in real["gpus"])

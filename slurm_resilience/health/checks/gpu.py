@@ -177,6 +177,14 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
         if value is not None and was is not None and value >= was and value - was > limit:
             out.append(fail(NAME, subject, f"{subject} PCIe AER {name} +{value - was} "
                                            f"(expected <={limit})"))
+    cor, was_cor, then = gpu.ecc_aggregate_corrected, prev.get("ecc_cor"), prev.get("t")
+    if cor is not None and isinstance(was_cor, int) and isinstance(then, (int, float)) \
+            and now > then and cor >= was_cor:
+        per_hour = (cor - was_cor) / (max(now - then, 60.0) / 3600.0)
+        if per_hour > cfg.max_ecc_corrected_per_hour:
+            out.append(fail(NAME, subject, f"{subject} ECC corrected {per_hour:.0f}/h "
+                                           f"(expected <={cfg.max_ecc_corrected_per_hour:g}/h; "
+                                           "degrading memory)"))
     replay, before, then = gpu.pcie.replay, prev.get("pcie_replay"), prev.get("t")
     if replay is not None and isinstance(before, int) and isinstance(then, (int, float)) \
             and now > then and replay >= before:
@@ -193,6 +201,7 @@ def _baseline(gpu: GpuRecord, now: float, prev: dict[str, Any]) -> dict[str, Any
     baseline and its time: rates then span longer, and a quiet run writes no state."""
     values = {"nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
               "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
+              "ecc_cor": gpu.ecc_aggregate_corrected,
               "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
     if prev.get("t") is not None and all(prev.get(k) == v for k, v in values.items()):
         return prev

@@ -112,6 +112,9 @@ def _read_gpu(nv: ModuleType, index: int) -> GpuRecord:
         "ecc_volatile", nv.nvmlDeviceGetTotalEccErrors, unc, nv.NVML_VOLATILE_ECC)
     record.ecc_aggregate_uncorrected = g.get(
         "ecc_aggregate", nv.nvmlDeviceGetTotalEccErrors, unc, nv.NVML_AGGREGATE_ECC)
+    record.ecc_aggregate_corrected = g.get(
+        "ecc_corrected", nv.nvmlDeviceGetTotalEccErrors, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+        nv.NVML_AGGREGATE_ECC)
     sbe = g.get("retired_sbe", nv.nvmlDeviceGetRetiredPages,
                 nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
     dbe = g.get("retired_dbe", nv.nvmlDeviceGetRetiredPages,

@@ -84,6 +84,7 @@ class GpuRecord:
     persistence_mode: bool | None = None
     ecc_volatile_uncorrected: int | None = None
     ecc_aggregate_uncorrected: int | None = None
+    ecc_aggregate_corrected: int | None = None
     retired_pages: int | None = None
     retired_pending: bool | None = None
     remap: RemapRows | None = None
@@ -117,6 +118,7 @@ class GpuRecord:
             persistence_mode=d.get("persistence_mode"),
             ecc_volatile_uncorrected=d.get("ecc_volatile_uncorrected"),
             ecc_aggregate_uncorrected=d.get("ecc_aggregate_uncorrected"),
+            ecc_aggregate_corrected=d.get("ecc_aggregate_corrected"),
             retired_pages=d.get("retired_pages"), retired_pending=d.get("retired_pending"),
             remap=opt("remap", RemapRows), throttle_reasons=d.get("throttle_reasons"),
             temperature_c=d.get("temperature_c"), pcie=Pcie(**d.get("pcie", {})),
