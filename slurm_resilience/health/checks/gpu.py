@@ -299,8 +299,8 @@ def _unsupported(snap: NvmlSnapshot) -> list[Finding]:
                       "memory_v2", "pcie_aer"})
     if not names:
         return []
-    return [ok(NAME, "support", f"not supported by driver {snap.driver}: {', '.join(names)} "
-                                "(not checked)", unsupported=names)]
+    return [ok(NAME, "support", f"not supported on these GPUs/driver {snap.driver}: "
+                                f"{', '.join(names)} (not checked)", unsupported=names)]
 
 
 def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
