@@ -32,6 +32,11 @@ class GpuCheckSection:
         0, min=0, help="volatile (since driver load) uncorrectable ECC errors tolerated")
     max_aggregate_uncorrectable_ecc: int = setting(
         -1, min=-1, help="lifetime uncorrectable ECC errors tolerated; -1: not checked")
+    max_ecc_corrected_per_hour: float = setting(
+        10000.0, min=0,
+        help="rise of the lifetime corrected ECC count (HBM and SRAM) per hour between runs "
+             "that fails: degrading memory corrects more and more before it fails. No "
+             "public rate figure was found; set high so only a clearly degrading GPU drains")
     max_retired_pages: int = setting(
         60, min=0, help="retired pages (single + double bit) tolerated on pre-Ampere GPUs")
     fail_on_retired_pages_pending: bool = setting(
@@ -39,6 +44,14 @@ class GpuCheckSection:
     fail_on_remap_pending: bool = setting(
         True, help="rows waiting to be remapped (a GPU reset applies them) fail the node")
     max_temperature_c: int = setting(85, min=30, max=120, help="GPU core temperature limit")
+    throttle_window_s: int = setting(
+        3600, min=60,
+        help="HW slowdown and HW power brake are judged as a rate over this window (not one "
+             "sample); HW thermal slowdown still fails on one reading")
+    throttle_fail_runs: int = setting(
+        3, min=1, max=1000,
+        help="runs within the window that saw HW slowdown or power brake and fail the GPU; "
+             "fewer are reported (warn)")
     sw_thermal_warn_runs: int = setting(
         3, min=1, max=100,
         help="consecutive runs with SW thermal slowdown before it is reported (warn)")
@@ -52,7 +65,54 @@ class GpuCheckSection:
                    "only the job's GPUs (SLURM_JOB_GPUS) when set, since jobs may share a node")
     leftover_memory: ByteSize = setting(
         ByteSize(1 << 30),
-        help="prolog only: GPU memory in use above this on the job's GPUs fails")
+        help="prolog only: GPU memory in use above this on the job's GPUs fails (NVML v2 "
+             "memory info, which leaves out the driver's reserved memory)")
+    leftover_memory_by_model: dict[str, int] = setting(
+        default_factory=lambda: {"GH200": 4 << 30, "GB200": 4 << 30},
+        help="per GPU model (a word of the NVML name), bytes allowed instead of "
+             "leftover_memory: on Grace systems pages may stay mapped after a process exits")
+    recovery_action: bool = setting(
+        True, help="a GPU whose NVML recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) is "
+                   "not NONE fails; drivers without the field are reported as not supported")
+    max_nvlink_error_delta: dict[str, int] = setting(
+        default_factory=lambda: {"crc_flit": 100, "crc_data": 100, "replay": 100,
+                                 "recovery": 0},
+        help="NVLink error totals (all links) and the rise tolerated between two runs")
+    pci_sysfs_root: str = setting(
+        "/sys/bus/pci/devices", help="where each GPU's PCIe AER counters are read "
+                                     "(<bdf>/aer_dev_*); may hold {node}; empty: not read")
+    max_pcie_aer_delta: dict[str, int] = setting(
+        default_factory=lambda: {"fatal": 0, "nonfatal": 0, "correctable": 100},
+        help="PCIe AER totals of a GPU (correctable, nonfatal, fatal) and the rise "
+             "tolerated between two runs")
+    max_pcie_replays_per_min: float = setting(
+        8.0, min=0, help="PCIe replay counter rise per minute between runs that fails "
+                         "(DCGM's default PCIe replay rate limit)")
+    max_sram_uncorrectable: int = setting(
+        0, min=-1, help="lifetime (aggregate) SRAM uncorrectable errors tolerated; -1: not "
+                        "checked")
+    fail_on_sram_threshold: bool = setting(
+        True, help="the driver's SRAM error threshold-exceeded flag fails the GPU")
+    max_sram_correctable_per_hour: float = setting(
+        100.0, min=0, help="SRAM correctable errors per hour between runs above which the GPU "
+                           "is reported (warn)")
+    fabric_health: bool = setting(
+        True, help="fabric health summary and mask (NVML V3, GB200 NVL72): unhealthy, degraded "
+                   "bandwidth, route or configuration faults fail")
+    require_persistence_mode: bool = setting(
+        True, help="every GPU must have persistence mode enabled")
+    uniform_vbios: Literal["off", "warn", "fail"] = setting(
+        "warn", help="GPUs of the same model running different VBIOS versions: reported "
+                     "(warn), drain (fail) or not checked. warn by default: a real healthy "
+                     "8xV100 capture shows two VBIOS versions on one node")
+    expected_driver: str = setting(
+        "", help="driver version the node must run (prefix match, e.g. '570.'); empty: any, "
+                 "but all GPUs report one driver")
+    peermem: Literal["off", "required"] = setting(
+        "off", help="required: the nvidia_peermem module must be loaded (GPUDirect RDMA "
+                    "without DMA-BUF); off: not checked (DMA-BUF needs no module)")
+    modules_file: str = setting(
+        "/proc/modules", help="loaded kernel modules, for the peermem check; may hold {node}")
     fabric_manager: Literal["auto", "required", "off"] = setting(
         "auto", help="NVSwitch fabric state: auto checks it where NVML reports it, "
                      "required fails when it is not reported")
@@ -127,6 +187,16 @@ class InfinibandCheckSection:
     ports: tuple[int, ...] = setting(default_factory=lambda: (1,), help="ports checked per HCA")
     min_rate_gbps: float = setting(
         0.0, min=0, help="lowest acceptable rate, e.g. 400 for NDR; 0: not checked")
+    hcas_by_gpu_model: dict[str, int] = setting(
+        default_factory=lambda: {"H100": 8, "H200": 8, "A100": 8, "B200": 8, "GB200": 4},
+        help="InfiniBand HCAs a node with this GPU model (a word of the NVML name; PCIe/NVL "
+             "boards don't match) must show when expected_hcas is empty. Applied only where "
+             "at least one InfiniBand HCA is present, so nodes on Ethernet/EFA are not failed")
+    min_rate_gbps_by_gpu_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 400.0, "H200": 400.0, "A100": 200.0, "B200": 400.0,
+                                 "GB200": 400.0},
+        help="lowest port rate for this GPU model when min_rate_gbps is 0 (same matching and "
+             "condition as hcas_by_gpu_model)")
     max_counter_delta: dict[str, int] = setting(
         default_factory=lambda: {
             "symbol_error": 100, "link_downed": 0, "link_error_recovery": 10,
@@ -160,6 +230,72 @@ class NvmeCheckSection:
     device: str = setting("/dev/nvme0", help="device for nvme smart-log")
     max_percentage_used: int = setting(
         95, min=1, max=255, help="NVMe endurance used (percentage_used) above this fails")
+    max_media_errors: int = setting(
+        0, min=-1, help="NVMe media and data integrity errors (unrecovered reads/writes) "
+                        "tolerated; -1: not checked")
+    min_available_spare: int = setting(
+        0, min=0, max=100, help="available spare (percent) below this fails; the drive's own "
+                                "available_spare_threshold always applies")
+
+
+@dataclass(frozen=True)
+class MountsCheckSection:
+    """Shared filesystems the jobs need (home, datasets, checkpoints)."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="probe impossible: drain or only report")
+    paths: tuple[str, ...] = setting(
+        default_factory=tuple,
+        help="paths that must answer, e.g. [/home, /datasets]; each is stat'ed in its own "
+             "child; empty: nothing checked")
+    timeout_s: float = setting(
+        2.0, min=0.1, max=60,
+        help="a path that doesn't answer within this fails (a hung server); kept below "
+             "health.collector_timeout_s")
+    require_mountpoint: bool = setting(
+        True, help="each path must itself be a mount point (an unmounted filesystem leaves "
+                   "an empty directory that stat happily answers for)")
+
+
+@dataclass(frozen=True)
+class ServicesCheckSection:
+    """systemd units the GPUs need (HealthCheckProgram and manual runs; the prolog runs
+    no external command)."""
+
+    enabled: bool = setting(True, help="kill switch: false skips this check everywhere")
+    on_unknown: Policy = setting("fail-open", help="systemctl unusable: drain or only report")
+    units: tuple[str, ...] = setting(
+        default_factory=tuple,
+        help="units that must be active, e.g. [nvidia-fabricmanager] on NVSwitch (HGX/DGX) "
+             "systems, [nvidia-imex, nvidia-fabricmanager] on GB200 NVL72 trays; "
+             "empty: nothing checked")
+
+
+@dataclass(frozen=True)
+class DiagCheckSection:
+    """Active GPU diagnostics: ``dcgmi diag`` where DCGM is installed, else a small torch
+    memory and bandwidth test. Never part of a hook's run: only ``slurm-resilience check
+    --only diag`` (or a caller that names it) runs them."""
+
+    enabled: bool = setting(True, help="kill switch: false skips active diagnostics")
+    on_unknown: Policy = setting(
+        "fail-open", help="no tool to run them (no dcgmi, no CUDA torch): drain or only report")
+    tool: Literal["auto", "dcgmi", "torch"] = setting(
+        "auto", help="auto: dcgmi when installed, else the torch test")
+    level: int = setting(2, min=1, max=4, help="dcgmi diag -r level (2 ~2 min, 3 ~15 min)")
+    timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
+    memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
+    memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    min_hbm_gbps_by_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 2000.0, "H200": 3000.0, "A100": 1200.0,
+                                 "B200": 4500.0, "GB200": 4500.0},
+        help="torch test: least device-to-device copy bandwidth (GB/s, read+write) per GPU "
+             "model; set at ~60% of the HBM peak (no public figure for this copy test)")
+    min_host_gbps_by_model: dict[str, float] = setting(
+        default_factory=lambda: {"H100": 48.0, "H200": 48.0, "A100": 20.0, "B200": 48.0,
+                                 "GB200": 100.0},
+        help="torch test: least host-to-device and device-to-host bandwidth (GB/s) per GPU "
+             "model; H100 is aznhc's check_gpu_bw 48, the others are set conservatively")
 
 
 @dataclass(frozen=True)
@@ -191,7 +327,16 @@ class HealthSection:
     infiniband: InfinibandCheckSection = setting(
         default_factory=InfinibandCheckSection, help="InfiniBand checks")
     nvme: NvmeCheckSection = setting(default_factory=NvmeCheckSection, help="NVMe checks")
+    mounts: MountsCheckSection = setting(
+        default_factory=MountsCheckSection, help="shared filesystem checks")
+    services: ServicesCheckSection = setting(
+        default_factory=ServicesCheckSection, help="GPU service units (Fabric Manager, IMEX)")
+    diag: DiagCheckSection = setting(
+        default_factory=DiagCheckSection, help="active GPU diagnostics (only when asked)")
 
     def validate(self) -> None:
         if self.backend == "fake" and not self.scenario_dir:
             raise ValueError("backend fake needs scenario_dir")
+        if self.mounts.paths and self.mounts.timeout_s >= self.collector_timeout_s:
+            raise ValueError("health.mounts.timeout_s must be below "
+                             "health.collector_timeout_s (the mounts collector's own limit)")

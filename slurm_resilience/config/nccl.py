@@ -32,7 +32,9 @@ class NcclThreshold:
     """The least bus bandwidth a node of one GPU model and count must reach."""
 
     model: str = setting(help="GPU model as in the NVML/driver name, matched as a word "
-                              "(H100 matches 'NVIDIA H100 80GB HBM3'); 'cpu' for the gloo backend")
+                              "(H100 matches 'NVIDIA H100 80GB HBM3', not 'NVIDIA H100 PCIe' "
+                              "or 'NVIDIA H200 NVL': name the variant, 'H100 PCIe', for "
+                              "those); 'cpu' for the gloo backend")
     gpus: int = setting(min=1, max=1024, help="number of local GPUs (ranks) this figure is for")
     min_busbw_gbps: float = setting(min=0, help="least bus bandwidth in GB/s (10^9 bytes/s)")
     size: ByteSize = setting(ByteSize(16 * GIB), help="message size the figure holds at; the "
@@ -47,10 +49,16 @@ def _default_thresholds() -> tuple[NcclThreshold, ...]:
     return (
         NcclThreshold("H100", 8, 460.0, ByteSize(16 * GIB), "intra-node",
                       "nccl-tests all_reduce_perf on 8xH100 SXM (NVLS): ~480 GB/s peak"),
-        NcclThreshold("H200", 8, 460.0, ByteSize(16 * GIB), "intra-node",
-                      "public 8xH200 configs quote 431-480 GB/s; same NVLink4 fabric as H100"),
+        NcclThreshold("H200", 8, 431.0, ByteSize(16 * GIB), "intra-node",
+                      "Azure aznhc nd96isr_h200_v5.conf: check_nccl_allreduce 431.0 at 16G"),
         NcclThreshold("A100", 8, 228.0, ByteSize(8 * GIB), "intra-node",
                       "nccl-tests all_reduce_perf on 8xA100 SXM4 (NVLink3): ~230 GB/s"),
+        NcclThreshold("B200", 8, 600.0, ByteSize(16 * GIB), "intra-node",
+                      "no public nccl-tests figure found; set low (2/3 of NVLink5's 900 GB/s "
+                      "per direction): catches a broken fabric, not one slow link"),
+        NcclThreshold("GB200", 4, 600.0, ByteSize(16 * GIB), "intra-node",
+                      "no public nccl-tests figure for one 4-GPU GB200 tray found; set low "
+                      "as for B200"),
     )
 
 

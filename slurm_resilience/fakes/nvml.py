@@ -53,6 +53,7 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_IN_USE = 19
 NVML_ERROR_MEMORY = 20
 NVML_ERROR_NO_DATA = 21
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
 NVML_FEATURE_DISABLED = 0
@@ -70,6 +71,55 @@ NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
 NVML_GPU_FABRIC_STATE_NOT_STARTED = 1
 NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
 NVML_GPU_FABRIC_STATE_COMPLETED = 3
+NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE = 1
+NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE = 2
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW = 0
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRADED_BW = 0x3
+NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_TRUE = 1
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY = 2
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ROUTE_RECOVERY = 0x3
+NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_TRUE = 1
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY = 4
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ROUTE_UNHEALTHY = 0x3
+NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_TRUE = 1
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY = 6
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_ACCESS_TIMEOUT_RECOVERY = 0x3
+NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_NONE = 1
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_INCORRECT_CONFIGURATION = 8
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_INCORRECT_CONFIGURATION = 0xF
+NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE_DISCONNECTED = 2
+NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_GFM_STATE = 14
+NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_GFM_STATE = 0x3
+NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY = 1
+NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY = 2
+NVML_GPU_FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY = 3
+nvmlGpuFabricInfo_v3 = 0x3000028
+
+nvmlMemory_v2 = 0x02000028
+nvmlEccSramErrorStatus_v1 = 0x1000068
+
+# Field ids (nvmlDeviceGetFieldValues), as in nvml.h.
+NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL = 38
+NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL = 45
+NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL = 52
+NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL = 59
+NVML_FI_DEV_PCIE_REPLAY_COUNTER = 94
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_VALUE_TYPE_DOUBLE = 0
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
+NVML_VALUE_TYPE_UNSIGNED_LONG = 2
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
+NVML_VALUE_TYPE_SIGNED_LONG_LONG = 4
+NVML_VALUE_TYPE_SIGNED_INT = 5
+
+# nvmlDeviceGetFieldValues(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION).
+NVML_GPU_RECOVERY_ACTION_NONE = 0
+NVML_GPU_RECOVERY_ACTION_GPU_RESET = 1
+NVML_GPU_RECOVERY_ACTION_NODE_REBOOT = 2
+NVML_GPU_RECOVERY_ACTION_DRAIN_P2P = 3
+NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET = 4
 
 nvmlClocksThrottleReasonGpuIdle = 0x0000000000000001
 nvmlClocksThrottleReasonApplicationsClocksSetting = 0x0000000000000002
@@ -127,6 +177,75 @@ class c_nvmlGpuFabricInfo_t(ctypes.Structure):
     ]
 
 
+class c_nvmlGpuFabricInfo_v3_t(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * NVML_GPU_FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint),
+        ("healthMask", ctypes.c_uint32),
+        ("healthSummary", ctypes.c_uint8),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(version=nvmlGpuFabricInfo_v3)
+
+
+class c_nvmlEccSramErrorStatus_v1_t(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("aggregateUncParity", ctypes.c_ulonglong),
+        ("aggregateUncSecDed", ctypes.c_ulonglong),
+        ("aggregateCor", ctypes.c_ulonglong),
+        ("volatileUncParity", ctypes.c_ulonglong),
+        ("volatileUncSecDed", ctypes.c_ulonglong),
+        ("volatileCor", ctypes.c_ulonglong),
+        ("aggregateUncBucketL2", ctypes.c_ulonglong),
+        ("aggregateUncBucketSm", ctypes.c_ulonglong),
+        ("aggregateUncBucketPcie", ctypes.c_ulonglong),
+        ("aggregateUncBucketMcu", ctypes.c_ulonglong),
+        ("aggregateUncBucketOther", ctypes.c_ulonglong),
+        ("bThresholdExceeded", ctypes.c_uint),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(version=nvmlEccSramErrorStatus_v1)
+
+
+class c_nvmlValue_t(ctypes.Union):
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class c_nvmlFieldValue_t(ctypes.Structure):
+    _fields_ = [
+        ("fieldId", ctypes.c_uint32),
+        ("scopeId", ctypes.c_uint32),
+        ("timestamp", ctypes.c_int64),
+        ("latencyUsec", ctypes.c_int64),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", c_nvmlValue_t),
+    ]
+
+
+@dataclass(frozen=True)
+class _MemoryV2:
+    version: int
+    total: int
+    reserved: int
+    free: int
+    used: int
+
+
 @dataclass(frozen=True)
 class _PciInfo:
     busId: bytes
@@ -158,6 +277,8 @@ class _Handle:
 # PCI bus ids of the 8 GPUs in the real healthy 8x H100 capture.
 H100_BUS_IDS = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
 H100_MEMORY = 81559 << 20
+# "Reserved" in the real H100 capture (memory the driver keeps; v1 counts it as used).
+H100_RESERVED = 454 << 20
 
 
 def default_gpu(index: int) -> dict[str, Any]:
@@ -176,9 +297,21 @@ def default_gpu(index: int) -> dict[str, Any]:
         "pcie": {"gen": 5, "gen_max": 5, "width": 16, "width_max": 16},
         "nvlinks": 18,
         "nvlinks_down": [],
-        "memory": {"total": H100_MEMORY, "used": 1 << 20},
+        "memory": {"total": H100_MEMORY, "used": 1 << 20, "reserved": H100_RESERVED},
+        "vbios": "96.00.74.00.01",
+        "persistence_mode": True,
+        # NVLink error totals over all links; PCIe replays; the recovery action (R570+).
+        "nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0},
+        "pcie_replay": 0,
+        "recovery_action": NVML_GPU_RECOVERY_ACTION_NONE,
+        # nvmlDeviceGetSramEccErrorStatus; null: NOT_SUPPORTED.
+        "sram_ecc": {"aggregate_unc_parity": 0, "aggregate_unc_secded": 0,
+                     "aggregate_cor": 0, "volatile_cor": 0, "threshold_exceeded": False},
         "processes": [],
-        "fabric": {"state": NVML_GPU_FABRIC_STATE_COMPLETED, "status": NVML_SUCCESS},
+        # H100 HGX on R565: registered; the V3 health mask and summary are NOT_SUPPORTED (0).
+        "fabric": {"state": NVML_GPU_FABRIC_STATE_COMPLETED, "status": NVML_SUCCESS,
+                   "health_mask": 0,
+                   "health_summary": NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED},
         "lost": False,
         "errors": {},
     }
@@ -394,10 +527,102 @@ def nvmlDeviceGetComputeRunningProcesses(handle: _Handle) -> list[_Process]:
     return [_Process(int(p["pid"]), p.get("used_bytes")) for p in procs]
 
 
-def nvmlDeviceGetMemoryInfo(handle: _Handle) -> _Memory:
-    mem = _gpu(handle, "nvmlDeviceGetMemoryInfo")["memory"]
-    total, used = int(mem["total"]), int(mem["used"])
-    return _Memory(total, total - used, used)
+def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> _Memory | _MemoryV2:
+    """v1 counts the driver's reserved memory as used; v2 (``version=nvmlMemory_v2``,
+    nvmlDeviceGetMemoryInfo_v2) reports it apart. ``memory.v2: false`` in a scenario
+    stands for a driver without v2 (FUNCTION_NOT_FOUND)."""
+    gpu = _gpu(handle, "nvmlDeviceGetMemoryInfo")
+    mem = gpu["memory"]
+    total, used, reserved = int(mem["total"]), int(mem["used"]), int(mem.get("reserved", 0))
+    if not version:
+        return _Memory(total, total - used - reserved, used + reserved)
+    if mem.get("v2") is False:
+        raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+    if version != nvmlMemory_v2:
+        raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    return _MemoryV2(version, total, reserved, total - used - reserved, used)
+
+
+def nvmlDeviceGetVbiosVersion(handle: _Handle) -> str:
+    vbios = _gpu(handle, "nvmlDeviceGetVbiosVersion").get("vbios")
+    if vbios is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return str(vbios)
+
+
+def nvmlDeviceGetPersistenceMode(handle: _Handle) -> int:
+    mode = _gpu(handle, "nvmlDeviceGetPersistenceMode").get("persistence_mode")
+    if mode is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return NVML_FEATURE_ENABLED if mode else NVML_FEATURE_DISABLED
+
+
+def _field(gpu: dict[str, Any], field_id: int) -> tuple[int, int, int]:
+    """(return code, value type, value) of one field on this GPU."""
+    ull = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+    links = gpu.get("nvlink_errors")
+    by_link = {NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "crc_flit",
+               NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: "crc_data",
+               NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: "replay",
+               NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: "recovery"}
+    if field_id in by_link:
+        if not links or not gpu.get("nvlinks") or links.get(by_link[field_id]) is None:
+            return NVML_ERROR_NOT_SUPPORTED, ull, 0
+        return NVML_SUCCESS, ull, int(links[by_link[field_id]])
+    if field_id == NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+        value = gpu.get("pcie_replay")
+        return (NVML_ERROR_NOT_SUPPORTED, ull, 0) if value is None else (NVML_SUCCESS, ull, value)
+    if field_id == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+        action = gpu.get("recovery_action")
+        # Drivers that don't know the field answer NOT_SUPPORTED in its nvmlReturn (the
+        # real captures show it from R565's nvidia-smi on; earlier ones have no line).
+        if action is None:
+            return NVML_ERROR_NOT_SUPPORTED, NVML_VALUE_TYPE_UNSIGNED_INT, 0
+        return NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT, int(action)
+    return NVML_ERROR_NOT_SUPPORTED, ull, 0
+
+
+def nvmlDeviceGetFieldValues(handle: _Handle, fieldIds: list[int]) -> Any:
+    """As pynvml: an array of c_nvmlFieldValue_t, each with its own ``nvmlReturn``."""
+    gpu = _gpu(handle, "nvmlDeviceGetFieldValues")
+    values = (c_nvmlFieldValue_t * len(fieldIds))()
+    for i, field_id in enumerate(fieldIds):
+        code, kind, value = _field(gpu, int(field_id))
+        values[i].fieldId = field_id
+        values[i].nvmlReturn = code
+        values[i].valueType = kind
+        if kind == NVML_VALUE_TYPE_UNSIGNED_INT:
+            values[i].value.uiVal = value
+        else:
+            values[i].value.ullVal = value
+    return values
+
+
+def nvmlDeviceGetSramEccErrorStatus(handle: _Handle, status: Any) -> int:
+    sram = _gpu(handle, "nvmlDeviceGetSramEccErrorStatus").get("sram_ecc")
+    if sram is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    obj = status._obj if hasattr(status, "_obj") else status
+    obj.aggregateUncParity = int(sram.get("aggregate_unc_parity", 0))
+    obj.aggregateUncSecDed = int(sram.get("aggregate_unc_secded", 0))
+    obj.aggregateCor = int(sram.get("aggregate_cor", 0))
+    obj.volatileCor = int(sram.get("volatile_cor", 0))
+    obj.bThresholdExceeded = int(bool(sram.get("threshold_exceeded")))
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetGpuFabricInfoV(handle: _Handle, gpuFabricInfo: Any) -> int:
+    fab = _gpu(handle, "nvmlDeviceGetGpuFabricInfoV").get("fabric")
+    if fab is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    info = gpuFabricInfo._obj if hasattr(gpuFabricInfo, "_obj") else gpuFabricInfo
+    if info.version != nvmlGpuFabricInfo_v3:
+        raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    info.state = int(fab["state"])
+    info.status = int(fab.get("status", 0))
+    info.healthMask = int(fab.get("health_mask", 0))
+    info.healthSummary = int(fab.get("health_summary", 0))
+    return NVML_SUCCESS
 
 
 def nvmlDeviceGetGpuFabricInfo(handle: _Handle, gpuFabricInfo: Any) -> int:
@@ -479,6 +704,33 @@ def _ecc_uncorrected(block: Any) -> int | None:
     return _num(double.get("Total")) if isinstance(double, dict) else None
 
 
+_RECOVERY = {"None": NVML_GPU_RECOVERY_ACTION_NONE, "GPU Reset": NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+             "Node Reboot": NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
+             "Drain P2P": NVML_GPU_RECOVERY_ACTION_DRAIN_P2P,
+             "Drain and Reset": NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET}
+
+
+def _sram_from_smi(ecc: Any) -> dict[str, Any] | None:
+    agg, vol = ecc.get("Aggregate"), ecc.get("Volatile")
+    if not isinstance(agg, dict) or "SRAM Threshold Exceeded" not in agg:
+        return None  # older drivers: no SRAM status (NOT_SUPPORTED)
+    return {"aggregate_unc_parity": _num(agg.get("SRAM Uncorrectable Parity")) or 0,
+            "aggregate_unc_secded": _num(agg.get("SRAM Uncorrectable SEC-DED")) or 0,
+            "aggregate_cor": _num(agg.get("SRAM Correctable")) or 0,
+            "volatile_cor": _num((vol or {}).get("SRAM Correctable")) or 0,
+            "threshold_exceeded": agg.get("SRAM Threshold Exceeded") == "Yes"}
+
+
+def _ecc_corrected(block: Any) -> int | None:
+    if not isinstance(block, dict):
+        return None
+    if "DRAM Correctable" in block:  # Ampere and later
+        return (_num(block.get("DRAM Correctable")) or 0) + \
+            (_num(block.get("SRAM Correctable")) or 0)
+    single = block.get("Single Bit")  # Volta
+    return _num(single.get("Total")) if isinstance(single, dict) else None
+
+
 def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
     pci = block.get("PCI", {})
     link = pci.get("GPU Link Info", {})
@@ -494,7 +746,8 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
         "uuid": block.get("GPU UUID"),
         "pci_bus_id": bus_id,
         "ecc": {"volatile_uncorrected": _ecc_uncorrected(ecc.get("Volatile")) or 0,
-                "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0},
+                "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0,
+                "aggregate_corrected": _ecc_corrected(ecc.get("Aggregate")) or 0},
         "retired_pages": None,
         "remapped_rows": None,
         "throttle_reasons": _reasons(reasons),
@@ -504,7 +757,15 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
         "nvlinks": 0,
         "nvlinks_down": [],
         "memory": {"total": (_num(fb.get("Total")) or 0) << 20,
-                   "used": (_num(fb.get("Used")) or 0) << 20},
+                   "used": (_num(fb.get("Used")) or 0) << 20,
+                   "reserved": (_num(fb.get("Reserved")) or 0) << 20},
+        "vbios": block.get("VBIOS Version"),
+        "persistence_mode": {"Enabled": True, "Disabled": False}.get(
+            str(block.get("Persistence Mode"))),
+        "nvlink_errors": None,  # not in nvidia-smi -q (nvidia-smi nvlink -e has them)
+        "pcie_replay": _num(pci.get("Replays Since Reset")),
+        "recovery_action": _RECOVERY.get(str(block.get("GPU Recovery Action"))),
+        "sram_ecc": _sram_from_smi(ecc),
         "processes": [],
         "fabric": None,
         "lost": False,
@@ -525,7 +786,8 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
         states = {"N/A": 0, "Not Supported": 0, "Not Started": 1, "In Progress": 2,
                   "Completed": 3}
         gpu["fabric"] = {"state": states.get(str(fabric.get("State")), 0),
-                         "status": 0 if fabric.get("Status") in ("Success", "N/A") else 999}
+                         "status": 0 if fabric.get("Status") in ("Success", "N/A") else 999,
+                         "health_mask": 0, "health_summary": 0}
     return gpu
 
 

@@ -20,7 +20,9 @@ def register(sub: Any) -> None:
     p.add_argument("--kind", choices=_KINDS, default="manual",
                    help="which hook's check set to run (default: manual, i.e. all checks)")
     p.add_argument("--only", default="",
-                   help="comma-separated checks: gpu,xid,kernel,infiniband,nvme")
+                   help="comma-separated checks: gpu,xid,kernel,infiniband,nvme,mounts,"
+                        "services; diag (active GPU diagnostics, minutes of GPU load) runs "
+                        "only when named here")
     p.set_defaults(func=run)
 
 

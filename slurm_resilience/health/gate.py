@@ -18,10 +18,13 @@ from typing import Any
 
 from slurm_resilience.config import Config
 from slurm_resilience.config.health import (
+    DiagCheckSection,
     GpuCheckSection,
     InfinibandCheckSection,
     KernelLogCheckSection,
+    MountsCheckSection,
     NvmeCheckSection,
+    ServicesCheckSection,
     XidCheckSection,
 )
 from slurm_resilience.config.paths import node_path
@@ -29,8 +32,13 @@ from slurm_resilience.health import childproc, xid_repairs
 from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.checks import host_signals as host_check
 from slurm_resilience.health.checks import infiniband as ib_check
+from slurm_resilience.health.checks import mounts as mounts_check
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks import xid as xid_check
+from slurm_resilience.health.collectors.infiniband import IbSnapshot
+from slurm_resilience.health.collectors.mounts import MountsSnapshot
+from slurm_resilience.health.collectors.nvme import NvmeSnapshot
+from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 from slurm_resilience.health.collectors.xid import KernelLogSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
@@ -43,9 +51,12 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "kernel", "infiniband", "nvme")
+CHECKS = ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag")
+# Active checks load the GPUs for minutes: they run only when a caller names them.
+ACTIVE = ("diag",)
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "kernel", "infiniband", "nvme", "gate")
+_REASON_ORDER = ("xid", "gpu", "diag", "kernel", "services", "infiniband", "nvme", "mounts",
+                 "gate")
 # Checks that judge another check's collector: the kernel log is read once for both.
 _COLLECTOR_OF = {"kernel": "xid"}
 
@@ -123,13 +134,15 @@ class StateStore:
 
 def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
                 ) -> dict[str, Callable[[], dict[str, Any]]]:
-    from slurm_resilience.health.collectors import infiniband, nvme, nvml, xid
+    from slurm_resilience.health.collectors import infiniband, mounts, nvme, nvml, xid
 
     h = cfg.health
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     if "gpu" in wanted:
         scen = node_path(h.scenario_dir, node) if h.scenario_dir else ""
-        jobs["gpu"] = functools.partial(nvml.collect, h.backend, scen, node)
+        modules = node_path(h.gpu.modules_file, node) if h.gpu.peermem != "off" else ""
+        pci = node_path(h.gpu.pci_sysfs_root, node) if h.gpu.pci_sysfs_root else ""
+        jobs["gpu"] = functools.partial(nvml.collect_json, h.backend, scen, node, modules, pci)
     if "xid" in wanted or "kernel" in wanted:
         read = functools.partial(
             xid.collect, h.xid.source, node_path(h.xid.path, node),
@@ -138,35 +151,48 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
         jobs["xid"] = lambda: read().to_json()
     if "infiniband" in wanted:
         jobs["infiniband"] = functools.partial(
-            infiniband.collect, node_path(h.infiniband.sysfs_root, node),
+            infiniband.collect_json, node_path(h.infiniband.sysfs_root, node),
             list(h.infiniband.max_counter_delta))
     if "nvme" in wanted:
         jobs["nvme"] = functools.partial(
-            nvme.collect, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
+            nvme.collect_json, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
             active=active and h.nvme.probe, smart=active and h.nvme.smart,
             device=h.nvme.device, timeout=h.collector_timeout_s)
+    if "mounts" in wanted:
+        jobs["mounts"] = functools.partial(
+            mounts.collect_json, [node_path(p, node) for p in h.mounts.paths],
+            h.mounts.timeout_s)
+    if "services" in wanted:
+        from slurm_resilience.health.collectors import services
+
+        jobs["services"] = functools.partial(services.collect, list(h.services.units),
+                                             h.collector_timeout_s / 2)
+    if "diag" in wanted:
+        from slurm_resilience.health.collectors import diag
+
+        jobs["diag"] = functools.partial(diag.collect_json, h.diag.tool, h.diag.level,
+                                         h.diag.timeout_s, h.diag.memtest_bytes,
+                                         h.diag.memtest_iters)
     return jobs
 
 
-def _gpu_map(store: StateStore, snap: dict[str, Any]) -> dict[str, int]:
+def _gpu_map(store: StateStore, snap: NvmlSnapshot | None) -> dict[str, int]:
     """PCI address → GPU index, remembered across runs: a GPU that fell off the bus no
     longer tells NVML its address, yet its Xid must still name it."""
     known: dict[str, int] = dict(store.load("gpu_map").get("by_pci", {}))
-    current = {g["pci_bus_id"]: int(g["index"]) for g in snap.get("gpus", [])
-               if g.get("pci_bus_id")}
+    current = {g.pci_bus_id: g.index for g in (snap.gpus if snap else []) if g.pci_bus_id}
     merged = {**known, **current}
     if merged != known:
         store.save("gpu_map", {"by_pci": merged})
     return merged
 
 
-def _gpus_ok(snap: dict[str, Any], known: dict[str, int]) -> dict[str, bool] | None:
+def _gpus_ok(snap: NvmlSnapshot | None, known: dict[str, int]) -> dict[str, bool] | None:
     """PCI address → NVML answers for that GPU and it is not lost; a GPU we knew that NVML
     no longer lists is False. None when NVML gave no list (nothing to compare)."""
-    if not snap or snap.get("error") or "gpus" not in snap:
+    if snap is None or snap.error or snap.no_driver:
         return None
-    view = {xid_repairs.pci_key(str(g["pci_bus_id"])): not g.get("lost", False)
-            for g in snap.get("gpus", []) if g.get("pci_bus_id")}
+    view = {xid_repairs.pci_key(g.pci_bus_id): not g.lost for g in snap.gpus if g.pci_bus_id}
     for bus_id in known:
         view.setdefault(xid_repairs.pci_key(bus_id), False)
     return view
@@ -186,17 +212,27 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     """Run the enabled checks for ``kind`` (prolog, epilog, healthcheck, manual)."""
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | KernelLogCheckSection
-                   | InfinibandCheckSection | NvmeCheckSection] = {
+                   | InfinibandCheckSection | NvmeCheckSection | MountsCheckSection
+                   | ServicesCheckSection | DiagCheckSection] = {
         "gpu": h.gpu, "xid": h.xid, "kernel": h.kernel_log, "infiniband": h.infiniband,
-        "nvme": h.nvme}
-    wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)]
+        "nvme": h.nvme, "mounts": h.mounts, "services": h.services, "diag": h.diag}
+    wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)
+              and (n not in ACTIVE or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
         wanted.remove("gpu")
     if not h.nvme.path and "nvme" in wanted:
         wanted.remove("nvme")
+    if not h.mounts.paths and "mounts" in wanted:
+        wanted.remove("mounts")
+    if "services" in wanted and (not h.services.units or kind in ("prolog", "epilog")):
+        wanted.remove("services")  # the hooks run no external command
     active = kind not in ("prolog", "epilog")
     started = time.monotonic()
-    outcomes = childproc.run_all(_collectors(cfg, node, active, wanted), h.collector_timeout_s)
+    jobs = _collectors(cfg, node, active, wanted)
+    slow = {n: jobs.pop(n) for n in ACTIVE if n in jobs}
+    outcomes = childproc.run_all(jobs, h.collector_timeout_s)
+    if slow:
+        outcomes.update(childproc.run_all(slow, h.diag.timeout_s))
     seconds = {name: o.seconds for name, o in outcomes.items()}
     findings: list[Finding] = []
     store = StateStore(state_dir(cfg, node))
@@ -220,12 +256,13 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
             else:
                 snaps[name] = o.value
         now = time.time()
-        gpu_by_pci = _gpu_map(store, snaps.get("gpu", {}))
+        gpu_snap = NvmlSnapshot.from_json(snaps["gpu"]) if "gpu" in snaps else None
+        gpu_by_pci = _gpu_map(store, gpu_snap)
         for name, snap in snaps.items():
             prev = store.load(name)
             result: CheckResult
-            if name == "gpu":
-                result = gpu_check.check(snap, h.gpu, prev, kind=kind,
+            if name == "gpu" and gpu_snap is not None:
+                result = gpu_check.check(gpu_snap, h.gpu, prev, kind=kind, now=now,
                                          expected_count=expected_gpus, job_gpus=job_gpus)
             elif name == "xid":
                 klog = KernelLogSnapshot.from_json(snap)
@@ -246,11 +283,29 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 result = xid_check.check(
                     klog, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
                     job_start=job_start if kind == "epilog" else None, repairs=repairs,
-                    gpus_ok=_gpus_ok(snaps.get("gpu", {}), gpu_by_pci))
+                    gpus_ok=_gpus_ok(gpu_snap, gpu_by_pci))
             elif name == "infiniband":
-                result = ib_check.check(snap, h.infiniband, prev)
+                model = next((g.name for g in gpu_snap.gpus if g.name), None) \
+                    if gpu_snap else None
+                result = ib_check.check(IbSnapshot.from_json(snap), h.infiniband, prev,
+                                        gpu_model=model)
+            elif name == "diag":
+                # Only when asked for, so its imports stay off the hooks' path.
+                from slurm_resilience.health.checks import diag as diag_check
+                from slurm_resilience.health.collectors import cuda_memtest, dcgm
+
+                result = (diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), prev, now)
+                          if "dcgm" in snap else
+                          diag_check.check_memtest(cuda_memtest.from_json(snap["memtest"]),
+                                                   h.diag, prev, now))
+            elif name == "services":
+                from slurm_resilience.health.checks import services as services_check
+
+                result = services_check.check(snap, h.services, prev)
+            elif name == "mounts":
+                result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
             else:
-                result = nvme_check.check(snap, h.nvme, prev)
+                result = nvme_check.check(NvmeSnapshot.from_json(snap), h.nvme, prev)
             if result.state != prev:
                 store.save(name, result.state)
             findings.extend(result.findings)

@@ -13,6 +13,14 @@ Faults change the node's stand-ins the way the real failure shows up:
 * ``ib-down:HCA:PORT`` port DOWN/Disabled; ``ib-errors:HCA:PORT`` symbol errors jump by 1000.
 * ``kernel-log:SIGNAL`` logs a host-signal line in the node's kmsg: SIGNAL in
   nvme-io-error, readonly-remount, soft-lockup, hard-lockup, mce.
+* ``nvlink-errors:GPU`` the GPU's NVLink replay total jumps by 1000 and recovery by 1
+  (judged as a rise between runs, like the IB counters).
+* ``gpu-recovery:GPU`` NVML's recovery action becomes DRAIN_AND_RESET.
+* ``sram-ecc:GPU`` one SRAM uncorrectable error and the threshold-exceeded flag.
+* ``hbm-degraded:GPU`` the GPU's corrected ECC count jumps by 100000 and a row is
+  remapped (correctable): memory that corrects ever more before it fails.
+* ``fabric-unhealthy`` every GPU's fabric health (NVML V3) turns UNHEALTHY with degraded
+  bandwidth, as on a GB200 NVL72 tray whose NVLink switch tray lost links.
 * ``nvme-full`` a sparse file as big as the node's configured disk size
   (``health.nvme.size_limit``, which the sandbox sets) fills the stand-in NVMe.
 
@@ -180,6 +188,69 @@ def kernel_log(hw: hardware.NodeHardware, args: list[str]) -> str:
     return f"kernel log: {line}"
 
 
+def nvlink_errors(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        links = gpu.setdefault("nvlink_errors", {})
+        links["replay"] = int(links.get("replay") or 0) + 1000
+        links["recovery"] = int(links.get("recovery") or 0) + 1
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} NVLink replay +1000, recovery +1"
+
+
+def gpu_recovery(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        gpu["recovery_action"] = nvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} NVML recovery action DRAIN_AND_RESET"
+
+
+def sram_ecc(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        sram = gpu.setdefault("sram_ecc", {})
+        sram["aggregate_unc_secded"] = int(sram.get("aggregate_unc_secded") or 0) + 1
+        sram["threshold_exceeded"] = True
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} SRAM uncorrectable error, threshold exceeded"
+
+
+def hbm_degraded(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        ecc = gpu.setdefault("ecc", {})
+        for key in ("volatile_corrected", "aggregate_corrected"):
+            ecc[key] = int(ecc.get(key) or 0) + 100000
+        rows = gpu.get("remapped_rows")
+        if rows is not None:
+            rows["correctable"] += 1
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} corrected ECC +100000, one more row remapped"
+
+
+def fabric_unhealthy(hw: hardware.NodeHardware, args: list[str]) -> str:
+    scenario = nvml.read_scenario(str(hw.scenario)) or nvml.default_scenario(hardware.GPUS)
+    mask = (nvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE
+            << nvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW)
+    for gpu in scenario["gpus"]:
+        fabric = gpu.get("fabric") or {"state": nvml.NVML_GPU_FABRIC_STATE_COMPLETED,
+                                       "status": nvml.NVML_SUCCESS}
+        fabric.update(health_mask=mask,
+                      health_summary=nvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY)
+        gpu["fabric"] = fabric
+    nvml.write_scenario(str(hw.scenario), scenario)
+    return "fabric health UNHEALTHY (degraded bandwidth) on every GPU"
+
+
 register("gpu-xid", "gpu-xid:GPU:XID", gpu_xid)
 register("gpu-reset", "gpu-reset:GPU", gpu_reset)
 register("kernel-log", "kernel-log:SIGNAL", kernel_log)
@@ -190,6 +261,11 @@ register("gpu-remap-pending", "gpu-remap-pending:GPU", gpu_remap_pending)
 register("ib-down", "ib-down:HCA:PORT", ib_down)
 register("ib-errors", "ib-errors:HCA:PORT", ib_errors)
 register("nvme-full", "nvme-full", nvme_full)
+register("nvlink-errors", "nvlink-errors:GPU", nvlink_errors)
+register("gpu-recovery", "gpu-recovery:GPU", gpu_recovery)
+register("sram-ecc", "sram-ecc:GPU", sram_ecc)
+register("fabric-unhealthy", "fabric-unhealthy", fabric_unhealthy)
+register("hbm-degraded", "hbm-degraded:GPU", hbm_degraded)
 
 
 def usages() -> str:

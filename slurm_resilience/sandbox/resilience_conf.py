@@ -55,7 +55,9 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "backend": "fake",
             "scenario_dir": f"{state}/scenarios",
             "resume_after_passes": 2,
-            "gpu": {"expected_count": 8},
+            # PCIe AER is read from a per-node directory, never the host's own devices.
+            "gpu": {"expected_count": 8,
+                    "pci_sysfs_root": f"{node_root}/sys/bus/pci/devices"},
             "xid": {"source": "file", "path": f"{node_root}/kmsg",
                     "boot_id_file": f"{node_root}/boot_id"},
             "infiniband": {"sysfs_root": f"{node_root}/sys/class/infiniband",

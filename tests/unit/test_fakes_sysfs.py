@@ -54,11 +54,11 @@ def test_fake_down_port_matches_what_ibstat_shows_for_a_dead_cx7(tmp_path: Path)
     """A port the fake puts down reads as ibstat shows real dead ports: Down/Disabled/40."""
     sysfs.build(str(tmp_path), 1)
     sysfs.port_down(str(tmp_path), "mlx5_0", 1)
-    port = collector.collect(str(tmp_path), COUNTERS)["hcas"]["mlx5_0"]["ports"]["1"]
+    port = collector.collect(str(tmp_path), COUNTERS).hcas["mlx5_0"].ports["1"]
     real = (IBSTAT / "ibstat_h100-node_cx7-roce_two-ports-down-disabled.txt").read_text()
     assert "State: Down\n\t\tPhysical state: Disabled\n\t\tRate: 40" in real
-    assert (port["state"], port["phys_state"]) == ("1: DOWN", "3: Disabled")
-    assert ib.rate_gbps(port["rate"]) == 40
+    assert (port.state, port.phys_state) == ("1: DOWN", "3: Disabled")
+    assert ib.rate_gbps(port.rate) == 40
 
 
 def test_healthy_fake_values_are_what_ibstatus_reads_from_sysfs(tmp_path: Path) -> None:
@@ -67,6 +67,6 @@ def test_healthy_fake_values_are_what_ibstatus_reads_from_sysfs(tmp_path: Path) 
     assert "state:           4: ACTIVE" in real and "phys state:      5: LinkUp" in real
     assert "rate:            200 Gb/sec (4X HDR)" in real
     sysfs.build(str(tmp_path), 1, rate="200 Gb/sec (4X HDR)")
-    port = collector.collect(str(tmp_path), COUNTERS)["hcas"]["mlx5_0"]["ports"]["1"]
-    assert (port["state"], port["phys_state"], port["rate"]) == (
+    port = collector.collect(str(tmp_path), COUNTERS).hcas["mlx5_0"].ports["1"]
+    assert (port.state, port.phys_state, port.rate) == (
         "4: ACTIVE", "5: LinkUp", "200 Gb/sec (4X HDR)")

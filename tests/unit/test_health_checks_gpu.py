@@ -9,6 +9,7 @@ import pytest
 
 from slurm_resilience.config.health import GpuCheckSection
 from slurm_resilience.health.checks import gpu
+from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 from slurm_resilience.health.findings import Severity
 
 
@@ -22,7 +23,8 @@ def healthy_gpu(index: int = 0) -> dict[str, Any]:
         "throttle_reasons": gpu.IDLE, "temperature_c": 30,
         "pcie": {"gen": 5, "gen_max": 5, "width": 16, "width_max": 16},
         "nvlink": [True] * 18, "processes": [], "memory_used_bytes": 1 << 20,
-        "fabric": {"state": 3, "status": 0},
+        "fabric": {"state": 3, "status": 0}, "memory_info_version": 2,
+        "persistence_mode": True, "vbios": "96.00.74.00.01", "recovery_action": 0,
     }
 
 
@@ -35,8 +37,8 @@ def snap(gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
 def run(s: dict[str, Any], cfg: GpuCheckSection | None = None, kind: str = "healthcheck",
         state: dict[str, Any] | None = None, expected: int | None = None
         ) -> tuple[list[Any], dict[str, Any]]:
-    result = gpu.check(s, cfg or GpuCheckSection(), state or {}, kind=kind,
-                       expected_count=expected)
+    result = gpu.check(NvmlSnapshot.from_json(s), cfg or GpuCheckSection(), state or {},
+                       kind=kind, expected_count=expected, now=1000.0)
     return result.findings, result.state
 
 
@@ -107,14 +109,37 @@ def test_row_remap_pending_and_failed_fail() -> None:
     assert not fails(run(with_gpu3(remap=done))[0])
 
 
-@pytest.mark.parametrize(("bits", "message"), [
-    (gpu.HW_SLOWDOWN | gpu.HW_THERMAL, "gpu3 HW thermal slowdown (expected none)"),
-    (gpu.HW_SLOWDOWN | gpu.HW_POWER_BRAKE, "gpu3 HW power brake slowdown (expected none)"),
-    (gpu.HW_SLOWDOWN, "gpu3 HW slowdown (expected none)"),
+def test_one_hw_thermal_reading_fails() -> None:
+    """A single HW thermal slowdown (thermal emergency) reading still fails at once."""
+    assert fails(run(with_gpu3(throttle_reasons=gpu.HW_SLOWDOWN | gpu.HW_THERMAL))[0]) == [
+        "gpu3 HW thermal slowdown (expected none)"]
+
+
+@pytest.mark.parametrize(("bits", "what"), [
+    (gpu.HW_SLOWDOWN | gpu.HW_POWER_BRAKE, "HW power brake slowdown"),
+    (gpu.HW_SLOWDOWN, "HW slowdown"),
 ])
-def test_hw_throttle_reasons_fail(bits: int, message: str) -> None:
-    """HW slowdown, HW thermal and HW power brake each fail, naming the most specific."""
-    assert fails(run(with_gpu3(throttle_reasons=bits))[0]) == [message]
+def test_hw_slowdown_is_judged_as_a_rate(bits: int, what: str) -> None:
+    """One HW slowdown or power brake sample only warns; the third within the window
+    fails; samples older than the window drop out."""
+    s, cfg = with_gpu3(throttle_reasons=bits), GpuCheckSection()
+    state: dict[str, Any] = {}
+    results = []
+    for t in (0.0, 60.0, 120.0):
+        r = gpu.check(NvmlSnapshot.from_json(s), cfg, state, now=t)
+        state = r.state
+        results.append(r)
+    assert not fails(results[0].findings)
+    assert [f.message for f in results[0].findings if f.severity is Severity.WARN] == [
+        f"gpu3 {what} in 1 runs within 60min (expected <3)"]
+    assert fails(results[2].findings) == [f"gpu3 {what} in 3 runs within 60min (expected <3)"]
+    # Two hours later the earlier samples are out of the window: one reading warns again.
+    r = gpu.check(NvmlSnapshot.from_json(s), cfg, state, now=120.0 + 7200)
+    assert not fails(r.findings)
+    # A healthy run leaves the state as it was (nothing to write on the prolog path).
+    healthy = gpu.check(NvmlSnapshot.from_json(snap()), cfg, state, now=8000.0)
+    assert healthy.state == gpu.check(NvmlSnapshot.from_json(snap()), cfg, healthy.state,
+                                      now=9000.0).state
 
 
 def test_idle_and_sw_power_cap_are_ignored() -> None:
@@ -133,7 +158,7 @@ def test_sustained_sw_thermal_warns_after_n_runs() -> None:
         severities.append(max(f.severity for f in findings))
     assert severities == [Severity.OK, Severity.OK, Severity.WARN]
     findings, state = run(snap(), state=state)
-    assert state["sw_thermal_streak"]["3"] == 0
+    assert state["gpus"]["GPU-3"]["streak"] == 0
 
 
 def test_temperature_over_limit_fails() -> None:
@@ -200,7 +225,8 @@ def test_no_driver_is_a_gpu_less_node_unless_gpus_expected() -> None:
 def test_leftovers_are_only_checked_on_the_jobs_gpus() -> None:
     """On a shared node, another job's processes on GPUs not given to this job are fine."""
     s = with_gpu3(processes=[{"pid": 4242, "used_bytes": 2 << 30}], memory_used_bytes=2 << 30)
-    result = gpu.check(s, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({0, 1}))
+    typed = NvmlSnapshot.from_json(s)
+    result = gpu.check(typed, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({0, 1}))
     assert not fails(result.findings)
-    result = gpu.check(s, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({3}))
+    result = gpu.check(typed, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({3}))
     assert len(fails(result.findings)) == 2

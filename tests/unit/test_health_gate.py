@@ -28,12 +28,14 @@ def conf(tmp_path: Path, **health: Any) -> dict[str, Any]:
     root = f"{tmp_path}/nodes/{{node}}"
     section: dict[str, Any] = {
         "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios", "collector_timeout_s": 3,
-        "gpu": {"expected_count": 8},
+        "gpu": {"expected_count": 8, "pci_sysfs_root": f"{root}/sys/bus/pci/devices"},
         "xid": {"source": "file", "path": f"{root}/kmsg", "boot_id_file": f"{root}/boot_id"},
         "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,
                        "expected_hcas": [f"mlx5_{i}" for i in range(8)]},
         "nvme": {"path": f"{root}/nvme", "size_limit": 100 << 30, "min_free": 10 << 30,
                  "smart": False},
+        # "/" is reachable and a mount point wherever the tests run.
+        "mounts": {"paths": ["/"], "timeout_s": 2.0},
     }
     for key, value in health.items():
         if isinstance(value, dict):
@@ -65,7 +67,8 @@ def test_healthy_stand_ins_pass_every_check(node: Path) -> None:
     """8 GPUs, 8 HCAs, an empty kernel log and an empty NVMe: healthy, every check ran."""
     report = gate.run(load(node), NODE, "healthcheck")
     assert report.verdict.healthy, blocking(report)
-    assert {f.check for f in report.findings} == set(gate.CHECKS)
+    # services: no units configured here (they need systemctl); diag: only when named.
+    assert {f.check for f in report.findings} == set(gate.CHECKS) - {"services", *gate.ACTIVE}
 
 
 @pytest.mark.parametrize(("fault", "reason"), [
@@ -172,7 +175,7 @@ def test_hung_collector_is_a_failure_and_the_gate_returns(node: Path) -> None:
     assert scen is not None
     scen["hang"] = {"function": "nvmlDeviceGetCount", "seconds": 60}
     nvml.write_scenario(str(hardware.locate(node, NODE).scenario), scen)
-    report = gate.run(load(node, collector_timeout_s=0.5), NODE, "prolog")
+    report = gate.run(load(node, collector_timeout_s=0.5, mounts={"paths": []}), NODE, "prolog")
     assert blocking(report) == ["gpu collector hung: no answer within 0.5s"]
 
 
@@ -272,3 +275,33 @@ def test_an_unreadable_repair_ledger_keeps_the_gpu_failed_and_says_so(node: Path
     assert not report.verdict.healthy
     assert any(f.subject == "repairs" and "couldn't read" in f.message
                for f in report.findings)
+
+
+def test_active_diagnostics_run_only_when_named(node: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the prolog nor a full manual run starts active diagnostics; naming them
+    runs them (here: no dcgmi, no CUDA, so "could not check", policy fail-open)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    cfg = load(node)
+    for kind in ("prolog", "epilog", "healthcheck", "manual"):
+        assert not [f for f in gate.run(cfg, NODE, kind).findings if f.check == "diag"], kind
+    report = gate.run(cfg, NODE, "manual", only=("diag",))
+    assert [f.check for f in report.findings] == ["diag"]
+    assert report.findings[0].severity is Severity.UNKNOWN and report.verdict.healthy
+
+
+def test_gpu_service_units_must_be_active(node: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """nvidia-fabricmanager failed and nvidia-imex active, as systemctl reports them: the
+    healthcheck fails naming the unit and its state; the prolog does not ask."""
+    bindir = node / "bin"
+    bindir.mkdir()
+    tool = bindir / "systemctl"
+    tool.write_text('#!/bin/sh\ncase "$3" in nvidia-imex) echo active; exit 0;;\n'
+                    '*) echo failed; exit 3;; esac\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    cfg = load(node, services={"units": ["nvidia-fabricmanager", "nvidia-imex"]})
+    report = gate.run(cfg, NODE, "healthcheck")
+    assert blocking(report) == ["nvidia-fabricmanager failed (expected active)"]
+    assert not [f for f in gate.run(cfg, NODE, "prolog").findings if f.check == "services"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ COUNTERS = list(InfinibandCheckSection().max_counter_delta)
 HCAS = tuple(f"mlx5_{i}" for i in range(8))
 
 
-def run(snap: dict[str, Any], cfg: InfinibandCheckSection | None = None,
+def run(snap: collector.IbSnapshot, cfg: InfinibandCheckSection | None = None,
         state: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any]]:
     r = ib.check(snap, cfg or InfinibandCheckSection(), state or {})
     return r.findings, r.state
@@ -32,12 +33,13 @@ def fails(findings: list[Any]) -> list[str]:
 def test_real_h100_capture_is_read_and_passes() -> None:
     """The real H100 sysfs capture reads as 8 NDR InfiniBand rails plus an Ethernet bond."""
     snap = collector.collect(str(REAL_TREE), COUNTERS)
-    hcas = snap["hcas"]
-    assert hcas["mlx5_0"]["hca_type"] == "MT4129"
-    assert hcas["mlx5_0"]["ports"]["1"]["state"] == "4: ACTIVE"
-    assert hcas["mlx5_0"]["ports"]["1"]["rate"] == "400 Gb/sec (4X NDR)"
-    assert hcas["mlx5_bond_0"]["ports"]["1"]["link_layer"] == "Ethernet"
-    assert hcas["mlx5_1"]["ports"]["1"]["counters"]["link_downed"] == 255
+    hcas = snap.hcas
+    assert hcas["mlx5_0"].hca_type == "MT4129"
+    assert hcas["mlx5_0"].ports["1"].state == "4: ACTIVE"
+    assert hcas["mlx5_0"].ports["1"].rate == "400 Gb/sec (4X NDR)"
+    assert hcas["mlx5_bond_0"].ports["1"].link_layer == "Ethernet"
+    assert hcas["mlx5_1"].ports["1"].counters["link_downed"] == 255
+    assert collector.IbSnapshot.from_json(snap.to_json()) == snap
     findings, state = run(snap, InfinibandCheckSection(min_rate_gbps=400))
     assert not fails(findings)
     checked = sorted({f.subject.split()[0] for f in findings})
@@ -63,9 +65,9 @@ def test_fake_tree_matches_the_real_layout(tmp_path: Path) -> None:
     for name in ("hca_type", "fw_ver", "board_id"):
         assert (tmp_path / "mlx5_0" / name).read_text().strip() == \
             (REAL_TREE / "mlx5_0" / name).read_text().strip()
-    assert collector.collect(str(tmp_path), COUNTERS)["hcas"]["mlx5_0"]["ports"]["1"] == {
-        **collector.collect(str(REAL_TREE), COUNTERS)["hcas"]["mlx5_0"]["ports"]["1"],
-        "counters": dict.fromkeys(sorted(COUNTERS), 0)}
+    ours = collector.collect(str(tmp_path), COUNTERS).hcas["mlx5_0"].ports["1"]
+    real = collector.collect(str(REAL_TREE), COUNTERS).hcas["mlx5_0"].ports["1"]
+    assert ours == dataclasses.replace(real, counters=dict.fromkeys(sorted(COUNTERS), 0))
 
 
 def test_port_down_fails_with_expected_state_and_rate(tmp_path: Path) -> None:
@@ -142,3 +144,24 @@ def test_a_down_port_is_not_also_reported_as_a_flap(tmp_path: Path) -> None:
     assert fails(findings) == ["mlx5_0 port1 DOWN (expected ACTIVE)"]
     sysfs.set_port(root, "mlx5_0", 1, state="ACTIVE", phys_state="LinkUp")
     assert not fails(run(collector.collect(root, COUNTERS), state=state)[0])
+
+
+def test_gpu_model_defaults_catch_a_vanished_hca_and_a_downtrained_link(tmp_path: Path
+                                                                         ) -> None:
+    """With no site config, an H100 node showing 7 of 8 HCAs fails, as does an HDR link;
+    an H100 PCIe board, a node without IB, or site settings don't get the defaults."""
+    root = str(tmp_path)
+    sysfs.build(root, 7)
+    sysfs.set_port(root, "mlx5_3", 1, state="ACTIVE", phys_state="LinkUp",
+                   rate="200 Gb/sec (4X HDR)")
+    snap = collector.collect(root, COUNTERS)
+    r = ib.check(snap, InfinibandCheckSection(), {}, gpu_model="NVIDIA H100 80GB HBM3")
+    assert fails(r.findings) == ["7 InfiniBand HCAs (expected 8 for NVIDIA H100 80GB HBM3)",
+                                 "mlx5_3 port1 200Gb/s (expected >=400Gb/s)"]
+    assert not fails(ib.check(snap, InfinibandCheckSection(), {},
+                              gpu_model="NVIDIA H100 PCIe").findings)
+    site = InfinibandCheckSection(expected_hcas=HCAS[:7], min_rate_gbps=100)
+    assert not fails(ib.check(snap, site, {}, gpu_model="NVIDIA H100 80GB HBM3").findings)
+    empty = collector.collect(str(tmp_path / "none"), COUNTERS)
+    assert not fails(ib.check(empty, InfinibandCheckSection(), {},
+                              gpu_model="NVIDIA H100 80GB HBM3").findings)

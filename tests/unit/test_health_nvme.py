@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,12 @@ from slurm_resilience.health.findings import Severity
 NVME = REAL_FIXTURES / "nvme"
 
 
-def run(snap: dict[str, Any], cfg: NvmeCheckSection | None = None) -> list[Any]:
-    return nvme_check.check(snap, cfg or NvmeCheckSection(min_free=1 << 20), {}).findings
+def run(snap: collector.NvmeSnapshot | dict[str, Any], cfg: NvmeCheckSection | None = None
+        ) -> list[Any]:
+    """Check a snapshot, given typed or as the JSON the collector child sends."""
+    typed = collector.NvmeSnapshot.from_json(snap) if isinstance(snap, dict) else snap
+    assert collector.NvmeSnapshot.from_json(typed.to_json()) == typed
+    return nvme_check.check(typed, cfg or NvmeCheckSection(min_free=1 << 20), {}).findings
 
 
 def fails(findings: list[Any]) -> list[str]:
@@ -27,7 +32,7 @@ def fails(findings: list[Any]) -> list[str]:
 def test_writable_directory_with_space_passes(tmp_path: Path) -> None:
     """A writable directory with free space passes, with a write+fsync probe time."""
     snap = collector.collect(str(tmp_path), smart=False)
-    assert snap["exists"] and snap["probe_ms"] is not None and snap["probe_error"] is None
+    assert snap.exists and snap.probe_ms is not None and snap.probe_error is None
     assert not fails(run(snap))
     assert os.listdir(tmp_path) == []  # the probe file is gone
 
@@ -50,7 +55,7 @@ def test_full_disk_fails_using_the_size_limit(tmp_path: Path) -> None:
     with open(tmp_path / "fill", "wb") as fh:
         fh.truncate(95 << 30)  # sparse: apparent size counts, no disk used
     snap = collector.collect(str(tmp_path), size_limit=100 << 30, active=False)
-    assert snap["free"] == 5 << 30
+    assert snap.free == 5 << 30
     assert fails(run(snap, NvmeCheckSection(min_free=10 << 30))) == [
         "nvme 5.0GiB free of 100.0GiB (expected >=10.0GiB)"]
     assert not fails(run(snap, NvmeCheckSection(min_free=4 << 30)))
@@ -76,13 +81,29 @@ def test_slow_probe_warns() -> None:
 def test_smart_logs_of_real_drives_parse() -> None:
     """critical_warning, percentage_used and media_errors come out of real smartctl JSON."""
     got = {p.name: collector.parse_smart(p.read_text()) for p in sorted(NVME.glob("*.json"))}
-    assert got["smartctl-a-json_nvme_sabrent-rocket4-1tb_healthy.json"]["critical_warning"] == 0
-    assert got["smartctl-x-j_nvme_samsung-970evo_media-errors.json"]["media_errors"] == 7
-    assert got["smartctl-a-j_nvme_corsair-force-mp510_err-log-entries.json"][
-        "percentage_used"] == 1
+    assert got["smartctl-a-json_nvme_sabrent-rocket4-1tb_healthy.json"].critical_warning == 0
+    assert got["smartctl-x-j_nvme_samsung-970evo_media-errors.json"].media_errors == 7
+    assert got["smartctl-a-j_nvme_corsair-force-mp510_err-log-entries.json"] \
+        .percentage_used == 1
     nvme_cli = '{"critical_warning": 4, "temperature": 310, "percent_used": 3}'
-    assert collector.parse_smart(nvme_cli) == {"critical_warning": 4, "percentage_used": 3,
-                                               "media_errors": None}
+    assert collector.parse_smart(nvme_cli) == collector.SmartLog(critical_warning=4,
+                                                                 percentage_used=3)
+
+
+def test_smart_media_errors_and_spare_are_judged() -> None:
+    """The real drive with 7 media errors (smartctl still says passed) fails; spare below
+    the drive's threshold fails; nvme-cli's key names are read too."""
+    base = {"path": "/x", "exists": True, "error": None, "free": 1 << 40, "total": 1 << 41}
+    worn = collector.parse_smart(
+        (NVME / "smartctl-x-j_nvme_samsung-970evo_media-errors.json").read_text())
+    assert fails(run({**base, "smart": asdict(worn)})) == [
+        "nvme 7 media errors (expected <=0)"]
+    assert not fails(run({**base, "smart": asdict(worn)}, NvmeCheckSection(min_free=1 << 20,
+                                                                   max_media_errors=-1)))
+    low = collector.parse_smart('{"critical_warning": 0, "avail_spare": 4, "spare_thresh": 10,'
+                                ' "media_errors": 0, "percent_used": 50}')
+    assert fails(run({**base, "smart": asdict(low)})) == [
+        "nvme 4% available spare (expected >=10%)"]
 
 
 def test_smart_critical_warning_and_wear_fail() -> None:
@@ -90,7 +111,7 @@ def test_smart_critical_warning_and_wear_fail() -> None:
     base = {"path": "/x", "exists": True, "error": None, "free": 1 << 40, "total": 1 << 41}
     healthy = collector.parse_smart(
         (NVME / "smartctl-a-json_nvme_sabrent-rocket4-1tb_healthy.json").read_text())
-    assert not fails(run({**base, "smart": healthy}))
+    assert not fails(run({**base, "smart": asdict(healthy)}))
     assert fails(run({**base, "smart": {"critical_warning": 4, "percentage_used": 3}})) == [
         "nvme critical warning 0x04 (expected 0)"]
     assert fails(run({**base, "smart": {"critical_warning": 0, "percentage_used": 99}})) == [

@@ -65,7 +65,7 @@ def test_failing_prolog_returns_one_short_reason(cfg_path: Path) -> None:
     faults.inject(cfg_path.parent, NODE, "ib-down:mlx5_3:1")
     problems = steps.prolog(ctx(cfg_path, "prolog"))
     assert [(p.step, p.reason, p.drain) for p in problems] == [
-        ("health", "mlx5_3 port1 DOWN (expected ACTIVE)", True)]
+        ("health", "mlx5_3 port1 DOWN (expected ACTIVE 400Gb/s)", True)]
 
 
 def resume_runner(state: str, reason: str) -> FakeRunner:

@@ -94,13 +94,29 @@ def test_compare_uses_the_largest_size_when_the_thresholds_size_was_not_run() ->
 def test_model_matching_is_by_word() -> None:
     """H100 matches the driver's name for an H100 but not a GH100 or an H1000."""
     assert bw.model_matches("H100", "NVIDIA H100 80GB HBM3")
-    assert bw.model_matches("h100", "NVIDIA H100 NVL")
+    assert bw.model_matches("h100", "NVIDIA H100 80GB HBM3")
     assert not bw.model_matches("H100", "NVIDIA GH100")
     assert not bw.model_matches("H100", "NVIDIA H1000")
     thresholds = Config().nccl.thresholds
     assert bw.pick_threshold(thresholds, "NVIDIA A100-SXM4-80GB", 8, "intra-node") is not None
     assert bw.pick_threshold(thresholds, "NVIDIA A100-SXM4-80GB", 4, "intra-node") is None
     assert bw.pick_threshold(thresholds, "NVIDIA H100 80GB HBM3", 8, "ib-loopback") is None
+
+
+def test_pcie_and_nvl_boards_do_not_get_sxm_thresholds() -> None:
+    """H100 PCIe, H200 NVL and A100-PCIE match no shipped entry; B200 and GB200 have their
+    own, and the H200 figure is aznhc's 431 GB/s."""
+    thresholds = Config().nccl.thresholds
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL",
+                 "NVIDIA A100-PCIE-40GB"):
+        assert bw.pick_threshold(thresholds, name, 8, "intra-node") is None, name
+    assert bw.model_matches("H100 PCIe", "NVIDIA H100 PCIe")
+    h200 = bw.pick_threshold(thresholds, "NVIDIA H200", 8, "intra-node")
+    assert h200 is not None and h200.min_busbw_gbps == 431.0
+    b200 = bw.pick_threshold(thresholds, "NVIDIA B200", 8, "intra-node")
+    gb200 = bw.pick_threshold(thresholds, "NVIDIA GB200", 4, "intra-node")
+    assert b200 is not None and b200.model == "B200"
+    assert gb200 is not None and gb200.model == "GB200"
 
 
 def test_size_and_rate_formatting() -> None:

@@ -112,7 +112,7 @@ def test_reset_swaps_the_hca_tree_so_a_reader_never_sees_a_missing_path(tmp_path
     def reader() -> None:
         nonlocal reads
         while not done.is_set() or reads < 20:
-            snap = infiniband.collect(str(hw.sysfs), counters)
+            snap = infiniband.collect_json(str(hw.sysfs), counters)
             reads += 1
             hcas = snap["hcas"]
             if snap["error"] or len(hcas) != hardware.HCAS:

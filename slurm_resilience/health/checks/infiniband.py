@@ -7,10 +7,13 @@ went down was reset and becomes the new baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 from slurm_resilience.config.health import InfinibandCheckSection
+from slurm_resilience.health import gpu_models
+from slurm_resilience.health.collectors.infiniband import IbSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 NAME = "infiniband"
@@ -38,11 +41,11 @@ def _gbps(x: float) -> str:
     return f"{x:g}Gb/s"
 
 
-def _expected_hcas(snap: dict[str, Any], cfg: InfinibandCheckSection) -> list[str]:
+def _expected_hcas(snap: IbSnapshot, cfg: InfinibandCheckSection) -> list[str]:
     if cfg.expected_hcas:
         return list(cfg.expected_hcas)
-    return [h for h, e in snap.get("hcas", {}).items()
-            if any(p.get("link_layer") == "InfiniBand" for p in e.get("ports", {}).values())]
+    return [h for h, e in snap.hcas.items()
+            if any(p.link_layer == "InfiniBand" for p in e.ports.values())]
 
 
 def _counters(subject: str, cur: dict[str, int | None], prev: dict[str, int],
@@ -70,46 +73,68 @@ def _counters(subject: str, cur: dict[str, int | None], prev: dict[str, int],
     return out, keep
 
 
-def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, Any]
-          ) -> CheckResult:
-    if snap.get("error"):
-        return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap['error']}")], state)
+def model_defaults(cfg: InfinibandCheckSection, gpu_model: str | None
+                   ) -> tuple[int, float]:
+    """(HCA count, least rate) shipped for the node's GPU model; (0, 0) when none fits."""
+    if not gpu_model:
+        return 0, 0.0
+    hcas = next((n for m, n in cfg.hcas_by_gpu_model.items()
+                 if gpu_models.matches(m, gpu_model)), 0)
+    rate = next((r for m, r in cfg.min_rate_gbps_by_gpu_model.items()
+                 if gpu_models.matches(m, gpu_model)), 0.0)
+    return hcas, rate
+
+
+def check(snap: IbSnapshot, cfg: InfinibandCheckSection, state: dict[str, Any],
+          gpu_model: str | None = None) -> CheckResult:
+    """``gpu_model``: the NVML name of the node's GPUs, for the shipped per-model HCA
+    count and rate (used where the site set neither)."""
+    if snap.error:
+        return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap.error}")], state)
     findings: list[Finding] = []
     prev_all: dict[str, dict[str, int]] = state.get("counters", {})
     baseline: dict[str, dict[str, int]] = {}
-    want_rate = f" {_gbps(cfg.min_rate_gbps)}" if cfg.min_rate_gbps else ""
     expected = _expected_hcas(snap, cfg)
+    want_hcas, model_rate = model_defaults(cfg, gpu_model)
+    if not cfg.expected_hcas and expected and want_hcas and len(expected) < want_hcas:
+        findings.append(fail(NAME, "hcas", f"{len(expected)} InfiniBand HCAs (expected "
+                                           f"{want_hcas} for {gpu_model})"))
+    if cfg.min_rate_gbps or not expected or not model_rate:
+        model_rate = 0.0
+    else:
+        cfg = dataclasses.replace(cfg, min_rate_gbps=model_rate)
+    want_rate = f" {_gbps(cfg.min_rate_gbps)}" if cfg.min_rate_gbps else ""
     if not expected:
         findings.append(ok(NAME, "sysfs", "no InfiniBand HCA expected or found"))
     for hca in expected:
-        entry = snap.get("hcas", {}).get(hca)
+        entry = snap.hcas.get(hca)
         if entry is None:
             findings.append(fail(NAME, hca, f"{hca} missing (expected present)"))
             continue
-        if entry.get("error"):
-            findings.append(unknown(NAME, hca, f"{hca}: {entry['error']}"))
+        if entry.error:
+            findings.append(unknown(NAME, hca, f"{hca}: {entry.error}"))
             continue
         for port in cfg.ports:
             subject = f"{hca} port{port}"
-            pinfo = entry.get("ports", {}).get(str(port))
+            pinfo = entry.ports.get(str(port))
             if pinfo is None:
                 findings.append(fail(NAME, subject, f"{subject} missing (expected present)"))
                 continue
             before = len(findings)
-            state_word, phys = _word(pinfo.get("state")), _word(pinfo.get("phys_state"))
+            state_word, phys = _word(pinfo.state), _word(pinfo.phys_state)
             if state_word != "ACTIVE":
                 findings.append(fail(NAME, subject, f"{subject} {state_word} "
                                                     f"(expected ACTIVE{want_rate})"))
             elif phys != "LinkUp":
                 findings.append(fail(NAME, subject, f"{subject} phys {phys} (expected LinkUp)"))
-            rate = rate_gbps(pinfo.get("rate"))
+            rate = rate_gbps(pinfo.rate)
             if state_word == "ACTIVE" and cfg.min_rate_gbps and (
                     rate is None or rate < cfg.min_rate_gbps):
-                shown = _gbps(rate) if rate is not None else repr(pinfo.get("rate"))
+                shown = _gbps(rate) if rate is not None else repr(pinfo.rate)
                 findings.append(fail(NAME, subject, f"{subject} {shown} "
                                                     f"(expected >={_gbps(cfg.min_rate_gbps)})"))
             key = f"{hca}/{port}"
-            found, baseline[key] = _counters(subject, pinfo.get("counters", {}),
+            found, baseline[key] = _counters(subject, pinfo.counters,
                                              prev_all.get(key, {}), dict(cfg.max_counter_delta))
             if state_word != "ACTIVE":
                 # The link is down now: that is the finding, not the link_downed tick it caused.
@@ -117,5 +142,5 @@ def check(snap: dict[str, Any], cfg: InfinibandCheckSection, state: dict[str, An
             findings.extend(found)
             if len(findings) == before:
                 findings.append(ok(NAME, subject, f"{subject} ACTIVE LinkUp "
-                                                  f"{pinfo.get('rate') or '?'}"))
+                                                  f"{pinfo.rate or '?'}"))
     return CheckResult(findings, {"counters": baseline})

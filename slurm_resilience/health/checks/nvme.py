@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slurm_resilience.config.health import NvmeCheckSection
+from slurm_resilience.health.collectors.nvme import NvmeSnapshot, SmartLog
 from slurm_resilience.health.findings import (
     CheckResult,
     Finding,
@@ -18,39 +19,48 @@ from slurm_resilience.health.findings import (
 NAME = "nvme"
 
 
-def check(snap: dict[str, Any], cfg: NvmeCheckSection, state: dict[str, Any]) -> CheckResult:
-    path = snap.get("path", cfg.path)
-    if snap.get("error"):
-        return CheckResult([unknown(NAME, "nvme", f"nvme: {snap['error']}")], state)
-    if not snap.get("exists"):
+def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: dict[str, Any]) -> CheckResult:
+    path = snap.path or cfg.path
+    if snap.error:
+        return CheckResult([unknown(NAME, "nvme", f"nvme: {snap.error}")], state)
+    if not snap.exists:
         return CheckResult([fail(NAME, "nvme", f"nvme {path} missing (expected a directory)")],
                            state)
     out: list[Finding] = []
-    if cfg.require_mountpoint and not snap.get("mountpoint"):
+    if cfg.require_mountpoint and not snap.mountpoint:
         out.append(fail(NAME, "nvme", f"nvme {path} not mounted (expected a mount point)"))
-    if snap.get("read_only"):
+    if snap.read_only:
         out.append(fail(NAME, "nvme", f"nvme {path} read-only (expected writable)"))
-    free, total = snap.get("free"), snap.get("total")
+    free, total = snap.free, snap.total
     if free is not None and free < cfg.min_free:
         out.append(fail(NAME, "nvme", f"nvme {human_size(free)} free of {human_size(total or 0)} "
                                       f"(expected >={human_size(cfg.min_free)})",
                         free=free, total=total))
-    if snap.get("probe_error"):
-        out.append(fail(NAME, "nvme", f"nvme {snap['probe_error']}"))
-    probe = snap.get("probe_ms")
+    if snap.probe_error:
+        out.append(fail(NAME, "nvme", f"nvme {snap.probe_error}"))
+    probe = snap.probe_ms
     if probe is not None and probe > cfg.max_probe_ms:
         out.append(warn(NAME, "nvme", f"nvme write+fsync {probe:.0f}ms "
                                       f"(expected <={cfg.max_probe_ms:.0f}ms)"))
-    smart = snap.get("smart") or {}
-    if smart.get("error"):
-        out.append(unknown(NAME, "nvme-smart", f"nvme {smart['error']}"))
-    if smart.get("critical_warning"):
+    smart = snap.smart or SmartLog()
+    if smart.error:
+        out.append(unknown(NAME, "nvme-smart", f"nvme {smart.error}"))
+    if smart.critical_warning:
         out.append(fail(NAME, "nvme-smart", f"nvme critical warning "
-                                            f"0x{smart['critical_warning']:02x} (expected 0)"))
-    used = smart.get("percentage_used")
+                                            f"0x{smart.critical_warning:02x} (expected 0)"))
+    used = smart.percentage_used
     if used is not None and used > cfg.max_percentage_used:
         out.append(fail(NAME, "nvme-smart", f"nvme {used}% endurance used "
                                             f"(expected <={cfg.max_percentage_used}%)"))
+    media = smart.media_errors
+    if media is not None and cfg.max_media_errors >= 0 and media > cfg.max_media_errors:
+        out.append(fail(NAME, "nvme-smart", f"nvme {media} media errors "
+                                            f"(expected <={cfg.max_media_errors})"))
+    spare, spare_min = smart.available_spare, smart.available_spare_threshold
+    floor = max(cfg.min_available_spare, spare_min or 0)
+    if spare is not None and floor and spare < floor:
+        out.append(fail(NAME, "nvme-smart", f"nvme {spare}% available spare "
+                                            f"(expected >={floor}%)"))
     if not out:
         out.append(ok(NAME, "nvme", f"nvme {path} {human_size(free or 0)} free"
                                     + (f", probe {probe:.1f}ms" if probe is not None else "")))

@@ -7,17 +7,57 @@ planted (or a symlink) is never opened.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import shutil
 import stat
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from slurm_resilience.proc import CommandError, Runner
 
 PROBE_BYTES = 4096
+
+
+@dataclass
+class SmartLog:
+    """What the check reads of an NVMe SMART / health log; None where the log lacks it.
+    ``skipped``/``error``: the log was not read, and why."""
+
+    critical_warning: int | None = None
+    percentage_used: int | None = None
+    media_errors: int | None = None
+    available_spare: int | None = None
+    available_spare_threshold: int | None = None
+    skipped: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class NvmeSnapshot:
+    path: str
+    exists: bool = False
+    error: str | None = None
+    mountpoint: bool | None = None
+    read_only: bool | None = None
+    size_limited: bool = False
+    total: int | None = None
+    free: int | None = None
+    probe_ms: float | None = None
+    probe_error: str | None = None
+    smart: SmartLog | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NvmeSnapshot:
+        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        smart = fields.pop("smart", None)
+        return cls(**fields, smart=SmartLog(**smart) if smart is not None else None)
 
 
 def _used_bytes(path: str) -> int:
@@ -55,7 +95,7 @@ def _probe(path: str) -> tuple[float | None, str | None]:
     return (time.monotonic() - started) * 1000.0, None
 
 
-def parse_smart(text: str) -> dict[str, int | None]:
+def parse_smart(text: str) -> SmartLog:
     """critical_warning and percentage used from ``nvme smart-log -o json`` (percent_used)
     or ``smartctl -j`` (nvme_smart_health_information_log.percentage_used)."""
     data = json.loads(text)
@@ -63,53 +103,60 @@ def parse_smart(text: str) -> dict[str, int | None]:
     used = log.get("percentage_used", log.get("percent_used"))
     warning = log.get("critical_warning")
     media = log.get("media_errors")
-    return {
-        "critical_warning": int(warning) if warning is not None else None,
-        "percentage_used": int(used) if used is not None else None,
-        "media_errors": int(media) if media is not None else None,
-    }
+    spare = log.get("available_spare", log.get("avail_spare"))
+    spare_min = log.get("available_spare_threshold", log.get("spare_thresh"))
+    def num(v: Any) -> int | None:
+        return int(v) if v is not None else None
+
+    return SmartLog(num(warning), num(used), num(media), num(spare), num(spare_min))
 
 
-def _smart(device: str, timeout: float) -> dict[str, Any]:
+def _smart(device: str, timeout: float) -> SmartLog:
     if shutil.which("nvme") is None:
-        return {"skipped": "nvme-cli not installed"}
+        return SmartLog(skipped="nvme-cli not installed")
     try:
         result = Runner().run(["nvme", "smart-log", device, "-o", "json"], timeout=timeout)
     except CommandError as exc:
-        return {"error": f"couldn't read the SMART log of {device}: {str(exc).splitlines()[0]}"}
+        return SmartLog(error=f"couldn't read the SMART log of {device}: "
+                              f"{str(exc).splitlines()[0]}")
     try:
         return parse_smart(result.stdout)
-    except (ValueError, AttributeError) as exc:
-        return {"error": f"couldn't parse nvme smart-log output: {exc}"}
+    except (ValueError, AttributeError, TypeError) as exc:
+        return SmartLog(error=f"couldn't parse nvme smart-log output: {exc}")
 
 
 def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool = True,
-            device: str = "/dev/nvme0", timeout: float = 5.0) -> dict[str, Any]:
-    """Snapshot: ``{"path", "exists", "mountpoint", "total", "free", "probe_ms", ...}``."""
-    snap: dict[str, Any] = {"path": path, "exists": False, "error": None}
+            device: str = "/dev/nvme0", timeout: float = 5.0) -> NvmeSnapshot:
+    """Mount, space, and (``active``) a write probe and the SMART log of ``path``'s disk."""
+    snap = NvmeSnapshot(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return snap
     except OSError as exc:
-        snap["error"] = f"couldn't stat {path}: {exc.strerror}"
+        snap.error = f"couldn't stat {path}: {exc.strerror}"
         return snap
-    snap["exists"] = stat.S_ISDIR(st.st_mode)
-    snap["mountpoint"] = os.path.ismount(path)
+    snap.exists = stat.S_ISDIR(st.st_mode)
+    snap.mountpoint = os.path.ismount(path)
     vfs = os.statvfs(path)
     total = vfs.f_blocks * vfs.f_frsize
     free = vfs.f_bavail * vfs.f_frsize
-    snap["read_only"] = bool(vfs.f_flag & os.ST_RDONLY)
+    snap.read_only = bool(vfs.f_flag & os.ST_RDONLY)
     if size_limit:
         # The sandbox gives each node a directory on one shared filesystem: its
         # "disk" is size_limit bytes, of which the files under it use some.
         total = size_limit
         free = min(free, max(0, size_limit - _used_bytes(path)))
-        snap["size_limited"] = True
-    snap["total"] = total
-    snap["free"] = free
-    if active and snap["exists"]:
-        snap["probe_ms"], snap["probe_error"] = _probe(path)
+        snap.size_limited = True
+    snap.total = total
+    snap.free = free
+    if active and snap.exists:
+        snap.probe_ms, snap.probe_error = _probe(path)
     if active and smart:
-        snap["smart"] = _smart(device, timeout)
+        snap.smart = _smart(device, timeout)
     return snap
+
+
+def collect_json(path: str, **kwargs: Any) -> dict[str, Any]:
+    """:func:`collect` for the collector child, whose answer travels as JSON."""
+    return collect(path, **kwargs).to_json()

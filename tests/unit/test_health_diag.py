@@ -1,0 +1,107 @@
+"""Active diagnostics: DCGM's JSON of both schemas judged, the torch memory test's
+results measured against expected, and a machine without either says so."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from conftest import REAL_FIXTURES
+
+from slurm_resilience.config.health import DiagCheckSection
+from slurm_resilience.health.checks import diag as diag_check
+from slurm_resilience.health.collectors import cuda_memtest, dcgm
+from slurm_resilience.health.collectors import diag as diag_collector
+from slurm_resilience.health.findings import Severity
+
+DCGM = REAL_FIXTURES / "dcgm"
+
+
+def test_dcgm3_pass_is_a_clean_diagnostic() -> None:
+    """Every result Pass (3.x schema, gpu_ids): one OK finding and the time remembered
+    as evidence of a clean diagnostic."""
+    report = dcgm.parse_diag((DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass.txt").read_text())
+    assert report.version == "3.3.5" and report.driver == "550.54.15"
+    assert {r.gpu for r in report.results} == {None, 0, 1}
+    result = diag_check.check_dcgm(report, {}, now=123.0)
+    assert [f.severity for f in result.findings] == [Severity.OK]
+    assert result.state["last_clean"] == 123.0
+
+
+def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
+    """4.x schema: the memory Fail on GPU 1 fails with DCGM's own message; the PCIe Warn
+    is a warning; the document survives the JSON hop."""
+    report = dcgm.parse_diag(
+        (DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail.txt").read_text())
+    assert report.version == "4.2.3" and report.driver == "570.148.08"
+    assert dcgm.from_json(dcgm.to_json(report)) == report
+    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    fails = [f.message for f in findings if f.severity is Severity.FAIL]
+    assert fails == ["gpu1 DCGM memory Fail: GPU 1 A memory mismatch was detected on GPU 1, "
+                     "but no error was reported by CUDA or NVML. (expected Pass)"]
+    assert [f.subject for f in findings if f.severity is Severity.WARN] == ["gpu1"]
+    assert findings[0].data["error_ids"] == [16]
+
+
+def test_dcgm_that_tested_nothing_is_not_a_pass() -> None:
+    """Every test skipped (3.x, gpu_id key, as in DCGM issue #139): could not check."""
+    report = dcgm.parse_diag(
+        (DCGM / "dcgmi-diag-r3-j_dcgm3-schema_t400_all-skipped.txt").read_text())
+    assert [r.gpu for r in report.results] == [0, 0, 0]
+    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    assert [f.severity for f in findings] == [Severity.UNKNOWN]
+    assert "tested nothing" in findings[0].message
+    with pytest.raises(dcgm.DcgmParseError):
+        dcgm.parse_diag("Error: unable to connect to host engine")
+
+
+def test_dcgmi_is_run_and_its_failing_exit_status_keeps_the_json(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """A dcgmi on PATH that exits non-zero (as on failed tests) with its JSON: parsed and
+    failing; a dcgmi that prints no JSON is "couldn't run", naming what it said."""
+    fixture = DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail.txt"
+    tool = tmp_path / "dcgmi"
+    tool.write_text(f"#!/bin/sh\ncat {fixture}\nexit 226\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    snap = diag_collector.collect_json("auto", 2, 30.0, 1 << 20, 1)
+    findings = diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), {}, now=0).findings
+    assert any(f.severity is Severity.FAIL for f in findings)
+    tool.write_text("#!/bin/sh\necho 'Error: unable to establish a connection' >&2\nexit 1\n")
+    report = dcgm.collect(2, 30.0)
+    assert report.error and "unable to establish a connection" in report.error
+    assert diag_check.check_dcgm(report, {}, now=0).findings[0].severity is Severity.UNKNOWN
+
+
+def test_without_dcgm_or_cuda_the_memory_test_says_why(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """No dcgmi and no CUDA (this machine, CI): the torch test does not run and says why,
+    which the check turns into "could not check", never a pass."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    snap = diag_collector.collect_json("auto", 2, 30.0, 1 << 20, 1)
+    report = cuda_memtest.from_json(snap["memtest"])
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: covered by the GPU run")
+    assert report.unavailable is not None and "dcgmi not installed" in report.unavailable
+    findings = diag_check.check_memtest(report, DiagCheckSection(), {}, now=0).findings
+    assert [f.severity for f in findings] == [Severity.UNKNOWN]
+
+
+def test_memtest_measured_against_expected() -> None:
+    """Mismatches fail; HBM or host bandwidth under the model's figure fails, naming both;
+    a healthy H100 passes."""
+    good = cuda_memtest.GpuMemtest(0, "NVIDIA H100 80GB HBM3", 1 << 30, 0, 2600.0, 53.0, 52.0)
+    bad = cuda_memtest.GpuMemtest(1, "NVIDIA H100 80GB HBM3", 1 << 30, 3, 1500.0, 22.0, 51.0)
+    report = cuda_memtest.MemtestReport([good, bad])
+    findings = diag_check.check_memtest(report, DiagCheckSection(), {}, now=0).findings
+    assert [f.message for f in findings if f.severity is Severity.FAIL] == [
+        "gpu1 3 memory mismatches in 1024MiB (expected 0)",
+        "gpu1 HBM copy 1500GB/s (expected >=2000 for NVIDIA H100 80GB HBM3)",
+        "gpu1 host-to-device 22.0GB/s (expected >=48 for NVIDIA H100 80GB HBM3)"]
+    ok = diag_check.check_memtest(cuda_memtest.MemtestReport([good]), DiagCheckSection(), {},
+                                  now=5.0)
+    assert ok.state["last_clean"] == 5.0
