@@ -198,6 +198,23 @@ def _gpus_ok(snap: NvmlSnapshot | None, known: dict[str, int]) -> dict[str, bool
     return view
 
 
+def _record_diag_repairs(store: StateStore, gpu_by_pci: dict[str, int], covered: set[int],
+                         now: float) -> list[Finding]:
+    """A clean active diagnostic ends the fatal Xids of the GPUs it tested: each goes into
+    the repair ledger, read by the Xid check of this run and every later one."""
+    if not store.directory:
+        return [warn("xid", "repairs", "clean diagnostic not recorded as a repair: no state "
+                                       "directory")]
+    try:
+        for pci, index in sorted(gpu_by_pci.items()):
+            if index in covered:
+                xid_repairs.record(store.directory, xid_repairs.Repair(
+                    pci, now, "active diagnostic passed"))
+    except OSError as exc:
+        return [warn("xid", "repairs", f"clean diagnostic not recorded as a repair: {exc}")]
+    return []
+
+
 def _timeout_finding(name: str, error: str) -> Finding:
     # A collector that hangs is itself the symptom (a GPU or disk stuck in the driver),
     # except the kernel log, where it only means we could not look.
@@ -258,7 +275,8 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         now = time.time()
         gpu_snap = NvmlSnapshot.from_json(snaps["gpu"]) if "gpu" in snaps else None
         gpu_by_pci = _gpu_map(store, gpu_snap)
-        for name, snap in snaps.items():
+        # A clean diagnostic is repair evidence the Xid check reads: judge it first.
+        for name, snap in sorted(snaps.items(), key=lambda item: item[0] != "diag"):
             prev = store.load(name)
             result: CheckResult
             if name == "gpu" and gpu_snap is not None:
@@ -294,10 +312,16 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                 from slurm_resilience.health.checks import diag as diag_check
                 from slurm_resilience.health.collectors import cuda_memtest, dcgm
 
-                result = (diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), prev, now)
-                          if "dcgm" in snap else
-                          diag_check.check_memtest(cuda_memtest.from_json(snap["memtest"]),
-                                                   h.diag, prev, now))
+                if "dcgm" in snap:
+                    report = dcgm.from_json(snap["dcgm"])
+                    result = diag_check.check_dcgm(report, prev, now)
+                    covered = {r.gpu for r in report.results if r.gpu is not None}
+                else:
+                    memtest = cuda_memtest.from_json(snap["memtest"])
+                    result = diag_check.check_memtest(memtest, h.diag, prev, now)
+                    covered = {g.index for g in memtest.gpus}
+                if result.state.get("last_clean") == now:
+                    findings.extend(_record_diag_repairs(store, gpu_by_pci, covered, now))
             elif name == "services":
                 from slurm_resilience.health.checks import services as services_check
 

@@ -143,6 +143,30 @@ def test_fatal_xid_on_a_visible_gpu_waits_for_recorded_repair(node: Path) -> Non
     assert report.verdict.healthy, blocking(report)
 
 
+def test_clean_active_diagnostic_ends_the_fatal_xid_of_the_gpus_it_tested(
+        node: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Xid 48 on GPU 1 and GPU 2; a DCGM run that passed on GPUs 0 and 1 (the recorded
+    schema) is repair evidence for GPU 1 only: GPU 2 stays failed."""
+    from conftest import REAL_FIXTURES
+
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    faults.inject(node, NODE, "gpu-xid:1:48")
+    faults.inject(node, NODE, "gpu-xid:2:48")
+    reasons = " ".join(blocking(gate.run(cfg, NODE, "prolog")))
+    assert "gpu1 XID 48" in reasons and "gpu2 XID 48" in reasons
+    tool = tmp_path / "bin" / "dcgmi"
+    tool.parent.mkdir()
+    passed = REAL_FIXTURES / "dcgm" / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass.txt"
+    tool.write_text(f"#!/bin/sh\ncat {passed}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin:/bin")
+    diag = gate.run(cfg, NODE, "manual", only=("diag", "xid"))
+    assert "gpu1 XID 48" not in " ".join(blocking(diag))
+    after = " ".join(blocking(gate.run(cfg, NODE, "prolog")))
+    assert "gpu1" not in after and "gpu2 XID 48" in after
+
+
 def test_operator_records_a_repair_from_the_cli(node: Path) -> None:
     """`slurm-resilience xid-repaired --gpu 2` after a reset ends GPU 2's Xid 48; an
     unknown index is refused with the reason."""
