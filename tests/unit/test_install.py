@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -59,6 +60,29 @@ def test_wheel_carries_hooks_spank_source_unit_and_example(wheel: Path) -> None:
     shipped = {n.split("/share/slurm-resilience/", 1)[1] for n in names
                if "/share/slurm-resilience/" in n}
     assert shipped >= SHIPPED, SHIPPED - shipped
+
+
+def test_sdist_carries_them_too(tmp_path: Path) -> None:
+    from setuptools import build_meta
+
+    old = Path.cwd()
+    os.chdir(REPO)
+    try:
+        name = build_meta.build_sdist(str(tmp_path))
+    finally:
+        os.chdir(old)
+    with tarfile.open(tmp_path / name) as tar:
+        shipped = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert shipped >= SHIPPED, SHIPPED - shipped
+
+
+def test_role_uses_no_controller_path_or_fixed_architecture() -> None:
+    """Targets get the wheel: nothing in the role may point at the playbook's checkout, and
+    the SPANK plugin directory comes from the target's Slurm."""
+    for path in (REPO / "ansible").rglob("*.yml"):
+        text = path.read_text()
+        assert "playbook_dir" not in text, path
+        assert "x86_64" not in text, path
 
 
 def test_install_node_from_the_wheel_alone_then_nothing_changes(venv: Path,
