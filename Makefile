@@ -16,12 +16,13 @@ PIP_EXTRAS := dev,s3,gpu,train
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup apt venv lint typecheck unit integration test demo bench sandbox-down clean
+.PHONY: help setup apt venv lint typecheck unit integration test test-ansible demo bench sandbox-down clean
 
 help:
 	@echo "make demo   bring up a local Slurm sandbox and run the main scenario"
 	@echo "make test   install what is needed, then ruff, mypy and pytest (unit + sandbox)"
 	@echo "make bench  run the benchmarks in benchmarks/ (prints ratios against references)"
+	@echo "make test-ansible  roll out with ansible/site.yml onto a fresh Debian root, twice"
 	@echo "make lint | typecheck | unit | integration | sandbox-down | clean"
 
 apt:
@@ -66,6 +67,11 @@ integration: setup
 
 test: setup lint typecheck
 	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+
+# ansible-lint, then site.yml applied twice to a fresh debootstrap root (second run
+# changed=0), then the sandbox inside that root gated by the hooks the role installed.
+test-ansible: venv
+	ansible/ci/test-rollout
 
 demo: setup
 	$(PY) examples/demo.py

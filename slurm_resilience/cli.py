@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "check": "slurm_resilience.health.cli",
     "xid-repaired": "slurm_resilience.health.repaircli",
     "topology": "slurm_resilience.topology.cli",
+    "install": "slurm_resilience.install.cli",
 }
 
 
