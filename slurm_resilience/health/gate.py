@@ -8,6 +8,7 @@ HealthCheckProgram and ``slurm-resilience check`` run everything.
 from __future__ import annotations
 
 import fcntl
+import contextlib
 import functools
 import json
 import os
@@ -70,6 +71,9 @@ def state_dir(cfg: Config, node: str) -> str:
     return node_path(template, node)
 
 
+MAX_STATE_BYTES = 1 << 20  # far above any real state; a bigger file is garbage
+
+
 class StateStore:
     """One JSON file per check under the node's health state directory (root-owned, 0700)."""
 
@@ -80,21 +84,44 @@ class StateStore:
         return os.path.join(self.directory, f"{name}.json")
 
     def load(self, name: str) -> dict[str, Any]:
+        """The saved state, or {} when there is none or it can't be used; an unusable
+        file (garbage, truncated, huge, not an object) is set aside and said."""
         if not self.directory:
             return {}
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK)
         except FileNotFoundError:
             return {}
-        with os.fdopen(fd, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except ValueError as exc:
-                # A corrupt state file only costs one baseline; say so and start afresh.
-                get_logger("health").warning("couldn't parse state file; starting afresh",
-                                             path=self._path(name), error=str(exc))
-                return {}
-        return data if isinstance(data, dict) else {}
+        except OSError as exc:
+            self.quarantine(name, f"couldn't open it: {exc.strerror}")
+            return {}
+        try:
+            with os.fdopen(fd, "rb") as fh:
+                raw = fh.read(MAX_STATE_BYTES + 1)
+            if len(raw) > MAX_STATE_BYTES:
+                raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+            data = json.loads(raw)
+        except (OSError, ValueError) as exc:
+            # A corrupt state file only costs one baseline; say so and start afresh.
+            self.quarantine(name, str(exc)[:200])
+            return {}
+        if not isinstance(data, dict):
+            self.quarantine(name, f"a JSON {type(data).__name__}, not an object")
+            return {}
+        return data
+
+    def quarantine(self, name: str, why: str) -> None:
+        """Set an unusable state file aside (one ``.corrupt`` copy kept for a look), so
+        the next run starts afresh instead of tripping on it again."""
+        path = self._path(name)
+        try:
+            os.replace(path, path + ".corrupt")
+            kept: str | None = path + ".corrupt"
+        except OSError:
+            kept = None  # a read-only state dir: the next save replaces it anyway
+        get_logger("health").warning("health: couldn't use a state file; starting afresh",
+                                     path=path, reason=why, set_aside_as=kept)
 
     def save(self, name: str, data: dict[str, Any]) -> None:
         if not self.directory:
@@ -106,6 +133,18 @@ class StateStore:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
         os.replace(tmp, self._path(name))
+
+    def save_or_say(self, name: str, data: dict[str, Any]) -> None:
+        """:meth:`save`, best-effort: a full or read-only state dir costs the history of
+        the next run, never this run's verdict."""
+        try:
+            self.save(name, data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(f".{name}.{os.getpid()}"))
+            get_logger("health").warning("health: couldn't save a state file; the next run "
+                                         "starts without this one's history",
+                                         path=self._path(name), error=str(exc))
 
     def lock(self) -> int:
         """An exclusive lock over load→check→save, so concurrent hooks don't interleave."""
@@ -145,12 +184,17 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
 def _gpu_map(store: StateStore, snap: dict[str, Any]) -> dict[str, int]:
     """PCI address → GPU index, remembered across runs: a GPU that fell off the bus no
     longer tells NVML its address, yet its Xid must still name it."""
-    known: dict[str, int] = dict(store.load("gpu_map").get("by_pci", {}))
+    by_pci = store.load("gpu_map").get("by_pci", {})
+    if not isinstance(by_pci, dict):
+        store.quarantine("gpu_map", f"by_pci is a {type(by_pci).__name__}, not an object")
+        by_pci = {}
+    known: dict[str, int] = {k: v for k, v in by_pci.items()
+                             if isinstance(v, int) and not isinstance(v, bool)}
     current = {g["pci_bus_id"]: int(g["index"]) for g in snap.get("gpus", [])
                if g.get("pci_bus_id")}
     merged = {**known, **current}
     if merged != known:
-        store.save("gpu_map", {"by_pci": merged})
+        store.save_or_say("gpu_map", {"by_pci": merged})
     return merged
 
 
@@ -160,6 +204,21 @@ def _timeout_finding(name: str, error: str) -> Finding:
     if name == "xid":
         return unknown(name, "collector", f"{name} collector: {error}")
     return fail(name, "collector", f"{name} collector hung: {error}")
+
+
+def _check(name: str, snap: dict[str, Any], prev: dict[str, Any], cfg: Config, kind: str,
+           expected_gpus: int | None, job_gpus: frozenset[int] | None, now: float,
+           gpu_by_pci: dict[str, int], job_start: float | None) -> CheckResult:
+    h = cfg.health
+    if name == "gpu":
+        return gpu_check.check(snap, h.gpu, prev, kind=kind, expected_count=expected_gpus,
+                               job_gpus=job_gpus)
+    if name == "xid":
+        return xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
+                               job_start=job_start if kind == "epilog" else None)
+    if name == "infiniband":
+        return ib_check.check(snap, h.infiniband, prev)
+    return nvme_check.check(snap, h.nvme, prev)
 
 
 def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
@@ -204,19 +263,20 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         gpu_by_pci = _gpu_map(store, snaps.get("gpu", {}))
         for name, snap in snaps.items():
             prev = store.load(name)
-            result: CheckResult
-            if name == "gpu":
-                result = gpu_check.check(snap, h.gpu, prev, kind=kind,
-                                         expected_count=expected_gpus, job_gpus=job_gpus)
-            elif name == "xid":
-                result = xid_check.check(snap, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
-                                         job_start=job_start if kind == "epilog" else None)
-            elif name == "infiniband":
-                result = ib_check.check(snap, h.infiniband, prev)
-            else:
-                result = nvme_check.check(snap, h.nvme, prev)
+            try:
+                result = _check(name, snap, prev, cfg, kind, expected_gpus, job_gpus, now,
+                                gpu_by_pci, job_start)
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                if not prev:
+                    raise
+                # Saved state of the wrong shape: judge this run without history.
+                store.quarantine(name, f"the {name} check couldn't use it: "
+                                       f"{type(exc).__name__}: {exc}")
+                prev = {}
+                result = _check(name, snap, prev, cfg, kind, expected_gpus, job_gpus, now,
+                                gpu_by_pci, job_start)
             if result.state != prev:
-                store.save(name, result.state)
+                store.save_or_say(name, result.state)
             findings.extend(result.findings)
     finally:
         if lock_fd >= 0:

@@ -1,0 +1,103 @@
+"""Garbage in every state file a hook or the agent reads: each reader sets the file aside
+or ignores it with a log event, never crashes, never passes a sick node, never drains a
+healthy one (issue 13, item 10)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_resilience import log
+from slurm_resilience.health import gate
+from slurm_resilience.sandbox import faults, hardware
+
+from tests.unit.test_health_gate import NODE, load
+
+# Every health state key, holding a value of the wrong type: a reader that trusts the shape
+# of what it reads crashes on one of them.
+POISON: dict[str, Any] = {
+    "sw_thermal_streak": "x", "counters": {"mlx5_0/1": "x", "mlx5_1/1": {"symbol_error": "x"}},
+    "events": {"e": 5, "f": "x"}, "by_pci": ["a", "b"], "streak": "many", "drained": "yes",
+    "failed_jobs": "x", "reasons": 5, "1": "not-a-time",
+}
+
+
+def garbage(kind: str, boot_id: str = "") -> bytes:
+    """One kind of broken content for a state file."""
+    if kind == "empty":
+        return b""
+    if kind == "truncated":
+        return b'{"events": {"a": [1, '
+    if kind == "binary":
+        return bytes(range(256)) * 8
+    if kind == "list":
+        return b"[1, 2, 3]"
+    if kind == "huge":
+        return b'{"x": "' + b"a" * (9 << 20) + b'"}'
+    if kind == "wrong-types":
+        return json.dumps({**POISON, "boot_id": boot_id}).encode()
+    raise AssertionError(kind)
+
+
+KINDS = ("empty", "truncated", "binary", "list", "huge", "wrong-types")
+HEALTH_FILES = ("gpu", "xid", "infiniband", "nvme", "gpu_map")
+
+
+@pytest.fixture
+def events(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(path))
+    yield path
+    log.reset()
+
+
+def logged(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Path:
+    hardware.prepare_node_hardware(tmp_path, [NODE])
+    return tmp_path
+
+
+def _spoil(node: Path, name: str, kind: str) -> Path:
+    cfg = load(node)
+    state = Path(gate.state_dir(cfg, NODE))
+    state.mkdir(parents=True, exist_ok=True)
+    boot = (node / "nodes" / NODE / "boot_id").read_text().strip()
+    path = state / f"{name}.json"
+    path.write_bytes(garbage(kind, boot))
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", HEALTH_FILES)
+def test_health_state_garbage_never_passes_a_sick_node(node: Path, events: Path, name: str,
+                                                        kind: str) -> None:
+    """A lost GPU is found whatever the state files hold, and the broken file is named."""
+    gate.run(load(node), NODE, "healthcheck")  # a first run writes real state beside it
+    _spoil(node, name, kind)
+    faults.inject(node, NODE, "gpu-xid:3:79")
+    report = gate.run(load(node), NODE, "healthcheck")
+    assert not report.verdict.healthy
+    assert any("gpu3" in f.message for f in report.verdict.blocking)
+    if kind != "empty" and (name, kind) != ("nvme", "wrong-types"):  # nvme keeps no state
+        assert any(e.get("path", "").endswith(f"{name}.json") for e in logged(events)), \
+            logged(events)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", HEALTH_FILES)
+def test_health_state_garbage_never_fails_a_healthy_node(node: Path, events: Path, name: str,
+                                                          kind: str) -> None:
+    gate.run(load(node), NODE, "healthcheck")
+    _spoil(node, name, kind)
+    report = gate.run(load(node), NODE, "healthcheck")
+    assert report.verdict.healthy, [f.message for f in report.verdict.blocking]
+    # The next run is back to normal: the broken file was replaced or set aside.
+    assert gate.run(load(node), NODE, "healthcheck").verdict.healthy
