@@ -7,8 +7,8 @@ HealthCheckProgram and ``slurm-resilience check`` run everything.
 
 from __future__ import annotations
 
-import fcntl
 import contextlib
+import fcntl
 import functools
 import json
 import os

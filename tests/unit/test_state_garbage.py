@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from slurm_resilience import log
+from slurm_resilience import config, log
+from slurm_resilience.config import Config
 from slurm_resilience.health import gate
 from slurm_resilience.sandbox import faults, hardware
 
-from tests.unit.test_health_gate import NODE, load
+NODE = "node1"
 
 # Every health state key, holding a value of the wrong type: a reader that trusts the shape
 # of what it reads crashes on one of them.
@@ -45,6 +47,25 @@ def garbage(kind: str, boot_id: str = "") -> bytes:
 
 KINDS = ("empty", "truncated", "binary", "list", "huge", "wrong-types")
 HEALTH_FILES = ("gpu", "xid", "infiniband", "nvme", "gpu_map")
+
+
+def load(tmp_path: Path) -> Config:
+    """Every health check on a stand-in node (8 GPUs, 8 HCAs, a kernel log, an NVMe)."""
+    root = f"{tmp_path}/nodes/{{node}}"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "node": {"state_dir": f"{root}/state"},
+        "logging": {"syslog": False},
+        "health": {
+            "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios",
+            "collector_timeout_s": 3, "gpu": {"expected_count": 8},
+            "xid": {"source": "file", "path": f"{root}/kmsg",
+                    "boot_id_file": f"{root}/boot_id"},
+            "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,
+                           "expected_hcas": [f"mlx5_{i}" for i in range(8)]},
+            "nvme": {"path": f"{root}/nvme", "size_limit": 100 << 30, "min_free": 10 << 30,
+                     "smart": False}}}))
+    return config.load(str(path))
 
 
 @pytest.fixture
