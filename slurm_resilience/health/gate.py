@@ -79,6 +79,7 @@ class StateStore:
 
     def __init__(self, directory: str):
         self.directory = directory
+        self.quarantined: set[str] = set()  # names found unusable by this store
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.json")
@@ -115,6 +116,7 @@ class StateStore:
         """Set an unusable state file aside (one ``.corrupt`` copy kept for a look), so
         the next run starts afresh instead of tripping on it again."""
         path = self._path(name)
+        self.quarantined.add(name)
         try:
             os.replace(path, path + ".corrupt")
             kept: str | None = path + ".corrupt"

@@ -15,7 +15,11 @@ import yaml
 from slurm_resilience import config, log
 from slurm_resilience.config import Config
 from slurm_resilience.health import gate
+from slurm_resilience.health import steps as health_steps
+from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.sandbox import faults, hardware
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.testing import FakeRunner, completed
 
 NODE = "node1"
 
@@ -58,7 +62,7 @@ def load(tmp_path: Path) -> Config:
         "logging": {"syslog": False},
         "health": {
             "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios",
-            "collector_timeout_s": 3, "gpu": {"expected_count": 8},
+            "collector_timeout_s": 3, "gpu": {"expected_count": 8}, "resume_after_passes": 2,
             "xid": {"source": "file", "path": f"{root}/kmsg",
                     "boot_id_file": f"{root}/boot_id"},
             "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,
@@ -122,3 +126,36 @@ def test_health_state_garbage_never_fails_a_healthy_node(node: Path, events: Pat
     assert report.verdict.healthy, [f.message for f in report.verdict.blocking]
     # The next run is back to normal: the broken file was replaced or set aside.
     assert gate.run(load(node), NODE, "healthcheck").verdict.healthy
+
+
+LINE = "NodeName=node1 CPUAlloc=0 CPUTot=2 State=IDLE+DRAIN Partitions=debug Reason={reason}"
+OUR_DRAIN = "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"
+
+
+def _hook(cfg: Config, kind: str, runner: FakeRunner | None = None) -> HookContext:
+    return HookContext(kind=kind, cfg=cfg, node=NODE, env={}, job_id=42,  # type: ignore[arg-type]
+                       _adapter=SlurmAdapter(runner=runner or FakeRunner()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["drains", "jobs"])
+def test_hook_state_garbage_never_loses_our_drain(node: Path, events: Path, name: str,
+                                                   kind: str) -> None:
+    """The gate drained the node; then its memory of that (or of job starts) turns to
+    garbage. The healthcheck neither crashes nor calls Slurm with garbage, and once the
+    node is healthy again our drain is still resumed (a foreign one never is)."""
+    cfg = load(node)
+    faults.inject(node, NODE, "ib-down:mlx5_3:1")
+    assert health_steps.healthcheck(_hook(cfg, "healthcheck"))
+    faults.heal(node, NODE)
+    _spoil(node, name, kind)
+    assert health_steps.epilog(_hook(cfg, "epilog")) == []
+    runners = []
+    for _ in range(2):
+        runner = FakeRunner({"scontrol": [completed(LINE.format(reason=OUR_DRAIN))] * 3
+                             + [completed("")]})
+        runners.append(runner)
+        assert health_steps.healthcheck(_hook(cfg, "healthcheck", runner)) == []
+    assert runners[-1].calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
+    assert all(c[:2] != ["scontrol", "show"] or "job" not in c for r in runners
+               for c in r.calls), "asked Slurm about a job id read from garbage"
