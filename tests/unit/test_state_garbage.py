@@ -19,7 +19,7 @@ from slurm_resilience.health import steps as health_steps
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.sandbox import faults, hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
-from slurm_resilience.testing import FakeRunner, completed
+from slurm_resilience.testing import Answer, FakeRunner, completed
 
 NODE = "node1"
 
@@ -28,7 +28,8 @@ NODE = "node1"
 POISON: dict[str, Any] = {
     "sw_thermal_streak": "x", "counters": {"mlx5_0/1": "x", "mlx5_1/1": {"symbol_error": "x"}},
     "events": {"e": 5, "f": "x"}, "by_pci": ["a", "b"], "streak": "many", "drained": "yes",
-    "failed_jobs": "x", "reasons": 5, "1": "not-a-time",
+    "failed_jobs": "x", "reasons": 5, "1": "not-a-time", "job_id": 7, "restart": "many",
+    "decision": 5, "blame": "x", "state": 3, "steps": ["x"], "timeout_s": "x",
 }
 
 
@@ -152,10 +153,106 @@ def test_hook_state_garbage_never_loses_our_drain(node: Path, events: Path, name
     assert health_steps.epilog(_hook(cfg, "epilog")) == []
     runners = []
     for _ in range(2):
-        runner = FakeRunner({"scontrol": [completed(LINE.format(reason=OUR_DRAIN))] * 3
-                             + [completed("")]})
+        answers: list[Answer] = [completed(LINE.format(reason=OUR_DRAIN))] * 3
+        runner = FakeRunner({"scontrol": [*answers, completed("")]})
         runners.append(runner)
         assert health_steps.healthcheck(_hook(cfg, "healthcheck", runner)) == []
     assert runners[-1].calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
     assert all(c[:2] != ["scontrol", "show"] or "job" not in c for r in runners
                for c in r.calls), "asked Slurm about a job id read from garbage"
+
+
+# -- the agent's and the other hooks' state files -------------------------------------------
+
+
+def _nccl_cfg(tmp_path: Path) -> Config:
+    from slurm_resilience.config import load_text
+
+    return load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state/{{node}}", f"  run_dir: {tmp_path}/run/{{node}}",
+        "nccl:", "  enabled: true", "  backend: gloo", "  processes: 2", "  idle_verify: false",
+        "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme/{{node}}"]) + "\n")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nccl_result_garbage_reads_as_stale_and_is_said(tmp_path: Path, events: Path,
+                                                         kind: str) -> None:
+    """A garbage nccl-result.json is no result (the next chance re-tests), never a crash,
+    never a drain: the healthcheck step returns no problem."""
+    from slurm_resilience.nccl import cache
+    from slurm_resilience.nccl import steps as nccl_steps
+
+    cfg = _nccl_cfg(tmp_path)
+    ctx = HookContext(kind="healthcheck", cfg=cfg, node="n1", env={})
+    path = Path(nccl_steps.cache_path(ctx))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(garbage(kind))
+    fresh, _ = nccl_steps.current_freshness(ctx)
+    assert not fresh.fresh
+    assert nccl_steps.healthcheck(ctx) == []
+    if kind not in ("wrong-types",):  # a dict of unknown keys is merely no usable result
+        assert any(e.get("path") == str(path) for e in logged(events)), logged(events)
+    assert cache.freshness({"verdict": "pass", "cached_at": "x"}, now=1.0, validity_s=9,
+                           boot="", fingerprint="").why == "cached result unreadable"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_journal_garbage_is_quarantined_and_the_agent_goes_on(
+        tmp_path: Path, events: Path, kind: str) -> None:
+    """A garbage journal record is quarantined with an error event; the agent starts, and
+    the next job's start works; `status` lists the quarantined file."""
+    from slurm_resilience.agent.service import Peer
+    from slurm_resilience.checkpoint import upload_status
+    from slurm_resilience.checkpoint.uploader import Uploader
+
+    cfg = _nccl_cfg(tmp_path)
+    jdir = upload_status.journal_dir(cfg, "n1")
+    jdir.mkdir(parents=True)
+    (jdir / "job-5.json").write_bytes(garbage(kind))
+    report = upload_status.collect(jdir)  # status reads it first, and never crashes
+    assert report["errors"] or report["jobs"] == []
+    up = Uploader(cfg, "n1")
+    assert 5 not in up.jobs and not (jdir / "job-5.json").exists()
+    assert any("quarantined" in str(e["event"]) for e in logged(events))
+    assert upload_status.collect(jdir)["quarantined"]
+    root = Peer(pid=1, uid=0, gid=0)
+    assert up.on_job_start({"job_id": 6, "uid": 1000, "gid": 1000, "user": "u"}, root)["ok"]
+    assert Uploader(cfg, "n1").jobs.keys() == {6}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heartbeat_state_garbage_is_ignored_with_a_word(tmp_path: Path, events: Path,
+                                                        kind: str) -> None:
+    """The agent's hang-handling state (suspicions, tuned timeouts, incident progress, job
+    records, incident reports, the checkpoint facts it reads from the journal): garbage in
+    any of them reads as nothing, with a log event or an error line, never a crash."""
+    from slurm_resilience.heartbeat import ckptfacts, incident, jobrecord
+    from slurm_resilience.heartbeat.store import IncidentStore
+    from slurm_resilience.heartbeat.suspect import SuspectHistory
+    from slurm_resilience.heartbeat.tune import TunedTimeouts
+
+    state = tmp_path / "hb"
+    state.mkdir(mode=0o700)
+    (state / "suspicions.json").write_bytes(garbage(kind))
+    assert SuspectHistory(str(state / "suspicions.json")).load() == []
+    (state / "tune-7.json").write_bytes(garbage(kind))
+    assert TunedTimeouts(str(state)).get(7) is None
+    (state / "acted").mkdir(mode=0o700)
+    (state / "acted" / "7-0").write_bytes(garbage(kind))
+    store = IncidentStore(str(state / "acted"))
+    assert store.load(7, 0) is None and store.unfinished() == []
+    (state / "jobs").mkdir(mode=0o755)
+    (state / "jobs" / "7.json").write_bytes(garbage(kind))
+    records, errors = jobrecord.read_all(str(state / "jobs"))
+    assert records == [] and errors
+    (state / "incidents").mkdir(mode=0o700)
+    (state / "incidents" / "hang-job7-run0-n1.json").write_bytes(garbage(kind))
+    assert incident.reports_of_job(str(state / "incidents"), 7) == []
+    assert all("error" in r or not r for r in incident.list_reports(str(state / "incidents")))
+    cfg = _nccl_cfg(tmp_path)
+    jdir = Path(ckptfacts.journal_dir(cfg, "n1"))
+    jdir.mkdir(parents=True)
+    (jdir / "job-7.json").write_bytes(garbage(kind))
+    assert ckptfacts.committed_step(cfg, "n1", 7).step == -1
+    said = {str(e.get("event")) for e in logged(events)}
+    assert len([s for s in said if "couldn't read" in s]) >= 3, said
