@@ -28,6 +28,9 @@ _RESUMABLE_STATES = {"IDLE", "MIXED", "ALLOCATED"}
 _RESUMABLE_FLAGS = {"DRAIN", "DRAINING", "DRAINED"}
 _HELD_REASON = "launch failed requeued held"
 MAX_JOBS = 1000  # job start times kept for the epilog
+# A clean healthcheck looks at the node's reason this often even when it remembers no drain
+# of its own: that memory is lost when the state dir was unusable as the gate drained.
+LOOK_EVERY_PASSES = 10
 T = TypeVar("T")
 
 
@@ -168,7 +171,8 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         return problems
     ours = _bookkeeping(ctx, "record the streak of clean runs", lambda: _count_pass(ctx), None)
     if ours is not None and int(ours["streak"]) >= h.resume_after_passes and (
-            ours.get("drained") or ours.get("reasons")):
+            ours.get("drained") or ours.get("reasons")
+            or int(ours["streak"]) % LOOK_EVERY_PASSES == 0):
         _maybe_resume(ctx, ours)
     return []
 

@@ -256,3 +256,22 @@ def test_heartbeat_state_garbage_is_ignored_with_a_word(tmp_path: Path, events: 
     assert ckptfacts.committed_step(cfg, "n1", 7).step == -1
     said = {str(e.get("event")) for e in logged(events)}
     assert len([s for s in said if "couldn't read" in s]) >= 3, said
+
+
+def test_a_drain_whose_memory_was_lost_is_still_resumed(node: Path) -> None:
+    """The gate drained the node while its state dir was unusable, so it kept no memory of
+    the drain. Healthy again, the healthcheck still looks at the node every
+    LOOK_EVERY_PASSES passes and resumes the drain, which is ours by its owner tag."""
+    cfg = load(node)
+    faults.inject(node, NODE, "ib-down:mlx5_3:1")
+    assert health_steps.healthcheck(_hook(cfg, "healthcheck"))
+    (Path(gate.state_dir(cfg, NODE)) / f"{health_steps.OURS}.json").unlink()  # memory lost
+    faults.heal(node, NODE)
+    for _ in range(health_steps.LOOK_EVERY_PASSES - 1):
+        quiet = FakeRunner()
+        assert health_steps.healthcheck(_hook(cfg, "healthcheck", quiet)) == []
+        assert quiet.calls == []  # no Slurm call on the other passes
+    answers: list[Answer] = [completed(LINE.format(reason=OUR_DRAIN))] * 3
+    runner = FakeRunner({"scontrol": [*answers, completed("")]})
+    assert health_steps.healthcheck(_hook(cfg, "healthcheck", runner)) == []
+    assert runner.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
