@@ -176,6 +176,8 @@ def test_slurmctld_down_during_a_prolog_drain_is_logged_and_the_drain_comes_late
     our reason (nothing lost); healed, node1 is resumed and runs the next job."""
     log = Log(sandbox)
     with slurmctld_stopped(sandbox):
+        healthy = hook(sandbox, "prolog", "node1")  # the healthy path asks slurmctld nothing
+        assert healthy.returncode == 0 and log.find("hook ok", "node1"), healthy.stderr
         faults.inject(sandbox.state_dir, "node1", "gpu-xid:3:79")
         done = hook(sandbox, "prolog", "node1")
         assert done.returncode == 1, done.stderr

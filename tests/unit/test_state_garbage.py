@@ -275,3 +275,14 @@ def test_a_drain_whose_memory_was_lost_is_still_resumed(node: Path) -> None:
     runner = FakeRunner({"scontrol": [*answers, completed("")]})
     assert health_steps.healthcheck(_hook(cfg, "healthcheck", runner)) == []
     assert runner.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_intent_record_garbage_is_refused_by_name(kind: str) -> None:
+    """An intent record (read back from S3 by every node of a run) that is garbage is
+    refused with an error naming where it was, never taken for a node's intent."""
+    from slurm_resilience.checkpoint.commit import CheckpointError
+    from slurm_resilience.checkpoint.intent import Intent
+
+    with pytest.raises(CheckpointError, match="run/step-00000005/x: not a valid intent"):
+        Intent.from_json(garbage(kind), "run/step-00000005/x")
