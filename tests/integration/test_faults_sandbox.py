@@ -160,7 +160,7 @@ def agent_socket(box: Sandbox, node: str) -> str:
 
 def agent_answers(box: Sandbox, node: str) -> bool:
     try:
-        return bool(call(agent_socket(box, node), "ckpt.cleanup", timeout=2).get("ok"))
+        return bool(call(agent_socket(box, node), "ping", timeout=2).get("ok"))
     except Exception:  # noqa: BLE001 - not up yet: asked again
         return False
 
@@ -265,16 +265,18 @@ def test_agent_sigkilled_mid_cleanup_resumes_and_loses_nothing(sandbox: Sandbox)
         root = sandbox.layout.node_dir(node) / "nvme"
         stale = root / ".stale"
         stale.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tree = stale / f"job-999.{time.time_ns()}"
+        tree = root / f".build-{time.time_ns()}"  # built aside, then moved in at once
         for d in range(30):
             (tree / f"d{d}").mkdir(parents=True)
             for f in range(100):
                 (tree / f"d{d}" / f"f{f}").write_bytes(b"x")
+        tree.rename(stale / f"job-999.{time.time_ns()}")  # as the epilog sets a tree aside
         total = _count(stale)
         log = Log(sandbox)
         assert call(agent_socket(sandbox, node), "ckpt.cleanup", timeout=5)["ok"]
         for _ in range(2):
             left = _count(stale)
+            assert left > 4, "the cleanup finished before the kill point"
             point = rng.randrange(left // 4, 3 * left // 4)
             wait_for(f"cleanup below {point} entries", functools.partial(_below, stale, point),
                      60, 0.02)
