@@ -286,3 +286,26 @@ def test_intent_record_garbage_is_refused_by_name(kind: str) -> None:
 
     with pytest.raises(CheckpointError, match="run/step-00000005/x: not a valid intent"):
         Intent.from_json(garbage(kind), "run/step-00000005/x")
+
+
+@pytest.mark.parametrize("log_file", ["/dev/full", "/etc/hostname/sr.jsonl"])
+def test_a_broken_log_file_never_fails_a_hook(node: Path, log_file: str,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    """The log disk is full (writes fail with ENOSPC) or the log path can't be opened: the
+    hook still runs to its verdict (exit 0 on a healthy node, never a traceback that slurmd
+    would turn into its own "Prolog error" drain), and says where its log went."""
+    from slurm_resilience.hooks import runner
+
+    load(node)  # writes config.yaml
+    data = yaml.safe_load((node / "config.yaml").read_text())
+    data["logging"] = {"file": log_file, "syslog": False, "level": "info"}
+    cfg = node / "hook.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    try:
+        code = runner.main("prolog", env={"SLURM_RESILIENCE_CONFIG": str(cfg),
+                                          "SLURMD_NODENAME": NODE})
+    finally:
+        log.reset()
+    assert code == 0
+    err = capfd.readouterr().err
+    assert "couldn't" in err and "log file" in err and '"hook ok"' in err, err
