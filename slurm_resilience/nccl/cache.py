@@ -10,6 +10,7 @@ one small file read, which is why the prolog can afford to ask on every job.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -76,11 +77,16 @@ def write(path: str, entry: dict[str, Any]) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(entry, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(entry, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: leave no half-written temp behind
+            os.unlink(tmp)
+        raise
 
 
 def store(path: str, result: dict[str, Any], *, boot: str | None = None,

@@ -4,7 +4,9 @@ healthy one (issue 13, item 10)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,3 +311,45 @@ def test_a_broken_log_file_never_fails_a_hook(node: Path, log_file: str,
     assert code == 0
     err = capfd.readouterr().err
     assert "couldn't" in err and "log file" in err and '"hook ok"' in err, err
+
+
+@pytest.fixture
+def full_dir(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs, filled up, for the case (root: the suite runs hooks as root)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True,
+                   capture_output=True, timeout=30)
+    try:
+        with contextlib.suppress(OSError), open(mnt / "filler", "wb") as fh:
+            while True:
+                fh.write(b"\0" * 4096)
+                fh.flush()
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True, capture_output=True, timeout=30)
+
+
+def test_nccl_failure_on_a_full_state_dir_still_drains_and_leaves_no_temp(
+        full_dir: Path, events: Path) -> None:
+    """A failed NCCL result can't be cached or remembered on a full state dir: the failure
+    is still returned (the node drains), the cause is said, and no temp file is left."""
+    from slurm_resilience.config import load_text
+    from slurm_resilience.nccl import cache
+    from slurm_resilience.nccl import steps as nccl_steps
+
+    cfg = load_text(Config, f"node:\n  state_dir: {full_dir}\nnccl:\n  enabled: true\n")
+    ctx = HookContext(kind="healthcheck", cfg=cfg, node="n1", env={})
+    entry: dict[str, object] = {"verdict": "fail",
+                                "reasons": ["gpu0 busbw 1 GB/s (expected >=300)"]}
+    assert [p.reason for p in nccl_steps.cached_failure(ctx, entry)] == entry["reasons"]
+    said = [str(e["event"]) for e in logged(events)]
+    assert "nccl: couldn't record the reasons we drain with" in said, said
+    assert "nccl: couldn't mark the failure reported" in said, said
+    with pytest.raises(OSError):
+        cache.write(nccl_steps.cache_path(ctx), entry)
+    assert sorted(os.listdir(full_dir)) == ["filler"]
