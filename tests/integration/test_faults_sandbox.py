@@ -288,3 +288,41 @@ def test_agent_sigkilled_mid_cleanup_resumes_and_loses_nothing(sandbox: Sandbox)
         sandbox.update_resilience_config({})
         restart_agent(sandbox, node, signal.SIGTERM)
     job_runs_on(sandbox, node)
+
+
+# -- a job that leaves more than the epilog can remove ---------------------------------------
+
+
+def test_epilog_hands_a_tree_it_cannot_remove_in_time_to_the_agent(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job leaves 20,000 files in its staging dir, and the epilog's limit leaves almost no
+    spare time (10 ms over its waits, so its removal share is 5 ms): the epilog sets the
+    tree aside and hands it to the agent, says so, and the agent removes it; the node runs
+    the next job."""
+    from slurm_resilience import config
+    from slurm_resilience.config.budgets import hook_waits
+
+    cfg = config.load(str(sandbox.resilience_config))
+    waits = sum(w.seconds for w in hook_waits(cfg)["hooks.epilog_timeout_s"])
+    sandbox.update_resilience_config({"hooks": {"epilog_timeout_s": waits + 0.01}})
+    node, user = "node2", test_users[0]
+    nvme = sandbox.layout.node_dir(node) / "nvme"
+    log = Log(sandbox)
+    try:
+        make = ("import os, sys\n"
+                "d = sys.argv[1]\n"
+                "for i in range(20000):\n"
+                "    os.makedirs(f'{d}/t{i % 40}', exist_ok=True)\n"
+                "    open(f'{d}/t{i % 40}/f{i}', 'w').close()\n")
+        job = sandbox.sbatch(f'#!/bin/sh\n{PYTHON} -c "{make}" '
+                             f'{nvme}/job-$SLURM_JOB_ID\n', user=user,
+                             args=[f"--nodelist={node}"])
+        assert sandbox.wait_job(job, timeout=120).state == "COMPLETED", sandbox.output(job)
+        wait_for("the hand-off", lambda: log.find("handed to the agent", node), 60)
+        said = log.find("handed to the agent", node)[-1]
+        assert said.get("job_id") == job and "time budget" in said["removal"], said
+        wait_for("the agent's removal", lambda: not (nvme / f"job-{job}").exists()
+                 and not os.listdir(nvme / ".stale"), 120)
+    finally:
+        sandbox.update_resilience_config({})
+    job_runs_on(sandbox, node)
