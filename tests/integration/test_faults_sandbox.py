@@ -179,8 +179,11 @@ def test_slurmctld_down_during_a_prolog_drain_is_logged_and_the_drain_comes_late
         healthy = hook(sandbox, "prolog", "node1")  # the healthy path asks slurmctld nothing
         assert healthy.returncode == 0 and log.find("hook ok", "node1"), healthy.stderr
         faults.inject(sandbox.state_dir, "node1", "gpu-xid:3:79")
+        started = time.monotonic()
         done = hook(sandbox, "prolog", "node1")
         assert done.returncode == 1, done.stderr
+        print(f"\nprolog with a finding and slurmctld down: exit 1 after "
+              f"{time.monotonic() - started:.1f}s")
         said = log.find("couldn't drain", "node1") + log.find("couldn't finish within", "node1")
         assert said, [e["event"] for e in log.events("node1")]
         assert any("error" in e for e in said)
