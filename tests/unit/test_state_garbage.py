@@ -353,3 +353,64 @@ def test_nccl_failure_on_a_full_state_dir_still_drains_and_leaves_no_temp(
     with pytest.raises(OSError):
         cache.write(nccl_steps.cache_path(ctx), entry)
     assert sorted(os.listdir(full_dir)) == ["filler"]
+
+
+def test_agent_starts_on_a_read_only_state_dir(tmp_path: Path, events: Path) -> None:
+    """The node's state_dir turned read-only before the agent (re)starts: every service that
+    can run without writing starts, any that can't is named in the log, and the agent
+    serves the rest; none takes the others down."""
+    import subprocess
+
+    from slurm_resilience.agent.daemon import load_services
+    from slurm_resilience.agent.service import AgentContext
+    from slurm_resilience.config import load_text
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(state)], check=True,
+                   capture_output=True, timeout=30)
+    try:
+        cfg = load_text(Config, "\n".join([
+            "node:", f"  state_dir: {state}", f"  run_dir: {tmp_path}/run",
+            "heartbeat:", "  rendezvous: directory", f"  rendezvous_dir: {tmp_path}/hang",
+            "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme"]) + "\n")
+        first = load_services(AgentContext(cfg, "n1", SlurmAdapter()))  # writes its dirs
+        for svc in first:
+            svc.close()
+        subprocess.run(["mount", "-o", "remount,ro", str(state)], check=True,
+                       capture_output=True, timeout=30)
+        services = load_services(AgentContext(cfg, "n1", SlurmAdapter()))
+        try:
+            assert {s.name for s in services} == {s.name for s in first}, logged(events)
+        finally:
+            for svc in services:
+                svc.close()
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=True, capture_output=True,
+                       timeout=30)
+
+
+def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
+                                                                 events: Path) -> None:
+    """The checkpoint journal's directory can't be made (a file stands in its way): the
+    checkpoint service doesn't start and says why; hang watching starts all the same."""
+    from slurm_resilience.agent.daemon import load_services
+    from slurm_resilience.agent.service import AgentContext
+    from slurm_resilience.config import load_text
+
+    (tmp_path / "blocker").write_text("not a directory\n")
+    cfg = load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state", f"  run_dir: {tmp_path}/run",
+        "heartbeat:", "  rendezvous: directory", f"  rendezvous_dir: {tmp_path}/hang",
+        "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme",
+        f"  journal_dir: {tmp_path}/blocker/journal"]) + "\n")
+    services = load_services(AgentContext(cfg, "n1", SlurmAdapter()))
+    try:
+        assert [s.name for s in services] == ["heartbeat"]
+    finally:
+        for svc in services:
+            svc.close()
+    said = [e for e in logged(events) if "couldn't start" in str(e["event"])]
+    assert said and said[0]["service"] == "slurm_resilience.checkpoint.uploader:factory"
