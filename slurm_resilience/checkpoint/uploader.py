@@ -145,22 +145,22 @@ class Uploader:
         return {"ok": True, "queued": True}
 
     def clean_stale(self) -> None:
-        """One bounded pass over ``.stale/``; what is left waits for the next pass."""
+        """One bounded pass over ``.stale/``; what is left waits for the next pass. The
+        only remover of ``.stale/`` (one at a time, from ``tick`` or ``run_pass``)."""
+        self.stale_due = False  # a request that comes during this pass asks for another
         try:
             count = remove_stale(self.staging_root, self._budget())
         except FileNotFoundError:
-            self.stale_due = False  # no staging root yet: nothing was set aside
-            return
+            return  # no staging root yet: nothing was set aside
         except RemovalIncomplete as exc:
+            self.stale_due = True
             log.info("leftover staging entries only partly removed; the rest goes next pass",
                      error=str(exc))
             return
-        except (CheckpointError, OSError) as exc:
-            self.stale_due = False  # said once; the next job's end or cleanup asks again
+        except (CheckpointError, OSError) as exc:  # said once; the next cleanup asks again
             log.warning("checkpoint: couldn't remove leftover staging entries",
                         root=self.staging_root, error=str(exc))
             return
-        self.stale_due = False
         if count:
             log.info("removed leftover staging entries set aside under .stale/", count=count)
 
@@ -657,13 +657,7 @@ class Uploader:
         if removed:
             log.info("removed staging dir of ended job", job_id=rec["job_id"],
                      local_only=not rec.get("uri"))
-        try:
-            stale = remove_stale(rec["staging_root"], self._budget())
-            if stale:
-                log.info("removed leftover staging entries the prolog set aside", count=stale)
-        except (RemovalIncomplete, CheckpointError, OSError) as exc:
-            log.warning("leftover staging entries only partly removed; the rest goes next pass",
-                        error=str(exc))
+        self.stale_due = True  # and what the prolog or the epilog set aside, next pass
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:
