@@ -17,6 +17,7 @@ escaped to one printable, bounded line (users control job names, comments, optio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -197,10 +198,29 @@ class _Router:
         with _state.lock:
             for stream in (_state.stream, _state.file):
                 if stream is not None:
-                    stream.write(line + "\n")
-                    stream.flush()
+                    try:
+                        stream.write(line + "\n")
+                        stream.flush()
+                    except (OSError, ValueError) as exc:
+                        _sink_failed(stream, exc, line)
         if _state.syslog:
             syslog.syslog(_SYSLOG_PRIORITY.get(level, syslog.LOG_INFO), line)
+
+
+def _sink_failed(stream: TextIO, exc: Exception, line: str) -> None:
+    """A full or broken log disk must never fail a hook (slurmd would drain the node with
+    its own reason): the file is dropped, said once on stderr, and logging goes on there."""
+    if stream is _state.file:
+        _state.file = None
+        with contextlib.suppress(OSError, ValueError):
+            stream.close()
+        if _state.stream is None:
+            _state.stream = sys.stderr
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(json.dumps({"event": "log: couldn't write the log file; logging "
+                                         "to stderr from here on", "error": str(exc)}) + "\n")
+            sys.stderr.write(line + "\n")
+    # stderr itself failing (closed by the caller): nothing left to tell; never raise.
 
 
 _ROUTER = _Router()
@@ -290,14 +310,23 @@ def configure(
         raise ValueError(f"log level {level!r}: valid levels are {', '.join(LEVELS)}")
     with _state.lock:
         if _state.file is not None:
-            _state.file.close()
+            with contextlib.suppress(OSError, ValueError):  # a full disk fails the flush
+                _state.file.close()
         _state.level = LEVELS[level]
         _state.json = mode == "json"
         _state.file = None
+        opened = None
         if file:
-            os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
-            _state.file = open(file, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
-        _state.stream = sys.stderr if (mode == "cli" or not file) else None
+            try:
+                os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
+                opened = open(file, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+            except OSError as exc:  # a broken log disk must not stop a hook: stderr instead
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(json.dumps({"event": "log: couldn't open the log file; "
+                                                 "logging to stderr", "file": file,
+                                                 "error": str(exc)}) + "\n")
+        _state.file = opened
+        _state.stream = sys.stderr if (mode == "cli" or opened is None) else None
         _state.syslog = use_syslog and os.path.exists("/dev/log")
         if _state.syslog:
             syslog.openlog("slurm-resilience", syslog.LOG_PID, syslog.LOG_DAEMON)

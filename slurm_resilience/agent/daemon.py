@@ -25,7 +25,13 @@ def load_services(ctx: AgentContext, specs: list[str] | None = None) -> list[Ser
     for spec in SERVICES if specs is None else specs:
         module, _, name = spec.partition(":")
         factory: Factory = getattr(importlib.import_module(module), name)
-        svc = factory(ctx)
+        try:
+            svc = factory(ctx)
+        except Exception:
+            # not take the others down with it: said, and the agent goes on without it
+            log.exception("agent: a service couldn't start; the agent goes on without it",
+                          service=spec)
+            continue
         if svc is not None:
             services.append(svc)
             log.info("service started", service=svc.name)

@@ -21,6 +21,7 @@ import enum
 import json
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -206,7 +207,8 @@ class Journal:
     def __init__(self, directory: str | os.PathLike[str]):
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        if stat.S_IMODE(self.dir.stat().st_mode) != 0o700:  # a read-only disk can't chmod
+            os.chmod(self.dir, 0o700)
         self.lock = threading.RLock()
 
     def path(self, job_id: int) -> Path:

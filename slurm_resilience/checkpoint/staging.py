@@ -116,8 +116,17 @@ def set_aside(root_fd: int, name: str, why: str) -> None:
         os.rename(name, f"{name}.{time.time_ns()}", src_dir_fd=root_fd, dst_dir_fd=sfd)
     finally:
         os.close(sfd)
-    log.warning("checkpoint: prolog: set a leftover staging entry aside for the agent to "
-                "remove", name=name, reason=why)
+    log.warning("checkpoint: set a staging entry aside under .stale/ for the agent to remove",
+                name=name, reason=why)
+
+
+def set_aside_job_dir(root: str, job_id: int, why: str) -> None:
+    """Move the job's staging dir into ``.stale/`` (a rename: instant whatever its size)."""
+    rfd = _open_root(root)
+    try:
+        set_aside(rfd, job_dir_name(job_id), why)
+    finally:
+        os.close(rfd)
 
 
 def remove_stale(root: str, budget: RemovalBudget | None = None) -> int:

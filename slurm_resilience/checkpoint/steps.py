@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
 from slurm_resilience.checkpoint.commit import CheckpointError
-from slurm_resilience.checkpoint.staging import clean_tmp, create_job_dir, remove_job_dir
+from slurm_resilience.checkpoint.staging import (
+    clean_tmp,
+    create_job_dir,
+    remove_job_dir,
+    set_aside_job_dir,
+)
+from slurm_resilience.config.budgets import epilog_remove_s
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
+from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.hooks")
 
@@ -70,11 +78,40 @@ def epilog(ctx: HookContext) -> list[Problem]:
         log.warning("epilog: uploads still pending; the agent finishes them after the job",
                     pending_steps=pending, waited_s=ck.epilog_wait_s)
     elif answer.get("uri") or not _has_steps(root, ctx.job_id):
-        try:
-            remove_job_dir(root, ctx.job_id)  # everything is safe in S3, or nothing was saved
-        except (CheckpointError, OSError) as exc:
-            log.warning("epilog: couldn't remove staging dir", error=str(exc))
+        # Everything is safe in S3, or nothing was saved.
+        remove_or_hand_off(root, ctx.job_id, sock, budget_s=epilog_remove_s(ctx.cfg),
+                           timeout=wait)
     return []
+
+
+def remove_or_hand_off(root: str, job_id: int, sock: str, *, budget_s: float, timeout: float,
+                       clock: Callable[[], float] = time.monotonic) -> None:
+    """Remove the job's staging dir within ``budget_s``; what doesn't fit (a job that left
+    millions of files) is set aside under ``.stale/`` and the agent is asked to remove it in
+    its own time, so the epilog never runs into its limit on a big tree."""
+    try:
+        remove_job_dir(root, job_id, RemovalBudget(max_seconds=budget_s, clock=clock))
+        return
+    except RemovalIncomplete as exc:
+        left = str(exc)
+    except (CheckpointError, OSError) as exc:
+        log.warning("epilog: couldn't remove staging dir", error=str(exc))
+        return
+    try:
+        set_aside_job_dir(root, job_id, f"not removed within the epilog's {budget_s:g}s")
+    except (CheckpointError, OSError) as exc:
+        log.error("epilog: staging dir only partly removed and couldn't be set aside; the "
+                  "agent removes it once the job is forgotten", error=str(exc), removal=left)
+        return
+    try:
+        call(sock, "ckpt.cleanup", timeout=timeout)
+    except (AgentUnavailable, AgentRefused) as exc:
+        log.warning("epilog: staging dir too big to remove within the epilog's budget; set "
+                    "aside under .stale/, removed by the agent when it next cleans up",
+                    budget_s=budget_s, removal=left, agent_error=str(exc))
+        return
+    log.warning("epilog: staging dir too big to remove within the epilog's budget; set aside "
+                "and handed to the agent", budget_s=budget_s, removal=left)
 
 
 def _has_steps(root: str, job_id: int) -> bool:

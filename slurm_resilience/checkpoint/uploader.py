@@ -8,6 +8,9 @@ Requests (unix socket, caller known by SO_PEERCRED):
 * ``ckpt.status`` (the job's user or root): stage-in state and pending steps;
 * ``ckpt.job_end`` (root, from the epilog): the job ended; the agent keeps
   uploading what is pending, then removes the staging dir.
+* ``ckpt.cleanup`` (root, from the epilog): a staging dir too big to remove within the
+  epilog's budget was set aside under ``.stale/``; the agent removes it on its next passes,
+  a bounded share each time (also after a restart: it looks at start).
 
 ``tick`` hands one pass over all jobs to a worker thread: upload each committed
 step (files, then rank manifests, then COMMIT.json once every rank's manifest
@@ -109,6 +112,8 @@ class Uploader:
         self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
         self.orphans_checked: dict[int, float] = {}
         self.stopping = threading.Event()
+        self.stale_due = True  # .stale/ may hold what a killed agent or the epilog left
+        self.cleaning: threading.Thread | None = None
         self.fetcher = make_fetcher(cfg, lambda: self.s3)
         for rec in self.jobs.values():
             if rec.get("stagein", {}).get("state") == "running":
@@ -127,7 +132,37 @@ class Uploader:
     def handlers(self) -> dict[str, Handler]:
         return {"ckpt.job_start": self.on_job_start, "ckpt.register": self.on_register,
                 "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end,
-                "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage}
+                "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage,
+                "ckpt.cleanup": self.on_cleanup}
+
+    def on_cleanup(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """``ckpt.cleanup`` (root): remove what is set aside under ``.stale/``, in the
+        agent's own time (the next ticks), never in the caller's."""
+        if peer.uid != 0:
+            raise RequestError(f"checkpoint: only root may ask for a cleanup (you are uid "
+                               f"{peer.uid})")
+        self.stale_due = True
+        return {"ok": True, "queued": True}
+
+    def clean_stale(self) -> None:
+        """One bounded pass over ``.stale/``; what is left waits for the next pass. The
+        only remover of ``.stale/`` (one at a time, from ``tick`` or ``run_pass``)."""
+        self.stale_due = False  # a request that comes during this pass asks for another
+        try:
+            count = remove_stale(self.staging_root, self._budget())
+        except FileNotFoundError:
+            return  # no staging root yet: nothing was set aside
+        except RemovalIncomplete as exc:
+            self.stale_due = True
+            log.info("leftover staging entries only partly removed; the rest goes next pass",
+                     error=str(exc))
+            return
+        except (CheckpointError, OSError) as exc:  # said once; the next cleanup asks again
+            log.warning("checkpoint: couldn't remove leftover staging entries",
+                        root=self.staging_root, error=str(exc))
+            return
+        if count:
+            log.info("removed leftover staging entries set aside under .stale/", count=count)
 
     def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
         try:
@@ -279,6 +314,10 @@ class Uploader:
         if self.stopping.is_set():
             return
         with self.lock:
+            if self.stale_due and not (self.cleaning and self.cleaning.is_alive()):
+                self.cleaning = threading.Thread(target=self.clean_stale, name="ckpt-stale",
+                                                 daemon=True)
+                self.cleaning.start()
             self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
             for rec in self._due():
                 if len(self.syncing) >= MAX_JOB_THREADS:
@@ -301,6 +340,8 @@ class Uploader:
     def run_pass(self) -> None:
         """Sync every due job side by side and wait for them (tests, and tools that want
         one synchronous pass); the agent calls ``tick`` instead."""
+        if self.stale_due:
+            self.clean_stale()
         with self.lock:
             self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
             due = self._due()
@@ -616,13 +657,7 @@ class Uploader:
         if removed:
             log.info("removed staging dir of ended job", job_id=rec["job_id"],
                      local_only=not rec.get("uri"))
-        try:
-            stale = remove_stale(rec["staging_root"], self._budget())
-            if stale:
-                log.info("removed leftover staging entries the prolog set aside", count=stale)
-        except (RemovalIncomplete, CheckpointError, OSError) as exc:
-            log.warning("leftover staging entries only partly removed; the rest goes next pass",
-                        error=str(exc))
+        self.stale_due = True  # and what the prolog or the epilog set aside, next pass
         self._forget(rec)
 
     def _forget(self, rec: JobRecord) -> None:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 NCCL_MARGIN_S = 2.0
 # The epilog polls the agent every this often while uploads are pending (checkpoint/steps.py).
 CKPT_POLL_S = 0.5
+# The share of the epilog's spare time (its limit less every wait above) that removing a
+# job's staging dir may take; the rest of the tree is handed to the agent (checkpoint/steps.py).
+EPILOG_REMOVE_SHARE = 0.5
 # Slurm calls a healthy-again HealthCheckProgram makes: its gres, then resume (show + update).
 HEALTHCHECK_SLURM_CALLS = 3
 
@@ -60,7 +63,9 @@ def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
         prolog.append(Wait("agent.request_timeout_s", agent))
         # job_end, then polling until epilog_wait_s, whose last call may take a full timeout.
         epilog += [Wait("agent.request_timeout_s (x2)", 2 * agent + CKPT_POLL_S),
-                   Wait("checkpoint.epilog_wait_s", cfg.checkpoint.epilog_wait_s)]
+                   Wait("checkpoint.epilog_wait_s", cfg.checkpoint.epilog_wait_s),
+                   # handing a staging dir too big to remove in time to the agent
+                   Wait("agent.request_timeout_s (hand-off)", agent)]
     if cfg.nccl.enabled:
         prolog += [Wait("nccl.handoff_timeout_s", cfg.nccl.handoff_timeout_s),
                    Wait("nccl margin", NCCL_MARGIN_S)]
@@ -82,3 +87,10 @@ def conflicts(cfg: Config) -> list[Conflict]:
         if conflict.total_s > conflict.limit_s:
             out.append(conflict)
     return out
+
+
+def epilog_remove_s(cfg: Config) -> float:
+    """Seconds the epilog may spend removing a job's staging dir: a share of what its limit
+    leaves over after every wait it must hold (0 when nothing is left)."""
+    total = sum(w.seconds for w in hook_waits(cfg)["hooks.epilog_timeout_s"])
+    return max(0.0, cfg.hooks.epilog_timeout_s - total) * EPILOG_REMOVE_SHARE

@@ -7,6 +7,7 @@ HealthCheckProgram and ``slurm-resilience check`` run everything.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -86,31 +87,59 @@ def state_dir(cfg: Config, node: str) -> str:
     return node_path(template, node)
 
 
+MAX_STATE_BYTES = 1 << 20  # far above any real state; a bigger file is garbage
+
+
 class StateStore:
     """One JSON file per check under the node's health state directory (root-owned, 0700)."""
 
     def __init__(self, directory: str):
         self.directory = directory
+        self.quarantined: set[str] = set()  # names found unusable by this store
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.json")
 
     def load(self, name: str) -> dict[str, Any]:
+        """The saved state, or {} when there is none or it can't be used; an unusable
+        file (garbage, truncated, huge, not an object) is set aside and said."""
         if not self.directory:
             return {}
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK)
         except FileNotFoundError:
             return {}
-        with os.fdopen(fd, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except ValueError as exc:
-                # A corrupt state file only costs one baseline; say so and start afresh.
-                get_logger("health").warning("couldn't parse state file; starting afresh",
-                                             path=self._path(name), error=str(exc))
-                return {}
-        return data if isinstance(data, dict) else {}
+        except OSError as exc:
+            self.quarantine(name, f"couldn't open it: {exc.strerror}")
+            return {}
+        try:
+            with os.fdopen(fd, "rb") as fh:
+                raw = fh.read(MAX_STATE_BYTES + 1)
+            if len(raw) > MAX_STATE_BYTES:
+                raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+            data = json.loads(raw)
+        except (OSError, ValueError) as exc:
+            # A corrupt state file only costs one baseline; say so and start afresh.
+            self.quarantine(name, str(exc)[:200])
+            return {}
+        if not isinstance(data, dict):
+            self.quarantine(name, f"a JSON {type(data).__name__}, not an object")
+            return {}
+        return data
+
+    def quarantine(self, name: str, why: str) -> None:
+        """Set an unusable state file aside (one ``.corrupt`` copy kept for a look), so
+        the next run starts afresh instead of tripping on it again."""
+        path = self._path(name)
+        self.quarantined.add(name)
+        try:
+            os.replace(path, path + ".corrupt")
+            kept: str | None = path + ".corrupt"
+        except OSError:
+            kept = None  # a read-only state dir: the next save replaces it anyway
+        get_logger("health").warning("health: couldn't use a state file; starting afresh",
+                                     path=path, reason=why, set_aside_as=kept)
 
     def save(self, name: str, data: dict[str, Any]) -> None:
         if not self.directory:
@@ -122,6 +151,18 @@ class StateStore:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
         os.replace(tmp, self._path(name))
+
+    def save_or_say(self, name: str, data: dict[str, Any]) -> None:
+        """:meth:`save`, best-effort: a full or read-only state dir costs the history of
+        the next run, never this run's verdict."""
+        try:
+            self.save(name, data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(f".{name}.{os.getpid()}"))
+            get_logger("health").warning("health: couldn't save a state file; the next run "
+                                         "starts without this one's history",
+                                         path=self._path(name), error=str(exc))
 
     def lock(self) -> int:
         """An exclusive lock over load→check→save, so concurrent hooks don't interleave."""
@@ -179,11 +220,16 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
 def _gpu_map(store: StateStore, snap: NvmlSnapshot | None) -> dict[str, int]:
     """PCI address → GPU index, remembered across runs: a GPU that fell off the bus no
     longer tells NVML its address, yet its Xid must still name it."""
-    known: dict[str, int] = dict(store.load("gpu_map").get("by_pci", {}))
+    by_pci = store.load("gpu_map").get("by_pci", {})
+    if not isinstance(by_pci, dict):
+        store.quarantine("gpu_map", f"by_pci is a {type(by_pci).__name__}, not an object")
+        by_pci = {}
+    known: dict[str, int] = {k: v for k, v in by_pci.items()
+                             if isinstance(v, int) and not isinstance(v, bool)}
     current = {g.pci_bus_id: g.index for g in (snap.gpus if snap else []) if g.pci_bus_id}
     merged = {**known, **current}
     if merged != known:
-        store.save("gpu_map", {"by_pci": merged})
+        store.save_or_say("gpu_map", {"by_pci": merged})
     return merged
 
 
@@ -221,6 +267,82 @@ def _timeout_finding(name: str, error: str) -> Finding:
     if name == "xid":
         return unknown(name, "collector", f"{name} collector: {error}")
     return fail(name, "collector", f"{name} collector hung: {error}")
+
+
+@dataclass(frozen=True)
+class _RunFacts:
+    """What every check of one gate run may read besides its own snapshot and state."""
+
+    cfg: Config
+    kind: str
+    wanted: tuple[str, ...]
+    store: StateStore
+    now: float
+    expected_gpus: int | None
+    job_gpus: frozenset[int] | None
+    job_start: float | None
+    gpu_snap: NvmlSnapshot | None
+    gpu_by_pci: dict[str, int]
+
+
+def _check(name: str, snap: dict[str, Any], prev: dict[str, Any], facts: _RunFacts
+           ) -> tuple[CheckResult | None, list[Finding]]:
+    """One check's result (None: its collector served only other checks) and findings of
+    its own bookkeeping."""
+    h, now, gpu_snap = facts.cfg.health, facts.now, facts.gpu_snap
+    extra: list[Finding] = []
+    if name == "gpu":
+        if gpu_snap is None:
+            return None, extra
+        return gpu_check.check(gpu_snap, h.gpu, prev, kind=facts.kind, now=now,
+                               expected_count=facts.expected_gpus,
+                               job_gpus=facts.job_gpus), extra
+    if name == "xid":
+        klog = KernelLogSnapshot.from_json(snap)
+        if "kernel" in facts.wanted:
+            extra.extend(host_check.check(klog, h.kernel_log, now=now))
+        if "xid" not in facts.wanted:
+            return None, extra
+        try:
+            repairs, garbled = xid_repairs.load(facts.store.directory)
+        except OSError as exc:
+            # Without the ledger a repaired GPU stays failed: safe, and said.
+            repairs, garbled = [], 0
+            extra.append(warn("xid", "repairs", f"couldn't read {xid_repairs.LEDGER}: {exc}"))
+        if garbled:
+            extra.append(warn("xid", "repairs", f"{garbled} garbled line(s) in "
+                                                f"{xid_repairs.LEDGER} skipped"))
+        return xid_check.check(
+            klog, h.xid, prev, now=now, gpu_by_pci=facts.gpu_by_pci,
+            job_start=facts.job_start if facts.kind == "epilog" else None, repairs=repairs,
+            gpus_ok=_gpus_ok(gpu_snap, facts.gpu_by_pci)), extra
+    if name == "infiniband":
+        model = next((g.name for g in gpu_snap.gpus if g.name), None) if gpu_snap else None
+        return ib_check.check(IbSnapshot.from_json(snap), h.infiniband, prev,
+                              gpu_model=model), extra
+    if name == "diag":
+        # Only when asked for, so its imports stay off the hooks' path.
+        from slurm_resilience.health.checks import diag as diag_check
+        from slurm_resilience.health.collectors import cuda_memtest, dcgm
+
+        if "dcgm" in snap:
+            report = dcgm.from_json(snap["dcgm"])
+            result = diag_check.check_dcgm(report, prev, now)
+            covered = {r.gpu for r in report.results if r.gpu is not None}
+        else:
+            memtest = cuda_memtest.from_json(snap["memtest"])
+            result = diag_check.check_memtest(memtest, h.diag, prev, now)
+            covered = {g.index for g in memtest.gpus}
+        if result.state.get("last_clean") == now:
+            extra.extend(_record_diag_repairs(facts.store, facts.gpu_by_pci, covered, now))
+        return result, extra
+    if name == "services":
+        from slurm_resilience.health.checks import services as services_check
+
+        return services_check.check(snap, h.services, prev), extra
+    if name == "mounts":
+        return mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev), extra
+    return nvme_check.check(NvmeSnapshot.from_json(snap), h.nvme, prev), extra
 
 
 def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
@@ -275,63 +397,26 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         now = time.time()
         gpu_snap = NvmlSnapshot.from_json(snaps["gpu"]) if "gpu" in snaps else None
         gpu_by_pci = _gpu_map(store, gpu_snap)
+        facts = _RunFacts(cfg, kind, tuple(wanted), store, now, expected_gpus, job_gpus,
+                          job_start, gpu_snap, gpu_by_pci)
         # A clean diagnostic is repair evidence the Xid check reads: judge it first.
         for name, snap in sorted(snaps.items(), key=lambda item: item[0] != "diag"):
             prev = store.load(name)
-            result: CheckResult
-            if name == "gpu" and gpu_snap is not None:
-                result = gpu_check.check(gpu_snap, h.gpu, prev, kind=kind, now=now,
-                                         expected_count=expected_gpus, job_gpus=job_gpus)
-            elif name == "xid":
-                klog = KernelLogSnapshot.from_json(snap)
-                if "kernel" in wanted:
-                    findings.extend(host_check.check(klog, h.kernel_log, now=now))
-                if "xid" not in wanted:
-                    continue
-                try:
-                    repairs, garbled = xid_repairs.load(store.directory)
-                except OSError as exc:
-                    # Without the ledger a repaired GPU stays failed: safe, and said.
-                    repairs, garbled = [], 0
-                    findings.append(warn("xid", "repairs", f"couldn't read "
-                                                           f"{xid_repairs.LEDGER}: {exc}"))
-                if garbled:
-                    findings.append(warn("xid", "repairs", f"{garbled} garbled line(s) in "
-                                                           f"{xid_repairs.LEDGER} skipped"))
-                result = xid_check.check(
-                    klog, h.xid, prev, now=now, gpu_by_pci=gpu_by_pci,
-                    job_start=job_start if kind == "epilog" else None, repairs=repairs,
-                    gpus_ok=_gpus_ok(gpu_snap, gpu_by_pci))
-            elif name == "infiniband":
-                model = next((g.name for g in gpu_snap.gpus if g.name), None) \
-                    if gpu_snap else None
-                result = ib_check.check(IbSnapshot.from_json(snap), h.infiniband, prev,
-                                        gpu_model=model)
-            elif name == "diag":
-                # Only when asked for, so its imports stay off the hooks' path.
-                from slurm_resilience.health.checks import diag as diag_check
-                from slurm_resilience.health.collectors import cuda_memtest, dcgm
-
-                if "dcgm" in snap:
-                    report = dcgm.from_json(snap["dcgm"])
-                    result = diag_check.check_dcgm(report, prev, now)
-                    covered = {r.gpu for r in report.results if r.gpu is not None}
-                else:
-                    memtest = cuda_memtest.from_json(snap["memtest"])
-                    result = diag_check.check_memtest(memtest, h.diag, prev, now)
-                    covered = {g.index for g in memtest.gpus}
-                if result.state.get("last_clean") == now:
-                    findings.extend(_record_diag_repairs(store, gpu_by_pci, covered, now))
-            elif name == "services":
-                from slurm_resilience.health.checks import services as services_check
-
-                result = services_check.check(snap, h.services, prev)
-            elif name == "mounts":
-                result = mounts_check.check(MountsSnapshot.from_json(snap), h.mounts, prev)
-            else:
-                result = nvme_check.check(NvmeSnapshot.from_json(snap), h.nvme, prev)
+            try:
+                result, extra = _check(name, snap, prev, facts)
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                if not prev:
+                    raise
+                # Saved state of the wrong shape: judge this run without history.
+                store.quarantine(name, f"the {name} check couldn't use it: "
+                                       f"{type(exc).__name__}: {exc}")
+                prev = {}
+                result, extra = _check(name, snap, prev, facts)
+            findings.extend(extra)
+            if result is None:
+                continue
             if result.state != prev:
-                store.save(name, result.state)
+                store.save_or_say(name, result.state)
             findings.extend(result.findings)
     finally:
         if lock_fd >= 0:

@@ -31,6 +31,9 @@ MAX_JOBS = 1000  # job start times kept for the epilog
 # Kernel-log stamps are microseconds since boot, made wall time with the clocks of the
 # moment they are read; a clock adjustment between the Xid and the epilog moves them.
 JOB_START_MARGIN_S = 2.0
+# A clean healthcheck looks at the node's reason this often even when it remembers no drain
+# of its own: that memory is lost when the state dir was unusable as the gate drained.
+LOOK_EVERY_PASSES = 10
 T = TypeVar("T")
 
 
@@ -53,9 +56,13 @@ def job_gpus(env: dict[str, str] | Any) -> int | None:
 
 
 def _store(ctx: HookContext) -> Any:
+    """One store per hook run, so what one read found unusable is known to the next."""
     from slurm_resilience.health.gate import StateStore, state_dir
 
-    return StateStore(state_dir(ctx.cfg, ctx.node))
+    store = ctx.notes.get("health.store")
+    if store is None:
+        store = ctx.notes["health.store"] = StateStore(state_dir(ctx.cfg, ctx.node))
+    return store
 
 
 def _bookkeeping(ctx: HookContext, what: str, fn: Callable[[], T], default: T) -> T:
@@ -82,7 +89,7 @@ def _remember(ctx: HookContext) -> None:
         ours["drained"] = True
         ours["streak"] = 0
         if ctx.kind == "prolog" and ctx.job_id is not None:
-            held = [j for j in ours.get("failed_jobs", []) if j != ctx.job_id]
+            held = [j for j in _ints(ours.get("failed_jobs")) if j != ctx.job_id]
             ours["failed_jobs"] = ([*held, ctx.job_id])[-50:]
         store.save(OURS, ours)
     finally:
@@ -123,8 +130,8 @@ def prolog(ctx: HookContext) -> list[Problem]:
 
 def _note_job_start(ctx: HookContext, now: float) -> None:
     store = _store(ctx)
-    starts = store.load("jobs")
-    starts = {k: v for k, v in starts.items() if now - float(v) < 14 * 86400}
+    starts = {k: v for k, v in store.load("jobs").items()  # garbage entries are dropped
+              if isinstance(v, (int, float)) and now - float(v) < 14 * 86400}
     starts[str(ctx.job_id)] = now
     if len(starts) > MAX_JOBS:  # a busy node: keep the newest
         starts = dict(sorted(starts.items(), key=lambda kv: float(kv[1]))[-MAX_JOBS:])
@@ -133,7 +140,7 @@ def _note_job_start(ctx: HookContext, now: float) -> None:
 
 def _job_start(ctx: HookContext) -> float | None:
     value = _store(ctx).load("jobs").get(str(ctx.job_id))
-    return float(value) if value is not None else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def epilog(ctx: HookContext) -> list[Problem]:
@@ -171,16 +178,27 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         # Whether or not this node is healthy now: the node is drained, so a released
         # job is scheduled elsewhere.
         failed: list[int] = _bookkeeping(ctx, "read the jobs our prolog failed",
-                              lambda: list(_store(ctx).load(OURS).get("failed_jobs") or []), [])
+                                         lambda: _failed_jobs(ctx), [])
         if failed:
             _release_held(ctx, failed)
     if problems:
         return problems
     ours = _bookkeeping(ctx, "record the streak of clean runs", lambda: _count_pass(ctx), None)
     if ours is not None and int(ours["streak"]) >= h.resume_after_passes and (
-            ours.get("drained") or ours.get("reasons")):
+            ours.get("drained") or ours.get("reasons")
+            or int(ours["streak"]) % LOOK_EVERY_PASSES == 0):
         _maybe_resume(ctx, ours)
     return []
+
+
+def _ints(value: object) -> list[int]:
+    """The integers of a list read from a state file (anything else there is garbage)."""
+    items = value if isinstance(value, list) else []
+    return [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _failed_jobs(ctx: HookContext) -> list[int]:
+    return _ints(_store(ctx).load(OURS).get("failed_jobs"))
 
 
 def _count_pass(ctx: HookContext) -> dict[str, Any]:
@@ -188,7 +206,13 @@ def _count_pass(ctx: HookContext) -> dict[str, Any]:
     fd = store.lock()
     try:
         ours: dict[str, Any] = store.load(OURS)
-        ours["streak"] = int(ours.get("streak", 0)) + 1
+        streak = ours.get("streak", 0)
+        # A mangled count starts again rather than block every later resume.
+        ours["streak"] = (_ints([streak]) or [0])[0] + 1
+        if OURS in store.quarantined:
+            # What we drained was lost with the file: look at the node's reason once, so a
+            # drain of ours is still resumed (a reason that isn't ours is left alone).
+            ours["drained"] = True
         store.save(OURS, ours)
     finally:
         os.close(fd)
@@ -222,7 +246,9 @@ def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
         logger.info("node in a state we don't resume from", state=node.state,
                     flags=sorted(node.flags))
         return
-    if not reasons.owned_by(node.reason, adapter.prefix, STEP, ours.get("reasons", [])):
+    legacy = ours.get("reasons")
+    if not reasons.owned_by(node.reason, adapter.prefix, STEP,
+                            [str(r) for r in legacy] if isinstance(legacy, list) else []):
         logger.info("drain reason not the health gate's; not resuming", reason=node.reason)
         return
     try:

@@ -103,7 +103,11 @@ def read_report(directory: str, name: str) -> dict[str, Any]:
     finally:
         os.close(fd)
     data = json.loads(raw)
-    if not isinstance(data, dict):
+    # The fields readers index into must have their shape; anything else is not a report.
+    shapes = {"job_id": int, "restart": int, "decision": dict, "blame": dict, "files": list,
+              "actions": list}
+    if not isinstance(data, dict) or not isinstance(data.get("job_id"), int) or any(
+            k in data and not isinstance(data[k], t) for k, t in shapes.items()):
         raise ValueError(f"{name} is not a report")
     return data
 
@@ -135,11 +139,7 @@ def list_reports(directory: str, limit: int = 50) -> list[dict[str, Any]]:
     for name in sorted(names, key=lambda n: os.path.getmtime(os.path.join(directory, n)),
                        reverse=True)[:limit]:
         try:
-            with open(os.path.join(directory, name), encoding="utf-8") as fh:
-                data = json.load(fh)
+            out.append(read_report(directory, name))  # bounded, never through a link
         except (OSError, ValueError) as exc:
             out.append({"file": name, "error": f"couldn't read: {exc}"})
-            continue
-        if isinstance(data, dict):
-            out.append(data)
     return out

@@ -10,6 +10,7 @@ one small file read, which is why the prolog can afford to ask on every job.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
+from slurm_resilience.log import get_logger
 
 FILENAME = "nccl-result.json"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -36,20 +38,36 @@ def boot_id(path: str = BOOT_ID) -> str:
         return ""
 
 
+MAX_BYTES = 1 << 20  # far above a real entry; a bigger file is garbage
+
+
 def read(path: str) -> dict[str, Any] | None:
-    """The cached entry; None when there is none. A corrupt file reads as none
-    (it is rewritten by the next test) but is reported by the caller via ``why``."""
+    """The cached entry; None when there is none. An unusable file (garbage, binary,
+    truncated, huge, not an object, not a file) reads as ``{"corrupt": True}``: stale,
+    so the next chance re-tests and rewrites it; said here, once per read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, encoding="utf-8") as fh:
-        text = fh.read(1 << 20)
+    except OSError as exc:
+        return _corrupt(path, f"couldn't open it: {exc.strerror}")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return {"corrupt": True}
-    return data if isinstance(data, dict) else {"corrupt": True}
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            return _corrupt(path, f"larger than {MAX_BYTES} bytes")
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        return _corrupt(path, str(exc)[:200])
+    if not isinstance(data, dict):
+        return _corrupt(path, f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _corrupt(path: str, why: str) -> dict[str, Any]:
+    get_logger("nccl").warning("nccl: couldn't use a state file; taken as no result",
+                               path=path, reason=why)
+    return {"corrupt": True}
 
 
 def write(path: str, entry: dict[str, Any]) -> None:
@@ -59,11 +77,16 @@ def write(path: str, entry: dict[str, Any]) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(entry, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(entry, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: leave no half-written temp behind
+            os.unlink(tmp)
+        raise
 
 
 def store(path: str, result: dict[str, Any], *, boot: str | None = None,
@@ -100,7 +123,10 @@ def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, bo
         return Freshness(False, "no cached result")
     if entry.get("corrupt"):
         return Freshness(False, "cached result unreadable")
-    age = now - float(entry.get("cached_at", 0.0))
+    cached_at = entry.get("cached_at", 0.0)
+    if not isinstance(cached_at, (int, float)) or isinstance(cached_at, bool):
+        return Freshness(False, "cached result unreadable")
+    age = now - float(cached_at)
     if entry.get("invalidated"):
         return Freshness(False, f"invalidated: {entry['invalidated']}", age)
     verdict = entry.get("verdict")

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
@@ -75,19 +76,29 @@ def drains_path(ctx: HookContext) -> str:
     return os.path.join(node_path(ctx.cfg.node.state_dir, ctx.node), DRAINS_FILE)
 
 
+def _keep(what: str, fn: Callable[[], object]) -> None:
+    """A state-file write that must never decide the verdict: a read-only or full state dir
+    costs the memory of it (said), never the drain of a node that failed."""
+    try:
+        fn()
+    except (OSError, ValueError, TypeError) as exc:
+        log.error(f"nccl: couldn't {what}", error=f"{type(exc).__name__}: {exc}")
+
+
 def _remember(ctx: HookContext, reasons: list[str]) -> None:
     """Note the reasons we drain with, so only a drain entirely ours is ever lifted."""
     path = drains_path(ctx)
     known = cache.read(path) or {}
     old = known.get("reasons", [])
-    merged = sorted(set(old if isinstance(old, list) else []) | set(reasons))[-50:]
+    merged = sorted({str(r) for r in (old if isinstance(old, list) else [])}
+                    | set(reasons))[-50:]
     cache.write(path, {"reasons": merged})
 
 
 def _problems(ctx: HookContext, result_verdict: str, reasons: tuple[str, ...] | list[str]
               ) -> list[Problem]:
     if result_verdict == "fail":
-        _remember(ctx, list(reasons))
+        _keep("record the reasons we drain with", lambda: _remember(ctx, list(reasons)))
         return [Problem(STEP, r) for r in reasons]
     if result_verdict == "unknown":
         log.warning("nccl: couldn't check", reasons=list(reasons))
@@ -104,16 +115,18 @@ def maybe_resume(ctx: HookContext) -> bool:
     try:
         node = adapter.show_node(ctx.node)
         if not node.drained:
-            os.unlink(path)
+            _keep("forget our drain", lambda: os.unlink(path))
             return False
-        if not owned_by(node.reason, adapter.prefix, STEP, ours.get("reasons", [])):
+        known = ours.get("reasons")
+        if not owned_by(node.reason, adapter.prefix, STEP,
+                        [str(r) for r in known] if isinstance(known, list) else []):
             log.info("nccl: drain not (only) ours; not resuming", reason=node.reason)
             return False
         resumed = adapter.resume(ctx.node)
     except SlurmError as exc:
         log.warning("nccl: couldn't resume after a passing test", error=str(exc))
         return False
-    os.unlink(path)
+    _keep("forget our drain", lambda: os.unlink(path))
     if resumed:
         log.warning("nccl: test passes again: node resumed", previous_reason=node.reason)
     return resumed
@@ -140,7 +153,8 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
     if result.verdict != "aborted":
         # This hook reports the failure itself: mark it so, for cached_failure().
         extra = {"reported": time.time()} if result.verdict == "fail" else {}
-        cache.store(cache_path(ctx), {**result.to_json(), **extra})
+        _keep("cache the result", lambda: cache.store(cache_path(ctx),
+                                                      {**result.to_json(), **extra}))
     return _problems(ctx, result.verdict, result.reasons)
 
 
@@ -226,7 +240,8 @@ def cached_failure(ctx: HookContext, entry: dict[str, object]) -> list[Problem]:
     listed = [str(r) for r in (reasons if isinstance(reasons, list) else [])]
     problems = _problems(ctx, "fail", listed)
     if not entry.get("reported"):
-        cache.write(cache_path(ctx), {**entry, "reported": time.time()})
+        _keep("mark the failure reported",
+              lambda: cache.write(cache_path(ctx), {**entry, "reported": time.time()}))
         return problems
     try:
         node = ctx.adapter.show_node(ctx.node)

@@ -7,8 +7,11 @@ Jobs are submitted by unprivileged test users. Figures are printed; run with ``-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import random
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 T = TypeVar("T")
+SEED = int(os.environ.get("SLURM_RESILIENCE_FAULT_SEED", "1313"))
 
 # Two ranks through the public heartbeat API; rank 1 one step behind; progress claimed on
 # every run; then both sleep: a deadlock in user code on healthy nodes.
@@ -112,10 +116,20 @@ def _cli(sandbox: Sandbox, args: list[str], user: str | None = None) -> subproce
                           env={**os.environ, "SLURM_CONF": str(sandbox.layout.slurm_conf)})
 
 
-def _restart_agents(sandbox: Sandbox) -> None:
-    """Stop every node agent and start it again, as systemd would after a crash."""
+def _gone(daemon: daemons.Daemon) -> bool:
+    return daemon.pid() is None
+
+
+def _restart_agents(sandbox: Sandbox, sig: int | None = None) -> None:
+    """Stop every node agent (``sig``: with that signal, e.g. SIGKILL for a crash that saves
+    nothing) and start it again, as systemd would after a crash."""
     env = control.daemon_env(sandbox.layout)
     for extra in control.agent_extras(sandbox.layout):
+        pid = extra.daemon.pid()
+        if sig is not None and pid is not None:
+            os.kill(pid, sig)
+            _wait_for(functools.partial(_gone, extra.daemon), 20, f"end of {extra.daemon.name}",
+                      poll=0.05)
         daemons.stop(extra.daemon)
         daemons.spawn(extra.argv, log_file=sandbox.layout.log_dir / f"{extra.daemon.name}.log",
                       pid_file=extra.daemon.pid_file, env={**env, **extra.env})
@@ -234,18 +248,21 @@ def test_the_budget_stops_drains_past_its_limit_and_says_so(
 
 def test_requeue_happens_exactly_once_when_slurmctld_is_away_for_20s(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """slurmctld stopped for 20 s around the hang, every agent restarted in the middle: the
-    incident retries and requeues the job once slurmctld is back, exactly once."""
+    """slurmctld stopped for 20 s around the hang, every agent SIGKILLed at a seeded random
+    point of it and started again: the incident retries and requeues the job once slurmctld
+    is back, exactly once."""
     user = test_users[0]
+    kill_at = random.Random(SEED).uniform(4.0, 16.0)
     job_id, work = _deadlocked_job(sandbox, user, "ctld")
     _rank_node(work, job_id, 1, 0)
     ctld = control.slurmctld(sandbox.layout)
     daemons.stop(ctld)
     stopped = time.monotonic()
     try:
-        time.sleep(10)  # the outage itself: the agents' clocks are not ours to move
-        _restart_agents(sandbox)  # mid-incident: the new agents must not forget the hang
-        time.sleep(10)
+        time.sleep(kill_at)  # the outage itself: the agents' clocks are not ours to move
+        # Mid-incident, no chance to save anything: the new agents must not forget the hang.
+        _restart_agents(sandbox, signal.SIGKILL)
+        time.sleep(20 - kill_at)
     finally:
         daemons.start_forking([control.tool("slurmctld"), "-f", str(sandbox.layout.slurm_conf)],
                               env=control.daemon_env(sandbox.layout),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -105,3 +106,103 @@ def test_epilog_without_agent_keeps_dir(tmp_path: Path) -> None:
     (d / "keep").write_text("x")
     assert steps.epilog(_ctx(cfg, "epilog", 11)) == []
     assert (d / "keep").exists() and not (d / "step-00000001" / "rank-00000.tmp").exists()
+
+
+class _Ticks:
+    """A clock that moves one second each time the removal looks at it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _big_tree(root: Path, job: int) -> Path:
+    from slurm_resilience.checkpoint.staging import create_job_dir
+
+    d = create_job_dir(str(root), job, UID, GID)
+    for i in range(20):
+        sub = d / f"d{i}"
+        sub.mkdir()
+        for j in range(10):
+            (sub / f"f{j}").write_bytes(b"x")
+    return d
+
+
+def _events(path: Path) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _told(up: Uploader) -> bool:
+    return up.stale_due
+
+
+def test_epilog_removal_over_its_budget_is_handed_to_the_agent(
+        agent: tuple[Config, Uploader], tmp_path: Path) -> None:
+    """A tree the epilog can't remove within its share of the budget (the clock runs out
+    after a few entries) is set aside under .stale/ at once, the job's name is free, the
+    agent is told and removes the rest in its own passes, each bounded; all of it said."""
+    from slurm_resilience import log
+
+    _, up = agent
+    root = tmp_path / "nvme" / "n1"
+    _big_tree(root, 21)
+    events = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(events))
+    try:
+        up.stale_due = False
+        steps.remove_or_hand_off(str(root), 21, f"{tmp_path}/run/agent.sock", budget_s=30,
+                                 timeout=5, clock=_Ticks())
+        assert not (root / "job-21").exists()
+        stale = os.listdir(root / ".stale")
+        assert len(stale) == 1 and stale[0].startswith("job-21.")
+        assert _told(up), "the agent was not told"
+        said = [e for e in _events(events) if "handed to the agent" in str(e["event"])]
+        assert said and "30s" in str(said[0]["removal"])
+        up.ck = dataclasses.replace(up.ck, remove_max_entries=50)
+        passes = 0
+        while _told(up):
+            up.run_pass()  # each pass removes at most 50 entries, then yields
+            passes += 1
+            assert passes < 20
+        assert passes > 1 and os.listdir(root / ".stale") == []
+    finally:
+        log.reset()
+
+
+def test_epilog_removal_over_budget_without_agent_sets_the_tree_aside(tmp_path: Path) -> None:
+    """The agent can't be reached: the tree stays set aside under .stale/ (root-only, out of
+    the job's name) with a log event, and the agent removes it when it next starts."""
+    from slurm_resilience import log
+
+    root = tmp_path / "nvme"
+    _big_tree(root, 22)
+    events = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(events))
+    try:
+        steps.remove_or_hand_off(str(root), 22, f"{tmp_path}/none.sock", budget_s=10,
+                                 timeout=1, clock=_Ticks())
+    finally:
+        log.reset()
+    assert not (root / "job-22").exists() and len(os.listdir(root / ".stale")) == 1
+    said = [e for e in _events(events) if "set aside under .stale/" in str(e["event"])]
+    assert said and said[0]["agent_error"]
+    cfg = load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state", "checkpoint:", "  enabled: true",
+        f"  staging_root: {root}"]) + "\n")
+    Uploader(cfg, "n1").run_pass()  # a fresh agent looks at .stale/ at once
+    assert os.listdir(root / ".stale") == []
+
+
+def test_epilog_budget_for_removal_is_a_share_of_its_spare_time() -> None:
+    """The removal's seconds come from what the epilog's limit leaves over, never more."""
+    from slurm_resilience.config.budgets import EPILOG_REMOVE_SHARE, epilog_remove_s, hook_waits
+
+    cfg = load_text(Config, "checkpoint:\n  enabled: true\n")
+    spare = cfg.hooks.epilog_timeout_s - sum(
+        w.seconds for w in hook_waits(cfg)["hooks.epilog_timeout_s"])
+    assert spare > 0 and epilog_remove_s(cfg) == spare * EPILOG_REMOVE_SHARE

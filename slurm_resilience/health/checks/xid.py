@@ -68,28 +68,32 @@ class XidState:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> XidState:
-        """The saved state; anything garbled starts that part afresh (never crashes)."""
+        """The saved state. A garbled entry raises ValueError: the gate then sets the file
+        aside with a log event and judges this run without history (never silently)."""
         state = cls(boot_id=str(data.get("boot_id", "")))
-        for key, ev in dict(data.get("events") or {}).items():
-            try:
+        try:
+            for key, ev in _mapping(data, "events").items():
                 state.events[str(key)] = KnownEvent(
                     int(ev["xid"]), str(ev["pci"]), str(ev.get("text", "")),
                     float(ev["time"]), bool(ev.get("dated", True)))
-            except (KeyError, TypeError, ValueError):
-                continue
-        for key, when in dict(data.get("retired") or {}).items():
-            if isinstance(when, int | float):
-                state.retired[str(key)] = float(when)
-        for pci, rep in dict(data.get("repaired") or {}).items():
-            try:
+            for pci, rep in _mapping(data, "repaired").items():
                 state.repaired[str(pci)] = Repair(str(rep["pci"]), float(rep["time"]),
                                                   str(rep["evidence"]))
-            except (KeyError, TypeError, ValueError):
-                continue
-        for pci, when in dict(data.get("lost") or {}).items():
-            if isinstance(when, int | float):
-                state.lost[str(pci)] = float(when)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"garbled Xid state entry: {exc!r}") from None
+        for part, into in (("retired", state.retired), ("lost", state.lost)):
+            for key, when in _mapping(data, part).items():
+                if not isinstance(when, int | float) or isinstance(when, bool):
+                    raise ValueError(f"{part}[{key!r}] is not a time: {when!r}")
+                into[str(key)] = float(when)
         return state
+
+
+def _mapping(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = data.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} is a {type(value).__name__}, not an object")
+    return value
 
 
 def record_repair(state: XidState, repair: Repair) -> None:
