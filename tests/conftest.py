@@ -25,7 +25,7 @@ import pytest
 
 from slurm_resilience.sandbox.control import SandboxError, missing_programs
 from slurm_resilience.sandbox.handle import Sandbox
-from slurm_resilience.sandbox.layout import AGENT_OFFSET, S3_OFFSET, Layout
+from slurm_resilience.sandbox.layout import AGENT_OFFSET, METRICS_OFFSET, S3_OFFSET, Layout
 
 REPO = Path(__file__).resolve().parents[1]
 # Real captures kept in the repo (see tests/fixtures/SOURCES.md).
@@ -62,7 +62,8 @@ def free_port_base(nodes: int) -> int:
     for _ in range(200):
         base = random.randrange(20000, 40000, 100)
         ports = [*range(base, base + nodes + 1), base + S3_OFFSET,
-                 *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1)]
+                 *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1),
+                 *range(base + METRICS_OFFSET + 1, base + METRICS_OFFSET + nodes + 1)]
         if base not in _used_bases and all(_port_free(p) for p in ports):
             _used_bases.add(base)
             return base

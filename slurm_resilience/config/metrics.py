@@ -17,13 +17,25 @@ class MetricsSection:
              "node's management address, or 0.0.0.0, for a Prometheus server elsewhere)",
     )
     port: int = setting(9814, min=0, max=65535,
-                        help="TCP port of /metrics; may differ per node; 0: no HTTP endpoint")
+                        help="TCP port of /metrics; 0: no HTTP endpoint")
+    ports: dict[str, int] = setting(
+        default_factory=dict,
+        help="per-node port overriding `port` (node name -> port), for several agents on "
+             "one host (the sandbox)")
     textfile: str = setting(
         "", help="also write the metrics to this file (node_exporter's textfile collector "
                  "directory, file name ending .prom), replaced atomically; may contain {node}; "
                  "empty: no file")
     textfile_interval_s: float = setting(15.0, min=1, max=3600,
                                          help="how often the textfile is rewritten")
+
+    def port_of(self, node: str) -> int:
+        return self.ports.get(node, self.port)
+
+    def validate(self) -> None:
+        for node, port in self.ports.items():
+            if not 0 <= port <= 65535:
+                raise ValueError(f"ports.{node}={port} is not a TCP port")
 
 
 @dataclass(frozen=True)

@@ -75,16 +75,17 @@ class MetricsService:
         self.url = ""
         m = cfg.metrics
         self.serve_error = ""
-        if serve and m.port:
+        port = m.port_of(node)
+        if serve and port:
             host = f"[{m.listen_address}]" if ":" in m.listen_address else m.listen_address
             try:
-                self.server, _thread = start_http_server(m.port, addr=m.listen_address,
+                self.server, _thread = start_http_server(port, addr=m.listen_address,
                                                          registry=self.registry)
-                self.url = f"http://{host}:{m.port}/metrics"
+                self.url = f"http://{host}:{port}/metrics"
                 log.info("metrics: serving", url=self.url)
             except OSError as exc:
                 # Hang watching and uploads go on; the operator sees why metrics don't.
-                self.serve_error = f"couldn't listen on {host}:{m.port}: {exc}"
+                self.serve_error = f"couldn't listen on {host}:{port}: {exc}"
                 log.error("metrics: no HTTP endpoint", error=self.serve_error)
         self._suspecting: threading.Thread | None = None
 

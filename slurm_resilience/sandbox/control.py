@@ -467,8 +467,10 @@ def status(layout: Layout) -> str:
     lines = [f"sandbox {layout.state_dir} (nodes={layout.nodes} leaves={layout.leaves} "
              f"port_base={layout.port_base})"]
     state = running(layout)
+    metrics = {f"agent-{n}": layout.metrics_url(i) for i, n in enumerate(layout.node_names, 1)}
     for name, pid in state.items():
-        lines.append(f"  {name:<16} {'running, pid ' + str(pid) if pid else 'stopped'}")
+        extra = f"  metrics {metrics[name]}" if name in metrics else ""
+        lines.append(f"  {name:<16} {'running, pid ' + str(pid) if pid else 'stopped'}{extra}")
     if state.get("slurmctld"):
         try:
             for n in adapter(layout, timeout=5).list_nodes():

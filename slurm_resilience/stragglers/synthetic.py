@@ -24,10 +24,11 @@ class JitterModel:
     spike_extra: float = 1.0  # a spike doubles that step
 
 
-def steps(members: int, count: int, seed: int, model: JitterModel = JitterModel(), *,
+def steps(members: int, count: int, seed: int, model: JitterModel | None = None, *,
           slow_member: int | None = None, slowdown: float = 0.0, slow_from: int = 0
           ) -> Iterator[list[float]]:
     """``count`` steps; each yields one step time per member."""
+    model = model or JitterModel()
     rng = random.Random(seed)  # noqa: S311 - a reproducible simulation, not a secret
     for step in range(count):
         shared = 1 + (model.ckpt_extra if model.ckpt_every and step % model.ckpt_every == 0

@@ -28,11 +28,11 @@ SEEDS = range(25)
 
 
 def first_named(seed: int, *, slow: int | None, slowdown: float = 0.2, slow_from: int = 0,
-                members: int = 8, count: int = 300, model: JitterModel = JitterModel()
+                members: int = 8, count: int = 300, model: JitterModel | None = None
                 ) -> tuple[int | None, set[int]]:
     t: Tracker[int] = Tracker(CFG)
     first, ever = None, set()
-    for i, row in enumerate(steps(members, count, seed, model, slow_member=slow,
+    for i, row in enumerate(steps(members, count, seed, model or JitterModel(), slow_member=slow,
                                   slowdown=slowdown, slow_from=slow_from)):
         for m, x in enumerate(row):
             t.add(m, x)
