@@ -25,7 +25,8 @@ def register(sub: Any) -> None:
     up.add_argument("--nodes", type=int, default=4, help="number of nodes (default: 4)")
     up.add_argument("--leaves", type=int, default=2, help="number of leaf switches (default: 2)")
     up.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
-                    help=f"slurmctld port; slurmd use the next N, S3 base+99 "
+                    help=f"slurmctld port; slurmd use the next N, the agents' exchange "
+                         f"base+51.., their /metrics base+75.., S3 base+99 "
                          f"(default: {DEFAULT_PORT_BASE})")
     up.add_argument("--no-install", action="store_true",
                     help="fail instead of installing missing packages with apt-get")
