@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "ckpt": "slurm_resilience.checkpoint.cli",
     "check": "slurm_resilience.health.cli",
     "topology": "slurm_resilience.topology.cli",
+    "goodput": "slurm_resilience.goodput.cli",
 }
 
 

@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 
 from slurm_resilience import __version__
 from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending_steps
+from slurm_resilience.goodput import compute as goodput
+from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events
 from slurm_resilience.nccl import cache as nccl_cache
@@ -57,6 +59,7 @@ class AgentSources:
     watcher: Any = None  # heartbeat.watcher.HangWatcher
     uploader: Any = None  # checkpoint.uploader.Uploader
     steps: StepWatch | None = None
+    ledger: Ledger | None = None
     agent: Any = None  # agent.daemon.Agent (server stats, tick failures)
     services: tuple[str, ...] = ()
 
@@ -205,10 +208,31 @@ class AgentCollector(Collector):
         yield p50
         yield p95
         yield slow
+        if self.s.ledger is not None:
+            yield from self._goodput(self.s.ledger)
         g = _gauge("node_straggler_recent_jobs", "jobs in which this node was named a "
                    "straggler within stragglers.record_window_s")
         g.add_metric([], len(steps.recent_jobs()))
         yield g
+
+    def _goodput(self, ledger: Ledger) -> Iterator[Metric]:
+        ratio = _gauge("job_goodput_ratio", "productive share of the job's allocated time on "
+                       "this node so far (slurm-resilience goodput JOBID has the breakdown)",
+                       ["job_id"])
+        lost = _gauge("job_goodput_lost_seconds", "the job's allocated time on this node "
+                      "lost so far, by kind", ["job_id", "kind"])
+        for job_id, job in sorted(dict(ledger.jobs).items()):
+            runs = [r.to_run() for r in list(job.runs.values())]
+            if not runs:
+                continue
+            b = goodput.breakdown(job_id, runs, last_over=False)
+            if b.allocated_s <= 0:
+                continue
+            ratio.add_metric([str(job_id)], b.ratio)
+            for kind, seconds in b.losses.items():
+                lost.add_metric([str(job_id), kind], seconds)
+        yield ratio
+        yield lost
 
     # -- checkpoint ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from slurm_resilience.agent.service import AgentContext, Handler, Peer
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
+from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.heartbeat import policy
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events
@@ -28,6 +29,9 @@ from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord
 
 log = get_logger("metrics")
+
+LEDGER_RETENTION_S = 14 * 86400.0
+LEDGER_CLEANUP_EVERY_S = 3600.0
 
 
 def write_textfile(path: str, registry: CollectorRegistry) -> None:
@@ -60,11 +64,17 @@ class MetricsService:
                                StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node),
                                                             FILENAME)),
                                time.time, self._on_named)
+        state = node_path(cfg.node.state_dir, node)
+        incidents = node_path(cfg.heartbeat.incident_dir, node) if cfg.heartbeat.incident_dir \
+            else os.path.join(state, "incidents")
+        self.ledger = Ledger(os.path.join(state, "goodput"), incidents)
+        self.next_cleanup = 0.0
         self.sources = AgentSources(
             node=node, events_path=adapter.events_path or events.path_for(cfg.node.state_dir,
                                                                           node),
             nccl_path=nccl_path(cfg.node.state_dir, node), watcher=self.watcher,
-            uploader=services.get("checkpoint"), steps=self.steps, agent=agent,
+            uploader=services.get("checkpoint"), steps=self.steps, ledger=self.ledger,
+            agent=agent,
             services=tuple(sorted([*services, self.name])))
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = AgentCollector(self.sources)
@@ -102,7 +112,11 @@ class MetricsService:
             with self.watcher.lock:
                 views = list(self.watcher.jobs.values())
             self.steps.observe(views)
+            self.ledger.observe(views, time.time(), self._stagein_seconds())
         now = time.monotonic()
+        if now >= self.next_cleanup:
+            self.next_cleanup = now + LEDGER_CLEANUP_EVERY_S
+            self.ledger.cleanup(time.time() - LEDGER_RETENTION_S)
         if self.textfile and now >= self.next_textfile:
             self.next_textfile = now + self.cfg.metrics.textfile_interval_s
             try:
@@ -110,6 +124,20 @@ class MetricsService:
             except OSError as exc:
                 log.warning("metrics: couldn't write the textfile", path=self.textfile,
                             error=str(exc))
+
+    def _stagein_seconds(self) -> dict[int, float]:
+        """Each job's finished stage-in time, from the uploader's records."""
+        up = self.sources.uploader
+        if up is None:
+            return {}
+        with up.lock:
+            recs = list(up.jobs.values())
+        out = {}
+        for rec in recs:
+            si = rec.get("stagein") or {}
+            if si.get("state") in ("done", "failed") and si.get("seconds") is not None:
+                out[int(rec["job_id"])] = float(si["seconds"])
+        return out
 
     # -- stragglers --------------------------------------------------------------------------
 

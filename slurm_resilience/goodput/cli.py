@@ -1,0 +1,92 @@
+"""``slurm-resilience goodput JOBID``: a job's allocated time on this node, split into
+productive time and each kind of loss (see :mod:`slurm_resilience.goodput.compute`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from slurm_resilience import config
+from slurm_resilience.config.paths import node_name, node_path
+from slurm_resilience.goodput import compute
+from slurm_resilience.goodput.ledger import Ledger, note_hangs
+from slurm_resilience.heartbeat.incident import reports_of_job
+from slurm_resilience.heartbeat.status import incident_dir
+from slurm_resilience.slurm.adapter import from_config
+from slurm_resilience.slurm.errors import JobNotFound, SlurmError
+
+# A run is still going in these; PENDING etc. after a requeue mean the last run is over.
+RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING",
+                  "SIGNALING", "STAGE_OUT"}
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("goodput", help="how much of a job's allocated time on this node became "
+                                       "training progress, and where the rest went")
+    p.add_argument("job_id", type=int, metavar="JOBID", help="the Slurm job id")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--node", default="", help="node whose records to read (default: this "
+                                              "node)")
+    p.set_defaults(func=run)
+
+
+def ledger_dir(cfg: config.Config, node: str) -> str:
+    return os.path.join(node_path(cfg.node.state_dir, node), "goodput")
+
+
+def job_breakdown(cfg: config.Config, node: str, job_id: int, now: float
+                  ) -> compute.Breakdown:
+    """Read the ledger, this node's hang reports and Slurm's job state; then compute."""
+    notes: list[str] = []
+    job = Ledger(ledger_dir(cfg, node)).load(job_id)
+    if job is None or not job.runs:
+        raise FileNotFoundError(f"goodput: no record of job {job_id} on node {node} "
+                                f"(in {ledger_dir(cfg, node)}; the agent keeps one for jobs "
+                                "it watched)")
+    directory = incident_dir(node_path(cfg.node.state_dir, node),
+                             node_path(cfg.heartbeat.incident_dir, node))
+    note_hangs(job, reports_of_job(directory, job_id))
+    over, completed = True, False
+    try:
+        info = from_config(cfg).show_job(job_id)
+        over, completed = info.state not in RUNNING_STATES, info.state == "COMPLETED"
+        if not over and max(job.runs) == info.restarts:
+            job.runs[max(job.runs)].end = now  # still running: up to now
+    except JobNotFound:
+        notes.append("Slurm no longer knows the job: every run is over")
+    except SlurmError as exc:
+        notes.append(f"couldn't ask Slurm about the job ({exc}); the last run is taken as "
+                     "ended where the agent last saw it")
+    b = compute.breakdown(job_id, [r.to_run() for r in job.runs.values()], over, completed)
+    return compute.Breakdown(b.job_id, b.runs, tuple(notes))
+
+
+def to_json(b: compute.Breakdown) -> dict[str, Any]:
+    return {"job_id": b.job_id, "allocated_s": round(b.allocated_s, 3),
+            "productive_s": round(b.productive_s, 3), "goodput_ratio": round(b.ratio, 4),
+            "losses_s": {k: round(v, 3) for k, v in b.losses.items()},
+            "runs": [asdict(r) for r in b.runs], "notes": list(b.notes)}
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.load(args.config)
+    node = node_name(args.node or cfg.node.name)
+    try:
+        b = job_breakdown(cfg, node, args.job_id, time.time())
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"goodput: {exc.filename}: permission denied (root only)", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(to_json(b), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(compute.render(b))
+    return 0
