@@ -191,6 +191,13 @@ class AgentCollector(Collector):
             hung.add_metric([job], len(v.verdict.hung))
         yield ranks
         yield hung
+        with w.lock:
+            open_ = sorted(k for k, t in w.threads.items() if k >= 0 and t.is_alive())
+        inc = _gauge("job_hang_incident_open", "1 while a hang incident of the job is being "
+                     "handled on this node", ["job_id"])
+        for job_id in open_:
+            inc.add_metric([str(job_id)], 1)
+        yield inc
         steps = self.s.steps
         if steps is None:
             return
@@ -198,13 +205,17 @@ class AgentCollector(Collector):
                      "this node over their recent window", ["job_id"])
         p95 = _gauge("job_step_time_p95_seconds", "95th percentile step time of the job's "
                      "ranks on this node over their recent window", ["job_id"])
+        samples = _gauge("job_step_time_samples", "step times in the job's windows on this "
+                         "node (all ranks); the quantiles are over these", ["job_id"])
         slow = _gauge("job_straggler_ranks", "ranks of the job on this node named stragglers",
                       ["job_id"])
         for s in steps.snapshot():
+            samples.add_metric([str(s.job_id)], s.samples)
             if s.samples:
                 p50.add_metric([str(s.job_id)], s.p50_s)
                 p95.add_metric([str(s.job_id)], s.p95_s)
             slow.add_metric([str(s.job_id)], len(s.straggler_ranks))
+        yield samples
         yield p50
         yield p95
         yield slow

@@ -41,7 +41,13 @@ class Judgement(Generic[M]):
 
 def judge(windows: Mapping[M, Sequence[float]], cfg: StragglerSection) -> Judgement[M]:
     """Which members are slow now (no persistence here: see :class:`Tracker`)."""
-    medians = {m: statistics.median(w) for m, w in windows.items() if len(w) >= cfg.min_steps}
+    return judge_medians({m: statistics.median(w) for m, w in windows.items()
+                          if len(w) >= cfg.min_steps}, cfg)
+
+
+def judge_medians(medians: Mapping[M, float], cfg: StragglerSection) -> Judgement[M]:
+    """The same judgement over members' medians taken elsewhere (each over a window of at
+    least ``min_steps``): ``status --cluster`` judges nodes from their agents' metrics."""
     if len(medians) < MIN_MEMBERS:
         return Judgement(0.0, 0.0, medians, frozenset())
     ref = statistics.median(medians.values())

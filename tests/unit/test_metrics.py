@@ -120,6 +120,7 @@ class Watcher:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.jobs: dict[int, Any] = {}
+        self.threads: dict[int, threading.Thread] = {}
 
 
 class Uploads:
@@ -191,7 +192,13 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
              "expected_gbps": 120.0}]}, boot="b")
     agent.tick_failures["heartbeat"] = 2
     feed(watcher, watch, 7, 120, slow_rank=5)
-    text = generate_latest(registry).decode()
+    release = threading.Event()
+    watcher.threads[7] = threading.Thread(target=release.wait, daemon=True)  # an incident
+    watcher.threads[7].start()
+    try:
+        text = generate_latest(registry).decode()
+    finally:
+        release.set()
     promtool_check(text)
     got = samples(text)
     P = "slurm_resilience_"
@@ -210,6 +217,8 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
         (P + "jobs_watched", ()): 1,
         (P + "job_ranks", (("job_id", "7"),)): 8,
         (P + "job_straggler_ranks", (("job_id", "7"),)): 1,
+        (P + "job_hang_incident_open", (("job_id", "7"),)): 1,
+        (P + "job_step_time_samples", (("job_id", "7"),)): 800,
         (P + "node_straggler_recent_jobs", ()): 1,
         (P + "checkpoint_upload_backlog_steps", (("job_id", "42"),)): 2,
         (P + "checkpoint_upload_backlog_bytes", (("job_id", "42"),)): 6 << 20,
