@@ -21,6 +21,10 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--node", default="", help="node whose incident reports to list "
                    "(default: this node)")
+    p.add_argument("--cluster", action="store_true",
+                   help="the whole cluster instead, from every node agent's metrics endpoint "
+                        "and Slurm: drained and suspect nodes, open incidents, held jobs, "
+                        "checkpoint backlog per node, worst goodput, stragglers")
     p.set_defaults(func=run)
 
 
@@ -55,6 +59,16 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
+    if args.cluster:
+        from slurm_resilience.metrics import cluster
+
+        view = cluster.collect(cfg)
+        if args.json:
+            json.dump(view, sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(cluster.render(view))
+        return 1 if view["errors"] else 0
     node = node_name(args.node or cfg.node.name)
     result = collect(cfg, node)
     if args.json:
