@@ -3,6 +3,7 @@ each; an injected Xid's drain shows in the drained node's metrics."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -10,11 +11,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slurm_resilience.sandbox import faults
+from slurm_resilience.sandbox import control, faults
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = pytest.mark.sandbox
@@ -83,3 +85,16 @@ def test_an_xid_drain_is_counted_in_the_node_metrics(box: Sandbox) -> None:
                  result="fail") == 1
     assert (value(text, "slurm_resilience_gate_check_results_total", check="xid",
                   result="fail") or 0) >= 1
+    view = cluster_view(box)
+    assert view["agents"] == {"scraped": len(box.nodes), "total": len(box.nodes)}, view
+    drained = {d["node"]: d["reason"] for d in view["drained"]}
+    assert "XID 79" in drained.get("node2", ""), view
+
+
+def cluster_view(box: Sandbox) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "slurm_resilience", "status", "--cluster",
+                          "--json"], capture_output=True, text=True, timeout=120,
+                         env=control.user_env(box.layout))
+    assert out.returncode in (0, 1), out.stderr
+    view: dict[str, Any] = json.loads(out.stdout)
+    return view
