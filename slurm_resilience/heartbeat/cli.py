@@ -48,6 +48,7 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
         result["incidents"] = st.incidents(directory)
     except PermissionError as exc:
         result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
+    result["stragglers"] = stragglers(cfg, node, time.time())
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 
@@ -55,6 +56,24 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
         result["uploads"] = uploads
         result["errors"] += uploads["errors"]
     return result
+
+
+def stragglers(cfg: config.Config, node: str, now: float) -> list[dict[str, Any]]:
+    """The jobs this node was named a straggler in, within the record window."""
+    import os
+
+    from slurm_resilience.stragglers.record import FILENAME, StragglerRecord, recent
+
+    record = StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node), FILENAME))
+    return [{"job_id": e.job_id, "ranks": list(e.ranks), "slowdown": round(e.slowdown, 3),
+             "at": e.at} for e in recent(record.load(), now, cfg.stragglers.record_window_s)]
+
+
+def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float) -> str:
+    head = (f"straggler ranks on {node} within {window_s / 3600:g}h ({len(rows)} jobs)"
+            + (": recurring" if len(rows) > 1 else "") + ":\n")
+    return head + "".join(f"  job {r['job_id']}: ranks {r['ranks']} {r['slowdown']:+.0%} "
+                          f"slower than the job's median\n" for r in rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(st.render(result))
+        sys.stdout.write(render_stragglers(node, result["stragglers"],
+                                           cfg.stragglers.record_window_s))
         if "uploads" in result:
             from slurm_resilience.checkpoint import upload_status
 

@@ -144,3 +144,19 @@ def test_quantile_is_nearest_rank() -> None:
     assert quantile([], 0.5) == 0.0
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert quantile([float(i) for i in range(1, 101)], 0.95) == 95.0
+
+
+def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
+    from slurm_resilience.config import Config, load_text
+    from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
+    from slurm_resilience.stragglers.record import FILENAME, Entry
+
+    cfg = load_text(Config, f"node: {{state_dir: {tmp_path}/{{node}}}}\n", "t")
+    record = StragglerRecord(str(tmp_path / "n1" / FILENAME))
+    record.add(Entry(100.0, 5, (2,), 0.25), 100.0, CFG.record_window_s)
+    record.add(Entry(200.0, 6, (3, 4), 0.4), 200.0, CFG.record_window_s)
+    rows = stragglers(cfg, "n1", 300.0)
+    assert [r["job_id"] for r in rows] == [5, 6]
+    text = render_stragglers("n1", rows, CFG.record_window_s)
+    assert "(2 jobs): recurring" in text and "job 6: ranks [3, 4] +40% slower" in text
+    assert stragglers(cfg, "n2", 300.0) == []
