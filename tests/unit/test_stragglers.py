@@ -151,7 +151,7 @@ def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
     from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
     from slurm_resilience.stragglers.record import FILENAME, Entry
 
-    cfg = load_text(Config, f"node: {{state_dir: {tmp_path}/{{node}}}}\n", "t")
+    cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")
     record = StragglerRecord(str(tmp_path / "n1" / FILENAME))
     record.add(Entry(100.0, 5, (2,), 0.25), 100.0, CFG.record_window_s)
     record.add(Entry(200.0, 6, (3, 4), 0.4), 200.0, CFG.record_window_s)
