@@ -14,7 +14,7 @@ from typing import Any
 from slurm_resilience import config
 from slurm_resilience.config.paths import node_name, node_path
 from slurm_resilience.goodput import compute
-from slurm_resilience.goodput.ledger import Ledger, note_hangs
+from slurm_resilience.goodput.ledger import JobTimes, Ledger, merge, note_hangs
 from slurm_resilience.heartbeat.incident import reports_of_job
 from slurm_resilience.heartbeat.status import incident_dir
 from slurm_resilience.slurm.adapter import from_config
@@ -30,8 +30,10 @@ def register(sub: Any) -> None:
                                        "training progress, and where the rest went")
     p.add_argument("job_id", type=int, metavar="JOBID", help="the Slurm job id")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--node", default="", help="node whose records to read (default: this "
-                                              "node)")
+    p.add_argument("--node", action="append", default=[],
+                   help="node whose records to read (default: this node); repeat it to "
+                        "combine the nodes of the job whose records this host can read "
+                        "(each agent keeps its own node's part)")
     p.set_defaults(func=run)
 
 
@@ -39,18 +41,30 @@ def ledger_dir(cfg: config.Config, node: str) -> str:
     return os.path.join(node_path(cfg.node.state_dir, node), "goodput")
 
 
-def job_breakdown(cfg: config.Config, node: str, job_id: int, now: float
-                  ) -> compute.Breakdown:
-    """Read the ledger, this node's hang reports and Slurm's job state; then compute."""
-    notes: list[str] = []
+def node_part(cfg: config.Config, node: str, job_id: int) -> JobTimes | None:
+    """One node's ledger of the job, with that node's hang reports."""
     job = Ledger(ledger_dir(cfg, node)).load(job_id)
-    if job is None or not job.runs:
-        raise FileNotFoundError(f"goodput: no record of job {job_id} on node {node} "
-                                f"(in {ledger_dir(cfg, node)}; the agent keeps one for jobs "
-                                "it watched)")
+    if job is None:
+        return None
     directory = incident_dir(node_path(cfg.node.state_dir, node),
                              node_path(cfg.heartbeat.incident_dir, node))
     note_hangs(job, reports_of_job(directory, job_id))
+    return job
+
+
+def job_breakdown(cfg: config.Config, nodes: list[str], job_id: int, now: float
+                  ) -> compute.Breakdown:
+    """Read the nodes' ledgers and hang reports and Slurm's job state; then compute."""
+    notes: list[str] = []
+    parts = {n: node_part(cfg, n, job_id) for n in nodes}
+    missing = sorted(n for n, p in parts.items() if p is None)
+    job = merge(p for p in parts.values() if p is not None)
+    if job is None or not job.runs:
+        raise FileNotFoundError(f"goodput: no record of job {job_id} on {', '.join(nodes)} "
+                                f"(in {ledger_dir(cfg, nodes[0])}; the agent keeps one for "
+                                "jobs it watched)")
+    if missing:
+        notes.append(f"no record of the job on {', '.join(missing)}")
     over, completed = True, False
     try:
         info = from_config(cfg).show_job(job_id)
@@ -75,9 +89,9 @@ def to_json(b: compute.Breakdown) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
-    node = node_name(args.node or cfg.node.name)
+    nodes = args.node or [node_name(cfg.node.name)]
     try:
-        b = job_breakdown(cfg, node, args.job_id, time.time())
+        b = job_breakdown(cfg, nodes, args.job_id, time.time())
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -137,7 +137,7 @@ def render(b: Breakdown) -> str:
         return f"  {name:<24} {seconds:>10.1f} s  {share:>6.1%}"
 
     lines = [f"job {b.job_id}: goodput {b.ratio:.1%} of {b.allocated_s:.1f} s allocated "
-             f"on this node over {len(b.runs)} run(s)",
+             f"over {len(b.runs)} run(s)",
              line("productive", b.productive_s)]
     lines += [line(c.replace("_", " "), s) for c, s in b.losses.items()]
     for r in b.runs:

@@ -9,8 +9,9 @@ atomically: on each change that matters, at most every :data:`FLUSH_EVERY_S` oth
 and when the job leaves the node. Bounded: :data:`MAX_RUNS` runs per job; files older than
 the retention are removed by :meth:`Ledger.cleanup`.
 
-Resolution: checkpoint times are when the agent saw the step change (its tick), and a
-checkpoint section shorter than one tick may be missed.
+Resolution: a checkpoint's time is the exit of the ``checkpoint`` section that saved it
+when there is one, else the tick that saw the step change; a checkpoint section shorter
+than one tick is missed from the stall time (it is sampled).
 """
 
 from __future__ import annotations
@@ -83,6 +84,39 @@ def from_json(data: Any) -> JobTimes:
         r = RunTimes(**{k: v for k, v in raw.items() if k in names})
         job.runs[int(r.run)] = r
     return job
+
+
+def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
+    """One timeline from several nodes' ledgers of a job: a run spans from its earliest
+    start to its latest end on any node; its first step is the earliest, its progress and
+    checkpoint the latest, stage-in and checkpoint stalls the longest any node saw."""
+    parts = list(parts)
+    if not parts:
+        return None
+    out = JobTimes(parts[0].job_id)
+    for part in parts:
+        for n, r in part.runs.items():
+            m = out.runs.get(n)
+            if m is None:
+                out.runs[n] = RunTimes(**asdict(r))
+                continue
+            m.start, m.end = min(m.start, r.start), max(m.end, r.end)
+            m.first_step_at = _pick(min, m.first_step_at, r.first_step_at)
+            m.last_progress_at = _pick(max, m.last_progress_at, r.last_progress_at)
+            m.last_checkpoint_at = _pick(max, m.last_checkpoint_at, r.last_checkpoint_at)
+            m.ckpt_step = max(m.ckpt_step, r.ckpt_step)
+            m.stagein_s = max(m.stagein_s, r.stagein_s)
+            m.checkpoint_stall_s = max(m.checkpoint_stall_s, r.checkpoint_stall_s)
+            m.done = m.done or r.done
+            m.hang_started_at = _pick(min, m.hang_started_at, r.hang_started_at)
+            m.hang_detected_at = _pick(min, m.hang_detected_at, r.hang_detected_at)
+    return out
+
+
+def _pick(fn: Any, a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return float(fn(a, b))
 
 
 def _first_step_at(slots: Iterable[S.SlotView]) -> float | None:
@@ -198,14 +232,18 @@ class Ledger:
                 changed = True
         if slots:
             r.last_progress_at = max(v.wall(v.last_progress) for v in slots)
+            lead = min(slots, key=lambda v: v.rank)
             ckpt = max(v.ckpt_step for v in slots)
             if ckpt > r.ckpt_step:
-                r.ckpt_step, r.last_checkpoint_at = ckpt, now
+                # Saved in section("checkpoint"): its exit (stamped in section_start) is when
+                # the step was saved, closer than this tick.
+                exited = lead.wall(lead.section_start) if lead.section_start > 0 else 0.0
+                at = exited if not lead.section and r.start <= exited <= now else now
+                r.ckpt_step, r.last_checkpoint_at = ckpt, at
                 changed = True
             done = all(v.flags & S.FLAG_DONE for v in slots)
             if done != r.done:
                 r.done, changed = done, True
-            lead = min(slots, key=lambda v: v.rank)
             if lead.section == CKPT_SECTION:
                 if r.in_section_since is None:
                     r.in_section_since = lead.wall(lead.section_start)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from slurm_resilience import cli
 from slurm_resilience.goodput import compute
 from slurm_resilience.goodput.compute import Hang, Run
 from slurm_resilience.goodput.ledger import Ledger, note_hangs
@@ -22,6 +23,7 @@ from slurm_resilience.heartbeat import slot as S
 from tests.unit.test_stragglers import slot, view
 
 TICK = 1.0
+REPO = Path(__file__).resolve().parents[2]
 
 
 def hung_once_and_resumed() -> list[Run]:
@@ -146,20 +148,27 @@ def test_note_hangs_falls_back_to_the_hung_ranks(tmp_path: Path) -> None:
 
 
 def test_the_goodput_command_prints_the_breakdown_and_says_when_slurm_is_away(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path) -> None:
     state = tmp_path / "state"
     conf = tmp_path / "c.yaml"
-    conf.write_text(json.dumps({"node": {"state_dir": str(state)},
+    conf.write_text(json.dumps({"node": {"state_dir": str(state / "{node}")},
                                 "slurm": {"bin_dir": str(tmp_path / "no-slurm")}}))
-    ledger = Ledger(str(state / "goodput"))
+    ledger = Ledger(str(state / "n1" / "goodput"))
     ledger.observe([view(9, [slot(0, 5, 1.0, 9)])], 100.0)
     ledger.observe([], 101.0)
-    assert cli.main(["--config", str(conf), "goodput", "9", "--node", "n1"]) == 0
-    out = capsys.readouterr().out
-    assert "job 9: goodput" in out and "couldn't ask Slurm" in out
-    assert cli.main(["--config", str(conf), "goodput", "10", "--node", "n1", "--json"]) == 1
-    assert "no record of job 10" in capsys.readouterr().err
-    assert os.listdir(state / "goodput") == ["job-9.json"]
+
+    def goodput(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "slurm_resilience", "--config", str(conf),
+                               "goodput", *args], capture_output=True, text=True, timeout=120,
+                              cwd=REPO)
+
+    out = goodput("9", "--node", "n1", "--node", "n2")
+    assert out.returncode == 0, out.stderr
+    assert "job 9: goodput" in out.stdout and "couldn't ask Slurm" in out.stdout
+    assert "no record of the job on n2" in out.stdout
+    out = goodput("10", "--node", "n1", "--json")
+    assert out.returncode == 1 and "no record of job 10" in out.stderr
+    assert os.listdir(state / "n1" / "goodput") == ["job-9.json"]
 
 
 def test_the_hang_report_links_to_goodput() -> None:
@@ -169,3 +178,20 @@ def test_the_hang_report_links_to_goodput() -> None:
                         "detected_at": 0.0, "ranks": [], "decision": {"action": "requeue"},
                         "actions": [], "evidence": {}})
     assert "slurm-resilience goodput 7 (on n1)" in text
+
+
+def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> None:
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes, merge
+
+    a = JobTimes(4, {0: RunTimes(0, 10.0, 100.0, first_step_at=20.0, last_progress_at=90.0,
+                                 hang_started_at=90.0, hang_detected_at=95.0)})
+    b = JobTimes(4, {0: RunTimes(0, 11.0, 101.0, first_step_at=19.0, last_progress_at=91.0,
+                                 stagein_s=3.0),
+                     1: RunTimes(1, 200.0, 300.0, first_step_at=210.0, done=True)})
+    m = merge([a, b])
+    assert m is not None and sorted(m.runs) == [0, 1]
+    r0 = m.runs[0]
+    assert (r0.start, r0.end, r0.first_step_at, r0.last_progress_at, r0.stagein_s) == (
+        10.0, 101.0, 19.0, 91.0, 3.0)
+    assert (r0.hang_started_at, r0.hang_detected_at) == (90.0, 95.0)
+    assert merge([]) is None
