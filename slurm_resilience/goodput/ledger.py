@@ -50,6 +50,7 @@ class RunTimes:
     checkpoint_stall_s: float = 0.0
     done: bool = False
     in_section_since: float | None = None  # wall time the lowest rank entered "checkpoint"
+    stall_reported: bool = False  # checkpoint_stall_s comes from save() itself
     hang_started_at: float | None = None  # from this node's hang report of the run
     hang_detected_at: float | None = None
 
@@ -189,14 +190,24 @@ class Ledger:
         return job
 
     def observe(self, views: Iterable[JobView], now: float,
-                stagein_s: dict[int, float] | None = None) -> None:
-        """One tick: update every present job, flush what changed, close jobs that left."""
+                stagein_s: dict[int, float] | None = None,
+                stalls: dict[int, tuple[int, float]] | None = None) -> None:
+        """One tick: update every present job, flush what changed, close jobs that left.
+        ``stalls``: per job, the run and the total save() stall its training reported."""
         present = set()
         for view in views:
-            present.add(view.record.job_id)
-            job = self._job(view.record.job_id)
-            if self._update(job, view, now, (stagein_s or {}).get(view.record.job_id)) or \
-                    now - job.flushed_at >= FLUSH_EVERY_S:
+            job_id = view.record.job_id
+            present.add(job_id)
+            job = self._job(job_id)
+            changed = self._update(job, view, now, (stagein_s or {}).get(job_id))
+            run, reported = (stalls or {}).get(job_id, (-1, 0.0))
+            r = job.runs.get(run)
+            if r is not None and reported > r.checkpoint_stall_s:
+                # Measured by save() itself: better than the sampled section time.
+                r.checkpoint_stall_s, r.in_section_since = reported, None
+                r.stall_reported = True
+                changed = True
+            if changed or now - job.flushed_at >= FLUSH_EVERY_S:
                 self._flush(job, now)
         for job_id in set(self.jobs) - present:
             job = self.jobs.pop(job_id)
@@ -233,6 +244,8 @@ class Ledger:
         if slots:
             r.last_progress_at = max(v.wall(v.last_progress) for v in slots)
             lead = min(slots, key=lambda v: v.rank)
+            if r.stall_reported:
+                r.in_section_since = None  # save() reports its stalls: no sampling
             ckpt = max(v.ckpt_step for v in slots)
             if ckpt > r.ckpt_step:
                 # Saved in section("checkpoint"): its exit (stamped in section_start) is when
@@ -244,7 +257,9 @@ class Ledger:
             done = all(v.flags & S.FLAG_DONE for v in slots)
             if done != r.done:
                 r.done, changed = done, True
-            if lead.section == CKPT_SECTION:
+            if r.stall_reported:
+                pass
+            elif lead.section == CKPT_SECTION:
                 if r.in_section_since is None:
                     r.in_section_since = lead.wall(lead.section_start)
             elif r.in_section_since is not None:

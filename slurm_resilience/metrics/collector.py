@@ -28,6 +28,7 @@ from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events
+from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
 
@@ -60,6 +61,7 @@ class AgentSources:
     uploader: Any = None  # checkpoint.uploader.Uploader
     steps: StepWatch | None = None
     ledger: Ledger | None = None
+    saves: SaveBook | None = None
     agent: Any = None  # agent.daemon.Agent (server stats, tick failures)
     services: tuple[str, ...] = ()
 
@@ -248,6 +250,8 @@ class AgentCollector(Collector):
     # -- checkpoint ----------------------------------------------------------------------------
 
     def _checkpoint(self) -> Iterator[Metric]:
+        if self.s.saves is not None:
+            yield from self._saves(self.s.saves)
         up = self.s.uploader
         if up is None:
             return
@@ -279,6 +283,26 @@ class AgentCollector(Collector):
         total.add_metric([], sum(r["bytes"] or 0 for _, r in rows))
         yield from fams.values()
         yield total
+
+    @staticmethod
+    def _saves(book: SaveBook) -> Iterator[Metric]:
+        last = _gauge("checkpoint_save_stall_last_seconds", "how long the job's last save() "
+                      "stalled training (this node's local leader)", ["job_id"])
+        peak = _gauge("checkpoint_save_stall_max_seconds", "the longest save() stall of the "
+                      "job's current run", ["job_id"])
+        total = _counter("checkpoint_save_stall_seconds", "training time spent in save() "
+                         "stalls in the job's current run", ["job_id"])
+        count = _counter("checkpoint_saves", "saves of the job's current run", ["job_id"])
+        write = _gauge("checkpoint_save_write_seconds", "how long the job's last save took "
+                       "to be written and committed on this node", ["job_id"])
+        for job_id, st in sorted(book.snapshot().items()):
+            j = [str(job_id)]
+            last.add_metric(j, st.last_stall_s)
+            peak.add_metric(j, st.max_stall_s)
+            total.add_metric(j, st.total_stall_s)
+            count.add_metric(j, st.saves)
+            write.add_metric(j, st.last_write_s)
+        yield from (last, peak, total, count, write)
 
     @staticmethod
     def _ckpt_row(job_id: int, rec: Any) -> tuple[int, dict[str, float | None]]:

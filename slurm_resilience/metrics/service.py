@@ -23,6 +23,7 @@ from slurm_resilience.heartbeat import policy
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
+from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.stragglers.jobsteps import StepWatch
@@ -68,12 +69,14 @@ class MetricsService:
         incidents = node_path(cfg.heartbeat.incident_dir, node) if cfg.heartbeat.incident_dir \
             else os.path.join(state, "incidents")
         self.ledger = Ledger(os.path.join(state, "goodput"), incidents)
+        self.saves = SaveBook()
         self.next_cleanup = 0.0
         self.sources = AgentSources(
             node=node, events_path=adapter.events_path or events.path_for(cfg.node.state_dir,
                                                                           node),
             nccl_path=nccl_path(cfg.node.state_dir, node), watcher=self.watcher,
             uploader=services.get("checkpoint"), steps=self.steps, ledger=self.ledger,
+            saves=self.saves,
             agent=agent,
             services=tuple(sorted([*services, self.name])))
         self.registry = CollectorRegistry(auto_describe=False)
@@ -112,7 +115,9 @@ class MetricsService:
             with self.watcher.lock:
                 views = list(self.watcher.jobs.values())
             self.steps.observe(views)
-            self.ledger.observe(views, time.time(), self._stagein_seconds())
+            stalls = {j: (s.run, s.total_stall_s) for j, s in self.saves.snapshot().items()}
+            self.ledger.observe(views, time.time(), self._stagein_seconds(), stalls)
+        self.saves.keep_only(self._jobs_here())
         now = time.monotonic()
         if now >= self.next_cleanup:
             self.next_cleanup = now + LEDGER_CLEANUP_EVERY_S
@@ -124,6 +129,35 @@ class MetricsService:
             except OSError as exc:
                 log.warning("metrics: couldn't write the textfile", path=self.textfile,
                             error=str(exc))
+
+    def _jobs_here(self) -> set[int]:
+        jobs: set[int] = set()
+        for svc in (self.watcher, self.sources.uploader):
+            if svc is not None:
+                with svc.lock:
+                    jobs |= set(svc.jobs)
+        return jobs
+
+    def _owner(self, job_id: int) -> int | None:
+        up = self.sources.uploader
+        if up is not None:
+            with up.lock:
+                rec = up.jobs.get(job_id)
+            if rec is not None:
+                return int(rec["uid"])
+        if self.watcher is not None:
+            with self.watcher.lock:
+                view = self.watcher.jobs.get(job_id)
+            if view is not None:
+                return int(view.record.uid)
+        return None
+
+    def handle_ckpt_saved(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """A job's checkpoint save times, from its local leader (the job's owner)."""
+        job_id = request.get("job_id")
+        owner = self._owner(job_id) if isinstance(job_id, int) else None
+        self.saves.report(request, peer, owner)
+        return {}
 
     def _stagein_seconds(self) -> dict[int, float]:
         """Each job's finished stage-in time, from the uploader's records."""
@@ -180,7 +214,8 @@ class MetricsService:
                 "recent": [e.__dict__ for e in self.steps.recent_jobs()]}
 
     def handlers(self) -> dict[str, Handler]:
-        return {"metrics.stragglers": self.handle_stragglers}
+        return {"metrics.stragglers": self.handle_stragglers,
+                "metrics.ckpt_saved": self.handle_ckpt_saved}
 
     def close(self) -> None:
         if self.server is not None:

@@ -12,11 +12,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.agent.daemon import Agent
-from slurm_resilience.agent.service import AgentContext
+from slurm_resilience.agent.service import AgentContext, Peer
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.metrics import events
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
+from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
@@ -51,11 +52,14 @@ def exported(tmp_path: Path) -> set[str]:
     feed(watcher, watch, 7, 80, slow_rank=1)  # type: ignore[arg-type]
     ledger = Ledger(str(tmp_path / "goodput"))
     ledger.observe(list(watcher.jobs.values()), 1e9)  # type: ignore[arg-type]
+    saves = SaveBook()
+    saves.report({"job_id": 7, "run": 0, "step": 5, "stall_s": 0.1, "write_s": 1.0},
+                 Peer(pid=1, uid=0, gid=0), 0)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(AgentSources(
         node="n1", events_path=ev, nccl_path=nccl, watcher=watcher,
-        uploader=Uploads({42: journal_record(42)}), steps=watch, ledger=ledger, agent=agent,
-        services=("heartbeat",))))
+        uploader=Uploads({42: journal_record(42)}), steps=watch, ledger=ledger, saves=saves,
+        agent=agent, services=("heartbeat",))))
     release = threading.Event()
     watcher.threads[7] = threading.Thread(target=release.wait, daemon=True)  # an incident
     watcher.threads[7].start()
