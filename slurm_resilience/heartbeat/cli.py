@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
 
         view = cluster.collect(cfg)
         if args.json:
-            json.dump(view, sys.stdout, indent=1, default=str)
+            json.dump(view.to_json(), sys.stdout, indent=1, default=str)
             sys.stdout.write("\n")
         else:
             sys.stdout.write(cluster.render(view))
-        return 1 if view["errors"] else 0
+        return 1 if view.errors else 0
     node = node_name(args.node or cfg.node.name)
     result = collect(cfg, node)
     if args.json:

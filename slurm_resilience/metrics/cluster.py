@@ -17,7 +17,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,34 +86,104 @@ def _values(scrape: Scrape, name: str) -> list[tuple[dict[str, str], float]]:
     return [(labels, v) for n, labels, v in scrape.samples if n == P + name]
 
 
+@dataclass(frozen=True)
+class NodeRow:
+    node: str
+    state: str
+    reason: str
+    since: str
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    job_id: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HeldJob:
+    job_id: int
+    user: str
+    reason: str
+    admin_comment: str
+
+
+@dataclass(frozen=True)
+class Backlog:
+    node: str
+    bytes: int
+    steps: dict[str, int]  # job id -> steps waiting
+
+
+@dataclass(frozen=True)
+class Goodput:
+    job_id: int
+    ratio: float
+
+
+@dataclass(frozen=True)
+class SlowNode:
+    job_id: int
+    node: str
+    step_time_p50_s: float
+    job_median_s: float
+    slowdown: float
+
+
+@dataclass(frozen=True)
+class StragglerRanks:
+    node: str
+    job_id: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class Recurring:
+    node: str
+    jobs: int
+
+
+@dataclass
+class ClusterView:
+    drained: list[NodeRow] = field(default_factory=list)
+    suspects: list[NodeRow] = field(default_factory=list)
+    incidents: list[OpenIncident] = field(default_factory=list)
+    held_jobs: list[HeldJob] = field(default_factory=list)
+    checkpoint_backlog: list[Backlog] = field(default_factory=list)
+    worst_goodput: Goodput | None = None
+    straggler_nodes: list[SlowNode] = field(default_factory=list)
+    straggler_ranks: list[StragglerRanks] = field(default_factory=list)
+    recurring_stragglers: list[Recurring] = field(default_factory=list)
+    agents_scraped: int = 0
+    agents_total: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequence[Scrape],
-             prefix: str, stragglers: StragglerSection) -> dict[str, Any]:
+             prefix: str, stragglers: StragglerSection) -> ClusterView:
     """The cluster view (pure)."""
-    ours = [n for n in nodes if (n.drained or n.down) and n.reason.startswith(prefix)]
-    drained: list[dict[str, str]] = []
-    suspects: list[dict[str, str]] = []
-    for n in ours:
+    view = ClusterView(agents_scraped=sum(1 for s in scrapes if not s.error),
+                       agents_total=len(scrapes))
+    for n in nodes:
+        if not ((n.drained or n.down) and n.reason.startswith(prefix)):
+            continue
         hang = policy.parse_reason(n.reason.removeprefix(prefix).strip())
-        entry = {"node": n.name, "state": "+".join([n.state, *sorted(n.flags)]),
-                 "reason": n.reason, "since": n.reason_time}
-        (suspects if hang is not None and hang.suspect else drained).append(entry)
-    held = []
+        row = NodeRow(n.name, "+".join([n.state, *sorted(n.flags)]), n.reason, n.reason_time)
+        (view.suspects if hang is not None and hang.suspect else view.drained).append(row)
     for j in jobs:
         if R.parse_ledger(j.admin_comment) is not None and j.state == "PENDING" \
                 and "held" in j.reason.lower():
-            held.append({"job_id": j.job_id, "user": j.user, "reason": j.reason,
-                         "admin_comment": j.admin_comment})
+            view.held_jobs.append(HeldJob(j.job_id, j.user, j.reason, j.admin_comment))
     running = {j.job_id for j in jobs if j.state == "RUNNING"}
     incidents: dict[int, list[str]] = defaultdict(list)
-    backlog: list[dict[str, Any]] = []
     goodput: dict[int, float] = {}
-    rank_stragglers: list[dict[str, Any]] = []
-    recurring: list[dict[str, Any]] = []
     medians: dict[int, dict[str, float]] = defaultdict(dict)
-    errors = []
     for s in scrapes:
         if s.error:
-            errors.append(f"{s.node}: couldn't read {s.url}: {s.error}")
+            view.errors.append(f"{s.node}: couldn't read {s.url}: {s.error}")
             continue
         for labels, v in _values(s, "job_hang_incident_open"):
             if v:
@@ -121,83 +191,70 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
         steps = {int(lb["job_id"]): v for lb, v in _values(s, "checkpoint_upload_backlog_steps")}
         size = sum(v for _, v in _values(s, "checkpoint_upload_backlog_node_bytes"))
         if size or any(steps.values()):
-            backlog.append({"node": s.node, "bytes": int(size),
-                            "steps": {str(k): int(v) for k, v in sorted(steps.items()) if v}})
+            view.checkpoint_backlog.append(Backlog(s.node, int(size), {
+                str(k): int(v) for k, v in sorted(steps.items()) if v}))
         for labels, v in _values(s, "job_goodput_ratio"):
             job = int(labels["job_id"])
             if job in running:
                 goodput[job] = min(goodput.get(job, 1.0), v)
         for labels, v in _values(s, "job_straggler_ranks"):
             if v:
-                rank_stragglers.append({"node": s.node, "job_id": int(labels["job_id"]),
-                                        "ranks": int(v)})
+                view.straggler_ranks.append(StragglerRanks(s.node, int(labels["job_id"]),
+                                                           int(v)))
         for _, v in _values(s, "node_straggler_recent_jobs"):
             if v:
-                recurring.append({"node": s.node, "jobs": int(v)})
+                view.recurring_stragglers.append(Recurring(s.node, int(v)))
         samples = {int(lb["job_id"]): v for lb, v in _values(s, "job_step_time_samples")}
         for labels, v in _values(s, "job_step_time_p50_seconds"):
             job = int(labels["job_id"])
             if samples.get(job, 0) >= stragglers.min_steps:
                 medians[job][s.node] = v
-    slow_nodes = []
+    view.incidents = [OpenIncident(k, tuple(sorted(v))) for k, v in sorted(incidents.items())]
     for job, per_node in sorted(medians.items()):
         verdict = judge_medians(per_node, stragglers)
-        for node in sorted(verdict.slow):
-            ref = verdict.reference_s
-            slow_nodes.append({"job_id": job, "node": node,
-                               "step_time_p50_s": round(per_node[node], 4),
-                               "job_median_s": round(ref, 4),
-                               "slowdown": round(per_node[node] / ref - 1, 3)})
-    worst = min(goodput.items(), key=lambda kv: kv[1]) if goodput else None
-    return {
-        "drained": drained, "suspects": suspects,
-        "incidents": [{"job_id": k, "nodes": sorted(v)} for k, v in sorted(incidents.items())],
-        "held_jobs": held, "checkpoint_backlog": backlog,
-        "worst_goodput": None if worst is None else {"job_id": worst[0],
-                                                     "ratio": round(worst[1], 4)},
-        "straggler_nodes": slow_nodes, "straggler_ranks": rank_stragglers,
-        "recurring_stragglers": recurring,
-        "agents": {"scraped": sum(1 for s in scrapes if not s.error), "total": len(scrapes)},
-        "errors": errors,
-    }
+        ref = verdict.reference_s
+        view.straggler_nodes += [SlowNode(job, node, round(per_node[node], 4), round(ref, 4),
+                                          round(per_node[node] / ref - 1, 3))
+                                 for node in sorted(verdict.slow)]
+    if goodput:
+        job, ratio = min(goodput.items(), key=lambda kv: kv[1])
+        view.worst_goodput = Goodput(job, round(ratio, 4))
+    return view
 
 
-def render(view: dict[str, Any]) -> str:
-    a = view["agents"]
-    lines = [f"cluster: {a['scraped']} of {a['total']} agents answered"]
+def render(view: ClusterView) -> str:
+    lines = [f"cluster: {view.agents_scraped} of {view.agents_total} agents answered"]
 
     def section(title: str, rows: list[str]) -> None:
         lines.append(f"{title} ({len(rows)}):")
         lines.extend(f"  {r}" for r in rows)
 
-    section("drained by slurm-resilience", [f"{d['node']:<14} {d['state']:<16} {d['reason']}"
-                                            for d in view["drained"]])
-    section("suspects being verified", [f"{d['node']:<14} {d['reason']}"
-                                        for d in view["suspects"]])
-    section("open hang incidents", [f"job {i['job_id']} on {','.join(i['nodes'])}"
-                                    for i in view["incidents"]])
-    section("jobs held by the suite", [f"job {j['job_id']} ({j['user']}): {j['admin_comment']}"
-                                       for j in view["held_jobs"]])
-    section("checkpoint upload backlog", [
-        f"{b['node']:<14} {b['bytes']:>14,d} bytes  steps by job {b['steps']}"
-        for b in view["checkpoint_backlog"]])
-    w = view["worst_goodput"]
+    section("drained by slurm-resilience", [f"{d.node:<14} {d.state:<16} {d.reason}"
+                                            for d in view.drained])
+    section("suspects being verified", [f"{d.node:<14} {d.reason}" for d in view.suspects])
+    section("open hang incidents", [f"job {i.job_id} on {','.join(i.nodes)}"
+                                    for i in view.incidents])
+    section("jobs held by the suite", [f"job {j.job_id} ({j.user}): {j.admin_comment}"
+                                       for j in view.held_jobs])
+    section("checkpoint upload backlog", [f"{b.node:<14} {b.bytes:>14,d} bytes  steps by job "
+                                          f"{b.steps}" for b in view.checkpoint_backlog])
+    w = view.worst_goodput
     lines.append("worst goodput among running jobs: " + (
-        f"job {w['job_id']} {w['ratio']:.1%} (slurm-resilience goodput {w['job_id']})" if w
+        f"job {w.job_id} {w.ratio:.1%} (slurm-resilience goodput {w.job_id})" if w
         else "no running job reports one"))
     section("straggler nodes (slower than the rest of their job)", [
-        f"{s['node']:<14} job {s['job_id']}: step {s['step_time_p50_s']}s vs "
-        f"{s['job_median_s']}s ({s['slowdown']:+.0%})" for s in view["straggler_nodes"]])
-    section("nodes with straggler ranks", [f"{s['node']:<14} job {s['job_id']}: {s['ranks']} "
-                                           f"rank(s)" for s in view["straggler_ranks"]])
-    section("recurring stragglers", [f"{s['node']:<14} named in {s['jobs']} recent job(s)"
-                                     for s in view["recurring_stragglers"]])
-    for err in view["errors"]:
+        f"{s.node:<14} job {s.job_id}: step {s.step_time_p50_s}s vs {s.job_median_s}s "
+        f"({s.slowdown:+.0%})" for s in view.straggler_nodes])
+    section("nodes with straggler ranks", [f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)"
+                                           for s in view.straggler_ranks])
+    section("recurring stragglers", [f"{s.node:<14} named in {s.jobs} recent job(s)"
+                                     for s in view.recurring_stragglers])
+    for err in view.errors:
         lines.append(f"could not check: {err}")
     return "\n".join(lines) + "\n"
 
 
-def collect(cfg: Config, timeout: float = 5.0) -> dict[str, Any]:
+def collect(cfg: Config, timeout: float = 5.0) -> ClusterView:
     """Gather from Slurm and the agents, then assemble."""
     from slurm_resilience.slurm.adapter import from_config
     from slurm_resilience.slurm.errors import SlurmError
@@ -218,5 +275,5 @@ def collect(cfg: Config, timeout: float = 5.0) -> dict[str, Any]:
         errors.append(f"jobs: {exc}")
     scrapes = scrape_all(metrics_urls(cfg, addresses), timeout)
     view = assemble(nodes, jobs, scrapes, cfg.slurm.reason_prefix, cfg.stragglers)
-    view["errors"] = errors + view["errors"]
+    view.errors = errors + view.errors
     return view

@@ -60,13 +60,14 @@ def test_the_view_names_drains_suspects_held_jobs_and_the_slow_node(tmp_path: Pa
                     admin_comment="SR: [sr-hang n=2 ckpt=100 restart=2] hang"),
             JobInfo(21, "train", "alice", 1000, "RUNNING")]
     view_ = cluster.assemble(nodes, jobs, scrapes, "SR:", CFG.stragglers)
-    assert [d["node"] for d in view_["drained"]] == ["n1"]
-    assert [d["node"] for d in view_["suspects"]] == ["n2"]
-    assert [j["job_id"] for j in view_["held_jobs"]] == [9]
-    assert [s["node"] for s in view_["straggler_nodes"]] == ["n4"]
-    assert view_["straggler_nodes"][0]["slowdown"] > 0.2
-    assert view_["agents"] == {"scraped": 4, "total": 5}
-    assert view_["errors"] == ["n5: couldn't read http://x/n5: URLError: refused"]
+    assert [d.node for d in view_.drained] == ["n1"]
+    assert [d.node for d in view_.suspects] == ["n2"]
+    assert [j.job_id for j in view_.held_jobs] == [9]
+    assert [s.node for s in view_.straggler_nodes] == ["n4"]
+    assert view_.straggler_nodes[0].slowdown > 0.2
+    assert (view_.agents_scraped, view_.agents_total) == (4, 5)
+    assert view_.errors == ["n5: couldn't read http://x/n5: URLError: refused"]
+    assert view_.to_json()["drained"][0]["node"] == "n1"
     text = cluster.render(view_)
     assert "n4" in text and "could not check: n5" in text
 
@@ -78,8 +79,8 @@ def test_held_jobs_come_from_our_ledger_only() -> None:
     jobs = [JobInfo(9, "t", "bob", 1001, "PENDING", reason="job requeued in held state",
                     admin_comment=ledger),
             JobInfo(10, "t", "bob", 1001, "PENDING", reason="held by user")]
-    held = cluster.assemble([], jobs, [], "SR:", CFG.stragglers)["held_jobs"]
-    assert [j["job_id"] for j in held] == [9]
+    held = cluster.assemble([], jobs, [], "SR:", CFG.stragglers).held_jobs
+    assert [j.job_id for j in held] == [9]
 
 
 def free_port() -> int:
