@@ -24,7 +24,7 @@ import yaml
 from slurm_resilience import config
 from slurm_resilience.log import get_logger
 from slurm_resilience.proc import CommandError, Runner
-from slurm_resilience.sandbox import daemons, hardware, resilience_conf, slurmconf
+from slurm_resilience.sandbox import accounting, daemons, hardware, resilience_conf, slurmconf
 from slurm_resilience.sandbox.daemons import Daemon
 from slurm_resilience.sandbox.layout import BUCKET, Layout
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -338,6 +338,11 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
     env = daemon_env(layout)
     try:
         _start_munge(layout, env)
+        if accounting.enabled(layout):  # slurmdbd before slurmctld, as on a site
+            try:
+                accounting.start(layout, env)
+            except accounting.AccountingError as exc:
+                raise SandboxError(str(exc)) from None
         _start_slurm(layout, env, runner)
         for make in EXTRAS:
             for extra in make(layout):
