@@ -50,6 +50,12 @@ def enabled(layout: Layout) -> bool:
         "accounting_storage/slurmdbd"
 
 
+def missing() -> list[str]:
+    """Programs of the accounting packages not installed here."""
+    return [p for p in ("slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr")
+            if shutil.which(p, path=SYSTEM_PATH) is None]
+
+
 def _tool(name: str) -> str:
     found = shutil.which(name, path=SYSTEM_PATH)
     if found is None:
