@@ -19,6 +19,7 @@ from slurm_resilience.heartbeat.incident import reports_of_job
 from slurm_resilience.heartbeat.status import incident_dir
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.errors import JobNotFound, SlurmError
+from slurm_resilience.slurm.parse import JobRun
 
 # A run is still going in these; PENDING etc. after a requeue mean the last run is over.
 RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING",
@@ -65,19 +66,46 @@ def job_breakdown(cfg: config.Config, nodes: list[str], job_id: int, now: float
                                 "jobs it watched)")
     if missing:
         notes.append(f"no record of the job on {', '.join(missing)}")
+    adapter = from_config(cfg)
+    acct: list[JobRun] = []
+    try:
+        acct = adapter.job_runs(job_id)
+        notes.append(allocation_times(job, acct))
+    except SlurmError as exc:
+        notes.append(f"allocation times from the agents' records (no Slurm accounting: "
+                     f"{exc})")
     over, completed = True, False
     try:
-        info = from_config(cfg).show_job(job_id)
+        info = adapter.show_job(job_id)
         over, completed = info.state not in RUNNING_STATES, info.state == "COMPLETED"
         if not over and max(job.runs) == info.restarts:
             job.runs[max(job.runs)].end = now  # still running: up to now
     except JobNotFound:
-        notes.append("Slurm no longer knows the job: every run is over")
+        completed = bool(acct) and acct[-1].state == "COMPLETED"
+        notes.append("slurmctld no longer knows the job: every run is over"
+                     + (f" (accounting: {acct[-1].state})" if acct else ""))
     except SlurmError as exc:
         notes.append(f"couldn't ask Slurm about the job ({exc}); the last run is taken as "
                      "ended where the agent last saw it")
     b = compute.breakdown(job_id, [r.to_run() for r in job.runs.values()], over, completed)
     return compute.Breakdown(b.job_id, b.runs, tuple(notes))
+
+
+def allocation_times(job: JobTimes, runs: list[JobRun]) -> str:
+    """Each run's start and end from Slurm accounting, where it has them: the right source
+    for what was allocated. Runs are matched in order (sacct --duplicates lists them oldest
+    first, as the restart count numbers them)."""
+    used = 0
+    for n, acct in enumerate(runs):
+        r = job.runs.get(n)
+        if r is None:
+            continue
+        if acct.start is not None:
+            r.start = acct.start
+        if acct.end is not None:
+            r.end = acct.end
+        used += 1
+    return f"allocation times of {used} run(s) from Slurm accounting (sacct)"
 
 
 def to_json(b: compute.Breakdown) -> dict[str, Any]:

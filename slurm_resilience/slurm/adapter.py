@@ -25,10 +25,12 @@ from slurm_resilience.slurm.errors import (
 )
 from slurm_resilience.slurm.parse import (
     JobInfo,
+    JobRun,
     NodeInfo,
     collect_hostlist,
     parse_job,
     parse_node,
+    parse_sacct_runs,
     parse_squeue_json,
 )
 from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
@@ -217,6 +219,13 @@ class SlurmAdapter:
         if user is not None:
             jobs = [j for j in jobs if j.user == user]
         return jobs
+
+    def job_runs(self, job_id: int | str) -> list[JobRun]:
+        """Every run of the job from Slurm accounting (``sacct --duplicates``), oldest first;
+        raises SlurmError where accounting is not configured."""
+        out = self._run("job runs", ["sacct", "-j", _check_job_id(job_id), "--duplicates",
+                                     "-X", "-n", "-P", "-o", "JobID,State,Start,End"])
+        return parse_sacct_runs(out.stdout)
 
     def requeue(self, job_id: int | str) -> None:
         """Put a running job back in the queue; it restarts with Restarts+1."""

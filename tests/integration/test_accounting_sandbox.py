@@ -4,6 +4,9 @@ sees them."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 from slurm_resilience.sandbox import faults
@@ -33,6 +36,18 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     got = _wait_for(lambda: (s := states()) and "REQUEUED" in s and "COMPLETED" in s and s,
                     60, "the requeue in sacct")
     print(f"sacct: job {job_id}: {got}")
+    # Goodput takes the allocation times from accounting, the right source for them.
+    out = box.run([sys.executable, "-m", "slurm_resilience", "goodput", str(job_id),
+                   *[a for n in box.nodes for a in ("--node", n)], "--json"])
+    b = json.loads(out.stdout)
+    print(json.dumps(b, indent=1))
+    assert "allocation times of 2 run(s) from Slurm accounting (sacct)" in b["notes"]
+    assert len(b["runs"]) == 2
+    assert b["productive_s"] + sum(b["losses_s"].values()) >= 0.95 * b["allocated_s"]
+    # Accounting ends the hung run at the requeue (seconds after the detection); what the
+    # restart costs after it shows in the next run (before its first step, stage-in).
+    assert b["losses_s"]["hung_before_detection"] > 0
+    assert b["runs"][1]["losses"]["before_first_step"] > 0
 
     idle = next(n for n in box.nodes if n not in final.nodes)
     print(faults.inject(box.state_dir, idle, "gpu-xid:1:79"))

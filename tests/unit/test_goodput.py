@@ -195,3 +195,23 @@ def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> Non
         10.0, 101.0, 19.0, 91.0, 3.0)
     assert (r0.hang_started_at, r0.hang_detected_at) == (90.0, 95.0)
     assert merge([]) is None
+
+
+def test_allocation_times_come_from_slurm_accounting_when_it_has_them() -> None:
+    from slurm_resilience.goodput.cli import allocation_times
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.parse import parse_sacct_runs
+
+    # The shape `sacct -j 1 --duplicates -X -n -P -o JobID,State,Start,End` printed in the
+    # accounting sandbox (tests/integration/test_accounting_sandbox.py).
+    runs = parse_sacct_runs("1|REQUEUED|2026-11-23T18:34:40|2026-11-23T18:35:12\n"
+                            "1|COMPLETED|2026-11-23T18:35:25|2026-11-23T18:35:50\n"
+                            "\n2|RUNNING|2026-11-23T18:36:00|Unknown\n")
+    assert [r.state for r in runs] == ["REQUEUED", "COMPLETED", "RUNNING"]
+    assert runs[0].end is not None and runs[0].start is not None
+    assert runs[0].end - runs[0].start == 32.0 and runs[2].end is None
+    job = JobTimes(1, {0: RunTimes(0, 0.0, 1.0), 1: RunTimes(1, 2.0, 3.0)})
+    note = allocation_times(job, runs[:2])
+    assert note == "allocation times of 2 run(s) from Slurm accounting (sacct)"
+    assert (job.runs[0].start, job.runs[0].end) == (runs[0].start, runs[0].end)
+    assert job.runs[1].end - job.runs[1].start == 25.0
