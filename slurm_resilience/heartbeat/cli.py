@@ -48,7 +48,11 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
         result["incidents"] = st.incidents(directory)
     except PermissionError as exc:
         result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
-    result["stragglers"] = stragglers(cfg, node, time.time())
+    try:
+        result["stragglers"] = stragglers(cfg, node, time.time())
+    except PermissionError as exc:
+        result["stragglers"] = []
+        result["errors"].append(f"stragglers: {exc.filename}: permission denied (root only)")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 

@@ -99,3 +99,61 @@ def test_metrics_and_goodput_use_the_reported_stalls(tmp_path: Path) -> None:
     ledger.observe([view(8, [slot(0, 5, 1.0, 8)])], 10.0, stalls=stalls)
     assert ledger.jobs[8].runs[0].checkpoint_stall_s == pytest.approx(0.8)
     assert ledger.jobs[8].runs[0].stall_reported
+
+
+REPORTER = """
+import json, socket, sys
+def ask(request):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sys.argv[1])
+        s.sendall(json.dumps(request).encode() + b"\\n")
+        return s.makefile().readline().strip()
+good = {"op": "metrics.ckpt_saved", "run": 0, "step": 5, "stall_s": 0.5, "write_s": 1.0}
+print("other:", ask({**good, "job_id": 1}))
+print("own:", ask({**good, "job_id": 2}))
+print("huge:", ask({**good, "job_id": 2, "stall_s": 1e300}))
+"""
+
+
+def test_an_unprivileged_user_reports_only_for_their_own_job(
+        tmp_path: Path, test_users: tuple[str, ...]) -> None:
+    """Through the agent's real socket and the metrics service's handler: a user's report
+    for root's job is refused, for their own job accepted, nonsense refused."""
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+
+    from slurm_resilience.config import Config, load_text
+    from slurm_resilience.metrics.service import MetricsService
+    from slurm_resilience.slurm.adapter import SlurmAdapter
+
+    pw = pwd.getpwnam(test_users[0])
+
+    class Uploads:
+        def __init__(self) -> None:
+            self.lock = threading.RLock()
+            self.jobs = {1: {"job_id": 1, "uid": 0}, 2: {"job_id": 2, "uid": pw.pw_uid}}
+
+    cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}'}}\nmetrics: {{port: 0}}\n", "t")
+    svc = MetricsService(cfg, "n1", SlurmAdapter(), {"checkpoint": Uploads()})
+    run = Path(tempfile.mkdtemp(prefix="sr-sock-", dir="/tmp"))
+    run.chmod(0o755)
+    srv = AgentServer(str(run / "agent.sock"))
+    for op, handler in svc.handlers().items():
+        srv.route(op, handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = subprocess.run(["/usr/bin/python3", "-c", REPORTER, srv.path], user=pw.pw_uid,
+                             group=pw.pw_gid, capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin"}, check=True).stdout
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        svc.close()
+        shutil.rmtree(run)
+    assert f"belongs to uid 0, not to you (uid {pw.pw_uid})" in out, out
+    assert 'own: {"ok": true}' in out, out
+    assert "huge:" in out and "is not a number of seconds" in out, out
+    assert list(svc.saves.snapshot()) == [2]
