@@ -8,10 +8,10 @@ import json
 import sys
 
 import pytest
+from conftest import SandboxFactory
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
-from tests.conftest import SandboxFactory
 from tests.integration.test_hang import _acting, _reports, _submit, _wait_for
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
