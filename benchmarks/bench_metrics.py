@@ -1,10 +1,10 @@
 """CPU the agent spends on metrics: 8 jobs of 8 ranks on the node, one scrape every 15 s.
 
-Ours: per 15 s, one scrape over HTTP of the agent's collector (the whole /metrics text: every job's
-step-time quantiles from 8 x 100-sample windows, the journal rows, the events file, the
-NCCL result) plus the step watch's feeding at every heartbeat tick (the default
-heartbeat.interval_s, 15 ticks of 1 s). Reference: one core for 15 s. Goal: <= 1%.
-A second reference puts the scrape beside the hang watcher's own work: decoding the same
+Ours: per 15 s, one scrape over HTTP of the agent's collector (the whole /metrics text:
+every job's step-time quantiles from 8 x 100-sample windows, goodput, the journal rows, the
+events file, the NCCL result) plus the step watch's and the goodput ledger's feeding at
+every heartbeat tick (the default heartbeat.interval_s, 15 ticks of 1 s). Reference: one
+core for 15 s. Goal: <= 1%. A second reference puts the scrape beside the hang watcher's own work: decoding the same
 64 heartbeat slots once.
 
     .venv/bin/python benchmarks/bench_metrics.py
@@ -19,13 +19,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience.config import Config
+from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.heartbeat import detect, jobrecord
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.localpiece import JobView
-from slurm_resilience.metrics import events
+from slurm_resilience.metrics import events, http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
@@ -53,6 +54,7 @@ class Holder:
     def __init__(self, jobs: dict[int, Any]) -> None:
         self.lock = threading.RLock()
         self.jobs = jobs
+        self.threads: dict[int, threading.Thread] = {}  # incidents in progress: none
 
 
 def cpu(fn: Any, n: int) -> float:
@@ -81,24 +83,37 @@ def main() -> int:
                                        "nvme": "ok"})
     for kind in (events.DRAIN, events.RESUME, events.REQUEUE, events.INCIDENT):
         events.count(ev, kind, "hang")
+    ledger = Ledger(str(tmp / "goodput"))
+    ledger.observe(all_views[-1], time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(AgentSources(
         node="n1", events_path=ev, nccl_path=str(tmp / "nccl.json"), watcher=watcher,
-        uploader=Holder(journal), steps=steps, services=("heartbeat", "checkpoint"))))
+        uploader=Holder(journal), steps=steps, ledger=ledger,
+        services=("heartbeat", "checkpoint"))))
     scrape_s = cpu(lambda: generate_latest(registry), 200)
     it = iter(all_views[100:] * 50)
-    tick_s = cpu(lambda: steps.observe(next(it)), 1000)
+
+    def tick() -> None:  # what the metrics service does each heartbeat tick
+        views_now = next(it)
+        steps.observe(views_now)
+        ledger.observe(views_now, time.time())
+
+    tick_s = cpu(tick, 1000)
     raw = [S.encode_header(rank=r, world_size=JOBS * RANKS, local_rank=r, pid=1, pid_start=1,
                            job_id=1, restart_count=0, clock_offset=0.0, created=0.0,
                            job_step_timeout_s=0.0).ljust(S.SIZE, b"\0")
            for r in range(JOBS * RANKS)]
     decode_s = cpu(lambda: [S.decode(b) for b in raw], 200)
-    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
-    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    server = http.serve("127.0.0.1", 0, registry)  # the agent's bounded server
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
     http_s = cpu(lambda: urllib.request.urlopen(url, timeout=30).read(), 100)
     server.shutdown()
+    server.server_close()
     per_window = http_s + tick_s * SCRAPE_S / TICK_S
-    size = len(generate_latest(registry))
+    text = generate_latest(registry).decode()
+    size = len(text)
+    errors = [ln for ln in text.splitlines() if "collect_errors{" in ln and not ln.endswith(" 0.0")]
+    assert not errors and "slurm_resilience_job_goodput_ratio{" in text, errors
     print(f"{JOBS} jobs x {RANKS} ranks: scrape {scrape_s * 1e3:.2f} ms CPU ({size} bytes), "
           f"step-watch feed {tick_s * 1e3:.3f} ms CPU per {TICK_S:g} s tick")
     print(f"scrape over HTTP: {http_s * 1e3:.2f} ms CPU (the client runs in the same "

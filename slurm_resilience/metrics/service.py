@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience.agent.service import AgentContext, Handler, Peer
 from slurm_resilience.config import Config
@@ -21,7 +21,7 @@ from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.heartbeat import policy
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
+from slurm_resilience.metrics import events, http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -92,8 +92,7 @@ class MetricsService:
         if serve and port:
             host = f"[{m.listen_address}]" if ":" in m.listen_address else m.listen_address
             try:
-                self.server, _thread = start_http_server(port, addr=m.listen_address,
-                                                         registry=self.registry)
+                self.server = http.serve(m.listen_address, port, self.registry)
                 self.url = f"http://{host}:{port}/metrics"
                 log.info("metrics: serving", url=self.url)
             except OSError as exc:
