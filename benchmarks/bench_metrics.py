@@ -4,8 +4,8 @@ Ours: per 15 s, one scrape over HTTP of the agent's collector (the whole /metric
 every job's step-time quantiles from 8 x 100-sample windows, goodput, the journal rows, the
 events file, the NCCL result) plus the step watch's and the goodput ledger's feeding at
 every heartbeat tick (the default heartbeat.interval_s, 15 ticks of 1 s). Reference: one
-core for 15 s. Goal: <= 1%. A second reference puts the scrape beside the hang watcher's own work: decoding the same
-64 heartbeat slots once.
+core for 15 s. Goal: <= 1%. A second reference puts the scrape beside the hang watcher's
+own work: decoding the same 64 heartbeat slots once.
 
     .venv/bin/python benchmarks/bench_metrics.py
 """
