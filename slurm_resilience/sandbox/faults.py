@@ -197,3 +197,4 @@ def heal(state_dir: Path, node: str) -> str:
 
 # Faults of other capabilities register themselves (last: they call register()).
 import slurm_resilience.nccl.sandbox_faults  # noqa: E402, F401
+import slurm_resilience.stragglers.sandbox_faults  # noqa: E402, F401
