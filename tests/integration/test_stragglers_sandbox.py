@@ -6,8 +6,9 @@ healthy nodes names none over 220 steps.
 Bound: every node's agent samples one step time per heartbeat tick (0.5 s in the sandbox)
 and a node is judged once its window holds stragglers.min_steps (50) samples, about 25 s or
 100 steps in; the slowed node must be named before the slowest node's step 210 (measured:
-step 150, polling `status --cluster` each second), and the test prints when it was. (In a job that synchronises every step, such as DDP, every rank waits
-for the slowest at each collective, so step times alone cannot tell which node it is.)
+step 150, polling `status --cluster` each second), and the test prints when it was. (In a
+job that synchronises every step, such as DDP, every rank waits for the slowest at each
+collective, so step times alone cannot tell which node it is.)
 """
 
 from __future__ import annotations
