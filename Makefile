@@ -11,7 +11,7 @@ PYTHON_SYS ?= /usr/bin/python3
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := python3 python3-venv python3-dev gcc slurmctld slurmd slurm-client munge \
-                libslurm-dev lua5.1 nvme-cli procps
+                libslurm-dev lua5.1 nvme-cli procps prometheus slurmdbd mariadb-server
 PIP_EXTRAS := dev,s3,gpu,train
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
@@ -36,7 +36,7 @@ apt:
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 	@# Debian starts the packaged daemons on install; the sandbox runs its own, so stop those.
-	@for s in slurmctld slurmd munge; do \
+	@for s in slurmctld slurmd munge prometheus slurmdbd mariadb; do \
 	  systemctl is-active --quiet $$s 2>/dev/null && systemctl stop $$s 2>/dev/null || true; \
 	done
 

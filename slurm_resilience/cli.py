@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "xid-repaired": "slurm_resilience.health.repaircli",
     "topology": "slurm_resilience.topology.cli",
     "install": "slurm_resilience.install.cli",
+    "goodput": "slurm_resilience.goodput.cli",
 }
 
 

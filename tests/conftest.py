@@ -10,6 +10,7 @@ cannot start (not root, Slurm or munge missing) its tests are skipped, unless
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import random
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from slurm_resilience.sandbox import accounting
+from slurm_resilience.sandbox.accounting import ACCT_DB_OFFSET, ACCT_DBD_OFFSET
 from slurm_resilience.sandbox.control import SandboxError, missing_programs
 from slurm_resilience.sandbox.handle import Sandbox
-from slurm_resilience.sandbox.layout import AGENT_OFFSET, S3_OFFSET, Layout
+from slurm_resilience.sandbox.layout import AGENT_OFFSET, METRICS_OFFSET, S3_OFFSET, Layout
 
 REPO = Path(__file__).resolve().parents[1]
 # Real captures kept in the repo (see tests/fixtures/SOURCES.md).
@@ -62,7 +65,9 @@ def free_port_base(nodes: int) -> int:
     for _ in range(200):
         base = random.randrange(20000, 40000, 100)
         ports = [*range(base, base + nodes + 1), base + S3_OFFSET,
-                 *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1)]
+                 *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1),
+                 *range(base + METRICS_OFFSET + 1, base + METRICS_OFFSET + nodes + 1),
+                 base + ACCT_DBD_OFFSET, base + ACCT_DB_OFFSET]
         if base not in _used_bases and all(_port_free(p) for p in ports):
             _used_bases.add(base)
             return base
@@ -81,7 +86,8 @@ def make_traversable(path: Path) -> None:
             parent.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
 
 
-def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = None) -> Sandbox:
+def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = None,
+           with_accounting: bool = False) -> Sandbox:
     if os.geteuid() != 0:
         _unavailable("it needs root (slurmd runs jobs as their users)")
     missing = missing_programs()
@@ -97,6 +103,12 @@ def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = Non
         layout = Layout(state_dir=state, nodes=nodes, leaves=leaves,
                         port_base=free_port_base(nodes), repo=REPO,
                         slurm_overrides=tuple((slurm_overrides or {}).items()))
+        if with_accounting:
+            if accounting.missing():
+                _unavailable(f"missing {', '.join(accounting.missing())} (apt-get install "
+                             f"{' '.join(accounting.PACKAGES)}, or `make test`)")
+            layout = dataclasses.replace(
+                layout, slurm_overrides=layout.slurm_overrides + accounting.overrides(layout))
         try:
             return Sandbox.start(layout)
         except SandboxError as exc:
@@ -132,8 +144,9 @@ def sandbox_factory() -> Iterator[SandboxFactory]:
     started: list[Sandbox] = []
 
     def make(nodes: int = 2, leaves: int = 1,
-             slurm_overrides: dict[str, str] | None = None) -> Sandbox:
-        box = _start(nodes, leaves, slurm_overrides)
+             slurm_overrides: dict[str, str] | None = None,
+             with_accounting: bool = False) -> Sandbox:
+        box = _start(nodes, leaves, slurm_overrides, with_accounting)
         started.append(box)
         return box
 

@@ -10,6 +10,7 @@ from slurm_resilience import config, log
 from slurm_resilience.agent.daemon import Agent, load_services
 from slurm_resilience.agent.service import AgentContext
 from slurm_resilience.config.paths import node_name
+from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import from_config
 
 
@@ -27,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     node = node_name(args.node or cfg.node.name)
     log.configure(mode="json", level="debug" if args.verbose else cfg.logging.level,
                   file=cfg.logging.file, use_syslog=cfg.logging.syslog, node=node)
-    ctx = AgentContext(cfg=cfg, node=node, adapter=from_config(cfg))
+    adapter = from_config(cfg)
+    adapter.events_path = events.path_for(cfg.node.state_dir, node)
+    ctx = AgentContext(cfg=cfg, node=node, adapter=adapter)
     agent = Agent(ctx, load_services(ctx))
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)

@@ -34,6 +34,8 @@ def load_services(ctx: AgentContext, specs: list[str] | None = None) -> list[Ser
             continue
         if svc is not None:
             services.append(svc)
+            # A later service (metrics) may read an earlier one's state.
+            ctx.extra.setdefault("services", {})[svc.name] = svc
             log.info("service started", service=svc.name)
     return services
 
@@ -54,6 +56,11 @@ class Agent:
             for op, handler in svc.handlers().items():
                 self.server.route(op, handler)
         self._next: dict[str, float] = {svc.name: 0.0 for svc in services}
+        self.tick_failures: dict[str, int] = {}  # for the metrics
+        for svc in services:
+            attach = getattr(svc, "attach", None)
+            if attach is not None:
+                attach(self)
 
     def tick_once(self) -> None:
         now = time.monotonic()
@@ -64,6 +71,7 @@ class Agent:
             try:
                 svc.tick()
             except Exception:
+                self.tick_failures[svc.name] = self.tick_failures.get(svc.name, 0) + 1
                 log.exception("service tick failed", service=svc.name)
 
     def run(self) -> None:

@@ -75,6 +75,7 @@ class StepDoc(TypedDict, total=False):
     files: dict[str, FileDoc]
     since: float
     world_size: int
+    bytes: int  # the step's size on this node, once its manifests were read
     reason: str
     committed_at: float
     staged_in: bool

@@ -112,6 +112,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._group: Any = None
         self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
+        self._save_report_failed = False
         self.last_saved: int | None = None
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
@@ -258,18 +259,24 @@ class CheckpointManager:
         from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
         writer = StagingWriter(self.job_dir, step)
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, writer),
+        stall = time.perf_counter() - started
+        self._thread = threading.Thread(target=self._persist,
+                                        args=(step, snapshot, writer, stall),
                                         name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
 
-    def _persist(self, step: int, snapshot: dict[str, Any], writer: Any) -> None:
+    def _persist(self, step: int, snapshot: dict[str, Any], writer: Any, stall_s: float
+                 ) -> None:
         from torch.distributed.checkpoint import state_dict_saver
 
+        started = time.perf_counter()
         try:
             state_dict_saver.save(snapshot, storage_writer=writer, process_group=self._group,
                                   no_dist=self._group is None)
             self._mark(step)
+            if self.local_leader:
+                self._report_save(step, stall_s, time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
             self._error = exc
         finally:
@@ -281,6 +288,23 @@ class CheckpointManager:
         if self.local_leader:
             write_commit_marker(self.job_dir, step, self.world_size)
         self.last_saved = step
+
+    def _report_save(self, step: int, stall_s: float, write_s: float) -> None:
+        """Tell the node agent this save's stall and write time (its metrics and goodput).
+        From the background writer: the training loop never waits on the agent."""
+        if self.agent_socket is None or self.job_id is None:
+            return
+        from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+
+        run = _env_int(os.environ, "SLURM_RESTART_COUNT", default=0)
+        try:
+            call(self.agent_socket, "metrics.ckpt_saved", timeout=5.0, job_id=self.job_id,
+                 step=step, run=run, stall_s=round(stall_s, 6), write_s=round(write_s, 6))
+        except (AgentRefused, AgentUnavailable) as exc:
+            if not self._save_report_failed:  # once: the training goes on regardless
+                print(f"checkpoint: couldn't report step {step}'s save times to the node "
+                      f"agent ({exc}); its metrics and goodput miss them", file=sys.stderr)
+            self._save_report_failed = True
 
     def wait(self) -> None:
         """Block until the background save committed; re-raise its failure."""

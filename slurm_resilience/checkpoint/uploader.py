@@ -299,9 +299,11 @@ class Uploader:
         t.start()
 
     def _stagein(self, rec: JobRecord) -> None:
+        started = float(rec["stagein"].get("started") or time.time())
         result = run_stagein(self, rec)
         with self.lock:
-            rec["stagein"] = result
+            # When it ran, for the metrics (stage-in time) and goodput.
+            rec["stagein"] = {**result, "started": started, "finished": time.time()}
             self.journal.write(rec)
         log.info("stage-in finished", job_id=rec["job_id"], **result)
 
@@ -462,6 +464,7 @@ class Uploader:
             self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
             return
         st["world_size"] = marker.world_size
+        st["bytes"] = sum(f.size for m in manifests.values() for f in m.files)  # the backlog
         commit_key = uri.join(sname, COMMIT)
         if not any(f.get("done") for f in st["files"].values()) and \
                 self.s3.head(uri.bucket, commit_key) is not None:

@@ -16,6 +16,7 @@ from slurm_resilience.config.checkpoint import CheckpointSection
 from slurm_resilience.config.health import HealthSection
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.loader import setting
+from slurm_resilience.config.metrics import MetricsSection, StragglerSection
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
 
@@ -107,6 +108,10 @@ class Config:
     nccl: NcclSection = setting(default_factory=NcclSection, help="NCCL loopback gate")
     topology: TopologySection = setting(
         default_factory=TopologySection, help="fabric discovery and leaf pinning")
+    metrics: MetricsSection = setting(
+        default_factory=MetricsSection, help="the agent's Prometheus metrics")
+    stragglers: StragglerSection = setting(
+        default_factory=StragglerSection, help="naming persistently slow ranks and nodes")
 
     def validate(self) -> None:
         from slurm_resilience.config.budgets import conflicts

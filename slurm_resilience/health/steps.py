@@ -102,6 +102,7 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
 
     report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start,
                       job_gpus=job_gpu_ids(ctx.env) if kind == "prolog" else None)
+    _count_results(ctx, kind, report)
     logger = log.get_logger("health", hook=ctx.kind)
     notable = [f.to_dict() for f in report.findings if f.severity > 0]
     if report.verdict.healthy:
@@ -114,6 +115,17 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
     problems = [Problem(STEP, blocking[0].message, more=len(blocking) - 1)]
     _bookkeeping(ctx, "record that the node was drained", lambda: _remember(ctx), None)
     return problems
+
+
+def _count_results(ctx: HookContext, kind: str, report: Any) -> None:
+    """Each check's worst result, for the agent's metrics (one small locked file write)."""
+    from slurm_resilience.health.findings import Severity
+    from slurm_resilience.metrics import events
+
+    ran = [name for name in report.seconds if name != "total"]
+    results = {name: max((f.severity for f in report.findings if f.check == name),
+                         default=Severity.OK).name.lower() for name in ran}
+    events.gate_results(events.path_for(ctx.cfg.node.state_dir, ctx.node), kind, results)
 
 
 def prolog(ctx: HookContext) -> list[Problem]:

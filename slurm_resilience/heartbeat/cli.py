@@ -21,6 +21,10 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--node", default="", help="node whose incident reports to list "
                    "(default: this node)")
+    p.add_argument("--cluster", action="store_true",
+                   help="the whole cluster instead, from every node agent's metrics endpoint "
+                        "and Slurm: drained and suspect nodes, open incidents, held jobs, "
+                        "checkpoint backlog per node, worst goodput, stragglers")
     p.set_defaults(func=run)
 
 
@@ -44,6 +48,11 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
         result["incidents"] = st.incidents(directory)
     except PermissionError as exc:
         result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
+    try:
+        result["stragglers"] = stragglers(cfg, node, time.time())
+    except PermissionError as exc:
+        result["stragglers"] = []
+        result["errors"].append(f"stragglers: {exc.filename}: permission denied (root only)")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 
@@ -53,8 +62,36 @@ def collect(cfg: config.Config, node: str) -> dict[str, Any]:
     return result
 
 
+def stragglers(cfg: config.Config, node: str, now: float) -> list[dict[str, Any]]:
+    """The jobs this node was named a straggler in, within the record window."""
+    import os
+
+    from slurm_resilience.stragglers.record import FILENAME, StragglerRecord, recent
+
+    record = StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node), FILENAME))
+    return [{"job_id": e.job_id, "ranks": list(e.ranks), "slowdown": round(e.slowdown, 3),
+             "at": e.at} for e in recent(record.load(), now, cfg.stragglers.record_window_s)]
+
+
+def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float) -> str:
+    head = (f"straggler ranks on {node} within {window_s / 3600:g}h ({len(rows)} jobs)"
+            + (": recurring" if len(rows) > 1 else "") + ":\n")
+    return head + "".join(f"  job {r['job_id']}: ranks {r['ranks']} {r['slowdown']:+.0%} "
+                          f"slower than the job's median\n" for r in rows)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
+    if args.cluster:
+        from slurm_resilience.metrics import cluster
+
+        view = cluster.collect(cfg)
+        if args.json:
+            json.dump(view.to_json(), sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(cluster.render(view))
+        return 1 if view.errors else 0
     node = node_name(args.node or cfg.node.name)
     result = collect(cfg, node)
     if args.json:
@@ -62,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(st.render(result))
+        sys.stdout.write(render_stragglers(node, result["stragglers"],
+                                           cfg.stragglers.record_window_s))
         if "uploads" in result:
             from slurm_resilience.checkpoint import upload_status
 

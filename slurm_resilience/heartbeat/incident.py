@@ -58,6 +58,8 @@ def render_text(report: Mapping[str, Any]) -> str:
     lines.append(f"Decision: {decision.get('action', '-')}: {decision.get('reason', '')}")
     for action in report.get("actions", []):
         lines.append(f"  {action}")
+    lines.append(f"Time this hang cost the job: slurm-resilience goodput {report['job_id']} "
+                 f"(on {report['node']})")
     for node, ev in sorted(report.get("evidence", {}).items()):
         lines += ["", f"== Evidence from {node} =="]
         xids = ev.get("xids", {})

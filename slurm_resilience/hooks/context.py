@@ -62,6 +62,10 @@ class HookContext:
         """Created on first use, so the healthy path makes no Slurm call at all."""
         if self._adapter is None:
             self._adapter = from_config(self.cfg)
+            # Drains a hook makes are counted in this node's metrics (metrics.events).
+            from slurm_resilience.metrics import events
+
+            self._adapter.events_path = events.path_for(self.cfg.node.state_dir, self.node)
         return self._adapter
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,12 @@ def register(sub: Any) -> None:
     up.add_argument("--nodes", type=int, default=4, help="number of nodes (default: 4)")
     up.add_argument("--leaves", type=int, default=2, help="number of leaf switches (default: 2)")
     up.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
-                    help=f"slurmctld port; slurmd use the next N, S3 base+99 "
+                    help=f"slurmctld port; slurmd use the next N, the agents' exchange "
+                         f"base+51.., their /metrics base+75.., S3 base+99 "
                          f"(default: {DEFAULT_PORT_BASE})")
+    up.add_argument("--accounting", action="store_true",
+                    help="also run slurmdbd over a MariaDB of the sandbox's own (Debian's "
+                         "slurmdbd and mariadb-server packages), so sacct and sacctmgr work")
     up.add_argument("--no-install", action="store_true",
                     help="fail instead of installing missing packages with apt-get")
     up.set_defaults(func=run_up)
@@ -67,8 +72,12 @@ def _fail(exc: Exception) -> int:
 
 def run_up(args: argparse.Namespace) -> int:
     try:
+        from slurm_resilience.sandbox import accounting
+
         layout = Layout(state_dir=args.state_dir, nodes=args.nodes, leaves=args.leaves,
                         port_base=args.port_base)
+        if args.accounting:
+            layout = replace(layout, slurm_overrides=accounting.overrides(layout))
         print(control.up(layout, install=not args.no_install))
     except (control.SandboxError, ValueError) as exc:
         return _fail(exc)

@@ -26,7 +26,14 @@ import yaml
 from slurm_resilience import config
 from slurm_resilience.log import get_logger
 from slurm_resilience.proc import CommandError, Runner
-from slurm_resilience.sandbox import daemons, hardware, resilience_conf, slurmconf, sweep
+from slurm_resilience.sandbox import (
+    accounting,
+    daemons,
+    hardware,
+    resilience_conf,
+    slurmconf,
+    sweep,
+)
 from slurm_resilience.sandbox.daemons import Daemon
 from slurm_resilience.sandbox.errors import SandboxError as SandboxError
 from slurm_resilience.sandbox.errors import failed
@@ -404,6 +411,15 @@ def _start_munge(layout: Layout, env: dict[str, str]) -> None:
     L.munge_socket.parent.chmod(0o755)
 
 
+def _start_accounting(layout: Layout, env: dict[str, str]) -> None:
+    if not accounting.enabled(layout):
+        return
+    try:
+        accounting.start(layout, env)
+    except accounting.AccountingError as exc:
+        raise SandboxError(str(exc)) from None
+
+
 def _start_slurmctld(layout: Layout, env: dict[str, str]) -> None:
     L = layout
     conf = str(L.slurm_conf)
@@ -449,6 +465,8 @@ class Stage:
 # `up` runs these in order; to add a daemon (e.g. slurmdbd before slurmctld), add a stage.
 STAGES: list[Stage] = [
     Stage("munge", lambda L: [munged(L)], _start_munge),
+    # slurmdbd (and its MariaDB) before slurmctld, as on a site; only with --accounting.
+    Stage("accounting", lambda L: [], _start_accounting),
     Stage("slurmctld", lambda L: [slurmctld(L)], _start_slurmctld),
     Stage("slurmd", lambda L: [slurmd(L, n) for n in L.node_names], _start_slurmds),
     Stage("extras", extra_daemons, _start_extras),
@@ -591,8 +609,10 @@ def status(layout: Layout) -> str:
     lines = [f"sandbox {layout.state_dir} (nodes={layout.nodes} leaves={layout.leaves} "
              f"port_base={layout.port_base})"]
     state = running(layout)
+    metrics = {f"agent-{n}": layout.metrics_url(i) for i, n in enumerate(layout.node_names, 1)}
     for name, pid in state.items():
-        lines.append(f"  {name:<16} {'running, pid ' + str(pid) if pid else 'stopped'}")
+        extra = f"  metrics {metrics[name]}" if name in metrics else ""
+        lines.append(f"  {name:<16} {'running, pid ' + str(pid) if pid else 'stopped'}{extra}")
     if state.get("slurmctld"):
         try:
             for n in adapter(layout, timeout=5).list_nodes():

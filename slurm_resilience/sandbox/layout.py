@@ -15,10 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_STATE_DIR = REPO / ".sandbox"
 DEFAULT_PORT_BASE = 17000
 # Ports used: slurmctld = base, slurmd = base+1 … base+N, node agents' exchange listeners =
-# base+AGENT_OFFSET+1 … base+AGENT_OFFSET+N, S3 endpoint = base+S3_OFFSET.
+# base+AGENT_OFFSET+1 … base+AGENT_OFFSET+N, their metrics endpoints =
+# base+METRICS_OFFSET+1 … base+METRICS_OFFSET+N, S3 endpoint = base+S3_OFFSET.
 S3_OFFSET = 99
 AGENT_OFFSET = 50
-MAX_NODES = S3_OFFSET - AGENT_OFFSET - 1
+METRICS_OFFSET = 74
+MAX_NODES = min(S3_OFFSET - METRICS_OFFSET - 1, METRICS_OFFSET - AGENT_OFFSET)
 BUCKET = "ckpt"
 
 
@@ -80,6 +82,13 @@ class Layout:
     def agent_port(self, index: int) -> int:
         """Exchange port of the 1-based ``index``-th node's agent (all agents share 127.0.0.1)."""
         return self.port_base + AGENT_OFFSET + index
+
+    def metrics_port(self, index: int) -> int:
+        """Port of the 1-based ``index``-th node's agent's /metrics (on 127.0.0.1)."""
+        return self.port_base + METRICS_OFFSET + index
+
+    def metrics_url(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.metrics_port(index)}/metrics"
 
     @property
     def s3_port(self) -> int:

@@ -97,6 +97,10 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
                 "fanout": 2,
             },
         },
+        # Every agent is on 127.0.0.1: each serves /metrics on a port of its own.
+        "metrics": {"listen_address": "127.0.0.1",
+                    "ports": {n: layout.metrics_port(i)
+                              for i, n in enumerate(layout.node_names, 1)}},
         "topology": {
             # The sandbox's slurm.conf names each node's leaf feature after the leaf itself.
             "leaf_feature_prefix": "",

@@ -25,10 +25,12 @@ from slurm_resilience.slurm.errors import (
 )
 from slurm_resilience.slurm.parse import (
     JobInfo,
+    JobRun,
     NodeInfo,
     collect_hostlist,
     parse_job,
     parse_node,
+    parse_sacct_runs,
     parse_squeue_json,
 )
 from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
@@ -78,6 +80,8 @@ class SlurmAdapter:
         self.prefix = reason_prefix
         self.bin_dir = bin_dir
         self.env: dict[str, str] | None = None
+        # The node's metrics events file (metrics.events); set by whoever knows the node.
+        self.events_path = ""
         if slurm_conf:
             self.env = {"SLURM_CONF": slurm_conf}
 
@@ -102,6 +106,14 @@ class SlurmAdapter:
             raise SlurmError(operation, message) from exc
         log.info("slurm call", operation=operation, argv=argv, seconds=round(result.seconds, 3))
         return result
+
+    def _count(self, kind: str, reason: str) -> None:
+        if self.events_path:
+            from slurm_resilience.metrics import events
+
+            cause = reason if kind in ("requeue", "hold", "cancel") else \
+                events.cause_of(reason, self.prefix)
+            events.count(self.events_path, kind, cause)
 
     def ours(self, reason: str) -> bool:
         """Whether a node reason was set by this suite."""
@@ -158,6 +170,7 @@ class SlurmAdapter:
         self._run("drain node", ["scontrol", "update", f"NodeName={name}", "State=DRAIN",
                                  f"Reason={text}"])
         log.warning("node drained", target=name, reason=text)
+        self._count("drain", text)
         return text
 
     def resume(self, name: str) -> bool:
@@ -174,6 +187,7 @@ class SlurmAdapter:
                                          f"with reason {node.reason!r} not set by us; leaving it")
         self._run("resume node", ["scontrol", "update", f"NodeName={name}", "State=RESUME"])
         log.warning("node resumed", target=name, previous_reason=node.reason)
+        self._count("resume", node.reason)
         return True
 
     def set_features(self, name: str, available: Iterable[str], active: Iterable[str] | None = None
@@ -206,10 +220,18 @@ class SlurmAdapter:
             jobs = [j for j in jobs if j.user == user]
         return jobs
 
+    def job_runs(self, job_id: int | str) -> list[JobRun]:
+        """Every run of the job from Slurm accounting (``sacct --duplicates``), oldest first;
+        raises SlurmError where accounting is not configured."""
+        out = self._run("job runs", ["sacct", "-j", _check_job_id(job_id), "--duplicates",
+                                     "-X", "-n", "-P", "-o", "JobID,State,Start,End"])
+        return parse_sacct_runs(out.stdout)
+
     def requeue(self, job_id: int | str) -> None:
         """Put a running job back in the queue; it restarts with Restarts+1."""
         self._run("requeue job", ["scontrol", "requeue", _check_job_id(job_id)])
         log.warning("job requeued", job_id=str(job_id))
+        self._count("requeue", "hang")
 
     def requeue_hold(self, job_id: int | str, reason: str = "") -> None:
         """Requeue and hold; a human (or :meth:`release`) must let it go."""
@@ -218,11 +240,13 @@ class SlurmAdapter:
         if reason:
             self.set_admin_comment(jid, reason)
         log.warning("job requeued held", job_id=jid, reason=reason)
+        self._count("hold", "hang")
 
     def cancel(self, job_id: int | str) -> None:
         """Cancel a job (e.g. a hung ``--no-requeue`` job, when the policy says so)."""
         self._run("cancel job", ["scancel", _check_job_id(job_id)])
         log.warning("job cancelled", job_id=str(job_id))
+        self._count("cancel", "hang")
 
     def release(self, job_id: int | str) -> None:
         """Release a held job."""

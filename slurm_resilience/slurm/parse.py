@@ -218,3 +218,36 @@ def parse_squeue_json(text: str) -> list[JobInfo]:
             )
         )
     return jobs
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One run (allocation) of a job as Slurm accounting recorded it."""
+
+    state: str
+    start: float | None  # Unix time; None while unknown
+    end: float | None
+
+
+def _sacct_time(text: str) -> float | None:
+    import time
+
+    text = text.strip()
+    if not text or text in ("Unknown", "None"):
+        return None
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def parse_sacct_runs(text: str) -> list[JobRun]:
+    """``sacct -X -n -P --duplicates -o JobID,State,Start,End`` lines, oldest run first."""
+    runs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 4 or not parts[0]:
+            continue
+        state = parts[1].split()[0] if parts[1].strip() else ""
+        runs.append(JobRun(state, _sacct_time(parts[2]), _sacct_time(parts[3])))
+    return runs

@@ -1,0 +1,148 @@
+"""Pure goodput arithmetic over a job's runs on one node.
+
+Each run (one allocation: the first start, then one per requeue) spans ``[start, end]``.
+Its losses, in the order they happen:
+
+* ``stagein``: the agent's stage-in of the checkpoint (restart cost, any run that restores);
+* ``before_first_step``: the rest of the time until the run's first step completed
+  (process start, imports, NCCL init, restore, first step);
+* ``checkpoint_stall``: time ranks spent inside ``section("checkpoint")``;
+* ``lost_since_checkpoint``: at a failure, the work done since the last checkpoint, redone by
+  the next run (from the last checkpoint to the last progress);
+* ``hung_before_detection``: from the last progress to the detection of the hang;
+* ``restart``: from the detection (or the last progress, for a run that ended without an
+  incident while not done) to the end of the allocation: evidence, decision, requeue.
+
+Productive time is the rest. A run with no failure loses nothing after its first step
+except its checkpoint stalls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+CATEGORIES = ("before_first_step", "stagein", "checkpoint_stall", "lost_since_checkpoint",
+              "hung_before_detection", "restart")
+
+
+@dataclass(frozen=True)
+class Hang:
+    """One hang incident of a run (from its report)."""
+
+    started_at: float  # last progress of the earliest hung rank
+    detected_at: float
+
+
+@dataclass(frozen=True)
+class Run:
+    run: int
+    start: float
+    end: float
+    first_step_at: float | None = None
+    last_progress_at: float | None = None
+    last_checkpoint_at: float | None = None  # last local checkpoint commit before the end
+    stagein_s: float = 0.0
+    checkpoint_stall_s: float = 0.0
+    done: bool = False  # the training loop said it finished
+    hang: Hang | None = None
+
+
+@dataclass(frozen=True)
+class RunBreakdown:
+    run: int
+    allocated_s: float
+    productive_s: float
+    losses: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    job_id: int
+    runs: tuple[RunBreakdown, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def allocated_s(self) -> float:
+        return sum(r.allocated_s for r in self.runs)
+
+    @property
+    def productive_s(self) -> float:
+        return sum(r.productive_s for r in self.runs)
+
+    @property
+    def losses(self) -> dict[str, float]:
+        return {c: sum(r.losses[c] for r in self.runs) for c in CATEGORIES}
+
+    @property
+    def ratio(self) -> float:
+        return self.productive_s / self.allocated_s if self.allocated_s > 0 else 0.0
+
+    @property
+    def accounted_s(self) -> float:
+        return self.productive_s + sum(self.losses.values())
+
+
+def _clip(t: float, lo: float, hi: float) -> float:
+    return min(max(t, lo), hi)
+
+
+def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
+    """``ended``: the run is over (a later run exists, or Slurm says the job ended); ``ok``:
+    it ended well (Slurm says COMPLETED), even if the loop never said it was done."""
+    allocated = max(0.0, r.end - r.start)
+    losses = dict.fromkeys(CATEGORIES, 0.0)
+    if r.first_step_at is None:
+        # No step at all: the whole allocation went to starting up (and stage-in).
+        losses["stagein"] = min(r.stagein_s, allocated)
+        losses["before_first_step"] = allocated - losses["stagein"]
+        return RunBreakdown(r.run, allocated, 0.0, losses)
+    first = _clip(r.first_step_at, r.start, r.end)
+    losses["stagein"] = min(r.stagein_s, first - r.start)
+    losses["before_first_step"] = first - r.start - losses["stagein"]
+    failed = r.hang is not None or (ended and not r.done and not ok)
+    stop = r.end
+    if failed:
+        last = _clip(r.last_progress_at if r.last_progress_at is not None else first, first,
+                     r.end)
+        if r.hang is not None:
+            last = _clip(min(last, r.hang.started_at), first, r.end)
+            detected = _clip(r.hang.detected_at, last, r.end)
+            losses["hung_before_detection"] = detected - last
+            losses["restart"] = r.end - detected
+        else:
+            losses["restart"] = r.end - last
+        ckpt = r.last_checkpoint_at
+        ckpt = first if ckpt is None or ckpt < first else min(ckpt, last)
+        losses["lost_since_checkpoint"] = last - ckpt
+        stop = ckpt
+    losses["checkpoint_stall"] = min(r.checkpoint_stall_s, max(0.0, stop - first))
+    productive = max(0.0, allocated - sum(losses.values()))
+    return RunBreakdown(r.run, allocated, productive, losses)
+
+
+def breakdown(job_id: int, runs: Sequence[Run], last_over: bool, completed: bool = False
+              ) -> Breakdown:
+    """``last_over``: the newest run is over too; ``completed``: the job completed."""
+    ordered = sorted(runs, key=lambda r: r.run)
+    last = len(ordered) - 1
+    out = tuple(run_breakdown(r, last_over or i < last, completed and i == last)
+                for i, r in enumerate(ordered))
+    return Breakdown(job_id, out)
+
+
+def render(b: Breakdown) -> str:
+    def line(name: str, seconds: float) -> str:
+        share = seconds / b.allocated_s if b.allocated_s else 0.0
+        return f"  {name:<24} {seconds:>10.1f} s  {share:>6.1%}"
+
+    lines = [f"job {b.job_id}: goodput {b.ratio:.1%} of {b.allocated_s:.1f} s allocated "
+             f"over {len(b.runs)} run(s)",
+             line("productive", b.productive_s)]
+    lines += [line(c.replace("_", " "), s) for c, s in b.losses.items()]
+    for r in b.runs:
+        lost = ", ".join(f"{c.replace('_', ' ')} {s:.1f}s" for c, s in r.losses.items() if s)
+        lines.append(f"  run {r.run}: {r.allocated_s:.1f} s allocated, {r.productive_s:.1f} s "
+                     f"productive" + (f"; {lost}" if lost else ""))
+    lines += [f"  note: {n}" for n in b.notes]
+    return "\n".join(lines) + "\n"

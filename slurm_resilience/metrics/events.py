@@ -1,0 +1,161 @@
+"""Counters of what the suite did on this node, kept in one small root-owned JSON file.
+
+Drains, returns, requeues and holds happen in different processes (the prolog, the epilog,
+the agent's incident threads), so an in-memory counter would lose most of them; each
+process adds to the node's file under an exclusive lock instead, and the agent's metrics
+read it at scrape time. The file also keeps the last result of each gate check.
+
+Bounded: at most :data:`MAX_KEYS` counters (causes come from our own reason owners and
+decision names, not from users, but a bug must not grow the file). Failing to count never
+fails the caller: it logs a warning and goes on.
+
+Light on purpose: the prolog imports this (json, os, fcntl only).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from typing import TypedDict
+
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.log import get_logger
+
+log = get_logger("metrics")
+
+FILENAME = "metrics-events.json"
+MAX_KEYS = 256
+MAX_BYTES = 1 << 20
+_LABEL = re.compile(r"[^a-z0-9_-]")
+
+# Kinds of counted events; each is one counter family in the metrics.
+DRAIN = "drain"
+RESUME = "resume"
+REQUEUE = "requeue"
+HOLD = "hold"
+CANCEL = "cancel"
+INCIDENT = "incident"
+GATE = "gate"  # cause: "<check>:<result>"
+STRAGGLER = "straggler"
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
+
+
+class GateLast(TypedDict):
+    result: str  # ok | warn | fail | unknown
+    kind: str  # prolog | epilog | healthcheck | manual
+    at: float
+
+
+class EventsDoc(TypedDict):
+    counters: dict[str, int]  # "<kind>|<cause>" -> count
+    gate: dict[str, GateLast]  # check -> its last result
+
+
+def path_for(state_dir_template: str, node: str) -> str:
+    return os.path.join(node_path(state_dir_template, node), FILENAME)
+
+
+def label(text: str, limit: int = 40) -> str:
+    """A bounded, plain label value (lower case, digits, '_' and '-')."""
+    return _LABEL.sub("_", text.lower())[:limit] or "unknown"
+
+
+def empty() -> EventsDoc:
+    return {"counters": {}, "gate": {}}
+
+
+def read(path: str) -> EventsDoc:
+    """The counters; an absent file is all zeros. Raises OSError/ValueError when unreadable
+    (the caller says so: a metric that silently reset would lie)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return empty()
+    with os.fdopen(fd, "rb") as fh:
+        data = json.loads(fh.read(MAX_BYTES))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    doc = empty()
+    counters = data.get("counters")
+    if isinstance(counters, dict):
+        doc["counters"] = {str(k): int(v) for k, v in counters.items()
+                           if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+    gate = data.get("gate")
+    if isinstance(gate, dict):
+        for check, last in gate.items():
+            if isinstance(last, dict):
+                doc["gate"][str(check)] = {"result": str(last.get("result", "unknown")),
+                                           "kind": str(last.get("kind", "")),
+                                           "at": float(last.get("at") or 0.0)}
+    return doc
+
+
+def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None = None) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    lock_fd = os.open(os.path.join(directory, f".{FILENAME}.lock"),
+                      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            doc = read(path)
+        except (OSError, ValueError) as exc:
+            log.warning("metrics: events file unreadable; counting from zero", path=path,
+                        error=str(exc))
+            doc = empty()
+        for key, n in change.items():
+            if key in doc["counters"] or len(doc["counters"]) < MAX_KEYS:
+                doc["counters"][key] = doc["counters"].get(key, 0) + n
+            else:
+                log.warning("metrics: too many counters; not counting", key=key)
+        if gate:
+            doc["gate"].update(gate)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+    finally:
+        os.close(lock_fd)
+
+
+def count(path: str, kind: str, cause: str, n: int = 1) -> None:
+    """Add ``n`` to the ``kind`` counter with ``cause``; never raises."""
+    if not path:
+        return
+    try:
+        _update(path, {f"{kind}|{label(cause)}": n})
+    except OSError as exc:
+        log.warning("metrics: couldn't count an event", path=path, kind=kind, cause=cause,
+                    error=str(exc))
+
+
+def gate_results(path: str, kind: str, results: dict[str, str], now: float | None = None
+                 ) -> None:
+    """Record one gate run: each check's result counted and kept as its last result."""
+    if not path or not results:
+        return
+    at = time.time() if now is None else now
+    try:
+        _update(path, {f"{GATE}|{label(c)}:{label(r)}": 1 for c, r in results.items()},
+                {label(c): {"result": label(r), "kind": label(kind), "at": at}
+                 for c, r in results.items()})
+    except OSError as exc:
+        log.warning("metrics: couldn't record gate results", path=path, error=str(exc))
+
+
+def cause_of(reason: str, prefix: str) -> str:
+    """The cause of one of our Slurm reasons: its owner tags (``health``, ``nccl``,
+    ``hang``...), else ``other``."""
+    from slurm_resilience.slurm.reasons import parse
+
+    own = parse(reason, prefix)
+    if own is not None:
+        return ",".join(sorted(own.owners))
+    if "hang" in reason:
+        return "hang_suspect" if "suspect" in reason else "hang"
+    return "other"

@@ -1,0 +1,74 @@
+"""The agent's /metrics HTTP server, bounded like its unix socket.
+
+prometheus_client's own server starts a thread per connection without a cap and waits on
+a client as long as it likes; on a node where any user can connect to the endpoint, that
+is a way to grow the root agent's threads. This one admits at most ``max_connections``
+at once (one more is closed at once, without a thread) and gives each connection
+``io_timeout`` seconds in all to send its request and take its answer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+MAX_CONNECTIONS = 8
+IO_TIMEOUT_S = 10.0
+
+
+class _Quiet(WSGIRequestHandler):
+    timeout = IO_TIMEOUT_S  # the socket's timeout for each read and write
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged (one a node every 15 s)."""
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+    refused = 0
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def in_use(self) -> int:
+        """Connections being served now."""
+        return self.max_connections - int(self._slots._value)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # over the cap: closed, no thread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve(addr: str, port: int, registry: CollectorRegistry,
+          max_connections: int = MAX_CONNECTIONS) -> BoundedServer:
+    """Listen and serve on a daemon thread; ``shutdown()`` and ``server_close()`` stop it."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class Server(BoundedServer):
+        address_family = family
+
+    Server.max_connections = max_connections
+    httpd = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=_Quiet)
+    assert isinstance(httpd, BoundedServer)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    return httpd

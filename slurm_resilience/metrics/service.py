@@ -1,0 +1,227 @@
+"""The agent's ``metrics`` service: serves ``/metrics`` over HTTP, rewrites the optional
+node_exporter textfile, and feeds the straggler step watch from the hang watcher's views.
+
+It is the last service the agent starts, so it finds the others in
+``AgentContext.extra["services"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from slurm_resilience.agent.service import AgentContext, Handler, Peer
+from slurm_resilience.config import Config
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.goodput.ledger import Ledger
+from slurm_resilience.heartbeat import policy
+from slurm_resilience.log import get_logger
+from slurm_resilience.metrics import events, http
+from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
+from slurm_resilience.metrics.saves import SaveBook
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import SlurmError
+from slurm_resilience.stragglers.jobsteps import StepWatch
+from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord
+
+log = get_logger("metrics")
+
+LEDGER_RETENTION_S = 14 * 86400.0
+LEDGER_CLEANUP_EVERY_S = 3600.0
+
+
+def write_textfile(path: str, registry: CollectorRegistry) -> None:
+    """Replace ``path`` atomically (node_exporter must never read half a file)."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(generate_latest(registry))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class MetricsService:
+    name = "metrics"
+
+    def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter,
+                 services: dict[str, Any], agent: Any = None, *, serve: bool = True):
+        self.cfg = cfg
+        self.node = node
+        self.adapter = adapter
+        self.watcher = services.get("heartbeat")
+        self.interval_s = min(cfg.heartbeat.interval_s, cfg.metrics.textfile_interval_s)
+        self.steps = StepWatch(lambda: self.live_cfg.stragglers, node,
+                               StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node),
+                                                            FILENAME)),
+                               time.time, self._on_named)
+        state = node_path(cfg.node.state_dir, node)
+        incidents = node_path(cfg.heartbeat.incident_dir, node) if cfg.heartbeat.incident_dir \
+            else os.path.join(state, "incidents")
+        self.ledger = Ledger(os.path.join(state, "goodput"), incidents)
+        self.saves = SaveBook()
+        self.next_cleanup = 0.0
+        self.sources = AgentSources(
+            node=node, events_path=adapter.events_path or events.path_for(cfg.node.state_dir,
+                                                                          node),
+            nccl_path=nccl_path(cfg.node.state_dir, node), watcher=self.watcher,
+            uploader=services.get("checkpoint"), steps=self.steps, ledger=self.ledger,
+            saves=self.saves,
+            agent=agent,
+            services=tuple(sorted([*services, self.name])))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = AgentCollector(self.sources)
+        self.registry.register(self.collector)
+        self.textfile = node_path(cfg.metrics.textfile, node) if cfg.metrics.textfile else ""
+        self.next_textfile = 0.0
+        self.server: Any = None
+        self.url = ""
+        m = cfg.metrics
+        self.serve_error = ""
+        port = m.port_of(node)
+        if serve and port:
+            host = f"[{m.listen_address}]" if ":" in m.listen_address else m.listen_address
+            try:
+                self.server = http.serve(m.listen_address, port, self.registry)
+                self.url = f"http://{host}:{port}/metrics"
+                log.info("metrics: serving", url=self.url)
+            except OSError as exc:
+                # Hang watching and uploads go on; the operator sees why metrics don't.
+                self.serve_error = f"couldn't listen on {host}:{port}: {exc}"
+                log.error("metrics: no HTTP endpoint", error=self.serve_error)
+        self._suspecting: threading.Thread | None = None
+
+    @property
+    def live_cfg(self) -> Config:
+        return self.watcher.cfg if self.watcher is not None else self.cfg
+
+    def attach(self, agent: Any) -> None:
+        """The agent, once built: its socket server's stats and tick failures."""
+        self.sources.agent = agent
+
+    def tick(self) -> None:
+        if self.watcher is not None:
+            with self.watcher.lock:
+                views = list(self.watcher.jobs.values())
+            self.steps.observe(views)
+            stalls = {j: (s.run, s.total_stall_s) for j, s in self.saves.snapshot().items()}
+            self.ledger.observe(views, time.time(), self._stagein_seconds(), stalls)
+        self.saves.keep_only(self._jobs_here())
+        now = time.monotonic()
+        if now >= self.next_cleanup:
+            self.next_cleanup = now + LEDGER_CLEANUP_EVERY_S
+            self.ledger.cleanup(time.time() - LEDGER_RETENTION_S)
+        if self.textfile and now >= self.next_textfile:
+            self.next_textfile = now + self.cfg.metrics.textfile_interval_s
+            try:
+                write_textfile(self.textfile, self.registry)
+            except OSError as exc:
+                log.warning("metrics: couldn't write the textfile", path=self.textfile,
+                            error=str(exc))
+
+    def _jobs_here(self) -> set[int]:
+        jobs: set[int] = set()
+        for svc in (self.watcher, self.sources.uploader):
+            if svc is not None:
+                with svc.lock:
+                    jobs |= set(svc.jobs)
+        return jobs
+
+    def _owner(self, job_id: int) -> int | None:
+        up = self.sources.uploader
+        if up is not None:
+            with up.lock:
+                rec = up.jobs.get(job_id)
+            if rec is not None:
+                return int(rec["uid"])
+        if self.watcher is not None:
+            with self.watcher.lock:
+                view = self.watcher.jobs.get(job_id)
+            if view is not None:
+                return int(view.record.uid)
+        return None
+
+    def handle_ckpt_saved(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """A job's checkpoint save times, from its local leader (the job's owner)."""
+        job_id = request.get("job_id")
+        owner = self._owner(job_id) if isinstance(job_id, int) else None
+        self.saves.report(request, peer, owner)
+        return {}
+
+    def _stagein_seconds(self) -> dict[int, float]:
+        """Each job's finished stage-in time, from the uploader's records."""
+        up = self.sources.uploader
+        if up is None:
+            return {}
+        with up.lock:
+            recs = list(up.jobs.values())
+        out = {}
+        for rec in recs:
+            si = rec.get("stagein") or {}
+            if si.get("state") in ("done", "failed") and si.get("seconds") is not None:
+                out[int(rec["job_id"])] = float(si["seconds"])
+        return out
+
+    # -- stragglers --------------------------------------------------------------------------
+
+    def _on_named(self, job_id: int, kept: list[Entry]) -> None:
+        events.count(self.sources.events_path, events.STRAGGLER, "step_time")
+        need = self.live_cfg.stragglers.suspect_after_jobs
+        jobs = sorted({e.job_id for e in kept})
+        if not need or len(jobs) < need:
+            return
+        if self._suspecting is not None and self._suspecting.is_alive():
+            return
+        hours = self.live_cfg.stragglers.record_window_s / 3600
+        what = (f"straggler in {len(jobs)} jobs within {hours:g}h "
+                f"({','.join(map(str, jobs[-5:]))})")
+        self._suspecting = threading.Thread(target=self._suspect, args=(job_id, what),
+                                            name="straggler-suspect", daemon=True)
+        self._suspecting.start()
+
+    def _suspect(self, job_id: int, what: str) -> None:
+        """Drain as a hang suspect: the node's own agent verifies it once the jobs left
+        (heartbeat.suspect) and returns it to service or keeps it drained."""
+        user = "-"
+        view = self.watcher.jobs.get(job_id) if self.watcher is not None else None
+        if view is not None:
+            user = view.record.user
+        reason = policy.suspect_reason(job_id, user, time.time(), what)
+        try:
+            text = self.adapter.drain(self.node, reason)
+            log.warning("stragglers: node made a suspect for verification", reason=text)
+        except SlurmError as exc:
+            log.warning("stragglers: couldn't make the node a suspect", error=str(exc))
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def handle_stragglers(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """This node's straggler record and the jobs with straggler ranks now (anyone may
+        ask: no job-private data, only job ids and step times)."""
+        return {"node": self.node, "url": self.url, "serve_error": self.serve_error,
+                "jobs": [s.__dict__ for s in self.steps.snapshot()],
+                "recent": [e.__dict__ for e in self.steps.recent_jobs()]}
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"metrics.stragglers": self.handle_stragglers,
+                "metrics.ckpt_saved": self.handle_ckpt_saved}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def factory(ctx: AgentContext) -> MetricsService:
+    return MetricsService(ctx.cfg, ctx.node, ctx.adapter, ctx.extra.get("services", {}),
+                          ctx.extra.get("agent"))

@@ -1,0 +1,130 @@
+"""Per-job step times on this node, from the heartbeat slots the hang watcher reads.
+
+Each new step a rank reports adds its last step time to that rank's window (a rank that
+made several steps between two readings adds one: the window is a sample, not a log).
+From the windows: the job's step-time p50/p95 for the metrics, and straggler ranks named
+by :mod:`.detect`. A rank named for the first time in a job adds the job to this node's
+:class:`~.record.StragglerRecord`; with ``suspect_after_jobs`` set, a node named in that
+many different jobs is drained as a hang suspect, which its own agent then verifies
+(:mod:`slurm_resilience.heartbeat.suspect`) and returns to service or keeps drained.
+
+Everything here is bounded by the jobs on the node and the window per rank; a job's state
+goes when the job leaves the hang watcher.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from slurm_resilience.config.metrics import StragglerSection
+from slurm_resilience.heartbeat.localpiece import JobView
+from slurm_resilience.log import get_logger
+from slurm_resilience.stragglers.detect import Tracker
+from slurm_resilience.stragglers.record import Entry, StragglerRecord, recent
+
+log = get_logger("stragglers")
+
+
+@dataclass(frozen=True)
+class JobSteps:
+    """What the metrics and ``status`` show of one job."""
+
+    job_id: int
+    ranks: int
+    samples: int
+    p50_s: float
+    p95_s: float
+    straggler_ranks: tuple[int, ...]
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
+
+
+@dataclass
+class _Job:
+    tracker: Tracker[int]
+    seen: dict[int, int]  # rank -> last step counted
+    named: frozenset[int] = frozenset()
+
+
+class StepWatch:
+    """Fed by the agent with the hang watcher's job views (one call per tick)."""
+
+    def __init__(self, cfg: Callable[[], StragglerSection], node: str, record: StragglerRecord,
+                 wall: Callable[[], float], on_named: Callable[[int, list[Entry]], None]
+                 | None = None):
+        self.cfg = cfg
+        self.node = node
+        self.record = record
+        self.wall = wall
+        self.on_named = on_named
+        self.jobs: dict[int, _Job] = {}
+        self.lock = threading.Lock()
+
+    def observe(self, views: Iterable[JobView]) -> None:
+        cfg = self.cfg()
+        present = set()
+        for view in views:
+            job_id = view.record.job_id
+            present.add(job_id)
+            job = self.jobs.get(job_id)
+            if job is None or job.tracker.cfg != cfg:
+                job = _Job(Tracker(cfg), {})
+            new_step = False
+            for v in view.slots:
+                if v.step > job.seen.get(v.rank, -1) and v.beats > 0:
+                    job.seen[v.rank] = v.step
+                    if v.last_dt > 0:
+                        job.tracker.add(v.rank, v.last_dt)
+                        new_step = True
+            if new_step:
+                job.tracker.evaluate()
+            newly = job.tracker.named - job.named
+            job.named = job.tracker.named
+            with self.lock:
+                self.jobs[job_id] = job
+            if newly:
+                self._named(job_id, job)
+        with self.lock:
+            for gone in set(self.jobs) - present:
+                del self.jobs[gone]
+
+    def _named(self, job_id: int, job: _Job) -> None:
+        j = job.tracker.last
+        ranks = sorted(job.named)
+        slowdown = 0.0
+        if j is not None and j.reference_s > 0:
+            slowdown = max(j.medians.get(r, 0.0) for r in ranks) / j.reference_s - 1
+        log.warning("straggler ranks named", job_id=job_id, ranks=ranks,
+                    slowdown=round(slowdown, 3),
+                    reference_s=round(j.reference_s, 4) if j else None)
+        now = self.wall()
+        try:
+            kept = self.record.add(Entry(now, job_id, tuple(ranks), slowdown), now,
+                                   self.cfg().record_window_s)
+        except OSError as exc:
+            log.warning("stragglers: couldn't update the node's record", path=self.record.path,
+                        error=str(exc))
+            return
+        if self.on_named is not None:
+            self.on_named(job_id, kept)
+
+    def snapshot(self) -> list[JobSteps]:
+        with self.lock:
+            jobs = list(self.jobs.items())
+        out = []
+        for job_id, job in sorted(jobs):
+            samples = [t for w in job.tracker.windows.values() for t in w]
+            out.append(JobSteps(job_id, len(job.seen), len(samples), quantile(samples, 0.5),
+                                quantile(samples, 0.95), tuple(sorted(job.named))))
+        return out
+
+    def recent_jobs(self) -> list[Entry]:
+        return recent(self.record.load(), self.wall(), self.cfg().record_window_s)

@@ -1,0 +1,217 @@
+"""Goodput: the breakdown of a job that hung once and resumed, from synthetic records, and
+the agent's ledger built from heartbeat slot readings at injected times.
+
+Tolerance: the ledger samples the slots once per agent tick, so checkpoint times and the
+end of a run are known to one tick (here 1 s); each category is checked to 1 s, and the
+accounted time (productive + losses) to 95% of the allocated time or better.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience.goodput import compute
+from slurm_resilience.goodput.compute import Hang, Run
+from slurm_resilience.goodput.ledger import Ledger, note_hangs
+from slurm_resilience.heartbeat import slot as S
+from tests.unit.test_stragglers import slot, view
+
+TICK = 1.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hung_once_and_resumed() -> list[Run]:
+    return [Run(0, start=0.0, end=800.0, first_step_at=30.0, last_progress_at=700.0,
+                last_checkpoint_at=500.0, checkpoint_stall_s=10.0,
+                hang=Hang(started_at=700.0, detected_at=760.0)),
+            Run(1, start=900.0, end=2000.0, first_step_at=1000.0, last_progress_at=1999.0,
+                last_checkpoint_at=1900.0, stagein_s=40.0, checkpoint_stall_s=20.0,
+                done=True)]
+
+
+def test_a_job_that_hung_once_and_resumed_is_split_into_each_loss() -> None:
+    b = compute.breakdown(7, hung_once_and_resumed(), last_over=True, completed=True)
+    assert b.allocated_s == 1900.0
+    assert b.losses == {"before_first_step": 30.0 + 60.0, "stagein": 40.0,
+                        "checkpoint_stall": 30.0, "lost_since_checkpoint": 200.0,
+                        "hung_before_detection": 60.0, "restart": 40.0}
+    assert b.productive_s == 1900.0 - 460.0
+    assert b.accounted_s == b.allocated_s
+    assert b.ratio == pytest.approx(1440 / 1900)
+    text = compute.render(b)
+    assert "goodput 75.8% of 1900.0 s" in text and "lost since checkpoint" in text
+
+
+def test_a_run_without_steps_and_a_run_that_ended_without_an_incident() -> None:
+    b = compute.breakdown(8, [Run(0, 0.0, 100.0, stagein_s=30.0),
+                              Run(1, 200.0, 500.0, first_step_at=210.0,
+                                  last_progress_at=400.0, last_checkpoint_at=350.0)],
+                          last_over=True)
+    r0, r1 = b.runs
+    assert r0.productive_s == 0 and r0.losses["stagein"] == 30 and \
+        r0.losses["before_first_step"] == 70
+    # Not done, not completed, no incident: failed at its last progress.
+    assert r1.losses["lost_since_checkpoint"] == 50 and r1.losses["restart"] == 100
+    assert r1.productive_s == 300 - 10 - 50 - 100
+    running = compute.breakdown(8, [Run(0, 0.0, 100.0, first_step_at=10.0,
+                                        last_progress_at=99.0)], last_over=False)
+    assert running.ratio == pytest.approx(0.9)
+
+
+def write_report(directory: Path, job_id: int, run: int, started: float, detected: float
+                 ) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"hang-job{job_id}-run{run}-n1.json").write_text(json.dumps({
+        "job_id": job_id, "restart": run, "node": "n1", "detected_at": detected,
+        "timings": {"hang_started_at": started}, "ranks": []}))
+
+
+def test_the_ledger_follows_the_slots_and_the_requeue(tmp_path: Path) -> None:
+    """Run 0: prolog at 0, first step at 20, a checkpoint (in section, 8 s) at 300, progress
+    to 400, hung, detected at 460, gone at 480. Run 1: prolog at 600, stage-in 25 s, first
+    step at 650, done at 900."""
+    incidents = tmp_path / "incidents"
+    ledger = Ledger(str(tmp_path / "goodput"), str(incidents))
+    job = 7
+
+    def slots(run: int, step: int, at: float, *, ckpt: int = -1, section: str = "",
+              section_start: float = 0.0, done: bool = False) -> list[S.SlotView]:
+        out = []
+        for rank in range(4):
+            v = slot(rank, step, 1.0, job)
+            v = S.SlotView(**{**v.__dict__, "restart_count": run, "last_beat": at,
+                              "beats": step, "ckpt_step": ckpt, "section": section,
+                              "section_start": section_start,
+                              "flags": S.FLAG_DONE if done else 0, "created": at - step})
+            out.append(v)
+        return out
+
+    def tick(now: float, vs: list[S.SlotView] | None, started: float,
+             stagein: float | None = None) -> None:
+        views = [] if vs is None else [view(job, vs)]
+        for v in views:
+            object.__setattr__(v.record, "started", started)
+        ledger.observe(views, now, {job: stagein} if stagein is not None else None)
+
+    t = 0.0
+    while t < 480:
+        if t < 20:
+            vs = slots(0, 0, t)
+        elif t < 400:
+            step = int(t - 19)
+            ckpt = 280 if t >= 300 else -1
+            in_ckpt = 300 <= t < 308
+            vs = slots(0, step, t, ckpt=ckpt, section="checkpoint" if in_ckpt else "",
+                       section_start=300.0 if in_ckpt else (308.0 if t >= 308 else 0.0))
+        else:
+            vs = slots(0, 381, 399.0, ckpt=280, section_start=308.0)  # hung: no progress
+        tick(t, vs, 0.0)
+        t += TICK
+    write_report(incidents, job, 0, started=399.0, detected=460.0)
+    tick(480.0, None, 0.0)  # the job left the node (requeued)
+    t = 600.0
+    while t <= 900:
+        vs = slots(1, 0, t) if t < 650 else slots(1, int(t - 649), t, done=t >= 900)
+        tick(t, vs, 600.0, stagein=25.0)
+        t += TICK
+    tick(901.0, None, 600.0)
+
+    saved = ledger.load(job)
+    assert saved is not None and sorted(saved.runs) == [0, 1]
+    r0 = saved.runs[0]
+    assert r0.hang_detected_at == 460.0 and r0.hang_started_at == 399.0
+    b = compute.breakdown(job, [r.to_run() for r in saved.runs.values()], last_over=True,
+                          completed=True)
+    want = {"before_first_step": 20.0 + 25.0, "stagein": 25.0, "checkpoint_stall": 8.0,
+            "lost_since_checkpoint": 99.0, "hung_before_detection": 61.0, "restart": 19.0}
+    for kind, seconds in want.items():
+        assert b.losses[kind] == pytest.approx(seconds, abs=TICK), (kind, b.losses)
+    assert b.allocated_s == pytest.approx(479.0 + 300.0, abs=TICK)
+    assert b.accounted_s >= 0.95 * b.allocated_s
+    assert b.productive_s == pytest.approx(779 - 257, abs=3 * TICK)
+
+
+def test_note_hangs_falls_back_to_the_hung_ranks(tmp_path: Path) -> None:
+    ledger = Ledger(str(tmp_path))
+    ledger.observe([view(3, [slot(0, 5, 1.0, 3)])], 10.0)
+    job = ledger.jobs[3]
+    note_hangs(job, [{"restart": 0, "detected_at": 50.0, "ranks": [
+        {"state": "hung", "last_progress_at": 30.0}, {"state": "ok", "last_progress_at": 1}]},
+        {"restart": "x"}])
+    assert (job.runs[0].hang_started_at, job.runs[0].hang_detected_at) == (30.0, 50.0)
+
+
+def test_the_goodput_command_prints_the_breakdown_and_says_when_slurm_is_away(
+        tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    conf = tmp_path / "c.yaml"
+    conf.write_text(json.dumps({"node": {"state_dir": str(state / "{node}")},
+                                "slurm": {"bin_dir": str(tmp_path / "no-slurm")}}))
+    ledger = Ledger(str(state / "n1" / "goodput"))
+    ledger.observe([view(9, [slot(0, 5, 1.0, 9)])], 100.0)
+    ledger.observe([], 101.0)
+
+    def goodput(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "slurm_resilience", "--config", str(conf),
+                               "goodput", *args], capture_output=True, text=True, timeout=120,
+                              cwd=REPO)
+
+    out = goodput("9", "--node", "n1", "--node", "n2")
+    assert out.returncode == 0, out.stderr
+    assert "job 9: goodput" in out.stdout and "couldn't ask Slurm" in out.stdout
+    assert "no record of the job on n2" in out.stdout
+    out = goodput("10", "--node", "n1", "--json")
+    assert out.returncode == 1 and "no record of job 10" in out.stderr
+    assert os.listdir(state / "n1" / "goodput") == ["job-9.json"]
+
+
+def test_the_hang_report_links_to_goodput() -> None:
+    from slurm_resilience.heartbeat.incident import render_text
+
+    text = render_text({"job_id": 7, "restart": 0, "node": "n1", "mode": "act",
+                        "detected_at": 0.0, "ranks": [], "decision": {"action": "requeue"},
+                        "actions": [], "evidence": {}})
+    assert "slurm-resilience goodput 7 (on n1)" in text
+
+
+def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> None:
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes, merge
+
+    a = JobTimes(4, {0: RunTimes(0, 10.0, 100.0, first_step_at=20.0, last_progress_at=90.0,
+                                 hang_started_at=90.0, hang_detected_at=95.0)})
+    b = JobTimes(4, {0: RunTimes(0, 11.0, 101.0, first_step_at=19.0, last_progress_at=91.0,
+                                 stagein_s=3.0),
+                     1: RunTimes(1, 200.0, 300.0, first_step_at=210.0, done=True)})
+    m = merge([a, b])
+    assert m is not None and sorted(m.runs) == [0, 1]
+    r0 = m.runs[0]
+    assert (r0.start, r0.end, r0.first_step_at, r0.last_progress_at, r0.stagein_s) == (
+        10.0, 101.0, 19.0, 91.0, 3.0)
+    assert (r0.hang_started_at, r0.hang_detected_at) == (90.0, 95.0)
+    assert merge([]) is None
+
+
+def test_allocation_times_come_from_slurm_accounting_when_it_has_them() -> None:
+    from slurm_resilience.goodput.cli import allocation_times
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.parse import parse_sacct_runs
+
+    # The shape `sacct -j 1 --duplicates -X -n -P -o JobID,State,Start,End` printed in the
+    # accounting sandbox (tests/integration/test_accounting_sandbox.py).
+    runs = parse_sacct_runs("1|REQUEUED|2026-11-23T18:34:40|2026-11-23T18:35:12\n"
+                            "1|COMPLETED|2026-11-23T18:35:25|2026-11-23T18:35:50\n"
+                            "\n2|RUNNING|2026-11-23T18:36:00|Unknown\n")
+    assert [r.state for r in runs] == ["REQUEUED", "COMPLETED", "RUNNING"]
+    assert runs[0].end is not None and runs[0].start is not None
+    assert runs[0].end - runs[0].start == 32.0 and runs[2].end is None
+    job = JobTimes(1, {0: RunTimes(0, 0.0, 1.0), 1: RunTimes(1, 2.0, 3.0)})
+    note = allocation_times(job, runs[:2])
+    assert note == "allocation times of 2 run(s) from Slurm accounting (sacct)"
+    assert (job.runs[0].start, job.runs[0].end) == (runs[0].start, runs[0].end)
+    assert job.runs[1].end - job.runs[1].start == 25.0
