@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.checkpoint.staging import clean_tmp, create_job_dir, remove_job_dir
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
