@@ -25,6 +25,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.log import get_logger
 
 if TYPE_CHECKING:
+    from slurm_resilience.agent.service import Request
     from slurm_resilience.checkpoint.uploader import Uploader
 
 log = get_logger("checkpoint.stagein")
@@ -126,8 +127,7 @@ def excluded_steps(rec: JobRecord) -> dict[int, str]:
     return {int(k): str(v) for k, v in raw.items() if str(k).isdigit()}
 
 
-def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: dict[str, Any]
-              ) -> dict[str, Any]:
+def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: Request) -> dict[str, Any]:
     """Answer ``ckpt.fetch`` for a job whose owner the caller was checked to be."""
     step = request.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:

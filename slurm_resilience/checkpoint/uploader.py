@@ -24,9 +24,17 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
+from slurm_resilience.agent.service import (
+    AgentContext,
+    Handler,
+    Peer,
+    Request,
+    RequestError,
+    Response,
+    int_arg,
+    str_arg,
+)
 from slurm_resilience.checkpoint import intent
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -130,11 +138,8 @@ class Uploader:
                 "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end,
                 "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage}
 
-    def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
-        try:
-            job_id = int(request["job_id"])
-        except (KeyError, TypeError, ValueError):
-            raise RequestError("checkpoint: request needs an integer job_id") from None
+    def _job(self, request: Request, peer: Peer, *, root_only: bool = False) -> JobRecord:
+        job_id = int_arg(request, "job_id")
         if root_only and peer.uid != 0:
             raise RequestError(f"checkpoint: only root may do this (you are uid {peer.uid})")
         rec = self.jobs.get(job_id)
@@ -146,15 +151,13 @@ class Uploader:
                                f"not to you (uid {peer.uid})")
         return rec
 
-    def on_job_start(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_job_start(self, request: Request, peer: Peer) -> Response:
         if peer.uid != 0:
             raise RequestError(f"checkpoint: only root may start a job (you are uid {peer.uid})")
-        try:
-            job_id, uid, gid = int(request["job_id"]), int(request["uid"]), int(request["gid"])
-            user = str(request["user"])
-        except (KeyError, TypeError, ValueError):
-            raise RequestError("checkpoint: job_start needs job_id, uid, gid, user") from None
-        uri = str(request.get("uri") or "")
+        job_id, uid, gid = (int_arg(request, "job_id"), int_arg(request, "uid"),
+                            int_arg(request, "gid"))
+        user = str_arg(request, "user", limit=256)
+        uri = str_arg(request, "uri", default="")
         refused = ""
         if uri:  # from the SPANK option --ckpt-uri: stage in before the tasks even start
             try:
@@ -176,9 +179,9 @@ class Uploader:
                 self._start_stagein(rec)
         return {"ok": True, "refused": refused} if refused else {"ok": True}
 
-    def on_register(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_register(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer)
-        uri = str(request.get("uri", ""))
+        uri = str_arg(request, "uri", default="")
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
@@ -194,7 +197,7 @@ class Uploader:
                 self._start_stagein(rec)
         return {"ok": True, "uri": str(run)}
 
-    def on_status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_status(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer)
         with self.lock:
             answer = stagein_status(rec)
@@ -203,7 +206,7 @@ class Uploader:
         return {"ok": True, **answer, "failed": failed, "upload_error": error,
                 "fetch": self.fetcher.stats(int(rec["job_id"]))}
 
-    def on_fetch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_fetch(self, request: Request, peer: Peer) -> Response:
         """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""
         rec = self._job(request, peer)
         try:
@@ -212,12 +215,13 @@ class Uploader:
             log.error("fetch failed", job_id=rec["job_id"], error=str(exc))
             raise RequestError(str(exc)) from None
 
-    def on_restage(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_restage(self, request: Request, peer: Peer) -> Response:
         """``ckpt.restage`` (the job's owner): the restore found the staged step corrupt
         (a block's CRC32C); stage in again without it. Only the job's own restore is
         affected, so the job's word is enough. Idempotent: every node's local leader asks."""
         rec = self._job(request, peer)
-        step, reason = request.get("step"), str(request.get("reason", ""))[:500]
+        step, reason = request.get("step"), str_arg(request, "reason", default="",
+                                                    limit=1 << 16)[:500]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RequestError(f"checkpoint: restage: step {step!r} is not a step number")
         with self.lock:
@@ -235,7 +239,7 @@ class Uploader:
                 self.journal.write(rec)
         return {"ok": True}
 
-    def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_job_end(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer, root_only=True)
         if rec.get("uri"):
             # Steps committed since the last pass must count as pending before the epilog

@@ -205,3 +205,22 @@ def test_journal_states_load_as_enums_and_keep_their_json(tmp_path: Path) -> Non
     assert json.loads((journal.dir / "job-3.json").read_text()) == old
     assert recs[4]["stagein"] == {"state": StageinState.PENDING}
     assert [p.name.split(".")[0] for p in (journal.dir / "quarantine").iterdir()] == ["job-4"]
+
+
+def test_job_start_refuses_a_bool_or_float_job_id(tmp_path: Path) -> None:
+    """ckpt.job_start types each field: True is not job 1 and 7.9 is not job 7 (int()
+    took both); the refusal names the field, and nothing is journaled."""
+    from slurm_resilience.agent.service import Peer, RequestError
+    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.config import Config, load_text
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}/state\ncheckpoint:\n"
+                            f"  staging_root: {tmp_path}/nvme\n")
+    up = Uploader(cfg, "n1")
+    root = Peer(pid=1, uid=0, gid=0)
+    for bad in (True, 7.9):
+        with pytest.raises(RequestError, match="job_id must be a non-negative integer"):
+            up.on_job_start({"job_id": bad, "uid": 0, "gid": 0, "user": "root"}, root)
+    with pytest.raises(RequestError, match="user must be a string"):
+        up.on_job_start({"job_id": 7, "uid": 0, "gid": 0, "user": ["root"]}, root)
+    assert up.jobs == {} and list(up.journal.dir.glob("job-*.json")) == []
