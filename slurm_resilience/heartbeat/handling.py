@@ -31,7 +31,7 @@ from slurm_resilience.heartbeat.records import (
     piece_to_bytes,
 )
 from slurm_resilience.heartbeat.rendezvous import Rendezvous
-from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.heartbeat.store import IncidentStore, Progress, ProgressState
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
@@ -153,13 +153,13 @@ class IncidentRunner:
         if not hb.drain and any(c.verdict.value != "spare" for c in decision.nodes):
             actions.append("draining is off (heartbeat.drain: false): no node drained")
         path = self._write(report)
-        progress = Progress(rec.job_id, run, "acting", steps, 0, deadline, path)
+        progress = Progress(rec.job_id, run, ProgressState.ACTING, steps, 0, deadline, path)
         self.store.save(progress)
         done, complete = execute(self.adapter, rec.job_id, run, steps, 0, deadline,
                                  self.clocked, lambda i: self.store.save(
                                      replace(progress, done=i)))
         self.store.save(replace(progress, done=len(steps) if complete else progress.done,
-                                state="done" if complete else "gave-up"))
+                                state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
         timings = replace(report.timings, action_at=self.clock.time())
         return self.finish(replace(report, actions=tuple(actions + done), timings=timings))
 
@@ -195,10 +195,10 @@ class IncidentRunner:
                         job_id=progress.job_id, why=str(exc))
 
     def _resume(self, progress: Progress) -> None:
-        if progress.state == "claimed":
+        if progress.state is ProgressState.CLAIMED:
             # Claimed but no plan saved: nothing was done yet; the job's ledger in Slurm
             # (run already handled or not) decides on the next detection.
-            self.store.save(replace(progress, state="gave-up"))
+            self.store.save(replace(progress, state=ProgressState.GAVE_UP))
             log.warning("heartbeat: resume: claimed incident had no plan; left to the next "
                         "detection", job_id=progress.job_id, run=progress.run)
             return
@@ -209,7 +209,7 @@ class IncidentRunner:
                                  progress.done, progress.deadline, self.clocked,
                                  lambda i: self.store.save(replace(progress, done=i)))
         self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
-                                state="done" if complete else "gave-up"))
+                                state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
         if progress.report:
             try:
                 data = incident.read_report(os.path.dirname(progress.report),
