@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
@@ -127,7 +127,7 @@ def excluded_steps(rec: JobRecord) -> dict[int, str]:
     return {int(k): str(v) for k, v in raw.items() if str(k).isdigit()}
 
 
-def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: Request) -> dict[str, Any]:
+def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: Request) -> dict[str, int]:
     """Answer ``ckpt.fetch`` for a job whose owner the caller was checked to be."""
     step = request.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
