@@ -20,6 +20,7 @@ from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
 from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, Stopping, execute, retry
 from slurm_resilience.heartbeat.records import (
     Action,
+    BlameDoc,
     Clock,
     Decision,
     Piece,
@@ -40,7 +41,7 @@ from slurm_resilience.slurm.parse import JobInfo
 log = get_logger("heartbeat")
 
 
-def _blame_json(blamed: B.Blame, missing: Sequence[str]) -> dict[str, Any]:
+def _blame_json(blamed: B.Blame, missing: Sequence[str]) -> BlameDoc:
     explanation = blamed.explanation
     if missing:
         explanation += f" (no observations from {', '.join(missing)})"
@@ -77,7 +78,7 @@ class IncidentRunner:
                 timings: Timings, **kw: Any) -> Report:
         rec = view.record
         base = Report(rec.job_id, run, rec.user, rec.uid, self.node, view.verdict.mode, trigger,
-                      piece.ranks, {self.node: piece.evidence}, {}, None, (), timings)
+                      piece.ranks, {self.node: piece.evidence}, None, None, (), timings)
         return replace(base, **kw)
 
     def run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report | None:
@@ -233,7 +234,8 @@ class IncidentRunner:
         """The report into the agent's directory and the log."""
         path = self._write(report)
         data = report.to_json()
+        explanation = report.blame["explanation"] if report.blame else ""
         log.warning("hang incident", job_id=report.job_id, mode=report.mode,
-                    decision=data["decision"], blame=report.blame.get("explanation", ""),
+                    decision=data["decision"], blame=explanation,
                     actions=list(report.actions), file=path, timings=data["timings"])
         return report

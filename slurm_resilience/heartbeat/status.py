@@ -110,9 +110,10 @@ def hang_jobs(jobs: Sequence[JobInfo]) -> list[HangJobRow]:
 def incidents(directory: str, limit: int = 20) -> list[IncidentRow]:
     """Summaries of this node's newest incident reports."""
     out: list[IncidentRow] = []
-    for rep in incident.list_reports(directory, limit):
-        if "error" in rep and "job_id" not in rep:
-            out.append({"file": str(rep.get("file", "")), "error": str(rep["error"])})
+    for listed in incident.list_reports(directory, limit):
+        rep = listed.report
+        if rep is None:
+            out.append({"file": listed.file, "error": listed.error})
             continue
         decision = rep.get("decision", {})
         out.append({
