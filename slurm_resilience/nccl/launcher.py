@@ -111,7 +111,7 @@ def _tail(path: str, limit: int = 2000) -> str:
         return ""
 
 
-def _last_json(path: str) -> dict[str, Any]:
+def _last_json(path: str) -> dict[str, object]:
     """The rank's report: the last JSON object line of its stdout."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
