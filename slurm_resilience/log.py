@@ -54,7 +54,7 @@ EventDict = MutableMapping[str, Any]
 class _State:
     level: int = 30
     json: bool = False
-    context: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, object] = field(default_factory=dict)
     stream: TextIO | None = None
     file: TextIO | None = None
     syslog: bool = False
@@ -235,7 +235,7 @@ class Logger:
     processors above add the process context, level and time, redact, escape and render.
     """
 
-    def __init__(self, context: dict[str, Any]):
+    def __init__(self, context: dict[str, object]):
         self._context = context
 
     def bind(self, **context: Any) -> Logger:
@@ -249,7 +249,7 @@ class Logger:
     def new(self, **context: Any) -> Logger:
         return Logger(dict(context))
 
-    def _log(self, method: str, event: str | None, fields: dict[str, Any]) -> None:
+    def _log(self, method: str, event: str | None, fields: dict[str, object]) -> None:
         if _METHOD_LEVEL.get(method, 20) < _state.level:
             return  # cheap early exit: below the level, nothing is built
         data: Any = {**self._context, **fields, "event": event}

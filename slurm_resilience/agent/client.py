@@ -6,7 +6,9 @@ import contextlib
 import json
 import socket
 import time
-from typing import Any
+
+# The agent's answer, one JSON object; callers check the type of each field they use.
+Answer = dict[str, object]
 
 BUSY_PAUSE_S = 0.02  # first pause after a "busy" answer; it doubles up to 0.5 s
 
@@ -19,7 +21,7 @@ class AgentRefused(Exception):
     """The agent answered with an error."""
 
 
-def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, Any]:
+def call(path: str, op: str, *, timeout: float = 5.0, **args: object) -> Answer:
     """Send one request and return the answer; raises on transport errors and refusals.
 
     An agent over its connection caps answers "busy" at once; the call tries again, with
@@ -44,7 +46,7 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: Any) -> dict[str, 
     return answer
 
 
-def _once(path: str, request: bytes, timeout: float) -> dict[str, Any]:
+def _once(path: str, request: bytes, timeout: float) -> Answer:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -67,3 +69,9 @@ def _once(path: str, request: bytes, timeout: float) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise AgentUnavailable(f"agent: unreadable answer from {path}")
     return answer
+
+
+def list_field(answer: Answer, key: str) -> list[object]:
+    """``answer[key]`` when it is a list; an empty list when absent or of another type."""
+    value = answer.get(key)
+    return list(value) if isinstance(value, list) else []

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from slurm_resilience.agent.service import Handler, Peer, RequestError
+from slurm_resilience.agent.service import Handler, Peer, RequestError, Response
 from slurm_resilience.log import get_logger
 
 log = get_logger("agent")
@@ -272,14 +272,14 @@ class AgentServer:
             raise _Incomplete(f"request larger than {self.max_bytes} bytes")
         return line
 
-    def _reply(self, conn: socket.socket, response: dict[str, Any]) -> None:
+    def _reply(self, conn: socket.socket, response: Response) -> None:
         try:
             conn.settimeout(self.io_timeout)
             conn.sendall(json.dumps(response, default=str).encode() + b"\n")
         except OSError as exc:
             log.debug("agent: couldn't send answer", error=str(exc))
 
-    def dispatch(self, line: bytes, peer: Peer) -> dict[str, Any]:
+    def dispatch(self, line: bytes, peer: Peer) -> Response:
         try:
             request = json.loads(line)
         except ValueError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,13 +19,39 @@ class Peer:
     gid: int
 
 
-Request = dict[str, Any]
-Response = dict[str, Any]
+# A client's JSON object, any user's: every field is checked (the *_arg helpers) before use.
+Request = Mapping[str, object]
+# A handler's answer; the server adds ``ok`` and sends it as one line of JSON.
+Response = dict[str, object]
 Handler = Callable[[Request, Peer], Response]
 
 
 class RequestError(Exception):
     """A request a handler refuses; the message goes back to the client as ``error``."""
+
+
+def int_arg(request: Request, key: str) -> int:
+    """A non-negative integer field; decimal digits in a string are taken too (as older
+    clients sent them), a bool or a float never."""
+    value = request.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        return int(value)
+    raise RequestError(f"{key} must be a non-negative integer, got {str(value)[:40]!r}")
+
+
+def str_arg(request: Request, key: str, *, default: str | None = None,
+            limit: int = 4096) -> str:
+    """A string field of at most ``limit`` characters; ``default`` when absent or null."""
+    value = request.get(key)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str):
+        raise RequestError(f"{key} must be a string, got {str(value)[:40]!r}")
+    if len(value) > limit:
+        raise RequestError(f"{key} is longer than {limit} characters")
+    return value
 
 
 @dataclass

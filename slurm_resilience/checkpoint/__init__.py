@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from slurm_resilience.checkpoint.commit import CheckpointError
+    from slurm_resilience.checkpoint.errors import CheckpointError
     from slurm_resilience.checkpoint.manager import CheckpointManager, Loaded
 
 __all__ = ["CheckpointError", "CheckpointManager", "Loaded"]
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(manager, name)
     if name == "CheckpointError":
-        from slurm_resilience.checkpoint.commit import CheckpointError
+        from slurm_resilience.checkpoint.errors import CheckpointError
 
         return CheckpointError
     raise AttributeError(name)

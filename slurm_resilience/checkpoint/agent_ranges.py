@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, Answer, call
 from slurm_resilience.checkpoint.commit import CheckpointError, CorruptStep
 from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 
@@ -44,7 +44,7 @@ class AgentRanges:
         self.socket_path = socket_path
         self.job_id = job_id
         self.timeout_s = timeout_s
-        self.last: dict[str, Any] = {}
+        self.last: Answer = {}
 
     def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
         for batch in batches(merge_ranges(ranges)):

@@ -28,6 +28,8 @@ from slurm_resilience.checkpoint.crc import crc32c_extend as crc32c_extend
 from slurm_resilience.checkpoint.crc import crc_hex as crc_hex
 from slurm_resilience.checkpoint.crc import file_crc32c as file_crc32c
 from slurm_resilience.checkpoint.crc_combine import combine_parts
+from slurm_resilience.checkpoint.errors import CheckpointError as CheckpointError
+from slurm_resilience.checkpoint.errors import CorruptStep as CorruptStep
 
 MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT.json"
@@ -36,17 +38,6 @@ READ_FORMATS = (1, 2)
 CHECKSUM = "crc32c"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be saved, found, or trusted; the message says which and why."""
-
-
-class CorruptStep(CheckpointError):
-    """Bytes of a committed step don't match its manifest: the one failure that lets a
-    restore fall back to an older step (never a transient error, never a missing agent)."""
-
-    MARK = "does not verify"  # in every message, so the agent's answer carries the kind
 
 
 class StepExists(CheckpointError):

@@ -186,7 +186,7 @@ class RangeFetcher:
 
     # -- the request ------------------------------------------------------------------------
 
-    def fetch(self, job: FetchJob, step: int, ranges: list[ByteRange]) -> dict[str, Any]:
+    def fetch(self, job: FetchJob, step: int, ranges: list[ByteRange]) -> dict[str, int]:
         with self.lock:
             slot = self.slots.setdefault(job.job_id,
                                          threading.BoundedSemaphore(self.settings.max_per_job))
@@ -202,7 +202,7 @@ class RangeFetcher:
             slot.release()
 
     def _fetch(self, job: FetchJob, step: int, ranges: list[ByteRange],
-               counters: FetchCounters) -> dict[str, Any]:
+               counters: FetchCounters) -> dict[str, int]:
         with open_job_dir(job.staging_root, job.job_id) as jfd:
             if os.fstat(jfd).st_uid != job.uid:
                 raise FetchError(f"checkpoint: fetch: step {step}: the staging dir of job "

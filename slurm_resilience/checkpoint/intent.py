@@ -22,6 +22,7 @@ from slurm_resilience.checkpoint.commit import (
     Crc32c,
     step_name,
 )
+from slurm_resilience.checkpoint.journal import JobRecord, StepDoc
 from slurm_resilience.checkpoint.prefix import S3Uri, parse_uri
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.log import get_logger
@@ -72,7 +73,7 @@ def is_intent(name: str) -> bool:
     return _NAME.match(name) is not None
 
 
-def announce(s3: S3, uri: S3Uri, rec: dict[str, Any], step_record: dict[str, Any],
+def announce(s3: S3, uri: S3Uri, rec: JobRecord, step_record: StepDoc,
              marker: CommitMarker, ranks: list[int], node: str) -> None:
     """Write this node's intent record for the marker's step once, before any of its data."""
     if step_record.get("intent"):
@@ -86,7 +87,7 @@ def announce(s3: S3, uri: S3Uri, rec: dict[str, Any], step_record: dict[str, Any
     step_record["intent"] = True
 
 
-def withdraw(s3: S3, rec: dict[str, Any], step_record: dict[str, Any], step: int,
+def withdraw(s3: S3, rec: JobRecord, step_record: StepDoc, step: int,
              node: str) -> None:
     """Delete this node's intent record of a step that will never commit (rejected or
     abandoned), so no later stage-in waits for it. Best effort: a failure is logged."""

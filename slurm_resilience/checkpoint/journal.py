@@ -25,7 +25,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict, cast
 
 from slurm_resilience.checkpoint.commit import write_durable
 from slurm_resilience.log import get_logger
@@ -34,22 +34,36 @@ log = get_logger("checkpoint.journal")
 _NAME = re.compile(r"^job-(\d+)\.json$")
 MAX_RECORD_BYTES = 64 * 1024**2
 
-JobRecord = dict[str, Any]  # the shape is JobRecordDoc; handlers index it by key
+class _Value(str, enum.Enum):
+    """A state stored in JSON as its value; str() and f-strings give the value too."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
-class JobState(str, enum.Enum):
+class JobState(_Value):
     ACTIVE = "active"
     ENDED = "ended"
     FAILED = "failed"  # the uploader hit an unexpected error on this job; see "error"
 
 
-class StepState(str, enum.Enum):
+class StepState(_Value):
     PENDING = "pending"
     WAITING_PEERS = "waiting-peers"
     COMMITTED = "committed"
     REJECTED = "rejected"  # never uploaded: unsafe or mismatched content
     FAILED = "failed"  # S3 refused it for good (4xx); see "reason"
     PRUNED = "pruned"
+
+
+class StageinState(_Value):
+    PENDING = "pending"  # to run (again, after an agent restart)
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # see "error"
 
 
 DONE_STATES = frozenset({StepState.COMMITTED, StepState.REJECTED, StepState.FAILED,
@@ -71,7 +85,8 @@ class FileDoc(TypedDict, total=False):
 
 
 class StepDoc(TypedDict, total=False):
-    state: str  # a StepState
+    state: StepState
+    intent: bool  # this node's intent record is in S3 (intent.py)
     files: dict[str, FileDoc]
     since: float
     world_size: int
@@ -81,17 +96,49 @@ class StepDoc(TypedDict, total=False):
     staged_in: bool
 
 
-class JobRecordDoc(TypedDict):
+class FallbackDoc(TypedDict):
+    step: int
+    reason: str
+
+
+class StageinDoc(TypedDict, total=False):
+    """The stage-in result (restore.run_stagein); ``state`` is always there."""
+
+    state: StageinState
+    started: float
+    finished: float  # when it ended, for the metrics (stage-in time) and goodput
+    step: int | None
+    source: str
+    mode: str
+    fetched_bytes: int
+    fallbacks: list[FallbackDoc]
+    seconds: float
+    error: str
+
+
+class _JobRecordBase(TypedDict):
     job_id: int
     uid: int
     gid: int
     user: str
     staging_root: str
     uri: str | None
-    state: str  # a JobState
+    state: JobState
     ended_at: float | None
-    stagein: dict[str, Any]  # owned by stage-in; must hold a string "state"
+    stagein: StageinDoc
     steps: dict[str, StepDoc]
+
+
+class JobRecord(_JobRecordBase, total=False):
+    """One job's journal record, as written to ``job-<id>.json`` (enums as their values)."""
+
+    failed_from: JobState | None  # the state before FAILED, restored on the retry
+    error: str
+    failed_at: float
+    stagein_excluded: dict[str, str]  # step -> why the restore passed it over
+
+
+JobRecordDoc = JobRecord  # the name older code and tests use
 
 
 class BadRecord(ValueError):
@@ -128,6 +175,7 @@ def check_step(st: object) -> None:
     _need(isinstance(st, dict), "step entry is not an object")
     assert isinstance(st, dict)
     _need(st.get("state") in set(StepState), f"step state {st.get('state')!r} is unknown")
+    st["state"] = StepState(st["state"])
     files = st.get("files", {})
     _need(isinstance(files, dict), "files is not an object")
     for key, f in files.items():
@@ -158,35 +206,37 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
     assert isinstance(doc, dict)
     problems: list[str] = []
     # Fields this module does not know (added by other services) are kept as they are.
-    rec = {**doc, **new_record(job_id, doc["uid"], doc["gid"], doc["user"],
-                               doc["staging_root"])}
+    rec = cast(JobRecord, {**doc, **new_record(job_id, doc["uid"], doc["gid"], doc["user"],
+                                               doc["staging_root"])})
     rec["uri"] = doc.get("uri")
     if doc.get("state") in set(JobState):
-        rec["state"] = doc["state"]
+        rec["state"] = JobState(doc["state"])
     else:
         problems.append(f"job state {doc.get('state')!r} is unknown")
-    for key in ("ended_at", "failed_at"):
-        if doc.get(key) is not None:
-            if _is_num(doc[key]):
-                rec[key] = doc[key]
-            else:
-                rec.pop(key, None)
-                problems.append(f"{key} is not a number")
-    rec.setdefault("ended_at", None)
+    if doc.get("ended_at") is not None:
+        if _is_num(doc["ended_at"]):
+            rec["ended_at"] = float(doc["ended_at"])
+        else:
+            problems.append("ended_at is not a number")
+    if doc.get("failed_at") is not None and not _is_num(doc["failed_at"]):
+        rec.pop("failed_at", None)
+        problems.append("failed_at is not a number")
     if rec.get("failed_from") not in (None, *set(JobState)):
         rec.pop("failed_from")
         problems.append("failed_from is not a job state")
-    if rec.get("error") is not None and not isinstance(rec["error"], str):
-        rec["error"] = str(rec["error"])
+    elif rec.get("failed_from") is not None:
+        rec["failed_from"] = JobState(rec["failed_from"])
+    if doc.get("error") is not None and not isinstance(doc["error"], str):
+        rec["error"] = str(doc["error"])
     if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:
         rec["ended_at"] = time.time()
     si = doc.get("stagein")
-    if isinstance(si, dict) and isinstance(si.get("state"), str):
-        rec["stagein"] = si
+    if isinstance(si, dict) and si.get("state") in set(StageinState):
+        rec["stagein"] = cast(StageinDoc, {**si, "state": StageinState(si["state"])})
     else:
         problems.append(f"stagein {si!r} is mis-shaped")
         # Nothing to redo for a job without a URI; else stage-in runs again.
-        rec["stagein"] = {"state": "pending"} if rec["uri"] else {"state": "done"}
+        rec["stagein"] = {"state": StageinState.PENDING if rec["uri"] else StageinState.DONE}
     steps = doc.get("steps")
     if not isinstance(steps, dict):
         problems.append("steps is not an object")
@@ -198,7 +248,7 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
         except BadRecord as exc:
             problems.append(f"step {name!r}: {exc}")
             continue  # looked at again from the staging dir
-        rec["steps"][name] = st
+        rec["steps"][name] = cast(StepDoc, st)
     return rec, problems
 
 
@@ -267,8 +317,8 @@ class Journal:
 
 def new_record(job_id: int, uid: int, gid: int, user: str, staging_root: str) -> JobRecord:
     return {"job_id": job_id, "uid": uid, "gid": gid, "user": user,
-            "staging_root": staging_root, "uri": None, "state": "active",
-            "ended_at": None, "stagein": {"state": "pending"}, "steps": {}}
+            "staging_root": staging_root, "uri": None, "state": JobState.ACTIVE,
+            "ended_at": None, "stagein": {"state": StageinState.PENDING}, "steps": {}}
 
 
 def pending_steps(rec: JobRecord) -> list[int]:

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
-from slurm_resilience.checkpoint.journal import JobRecord, pending_steps
+from slurm_resilience.checkpoint.journal import (
+    FallbackDoc,
+    JobRecord,
+    StageinDoc,
+    StageinState,
+    StepState,
+    pending_steps,
+)
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
@@ -18,6 +25,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.log import get_logger
 
 if TYPE_CHECKING:
+    from slurm_resilience.agent.service import Request
     from slurm_resilience.checkpoint.uploader import Uploader
 
 log = get_logger("checkpoint.stagein")
@@ -38,12 +46,12 @@ def make_fetcher(cfg: Config, s3: Callable[[], S3]) -> RangeFetcher:
     return RangeFetcher(settings, s3, policy(cfg))
 
 
-def run_stagein(up: Uploader, rec: JobRecord) -> dict[str, Any]:
+def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
     """Stage the job's newest committed step in; the journal's ``stagein`` record."""
     started = time.monotonic()
     job_id = int(rec["job_id"])
     try:
-        uri = parse_uri(rec["uri"]) if rec.get("uri") else None
+        uri = parse_uri(rec["uri"]) if rec["uri"] else None
         with open_job_dir(rec["staging_root"], job_id) as jfd:
 
             def upload_local(step: int) -> None:
@@ -61,39 +69,54 @@ def run_stagein(up: Uploader, rec: JobRecord) -> dict[str, Any]:
             res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                            policy(up.cfg), upload_local=upload_local,
                            exclude=excluded_steps(rec))
-        result: dict[str, Any] = {
-            "state": "done", "step": res.step, "source": res.source, "mode": res.mode,
+        result: StageinDoc = {
+            "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,
             "fallbacks": [{"step": f.step, "reason": f.reason} for f in res.fallbacks],
             "seconds": round(time.monotonic() - started, 3)}
         if res.source == "s3" and res.step is not None:
             with up.lock:  # already in S3: never upload it again
-                rec["steps"][str(res.step)] = {"state": "committed", "staged_in": True}
+                rec["steps"][str(res.step)] = {"state": StepState.COMMITTED,
+                                                   "staged_in": True}
         if res.remote is not None and res.step is not None:
             up.fetcher.remember(job_id, res.step, res.remote)
         if res.fallbacks:
             log.warning("stage-in fell back to an older step", job_id=job_id, step=res.step,
                         passed_over=[f.step for f in res.fallbacks])
     except (CheckpointError, OSError) as exc:
-        result = {"state": "failed", "step": None, "error": str(exc),
+        result = {"state": StageinState.FAILED, "step": None, "error": str(exc),
                   "seconds": round(time.monotonic() - started, 3)}
         log.error("stage-in failed", job_id=job_id, error=str(exc))
     return result
 
 
-def stagein_status(rec: JobRecord) -> dict[str, Any]:
+class StageinStatus(TypedDict):
+    """The stage-in fields of a ``ckpt.status`` answer."""
+
+    stagein: str  # a StageinState's value, or "none" for a local-only job
+    step: int | None
+    error: str | None
+    source: str | None
+    mode: str | None
+    fallbacks: list[FallbackDoc]
+    stagein_bytes: int
+    pending: list[int]
+    uri: str | None
+
+
+def stagein_status(rec: JobRecord) -> StageinStatus:
     """The stage-in fields of ``ckpt.status``, as the checkpoint contract names them."""
-    si = dict(rec.get("stagein") or {})
-    state = str(si.get("state", "pending"))
-    if not rec.get("uri"):
+    si = rec["stagein"]
+    state = str(StageinState(si.get("state", StageinState.PENDING)).value)
+    if not rec["uri"]:
         state = "none"  # local-only: nothing to stage in
-    elif state == "pending":
-        state = "running"  # about to start (or restarting after an agent restart)
+    elif state == StageinState.PENDING:
+        state = StageinState.RUNNING.value  # about to start (or again after an agent restart)
     return {"stagein": state, "step": si.get("step"), "error": si.get("error"),
             "source": si.get("source"), "mode": si.get("mode"),
             "fallbacks": list(si.get("fallbacks") or []),
             "stagein_bytes": int(si.get("fetched_bytes") or 0), "pending": pending_steps(rec),
-            "uri": rec.get("uri")}
+            "uri": rec["uri"]}
 
 
 def excluded_steps(rec: JobRecord) -> dict[int, str]:
@@ -104,13 +127,12 @@ def excluded_steps(rec: JobRecord) -> dict[int, str]:
     return {int(k): str(v) for k, v in raw.items() if str(k).isdigit()}
 
 
-def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: dict[str, Any]
-              ) -> dict[str, Any]:
+def fetch_for(fetcher: RangeFetcher, rec: JobRecord, request: Request) -> dict[str, int]:
     """Answer ``ckpt.fetch`` for a job whose owner the caller was checked to be."""
     step = request.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint: fetch: step {step!r} is not a step number")
     job = FetchJob(job_id=int(rec["job_id"]), uid=int(rec["uid"]), gid=int(rec["gid"]),
                    staging_root=str(rec["staging_root"]),
-                   uri=parse_uri(rec["uri"]) if rec.get("uri") else None)
+                   uri=parse_uri(rec["uri"]) if rec["uri"] else None)
     return fetcher.fetch(job, step, parse_ranges(request.get("ranges")))

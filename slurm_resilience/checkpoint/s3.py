@@ -46,6 +46,7 @@ from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 from slurm_resilience.checkpoint.crc_combine import combine_parts
 from slurm_resilience.checkpoint.fairpool import FairPool
+from slurm_resilience.checkpoint.journal import FileDoc, PartDoc
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.s3")
@@ -408,7 +409,7 @@ class S3:
             self.parts_sent += n
 
     def upload_fd(self, fd: int, size: int, crc: str, bucket: str, key: str,
-                  record: dict[str, Any], save: Callable[[], None], *,
+                  record: FileDoc, save: Callable[[], None], *,
                   blocks: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
                   owner: str = "", lock: threading.RLock | None = None) -> None:
         """Upload an open file whose manifest says ``size``, ``crc`` (and per-block CRCs).
@@ -432,7 +433,7 @@ class S3:
             self._verify_head(bucket, key, size, crc)
             return
         nparts = (size + part - 1) // part
-        parts: dict[str, dict[str, Any]] = record.setdefault("parts", {})
+        parts: dict[str, PartDoc] = record.setdefault("parts", {})
         upload_id = record.get("upload_id")
         if upload_id and int(record.get("part_size", part)) != part:
             log.info("part size changed since the upload started; starting it again", key=key,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.log import get_logger
 from slurm_resilience.nofollow import RemovalBudget, remove_tree_at
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call, list_field
+from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.checkpoint.staging import (
     clean_tmp,
     create_job_dir,
@@ -61,13 +61,13 @@ def epilog(ctx: HookContext) -> list[Problem]:
         log.warning("epilog: couldn't reach the agent; keeping the staging dir", error=str(exc))
         _clean(root, ctx.job_id)
         return []
-    pending = list(answer.get("pending", []))
+    pending = list_field(answer, "pending")
     deadline = time.monotonic() + ck.epilog_wait_s
     while pending and time.monotonic() < deadline:
         time.sleep(0.5)
         try:
-            pending = list(call(sock, "ckpt.status", timeout=wait, job_id=ctx.job_id)
-                           .get("pending", []))
+            pending = list_field(call(sock, "ckpt.status", timeout=wait, job_id=ctx.job_id),
+                                 "pending")
         except AgentRefused:
             pending = []  # the agent already finished and forgot the job
         except AgentUnavailable as exc:

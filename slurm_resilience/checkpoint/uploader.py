@@ -27,9 +27,17 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
+from slurm_resilience.agent.service import (
+    AgentContext,
+    Handler,
+    Peer,
+    Request,
+    RequestError,
+    Response,
+    int_arg,
+    str_arg,
+)
 from slurm_resilience.checkpoint import intent
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -44,6 +52,7 @@ from slurm_resilience.checkpoint.journal import (
     JobRecord,
     JobState,
     Journal,
+    StageinState,
     StepState,
     failed_steps,
     new_record,
@@ -117,7 +126,7 @@ class Uploader:
         self.fetcher = make_fetcher(cfg, lambda: self.s3)
         for rec in self.jobs.values():
             if rec.get("stagein", {}).get("state") == "running":
-                rec["stagein"] = {"state": "pending"}  # interrupted by a restart: redo it
+                rec["stagein"] = {"state": StageinState.PENDING}  # cut by a restart: redo it
         log.info("checkpoint uploader started", jobs=sorted(self.jobs),
                  pending={j: pending_steps(r) for j, r in self.jobs.items() if pending_steps(r)})
 
@@ -135,7 +144,7 @@ class Uploader:
                 "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage,
                 "ckpt.cleanup": self.on_cleanup}
 
-    def on_cleanup(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_cleanup(self, request: Request, peer: Peer) -> Response:
         """``ckpt.cleanup`` (root): remove what is set aside under ``.stale/``, in the
         agent's own time (the next ticks), never in the caller's."""
         if peer.uid != 0:
@@ -164,11 +173,8 @@ class Uploader:
         if count:
             log.info("removed leftover staging entries set aside under .stale/", count=count)
 
-    def _job(self, request: dict[str, Any], peer: Peer, *, root_only: bool = False) -> JobRecord:
-        try:
-            job_id = int(request["job_id"])
-        except (KeyError, TypeError, ValueError):
-            raise RequestError("checkpoint: request needs an integer job_id") from None
+    def _job(self, request: Request, peer: Peer, *, root_only: bool = False) -> JobRecord:
+        job_id = int_arg(request, "job_id")
         if root_only and peer.uid != 0:
             raise RequestError(f"checkpoint: only root may do this (you are uid {peer.uid})")
         rec = self.jobs.get(job_id)
@@ -180,15 +186,13 @@ class Uploader:
                                f"not to you (uid {peer.uid})")
         return rec
 
-    def on_job_start(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_job_start(self, request: Request, peer: Peer) -> Response:
         if peer.uid != 0:
             raise RequestError(f"checkpoint: only root may start a job (you are uid {peer.uid})")
-        try:
-            job_id, uid, gid = int(request["job_id"]), int(request["uid"]), int(request["gid"])
-            user = str(request["user"])
-        except (KeyError, TypeError, ValueError):
-            raise RequestError("checkpoint: job_start needs job_id, uid, gid, user") from None
-        uri = str(request.get("uri") or "")
+        job_id, uid, gid = (int_arg(request, "job_id"), int_arg(request, "uid"),
+                            int_arg(request, "gid"))
+        user = str_arg(request, "user", limit=256)
+        uri = str_arg(request, "uri", default="")
         refused = ""
         if uri:  # from the SPANK option --ckpt-uri: stage in before the tasks even start
             try:
@@ -200,8 +204,8 @@ class Uploader:
             if rec is None or int(rec["uid"]) != uid:
                 rec = new_record(job_id, uid, gid, user, self.staging_root)
             else:  # a requeued job on the same node
-                rec["state"], rec["ended_at"] = "active", None
-                rec["stagein"] = {"state": "pending"}
+                rec["state"], rec["ended_at"] = JobState.ACTIVE, None
+                rec["stagein"] = {"state": StageinState.PENDING}
             if uri and not rec.get("uri"):
                 rec["uri"] = uri
             self.jobs[job_id] = rec
@@ -210,9 +214,9 @@ class Uploader:
                 self._start_stagein(rec)
         return {"ok": True, "refused": refused} if refused else {"ok": True}
 
-    def on_register(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_register(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer)
-        uri = str(request.get("uri", ""))
+        uri = str_arg(request, "uri", default="")
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
@@ -228,15 +232,16 @@ class Uploader:
                 self._start_stagein(rec)
         return {"ok": True, "uri": str(run)}
 
-    def on_status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_status(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer)
         with self.lock:
             answer = stagein_status(rec)
-            answer["failed"] = {str(k): v for k, v in failed_steps(rec).items()}
-            answer["upload_error"] = rec.get("error")
-        return {"ok": True, **answer, "fetch": self.fetcher.stats(int(rec["job_id"]))}
+            failed = {str(k): v for k, v in failed_steps(rec).items()}
+            error = rec.get("error")
+        return {"ok": True, **answer, "failed": failed, "upload_error": error,
+                "fetch": self.fetcher.stats(int(rec["job_id"]))}
 
-    def on_fetch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_fetch(self, request: Request, peer: Peer) -> Response:
         """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""
         rec = self._job(request, peer)
         try:
@@ -245,12 +250,13 @@ class Uploader:
             log.error("fetch failed", job_id=rec["job_id"], error=str(exc))
             raise RequestError(str(exc)) from None
 
-    def on_restage(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_restage(self, request: Request, peer: Peer) -> Response:
         """``ckpt.restage`` (the job's owner): the restore found the staged step corrupt
         (a block's CRC32C); stage in again without it. Only the job's own restore is
         affected, so the job's word is enough. Idempotent: every node's local leader asks."""
         rec = self._job(request, peer)
-        step, reason = request.get("step"), str(request.get("reason", ""))[:500]
+        step, reason = request.get("step"), str_arg(request, "reason", default="",
+                                                    limit=1 << 16)[:500]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise RequestError(f"checkpoint: restage: step {step!r} is not a step number")
         with self.lock:
@@ -268,7 +274,7 @@ class Uploader:
                 self.journal.write(rec)
         return {"ok": True}
 
-    def on_job_end(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def on_job_end(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer, root_only=True)
         if rec.get("uri"):
             # Steps committed since the last pass must count as pending before the epilog
@@ -282,7 +288,7 @@ class Uploader:
                 raise RequestError(f"checkpoint: job_end: couldn't scan the staging dir of job "
                                    f"{rec['job_id']}: {exc}") from None
         with self.lock:
-            rec["state"], rec["ended_at"] = "ended", time.time()
+            rec["state"], rec["ended_at"] = JobState.ENDED, time.time()
             self.journal.write(rec)
             self.backoff.pop(int(rec["job_id"]), None)  # try at once
             return {"ok": True, "pending": pending_steps(rec), "uri": rec.get("uri")}
@@ -291,7 +297,7 @@ class Uploader:
 
     def _start_stagein(self, rec: JobRecord) -> None:
         job_id = int(rec["job_id"])
-        rec["stagein"] = {"state": "running", "started": time.time()}
+        rec["stagein"] = {"state": StageinState.RUNNING, "started": time.time()}
         self.journal.write(rec)
         t = threading.Thread(target=self._stagein, args=(rec,), name=f"stagein-{job_id}",
                              daemon=True)
@@ -363,14 +369,15 @@ class Uploader:
         delay = delay or self.ck.retry_initial_s
         if rec.get("state") == JobState.FAILED:  # FAILED_RETRY_S later: one more try
             with self.lock:
-                rec["state"] = rec.get("failed_from") or JobState.ACTIVE.value
+                rec["state"] = rec.get("failed_from") or JobState.ACTIVE
         try:
             self.sync_job(rec)
             self.backoff.pop(job_id, None)
             if rec.get("error"):
                 with self.lock:
-                    for key in ("error", "failed_at", "failed_from"):
-                        rec.pop(key, None)
+                    rec.pop("error", None)
+                    rec.pop("failed_at", None)
+                    rec.pop("failed_from", None)
                     self.journal.write(rec)
                 log.info("upload work of a failed job went through this time", job_id=job_id)
         except TransientS3Error as exc:
@@ -399,7 +406,7 @@ class Uploader:
         with self.lock:
             if rec.get("state") != JobState.FAILED:
                 rec["failed_from"] = rec.get("state")
-            rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED.value, why, time.time()
+            rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED, why, time.time()
             try:
                 self.journal.write(rec)
             except (OSError, TypeError, ValueError) as exc:
@@ -414,7 +421,7 @@ class Uploader:
                 if os.fstat(jfd).st_uid != int(rec["uid"]):
                     raise CheckpointError(f"checkpoint: job {job_id}: staging dir is not owned "
                                           f"by uid {rec['uid']}")
-                if rec.get("uri") and rec["stagein"].get("state") not in ("running", "pending"):
+                if rec["uri"] and rec["stagein"].get("state") not in ("running", "pending"):
                     uri = parse_uri(rec["uri"])
                     self._note_local_steps(rec, jfd)  # pending even while S3 is down
                     try:
@@ -446,7 +453,7 @@ class Uploader:
         with self.lock:
             for step in committed_steps_at(jfd):
                 if str(step) not in rec["steps"]:
-                    rec["steps"][str(step)] = {"state": "pending", "files": {},
+                    rec["steps"][str(step)] = {"state": StepState.PENDING, "files": {},
                                                "since": time.time()}
                     changed = True
             if changed:
@@ -456,7 +463,8 @@ class Uploader:
         uid = int(rec["uid"])
         sname = step_name(step)
         steps = rec["steps"]
-        st = steps.setdefault(str(step), {"state": "pending", "files": {}, "since": time.time()})
+        st = steps.setdefault(str(step), {"state": StepState.PENDING, "files": {},
+                                          "since": time.time()})
         st.setdefault("files", {})
         try:
             marker, manifests = read_step(jfd, step, uid)
@@ -516,7 +524,7 @@ class Uploader:
         have = {r for r in range(marker.world_size)
                 if f"{prefix}{rank_name(r)}/{MANIFEST}" in keys}
         if len(have) < marker.world_size:
-            st["state"] = "waiting-peers"
+            st["state"] = StepState.WAITING_PEERS
             self.journal.write(rec)
             log.info("step waits for other nodes' ranks", job_id=rec["job_id"], step=step,
                      ranks_in_s3=len(have), world_size=marker.world_size)
@@ -535,7 +543,7 @@ class Uploader:
                 return
             log.info("commit marker already in S3 (another node of the job wrote it)",
                      job_id=rec["job_id"], step=step)
-        st["state"] = "committed"
+        st["state"] = StepState.COMMITTED
         st["files"] = {}
         st["committed_at"] = time.time()
         self.journal.write(rec)
@@ -552,7 +560,7 @@ class Uploader:
         old = rec["steps"].get(str(step), {})
         if delete_ours:  # a step another job committed keeps its intents
             intent.withdraw(self.s3, rec, old, step, self.node)  # intent.py: never waited for
-        if rec.get("uri"):
+        if rec["uri"]:
             uri = parse_uri(rec["uri"])
             for key, frec in old.get("files", {}).items():
                 try:
@@ -563,7 +571,7 @@ class Uploader:
                 except CheckpointError as exc:
                     log.warning("couldn't clean up after a step that will not be uploaded",
                                 key=key, error=str(exc))
-        rec["steps"][str(step)] = {"state": state.value, "reason": why}
+        rec["steps"][str(step)] = {"state": state, "reason": why}
         self.journal.write(rec)
 
     def _abort_orphans(self, rec: JobRecord, uri: S3Uri) -> None:
@@ -629,7 +637,7 @@ class Uploader:
                 self.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
                 with self.lock:
                     if str(step) in rec["steps"]:
-                        rec["steps"][str(step)] = {"state": StepState.PRUNED.value}
+                        rec["steps"][str(step)] = {"state": StepState.PRUNED}
                         self.journal.write(rec)
                 log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step,
                          uri=str(uri), keep_remote=self.ck.keep_remote)
@@ -643,7 +651,7 @@ class Uploader:
         if pending and age > PEER_WAIT_S and all(
                 rec["steps"][str(s)].get("state") == "waiting-peers" for s in pending):
             for s in pending:
-                rec["steps"][str(s)]["state"] = "rejected"
+                rec["steps"][str(s)]["state"] = StepState.REJECTED
                 rec["steps"][str(s)]["reason"] = "other ranks never reached S3"
                 intent.withdraw(self.s3, rec, rec["steps"][str(s)], s, self.node)  # intent.py
             pending = []

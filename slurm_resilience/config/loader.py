@@ -129,7 +129,7 @@ class _Builder:
             if not isinstance(node, yaml.MappingNode):
                 raise self.error(node, path, f"expected {_describe(tp)}")
             _, vtype = get_args(tp)
-            out: dict[str, Any] = {}
+            out: dict[str, object] = {}
             for knode, vnode in node.value:
                 key = str(self.scalar(knode))
                 out[key] = self.build(vtype, vnode, f"{path}.{key}")
@@ -173,7 +173,7 @@ class _Builder:
             raise self.error(node, path, "expected a mapping")
         hints = get_type_hints(cls)
         known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-        values: dict[str, Any] = {}
+        values: dict[str, object] = {}
         seen: set[str] = set()
         for knode, vnode in node.value:
             key = self.scalar(knode)

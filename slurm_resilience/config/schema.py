@@ -28,8 +28,8 @@ ENV_VAR = "SLURM_RESILIENCE_CONFIG"
 class SlurmSection:
     """How the adapter reaches Slurm."""
 
-    backend: Literal["cli", "pyslurm"] = setting(
-        "cli", help="cli runs scontrol/squeue; pyslurm needs a pyslurm built for your Slurm"
+    backend: Literal["cli"] = setting(
+        "cli", help="cli runs scontrol/squeue/sinfo, the only backend (see README: no pyslurm)"
     )
     bin_dir: str = setting("", help="directory holding scontrol/squeue/sinfo; empty: PATH")
     timeout_s: float = setting(10.0, min=0.5, max=300, help="hard timeout of each Slurm command")

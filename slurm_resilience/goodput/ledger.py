@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -128,7 +128,7 @@ def _first_step_at(slots: Iterable[S.SlotView]) -> float | None:
     return min(times) if times else None
 
 
-def note_hangs(job: JobTimes, reports: Iterable[dict[str, Any]]) -> None:
+def note_hangs(job: JobTimes, reports: Iterable[Mapping[str, Any]]) -> None:
     """Hang facts of each run from its hang reports (this node's)."""
     for rep in reports:
         try:

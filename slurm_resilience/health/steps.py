@@ -59,9 +59,9 @@ def _store(ctx: HookContext) -> Any:
     """One store per hook run, so what one read found unusable is known to the next."""
     from slurm_resilience.health.gate import StateStore, state_dir
 
-    store = ctx.notes.get("health.store")
+    store = ctx.notes.get("health_store")
     if store is None:
-        store = ctx.notes["health.store"] = StateStore(state_dir(ctx.cfg, ctx.node))
+        store = ctx.notes["health_store"] = StateStore(state_dir(ctx.cfg, ctx.node))
     return store
 
 

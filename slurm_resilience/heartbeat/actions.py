@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -34,6 +34,13 @@ class StepKind(enum.Enum):
     CANCEL = "cancel"
 
 
+class StepDoc(TypedDict):
+    kind: str  # a StepKind's value
+    target: str
+    text: str
+    nodes: list[str]
+
+
 @dataclass(frozen=True)
 class Step:
     kind: StepKind
@@ -41,7 +48,7 @@ class Step:
     text: str = ""
     nodes: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> StepDoc:
         return {"kind": self.kind.value, "target": self.target, "text": self.text,
                 "nodes": list(self.nodes)}
 
@@ -53,7 +60,7 @@ class Step:
         return f"{self.kind.value} job {job_id}"
 
 
-def step_from_json(data: Any) -> Step:
+def step_from_json(data: object) -> Step:
     if not isinstance(data, dict):
         raise ValueError("step is not an object")
     return Step(StepKind(data["kind"]), str(data.get("target", "")), str(data.get("text", "")),

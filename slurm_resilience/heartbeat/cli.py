@@ -28,37 +28,38 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def collect(cfg: config.Config, node: str) -> dict[str, Any]:
+def collect(cfg: config.Config, node: str) -> st.StatusDoc:
     adapter = from_config(cfg)
-    result: dict[str, Any] = {"mode": cfg.heartbeat.mode, "drains": [], "jobs": [],
-                              "incidents": [], "errors": []}
+    errors: list[str] = []
+    result: st.StatusDoc = {"mode": cfg.heartbeat.mode, "drains": [], "jobs": [],
+                            "incidents": [], "errors": errors}
     try:
         nodes = adapter.list_nodes()
         result["drains"] = st.drains(nodes, cfg.slurm.reason_prefix)
         result["budget"] = st.budget(nodes, cfg.slurm.reason_prefix, cfg.heartbeat, time.time())
     except SlurmError as exc:
-        result["errors"].append(f"drains: {exc}")
+        errors.append(f"drains: {exc}")
     try:
         result["jobs"] = st.hang_jobs(adapter.list_jobs())
     except SlurmError as exc:
-        result["errors"].append(f"jobs: {exc}")
+        errors.append(f"jobs: {exc}")
     directory = st.incident_dir(node_path(cfg.node.state_dir, node),
                                 node_path(cfg.heartbeat.incident_dir, node))
     try:
         result["incidents"] = st.incidents(directory)
     except PermissionError as exc:
-        result["errors"].append(f"incidents: {exc.filename}: permission denied (root only)")
+        errors.append(f"incidents: {exc.filename}: permission denied (root only)")
     try:
         result["stragglers"] = stragglers(cfg, node, time.time())
     except PermissionError as exc:
         result["stragglers"] = []
-        result["errors"].append(f"stragglers: {exc.filename}: permission denied (root only)")
+        errors.append(f"stragglers: {exc.filename}: permission denied (root only)")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 
         uploads = upload_status.collect(upload_status.journal_dir(cfg, node))
         result["uploads"] = uploads
-        result["errors"] += uploads["errors"]
+        errors += uploads["errors"]
     return result
 
 
@@ -105,4 +106,4 @@ def run(args: argparse.Namespace) -> int:
             from slurm_resilience.checkpoint import upload_status
 
             sys.stdout.write(upload_status.render(result["uploads"]))
-    return 1 if result["errors"] else 0
+    return 1 if result.get("errors") else 0

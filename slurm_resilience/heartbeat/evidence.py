@@ -26,9 +26,9 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import safefs
@@ -98,6 +98,44 @@ def find_py_spy(configured: str) -> str | None:
     return beside if os.access(beside, os.X_OK) else None
 
 
+class NcclTraceDoc(TypedDict, total=False):
+    """What came of triggering one rank's NCCL flight recorder."""
+
+    enabled: bool  # the rank set TORCH_NCCL_DEBUG_INFO_PIPE_FILE
+    pipe: str
+    file: str
+    error: str
+    bytes: int
+    sha256: str
+    saved_as: str  # under the incident's files/ directory
+
+
+class RankEvidenceDoc(TypedDict):
+    rank: int
+    pid: int
+    stack: str
+    stack_error: str
+    nccl_trace: NcclTraceDoc
+
+
+class XidsDoc(TypedDict, total=False):
+    """Xids since the job started, from the health gate's kernel-log collector."""
+
+    checked: bool
+    error: str
+    events: list[dict[str, Any]]  # the collector's events, as it returns them
+    findings: list[str]  # the fatal ones, one line each
+
+
+class HealthDoc(TypedDict, total=False):
+    """The health gate's read-only checks (its report's to_dict, kept as it is) plus:"""
+
+    checked: bool
+    error: str
+    failures: list[str]  # messages of the failed findings
+    findings: list[dict[str, Any]]
+
+
 @dataclass
 class RankEvidence:
     """What was captured from one rank's process."""
@@ -106,9 +144,9 @@ class RankEvidence:
     pid: int
     stack: str = ""
     stack_error: str = ""
-    nccl_trace: dict[str, Any] = field(default_factory=dict)
+    nccl_trace: NcclTraceDoc = field(default_factory=lambda: NcclTraceDoc())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> RankEvidenceDoc:
         return {"rank": self.rank, "pid": self.pid, "stack": self.stack,
                 "stack_error": self.stack_error, "nccl_trace": self.nccl_trace}
 
@@ -148,7 +186,7 @@ def _trigger_pipe(pipe: str, uid: int) -> str:
 
 def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None, *,
                          wait_s: float = 5.0, clock: Clock = time.monotonic,
-                         poll_s: float = 0.2) -> dict[str, Any]:
+                         poll_s: float = 0.2) -> NcclTraceDoc:
     """Trigger the NCCL flight recorder of one rank and keep its dump as opaque bytes.
 
     The pipe and the dump file are in paths the job chose: each is reached only as the job's
@@ -162,7 +200,7 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
         return {"enabled": False}
     pipe = f"{prefix}{rank}.pipe"
     dump = f"{env.get(NCCL_FILE_ENV) or NCCL_FILE_DEFAULT}{rank}"
-    result: dict[str, Any] = {"enabled": True, "pipe": pipe, "file": dump}
+    result: NcclTraceDoc = {"enabled": True, "pipe": pipe, "file": dump}
     started = time.time()
     error = _trigger_pipe(pipe, uid)
     if error:
@@ -185,7 +223,7 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
                                "file of the job's user in a directory the user owns)")
             return result
         time.sleep(poll_s)
-    result.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    result["bytes"], result["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     if save_dir_fd is not None:
         saved = f"nccl-trace-rank{rank}.bin"
         try:
@@ -293,7 +331,7 @@ def _optional(module: str) -> Any:
         return None
 
 
-def xids_since(cfg: Config, node: str, since: float) -> dict[str, Any]:
+def xids_since(cfg: Config, node: str, since: float) -> XidsDoc:
     """Xid events since ``since`` (the job's start) from the gate's kernel-log collector."""
     collector = _optional("slurm_resilience.health.collectors.xid")
     catalog = _optional("slurm_resilience.health.xid_catalog")
@@ -322,7 +360,7 @@ def xids_since(cfg: Config, node: str, since: float) -> dict[str, Any]:
                        for e in events], "findings": findings}
 
 
-def health_snapshot(cfg: Config, node: str) -> dict[str, Any]:
+def health_snapshot(cfg: Config, node: str) -> HealthDoc:
     """The gate's read-only checks now; failed findings count as fresh blame evidence."""
     gate = _optional("slurm_resilience.health.gate")
     if gate is None or getattr(cfg, "health", None) is None:
@@ -331,14 +369,14 @@ def health_snapshot(cfg: Config, node: str) -> dict[str, Any]:
         report = gate.run(cfg, node, "prolog", only=("gpu", "infiniband", "nvme"))
     except Exception as exc:  # noqa: BLE001 - a broken collector must not stop the incident
         return {"checked": False, "error": f"couldn't run the health gate: {exc}"}
-    snap: dict[str, Any] = report.to_dict()
+    snap = cast(HealthDoc, report.to_dict())
     snap["checked"] = True
     snap["failures"] = [f["message"] for f in snap.get("findings", [])
                         if f.get("severity") == "fail"]
     return snap
 
 
-def node_findings(xids: Mapping[str, Any], health: Mapping[str, Any]) -> list[str]:
+def node_findings(xids: XidsDoc, health: HealthDoc) -> list[str]:
     """Fresh findings that can blame this node: fatal Xids since job start, failed checks."""
     return [*xids.get("findings", []), *health.get("failures", [])]
 

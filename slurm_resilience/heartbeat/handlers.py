@@ -9,21 +9,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.agent.service import Peer, Request, RequestError, Response
 from slurm_resilience.heartbeat import incident
 from slurm_resilience.heartbeat.localpiece import JobView
 
 
-def job_id_of(value: Any, what: str = "job_id") -> int:
+def job_id_of(value: object, what: str = "job_id") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit():
         raise RequestError(f"{what} must be a job id (digits), got {value!r}")
-    return int(value)
+    return int(str(value))
 
 
-def owned(views: dict[int, JobView], node: str, request: dict[str, Any], peer: Peer) -> JobView:
+def owned(views: dict[int, JobView], node: str, request: Request, peer: Peer) -> JobView:
     job_id = job_id_of(request.get("job_id"))
     view = views.get(job_id)
     if view is None:
@@ -35,7 +34,7 @@ def owned(views: dict[int, JobView], node: str, request: dict[str, Any], peer: P
 
 
 def status(views: list[JobView], node: str, mode: str, peer: Peer,
-           suspect: dict[str, Any]) -> dict[str, Any]:
+           suspect: Mapping[str, object]) -> Response:
     jobs = []
     for v in views:
         if peer.uid not in (0, v.record.uid):
@@ -44,14 +43,14 @@ def status(views: list[JobView], node: str, mode: str, peer: Peer,
                      "mode": v.verdict.mode, "stragglers": list(v.verdict.stragglers),
                      "tuned_timeout_s": v.verdict.tuned_timeout_s,
                      "ranks": [r.__dict__ for r in v.verdict.ranks], "errors": v.errors})
-    out: dict[str, Any] = {"ok": True, "node": node, "mode": mode, "jobs": jobs}
+    out: Response = {"ok": True, "node": node, "mode": mode, "jobs": jobs}
     if peer.uid == 0:
         out["last_verification"] = suspect
     return out
 
 
-def fetch(incident_dir: str, node: str, request: dict[str, Any], peer: Peer,
-          max_bytes: int) -> dict[str, Any]:
+def fetch(incident_dir: str, node: str, request: Request, peer: Peer,
+          max_bytes: int) -> Response:
     """The job's reports on this node, for its owner or root; the same refusal whether the
     job had no incident here or belongs to someone else, so nothing leaks about others."""
     job_id = job_id_of(request.get("job_id"))

@@ -20,6 +20,7 @@ from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
 from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, Stopping, execute, retry
 from slurm_resilience.heartbeat.records import (
     Action,
+    BlameDoc,
     Clock,
     Decision,
     Piece,
@@ -31,7 +32,7 @@ from slurm_resilience.heartbeat.records import (
     piece_to_bytes,
 )
 from slurm_resilience.heartbeat.rendezvous import Rendezvous
-from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.heartbeat.store import IncidentStore, Progress, ProgressState
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
@@ -40,7 +41,7 @@ from slurm_resilience.slurm.parse import JobInfo
 log = get_logger("heartbeat")
 
 
-def _blame_json(blamed: B.Blame, missing: Sequence[str]) -> dict[str, Any]:
+def _blame_json(blamed: B.Blame, missing: Sequence[str]) -> BlameDoc:
     explanation = blamed.explanation
     if missing:
         explanation += f" (no observations from {', '.join(missing)})"
@@ -77,7 +78,7 @@ class IncidentRunner:
                 timings: Timings, **kw: Any) -> Report:
         rec = view.record
         base = Report(rec.job_id, run, rec.user, rec.uid, self.node, view.verdict.mode, trigger,
-                      piece.ranks, {self.node: piece.evidence}, {}, None, (), timings)
+                      piece.ranks, {self.node: piece.evidence}, None, None, (), timings)
         return replace(base, **kw)
 
     def run(self, view: localpiece.JobView, trigger: str, run_hint: int | None) -> Report | None:
@@ -153,13 +154,13 @@ class IncidentRunner:
         if not hb.drain and any(c.verdict.value != "spare" for c in decision.nodes):
             actions.append("draining is off (heartbeat.drain: false): no node drained")
         path = self._write(report)
-        progress = Progress(rec.job_id, run, "acting", steps, 0, deadline, path)
+        progress = Progress(rec.job_id, run, ProgressState.ACTING, steps, 0, deadline, path)
         self.store.save(progress)
         done, complete = execute(self.adapter, rec.job_id, run, steps, 0, deadline,
                                  self.clocked, lambda i: self.store.save(
                                      replace(progress, done=i)))
         self.store.save(replace(progress, done=len(steps) if complete else progress.done,
-                                state="done" if complete else "gave-up"))
+                                state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
         timings = replace(report.timings, action_at=self.clock.time())
         return self.finish(replace(report, actions=tuple(actions + done), timings=timings))
 
@@ -195,10 +196,10 @@ class IncidentRunner:
                         job_id=progress.job_id, why=str(exc))
 
     def _resume(self, progress: Progress) -> None:
-        if progress.state == "claimed":
+        if progress.state is ProgressState.CLAIMED:
             # Claimed but no plan saved: nothing was done yet; the job's ledger in Slurm
             # (run already handled or not) decides on the next detection.
-            self.store.save(replace(progress, state="gave-up"))
+            self.store.save(replace(progress, state=ProgressState.GAVE_UP))
             log.warning("heartbeat: resume: claimed incident had no plan; left to the next "
                         "detection", job_id=progress.job_id, run=progress.run)
             return
@@ -209,7 +210,7 @@ class IncidentRunner:
                                  progress.done, progress.deadline, self.clocked,
                                  lambda i: self.store.save(replace(progress, done=i)))
         self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
-                                state="done" if complete else "gave-up"))
+                                state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
         if progress.report:
             try:
                 data = incident.read_report(os.path.dirname(progress.report),
@@ -233,7 +234,8 @@ class IncidentRunner:
         """The report into the agent's directory and the log."""
         path = self._write(report)
         data = report.to_json()
+        explanation = report.blame["explanation"] if report.blame else ""
         log.warning("hang incident", job_id=report.job_id, mode=report.mode,
-                    decision=data["decision"], blame=report.blame.get("explanation", ""),
+                    decision=data["decision"], blame=explanation,
                     actions=list(report.actions), file=path, timings=data["timings"])
         return report

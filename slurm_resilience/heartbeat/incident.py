@@ -13,14 +13,42 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 from slurm_resilience.heartbeat import safefs
+from slurm_resilience.heartbeat.records import ReportDoc
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.incident")
 
 MAX_REPORT_FILE = 4 << 20
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A report file of the incident directory: its report, or why it can't be used."""
+
+    file: str
+    report: ReportDoc | None
+    error: str = ""
+
+
+def check_report(data: object, name: str) -> ReportDoc:
+    """A report as every release wrote it: ValueError naming the field otherwise."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} is not a report")
+    for key, kind, what in (("job_id", int, "an integer"), ("restart", int, "an integer"),
+                            ("node", str, "a string"), ("mode", str, "a string")):
+        if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+            raise ValueError(f"{name}: {key} {data.get(key)!r} is not {what}")
+    # The fields readers index into must have their shape too.
+    for key, shape in (("decision", dict), ("blame", dict), ("files", list), ("actions", list),
+                       ("ranks", list)):
+        if data.get(key) is not None and not isinstance(data[key], shape):
+            raise ValueError(f"{name}: {key} is a {type(data[key]).__name__}, not a "
+                             f"{shape.__name__}")
+    return cast(ReportDoc, data)
 
 
 def _iso(t: float | None) -> str:
@@ -84,7 +112,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_agent_copy(directory: str, report: Mapping[str, Any]) -> str:
+def write_agent_copy(directory: str, report: ReportDoc) -> str:
     """Write the report into the agent's root-owned incident directory; returns the path."""
     fd = safefs.makedirs_root(directory)
     name = base_name(report["job_id"], report["restart"], report["node"])
@@ -97,24 +125,17 @@ def write_agent_copy(directory: str, report: Mapping[str, Any]) -> str:
     return os.path.join(directory, name + ".json")
 
 
-def read_report(directory: str, name: str) -> dict[str, Any]:
+def read_report(directory: str, name: str) -> ReportDoc:
     """One report of the agent's root-owned incident directory (never through a link)."""
     fd = safefs.open_dir(directory)
     try:
         raw = safefs.read_owned_file(fd, name, os.geteuid(), max_bytes=MAX_REPORT_FILE)
     finally:
         os.close(fd)
-    data = json.loads(raw)
-    # The fields readers index into must have their shape; anything else is not a report.
-    shapes = {"job_id": int, "restart": int, "decision": dict, "blame": dict, "files": list,
-              "actions": list}
-    if not isinstance(data, dict) or not isinstance(data.get("job_id"), int) or any(
-            k in data and not isinstance(data[k], t) for k, t in shapes.items()):
-        raise ValueError(f"{name} is not a report")
-    return data
+    return check_report(json.loads(raw), name)
 
 
-def reports_of_job(directory: str, job_id: int, limit: int = 8) -> list[dict[str, Any]]:
+def reports_of_job(directory: str, job_id: int, limit: int = 8) -> list[ReportDoc]:
     """This node's reports of one job, oldest run first (at most ``limit``)."""
     prefix = f"hang-job{int(job_id)}-run"
     try:
@@ -131,17 +152,17 @@ def reports_of_job(directory: str, job_id: int, limit: int = 8) -> list[dict[str
     return sorted(out, key=lambda r: (int(r.get("restart", 0)), str(r.get("node", ""))))
 
 
-def list_reports(directory: str, limit: int = 50) -> list[dict[str, Any]]:
+def list_reports(directory: str, limit: int = 50) -> list[Listed]:
     """The newest reports in the agent's incident directory (for status)."""
     try:
         names = [n for n in os.listdir(directory) if n.endswith(".json")]
     except FileNotFoundError:
         return []
-    out = []
+    out: list[Listed] = []
     for name in sorted(names, key=lambda n: os.path.getmtime(os.path.join(directory, n)),
                        reverse=True)[:limit]:
         try:
-            out.append(read_report(directory, name))  # bounded, never through a link
+            out.append(Listed(name, read_report(directory, name)))  # bounded, no link
         except (OSError, ValueError) as exc:
-            out.append({"file": name, "error": f"couldn't read: {exc}"})
+            out.append(Listed(name, None, f"couldn't read: {exc}"))
     return out

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TypedDict
 
 from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.paths import job_id_of_record
+
+
+class JobRecordDoc(TypedDict):
+    """``<records_dir>/<job_id>.json``."""
+
+    job_id: int
+    uid: int
+    gid: int
+    user: str
+    started: float
+    nodes: list[str]
 
 
 @dataclass(frozen=True)
@@ -26,18 +37,31 @@ class JobRecord:
     started: float  # Unix time of the prolog
     nodes: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["nodes"] = list(self.nodes)
-        return data
+    def to_json(self) -> JobRecordDoc:
+        return {"job_id": self.job_id, "uid": self.uid, "gid": self.gid, "user": self.user,
+                "started": self.started, "nodes": list(self.nodes)}
 
 
-def from_json(data: Any) -> JobRecord:
+def _int(data: dict[str, object], key: str) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"job record: {key} {value!r} is not a non-negative integer")
+    return value
+
+
+def from_json(data: object) -> JobRecord:
+    """A record as :func:`write` wrote it; ValueError naming the field otherwise."""
     if not isinstance(data, dict):
         raise ValueError("job record is not a JSON object")
-    return JobRecord(job_id=int(data["job_id"]), uid=int(data["uid"]), gid=int(data["gid"]),
-                     user=str(data.get("user", "")), started=float(data["started"]),
-                     nodes=tuple(str(n) for n in data.get("nodes", [])))
+    started, user, nodes = data.get("started"), data.get("user", ""), data.get("nodes", [])
+    if not isinstance(started, (int, float)) or isinstance(started, bool):
+        raise ValueError(f"job record: started {started!r} is not a time")
+    if not isinstance(user, str):
+        raise ValueError(f"job record: user {user!r} is not a string")
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        raise ValueError("job record: nodes is not a list of node names")
+    return JobRecord(job_id=_int(data, "job_id"), uid=_int(data, "uid"), gid=_int(data, "gid"),
+                     user=user, started=float(started), nodes=tuple(nodes))
 
 
 def write(records_dir: str, record: JobRecord) -> None:

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from slurm_resilience.heartbeat.blame import RankObservation
 
@@ -73,6 +73,62 @@ class RankLine:
     mean_step_s: float
     max_step_s: float
     last_progress_at: float
+
+
+class BlameDoc(TypedDict):
+    """handling._blame_json: who the batch host blames, and why."""
+
+    nodes: list[str]
+    ranks: list[int]
+    rule: str
+    explanation: str
+
+
+class NodeCallDoc(TypedDict):
+    node: str
+    verdict: str  # a NodeVerdict's value
+    reason: str
+
+
+class DecisionDoc(TypedDict, total=False):
+    """``action`` and ``reason`` are always there ("none"/"not decided" when undecided)."""
+
+    action: str  # an Action's value
+    reason: str
+    ledger: str
+    ckpt_step: int
+    budget: str
+    nodes: list[NodeCallDoc]
+    exclude: list[str]
+
+
+class TimingsDoc(TypedDict, total=False):
+    evidence_s: float
+    hang_started_at: float
+    detect_after_s: float
+    action_at: float
+    action_after_s: float
+
+
+class ReportDoc(TypedDict, total=False):
+    """An incident report as kept in ``hang-job<J>-run<R>-<node>.json``. Reports written by
+    every release have job_id, restart, node and mode (incident.read_report checks them)."""
+
+    job_id: int
+    restart: int
+    user: str
+    uid: int
+    node: str
+    mode: str
+    trigger: str
+    detected_at: float
+    ranks: list[dict[str, Any]]  # RankLine fields
+    evidence: dict[str, Any]  # node -> its evidence (evidence.py's documents)
+    decision: DecisionDoc
+    actions: list[str]
+    timings: TimingsDoc
+    blame: BlameDoc
+    files: list[str]
 
 
 @dataclass(frozen=True)
@@ -213,8 +269,8 @@ class Timings:
     hang_started_at: float | None = None
     action_at: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"evidence_s": round(self.evidence_s, 3)}
+    def to_json(self) -> TimingsDoc:
+        out: TimingsDoc = {"evidence_s": round(self.evidence_s, 3)}
         if self.hang_started_at is not None:
             out["hang_started_at"] = self.hang_started_at
             out["detect_after_s"] = round(self.detected_at - self.hang_started_at, 3)
@@ -239,27 +295,28 @@ class Report:
     trigger: str
     ranks: tuple[RankLine, ...]
     evidence: Mapping[str, Any]
-    blame: Mapping[str, Any]
+    blame: BlameDoc | None
     decision: Decision | None
     actions: tuple[str, ...]
     timings: Timings
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ReportDoc:
         d = self.decision
-        decision: dict[str, Any] = {"action": "none", "reason": "not decided"}
+        decision: DecisionDoc = {"action": "none", "reason": "not decided"}
         if d is not None:
             decision = {"action": d.action.value, "reason": d.reason, "ledger": d.ledger,
                         "ckpt_step": d.ckpt_step, "budget": d.budget_note,
                         "nodes": [{"node": c.node, "verdict": c.verdict.value, "reason": c.reason}
                                   for c in d.nodes], "exclude": list(d.exclude)}
-        out = {"job_id": self.job_id, "restart": self.run, "user": self.user, "uid": self.uid,
-               "node": self.node, "mode": self.mode, "trigger": self.trigger,
-               "detected_at": self.timings.detected_at,
-               "ranks": [asdict(r) for r in self.ranks], "evidence": dict(self.evidence),
-               "decision": decision, "actions": list(self.actions),
-               "timings": self.timings.to_json()}
+        out: ReportDoc = {
+            "job_id": self.job_id, "restart": self.run, "user": self.user, "uid": self.uid,
+            "node": self.node, "mode": self.mode, "trigger": self.trigger,
+            "detected_at": self.timings.detected_at,
+            "ranks": [asdict(r) for r in self.ranks], "evidence": dict(self.evidence),
+            "decision": decision, "actions": list(self.actions),
+            "timings": self.timings.to_json()}
         if self.blame:  # only the deciding node (the batch host) blames
-            out["blame"] = dict(self.blame)
+            out["blame"] = self.blame
         return out
 
 

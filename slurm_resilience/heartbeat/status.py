@@ -9,15 +9,74 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.heartbeat import incident, policy
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
+if TYPE_CHECKING:
+    from slurm_resilience.checkpoint.upload_status import UploadReport
 
-def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[dict[str, Any]]:
+
+class DrainRow(TypedDict):
+    node: str
+    state: str
+    reason: str
+    since: str  # Slurm's reason time, as Slurm prints it
+    hang: bool
+
+
+class BudgetRow(TypedDict):
+    used: int
+    limit: int
+    by_user: dict[str, int]
+    per_user_limit: int
+    spent: bool
+
+
+class HangJobRow(TypedDict):
+    job_id: int
+    user: str
+    state: str
+    reason: str
+    restarts: int
+    hang_requeues: int
+    held: bool
+    admin_comment: str
+
+
+class IncidentRow(TypedDict, total=False):
+    """One report's summary, or (``file`` and ``error`` only) a report that can't be read."""
+
+    job_id: int | None
+    run: int | None
+    node: str | None
+    mode: str | None
+    detected_at: float | None
+    action: str | None
+    reason: str | None
+    blame: str
+    files: list[str]
+    file: str
+    error: str
+
+
+class StatusDoc(TypedDict, total=False):
+    """``slurm-resilience status --json``."""
+
+    mode: str
+    drains: list[DrainRow]
+    budget: BudgetRow
+    jobs: list[HangJobRow]
+    incidents: list[IncidentRow]
+    errors: list[str]
+    uploads: UploadReport
+    stragglers: list[dict[str, Any]]
+
+
+def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[DrainRow]:
     """Nodes drained or down with a reason we set."""
     return [{"node": n.name, "state": "+".join([n.state, *sorted(n.flags)]), "reason": n.reason,
              # Reasons of earlier releases ("SR: hang job 7: ...") are hang drains too.
@@ -27,7 +86,7 @@ def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[dict[str, Any]]:
 
 
 def budget(nodes: Sequence[NodeInfo], prefix: str, hb: HeartbeatSection, now: float
-           ) -> dict[str, Any]:
+           ) -> BudgetRow:
     """How much of the hourly hang budget is used, from Slurm's node reasons."""
     used = policy.budget_used(nodes, prefix, now)
     return {"used": used.total, "limit": hb.budget_per_hour, "by_user": dict(used.by_user),
@@ -35,9 +94,9 @@ def budget(nodes: Sequence[NodeInfo], prefix: str, hb: HeartbeatSection, now: fl
             >= hb.budget_per_hour}
 
 
-def hang_jobs(jobs: Sequence[JobInfo]) -> list[dict[str, Any]]:
+def hang_jobs(jobs: Sequence[JobInfo]) -> list[HangJobRow]:
     """Jobs with a hang ledger: requeue count, and whether they are held and why."""
-    out = []
+    out: list[HangJobRow] = []
     for j in jobs:
         ledger = R.parse_ledger(j.admin_comment)
         if ledger is None:
@@ -49,12 +108,13 @@ def hang_jobs(jobs: Sequence[JobInfo]) -> list[dict[str, Any]]:
     return out
 
 
-def incidents(directory: str, limit: int = 20) -> list[dict[str, Any]]:
+def incidents(directory: str, limit: int = 20) -> list[IncidentRow]:
     """Summaries of this node's newest incident reports."""
-    out = []
-    for rep in incident.list_reports(directory, limit):
-        if "error" in rep and "job_id" not in rep:
-            out.append(rep)
+    out: list[IncidentRow] = []
+    for listed in incident.list_reports(directory, limit):
+        rep = listed.report
+        if rep is None:
+            out.append({"file": listed.file, "error": listed.error})
             continue
         decision = rep.get("decision", {})
         out.append({
@@ -67,7 +127,7 @@ def incidents(directory: str, limit: int = 20) -> list[dict[str, Any]]:
     return out
 
 
-def render(status: dict[str, Any]) -> str:
+def render(status: StatusDoc) -> str:
     """Readable text of :func:`collect`'s result."""
     lines = [f"hang watching: mode {status['mode']}"]
     b = status.get("budget")
@@ -76,20 +136,22 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"hang budget: {b['used']} of {b['limit']} nodes this hour"
                      + (" (SPENT: hangs are reported, no node is taken out)" if b["spent"]
                         else "") + f"; per user (limit {b['per_user_limit']}): {users}")
-    lines.append(f"drains by slurm-resilience ({len(status['drains'])}):")
-    lines += [f"  {d['node']:<14} {d['state']:<14} {d['reason']}" for d in status["drains"]]
-    lines.append(f"jobs requeued or held for hangs ({len(status['jobs'])}):")
-    for j in status["jobs"]:
+    drained, jobs, reports = (status.get("drains", []), status.get("jobs", []),
+                              status.get("incidents", []))
+    lines.append(f"drains by slurm-resilience ({len(drained)}):")
+    lines += [f"  {d['node']:<14} {d['state']:<14} {d['reason']}" for d in drained]
+    lines.append(f"jobs requeued or held for hangs ({len(jobs)}):")
+    for j in jobs:
         tag = "HELD" if j["held"] else j["state"]
         lines.append(f"  job {j['job_id']:<8} {j['user']:<10} {tag:<9} hang requeues "
                      f"{j['hang_requeues']}  {j['admin_comment']}")
-    lines.append(f"incidents on this node ({len(status['incidents'])}):")
-    for i in status["incidents"]:
+    lines.append(f"incidents on this node ({len(reports)}):")
+    for i in reports:
         if "error" in i and "job_id" not in i:
             lines.append(f"  {i.get('file')}: {i['error']}")
             continue
-        lines.append(f"  job {i['job_id']} run {i['run']} on {i['node']}: {i['action']}: "
-                     f"{i['reason']}")
+        lines.append(f"  job {i.get('job_id')} run {i.get('run')} on {i.get('node')}: "
+                     f"{i.get('action')}: {i.get('reason')}")
         if i.get("blame"):
             lines.append(f"      blame: {i['blame']}")
     for err in status.get("errors", []):

@@ -8,20 +8,46 @@ how far it got; one still ``acting`` after a restart is resumed from its next st
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from slurm_resilience.heartbeat import safefs
-from slurm_resilience.heartbeat.actions import Step, step_from_json
+from slurm_resilience.heartbeat.actions import Step, StepDoc, step_from_json
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.store")
 
 Key = tuple[int, int]
+
+
+class ProgressState(str, enum.Enum):
+    """How far an incident got; stored as the value."""
+
+    CLAIMED = "claimed"
+    ACTING = "acting"
+    DONE = "done"
+    GAVE_UP = "gave-up"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+UNFINISHED = frozenset({ProgressState.CLAIMED, ProgressState.ACTING})
+
+
+class ProgressDoc(TypedDict):
+    job_id: int
+    run: int
+    state: str  # a ProgressState's value
+    plan: list[StepDoc]
+    done: int
+    deadline: float
+    report: str
 
 
 @dataclass(frozen=True)
@@ -30,22 +56,27 @@ class Progress:
 
     job_id: int
     run: int
-    state: str  # claimed | acting | done | gave-up
+    state: ProgressState
     plan: tuple[Step, ...] = ()
     done: int = 0
     deadline: float = 0.0
     report: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "run": self.run, "state": self.state,
+    def __post_init__(self) -> None:
+        # Callers may still pass the value ("acting"): always hold the member.
+        object.__setattr__(self, "state", ProgressState(self.state))
+
+    def to_json(self) -> ProgressDoc:
+        return {"job_id": self.job_id, "run": self.run, "state": self.state.value,
                 "plan": [s.to_json() for s in self.plan], "done": self.done,
                 "deadline": self.deadline, "report": self.report}
 
 
-def _from_json(data: Any) -> Progress:
+def _from_json(data: object) -> Progress:
+    """A progress file's content; ValueError (an unknown state too) when it is mis-shaped."""
     if not isinstance(data, dict):
         raise ValueError("not an object")
-    return Progress(int(data["job_id"]), int(data["run"]), str(data["state"]),
+    return Progress(int(data["job_id"]), int(data["run"]), ProgressState(data["state"]),
                     tuple(step_from_json(s) for s in data.get("plan", [])),
                     int(data.get("done", 0)), float(data.get("deadline", 0.0)),
                     str(data.get("report", "")))
@@ -79,7 +110,8 @@ class IncidentStore:
         """Atomically claim acting on this run; False when it was claimed before."""
         fd = self._dir()
         try:
-            data = json.dumps(Progress(job_id, run, "claimed", deadline=deadline).to_json())
+            claimed = Progress(job_id, run, ProgressState.CLAIMED, deadline=deadline)
+            data = json.dumps(claimed.to_json())
             safefs.write_new(fd, self.name(job_id, run), data.encode())
             return True
         except FileExistsError:
@@ -106,7 +138,7 @@ class IncidentStore:
             data = json.loads(raw)
             if isinstance(data, (int, float)):
                 # A marker of an earlier release (the claim time only): that run was handled.
-                return Progress(job_id, run, "done")
+                return Progress(job_id, run, ProgressState.DONE)
             return _from_json(data)
         except FileNotFoundError:
             return None
@@ -141,7 +173,7 @@ class IncidentStore:
                 continue
             self.remember((int(job), int(run)))
             p = self.load(int(job), int(run))
-            if p is not None and p.state in ("claimed", "acting"):
+            if p is not None and p.state in UNFINISHED:
                 out.append(p)
         return out
 

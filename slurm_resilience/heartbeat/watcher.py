@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from slurm_resilience.agent.service import AgentContext, Handler, Peer
+from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.heartbeat import detect, evidence, handlers, jobrecord
@@ -221,14 +221,14 @@ class HangWatcher:
 
     # -- socket requests -------------------------------------------------------------------------
 
-    def handle_status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def handle_status(self, request: Request, peer: Peer) -> Response:
         """Jobs watched on this node: root sees all, a user only their own."""
         with self.lock:
             views = list(self.jobs.values())
         return handlers.status(views, self.node, self.cfg.heartbeat.mode, peer,
                                self.suspects.last)
 
-    def handle_report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def handle_report(self, request: Request, peer: Peer) -> Response:
         """A job's own process reports a stall it detected itself: handled like a timeout."""
         with self.lock:
             jobs = dict(self.jobs)
@@ -236,7 +236,7 @@ class HangWatcher:
         started = self.start_incident(view, trigger=f"reported by uid {peer.uid} pid {peer.pid}")
         return {"ok": True, "job_id": view.record.job_id, "started": started}
 
-    def handle_fetch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def handle_fetch(self, request: Request, peer: Peer) -> Response:
         """The reports of a job, for its owner or root."""
         return handlers.fetch(self.incident_dir, self.node, request, peer,
                               self.cfg.heartbeat.max_report_bytes)

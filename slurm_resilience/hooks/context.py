@@ -6,7 +6,7 @@ import os
 import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from slurm_resilience.config import Config
 from slurm_resilience.slurm.adapter import SlurmAdapter, from_config
@@ -28,6 +28,15 @@ class Problem:
     more: int = 0  # further findings folded into this one, counted in the drain reason
 
 
+class HookNotes(TypedDict, total=False):
+    """What steps leave for the runner and for later steps of the same hook run."""
+
+    step: str  # the step running now (module:function), for the watchdog's message
+    nccl_handoff_s: float  # how long the prolog waited for an NCCL test to hand over
+    # The health gate's StateStore (typed as object: the gate stays off this import path).
+    health_store: object
+
+
 @dataclass
 class HookContext:
     """Inputs of one hook run. Everything from the job is untrusted."""
@@ -41,7 +50,7 @@ class HookContext:
     gid: int | None = None
     user: str = ""
     _adapter: SlurmAdapter | None = field(default=None, repr=False)
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: HookNotes = field(default_factory=lambda: HookNotes())
 
     def job_option(self, name: str) -> str:
         """A per-job option from our SPANK plugin (``--hang-timeout`` → ``HANG_TIMEOUT``).

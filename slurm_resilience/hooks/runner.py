@@ -59,7 +59,7 @@ def overrun(ctx: HookContext, limit_s: float) -> int:
     drain can't be confirmed the hook exits 0 rather than leave Slurm's reason behind.
     """
     h = ctx.cfg.hooks
-    step = str(ctx.notes.get("step", "?"))
+    step = ctx.notes.get("step", "?")
     logger = log.get_logger("hooks", hook=ctx.kind)
     logger.error(f"hooks: {ctx.kind}: couldn't finish within {limit_s:g}s", step=step,
                  policy=h.on_internal_error)

@@ -347,8 +347,9 @@ class AgentCollector(Collector):
                 sizes = {int(k): float(x) for k, x in (v.get("busbw_gbps") or {}).items()}
                 if sizes:
                     bw.add_metric([str(v.get("variant"))], sizes[max(sizes)] * 1e9)
-                if v.get("expected_gbps") is not None:
-                    th.add_metric([str(v.get("variant"))], float(v["expected_gbps"]) * 1e9)
+                expected = v.get("expected_gbps")
+                if expected is not None:
+                    th.add_metric([str(v.get("variant"))], float(expected) * 1e9)
         elif entry and entry.get("corrupt"):
             raise ValueError(f"{self.s.nccl_path}: unreadable NCCL result")
         yield from (bw, th, ok, at)

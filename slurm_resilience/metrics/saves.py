@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ class SaveStats:
     last_write_s: float = 0.0
 
 
-def _seconds(request: dict[str, Any], key: str) -> float:
+def _seconds(request: Mapping[str, Any], key: str) -> float:
     value = request.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
@@ -36,7 +37,7 @@ def _seconds(request: dict[str, Any], key: str) -> float:
     return float(value)
 
 
-def _count(request: dict[str, Any], key: str, limit: int) -> int:
+def _count(request: Mapping[str, Any], key: str, limit: int) -> int:
     value = request.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
         raise RequestError(f"metrics: ckpt_saved: {key} {value!r} is not an integer in "
@@ -49,7 +50,7 @@ class SaveBook:
         self.jobs: dict[int, SaveStats] = {}
         self.lock = threading.Lock()
 
-    def report(self, request: dict[str, Any], peer: Peer, owner_uid: int | None) -> None:
+    def report(self, request: Mapping[str, Any], peer: Peer, owner_uid: int | None) -> None:
         """Record one save; ``owner_uid`` is the job's owner on this node (None: unknown)."""
         job_id = _count(request, "job_id", 2**63 - 1)
         if owner_uid is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from slurm_resilience.agent.service import AgentContext, Handler, Peer
+from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput.ledger import Ledger
@@ -151,7 +151,7 @@ class MetricsService:
                 return int(view.record.uid)
         return None
 
-    def handle_ckpt_saved(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def handle_ckpt_saved(self, request: Request, peer: Peer) -> Response:
         """A job's checkpoint save times, from its local leader (the job's owner)."""
         job_id = request.get("job_id")
         owner = self._owner(job_id) if isinstance(job_id, int) else None
@@ -205,7 +205,7 @@ class MetricsService:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def handle_stragglers(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def handle_stragglers(self, request: Request, peer: Peer) -> Response:
         """This node's straggler record and the jobs with straggler ranks now (anyone may
         ask: no job-private data, only job ids and step times)."""
         return {"node": self.node, "url": self.url, "serve_error": self.serve_error,

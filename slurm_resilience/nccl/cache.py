@@ -16,7 +16,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypedDict, cast
 
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
@@ -24,6 +24,58 @@ from slurm_resilience.log import get_logger
 
 FILENAME = "nccl-result.json"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+Verdict = Literal["pass", "fail", "unknown", "aborted"]
+
+
+class AttemptDoc(TypedDict):
+    """launcher.Attempt.to_json: one run of the ranks."""
+
+    status: str  # a launcher.Status
+    detail: str
+    seconds: float
+    leftovers: list[int]
+    ranks: list[dict[str, object]]  # each rank's own report (worker.py), plus its exit code
+
+
+class VariantDoc(TypedDict):
+    """gate.VariantResult.to_json: one variant's verdict and measurements."""
+
+    variant: str
+    verdict: Verdict
+    kind: str
+    reason: str
+    busbw_gbps: dict[str, float]  # message size in bytes -> GB/s
+    expected_gbps: float | None
+    attempts: list[AttemptDoc]
+
+
+class ResultDoc(TypedDict, total=False):
+    """The cached file: a gate.GateResult.to_json plus what the cache adds. The drains
+    file (steps.py) holds only ``reasons``."""
+
+    verdict: Verdict
+    reasons: list[str]
+    model: str
+    ranks: int
+    backend: str
+    seconds: float
+    fingerprint: str
+    finished_at: float
+    variants: list[VariantDoc]
+    cached_at: float  # added by store()
+    boot_id: str
+    invalidated: str  # why, set by invalidate()
+    reported: float  # when a hook drained for this failure
+    corrupt: bool  # only in what read() returns: the file could not be used
+
+
+# The fields the hooks act on, with the JSON types they must have; any other type makes
+# the file unusable (read as corrupt, so the next chance re-tests).
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "verdict": str, "reasons": list, "fingerprint": str, "cached_at": (int, float),
+    "boot_id": str, "invalidated": str, "reported": (int, float), "variants": list,
+}
 
 
 def path_for(state_dir_template: str, node: str) -> str:
@@ -41,10 +93,11 @@ def boot_id(path: str = BOOT_ID) -> str:
 MAX_BYTES = 1 << 20  # far above a real entry; a bigger file is garbage
 
 
-def read(path: str) -> dict[str, Any] | None:
+def read(path: str) -> ResultDoc | None:
     """The cached entry; None when there is none. An unusable file (garbage, binary,
-    truncated, huge, not an object, not a file) reads as ``{"corrupt": True}``: stale,
-    so the next chance re-tests and rewrites it; said here, once per read."""
+    truncated, huge, not an object, a field of the wrong type, not a file) reads as
+    ``{"corrupt": True}``: stale, so the next chance re-tests and rewrites it; said here,
+    once per read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -61,16 +114,21 @@ def read(path: str) -> dict[str, Any] | None:
         return _corrupt(path, str(exc)[:200])
     if not isinstance(data, dict):
         return _corrupt(path, f"a JSON {type(data).__name__}, not an object")
-    return data
+    for key, kind in _FIELD_TYPES.items():
+        if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
+            return _corrupt(path, f"{key} is a {type(data[key]).__name__}")
+    if "verdict" in data and data["verdict"] not in ("pass", "fail", "unknown", "aborted"):
+        return _corrupt(path, f"unknown verdict {str(data['verdict'])[:40]!r}")
+    return cast(ResultDoc, data)
 
 
-def _corrupt(path: str, why: str) -> dict[str, Any]:
+def _corrupt(path: str, why: str) -> ResultDoc:
     get_logger("nccl").warning("nccl: couldn't use a state file; taken as no result",
                                path=path, reason=why)
     return {"corrupt": True}
 
 
-def write(path: str, entry: dict[str, Any]) -> None:
+def write(path: str, entry: ResultDoc) -> None:
     """Replace the cached entry atomically."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o755, exist_ok=True)
@@ -89,11 +147,11 @@ def write(path: str, entry: dict[str, Any]) -> None:
         raise
 
 
-def store(path: str, result: dict[str, Any], *, boot: str | None = None,
-          now: float | None = None) -> dict[str, Any]:
+def store(path: str, result: ResultDoc, *, boot: str | None = None,
+          now: float | None = None) -> ResultDoc:
     """Cache a :meth:`GateResult.to_json` with when and in which boot it was measured."""
-    entry = {**result, "cached_at": time.time() if now is None else now,
-             "boot_id": boot_id() if boot is None else boot}
+    entry: ResultDoc = {**result, "cached_at": time.time() if now is None else now,
+                        "boot_id": boot_id() if boot is None else boot}
     write(path, entry)
     return entry
 
@@ -116,7 +174,7 @@ class Freshness:
     age_s: float | None = None
 
 
-def freshness(entry: dict[str, Any] | None, *, now: float, validity_s: float, boot: str,
+def freshness(entry: ResultDoc | None, *, now: float, validity_s: float, boot: str,
               fingerprint: str) -> Freshness:
     """Pure: can ``entry`` stand in for a test now? ``why`` says what makes it stale."""
     if entry is None:

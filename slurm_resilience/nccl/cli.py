@@ -14,10 +14,13 @@ import json
 import os
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurm_resilience import config
 from slurm_resilience.config.paths import node_name, node_path
+
+if TYPE_CHECKING:
+    from slurm_resilience.nccl.cache import ResultDoc
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -39,22 +42,23 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: ResultDoc) -> str:
     """VARIANT VERDICT SIZE BUSBW, one row per size, then the reason."""
     from slurm_resilience.nccl.bandwidth import fmt_gbps, fmt_size
 
     rows = [("VARIANT", "VERDICT", "SIZE", "BUSBW GB/s", "EXPECTED")]
-    for v in result["variants"]:
+    for v in result.get("variants", []):
         expected = f"{v['expected_gbps']:g}" if v["expected_gbps"] is not None else "-"
-        sizes = v["busbw_gbps"] or {"-": None}
+        sizes = v["busbw_gbps"]
         for size, busbw in sizes.items():
-            rows.append((v["variant"], v["verdict"].upper(),
-                         fmt_size(int(size)) if size != "-" else "-",
-                         fmt_gbps(busbw) if busbw is not None else "-", expected))
+            rows.append((v["variant"], v["verdict"].upper(), fmt_size(int(size)),
+                         fmt_gbps(busbw), expected))
+        if not sizes:
+            rows.append((v["variant"], v["verdict"].upper(), "-", "-", expected))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
-    for v in result["variants"]:
+    for v in result.get("variants", []):
         tries = len(v["attempts"])
         lines.append(f"{v['variant']}: {v['reason']} ({tries} attempt{'s' if tries > 1 else ''})")
     return "\n".join(lines)

@@ -13,17 +13,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 from slurm_resilience.config.nccl import NcclSection, NcclThreshold
 from slurm_resilience.log import get_logger
 from slurm_resilience.nccl import bandwidth
-from slurm_resilience.nccl.cache import fingerprint
+from slurm_resilience.nccl.cache import ResultDoc, VariantDoc, Verdict, fingerprint
 from slurm_resilience.nccl.launcher import Attempt, LaunchSpec, run_once
 
 log = get_logger("nccl")
 
-Verdict = Literal["pass", "fail", "unknown", "aborted"]
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
@@ -127,7 +125,7 @@ class VariantResult:
     judgement: Judgement
     attempts: tuple[Attempt, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> VariantDoc:
         j = self.judgement
         return {
             "variant": self.variant, "verdict": j.verdict, "kind": j.kind, "reason": j.reason,
@@ -151,7 +149,7 @@ class GateResult:
     variants: tuple[VariantResult, ...] = ()
     finished_at: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ResultDoc:
         return {
             "verdict": self.verdict, "reasons": list(self.reasons), "model": self.model,
             "ranks": self.ranks, "backend": self.backend, "seconds": round(self.seconds, 3),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.nccl.cache import AttemptDoc
 
 log = get_logger("nccl")
 
@@ -91,7 +92,7 @@ class Attempt:
     ranks: tuple[RankOutcome, ...]
     leftovers: tuple[int, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> AttemptDoc:
         return {
             "status": self.status, "detail": self.detail, "seconds": round(self.seconds, 3),
             "leftovers": list(self.leftovers),
@@ -110,7 +111,7 @@ def _tail(path: str, limit: int = 2000) -> str:
         return ""
 
 
-def _last_json(path: str) -> dict[str, Any]:
+def _last_json(path: str) -> dict[str, object]:
     """The rank's report: the last JSON object line of its stdout."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:

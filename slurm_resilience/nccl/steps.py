@@ -48,7 +48,7 @@ def fault_file(ctx: HookContext) -> str:
     return node_path(s.fault_file, ctx.node) if s.fault_file else ""
 
 
-def current_freshness(ctx: HookContext) -> tuple[cache.Freshness, dict[str, object] | None]:
+def current_freshness(ctx: HookContext) -> tuple[cache.Freshness, cache.ResultDoc | None]:
     entry = cache.read(cache_path(ctx))
     s: NcclSection = ctx.cfg.nccl
     return cache.freshness(entry, now=time.time(), validity_s=s.validity_s,
@@ -152,9 +152,10 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
         lock.release()
     if result.verdict != "aborted":
         # This hook reports the failure itself: mark it so, for cached_failure().
-        extra = {"reported": time.time()} if result.verdict == "fail" else {}
-        _keep("cache the result", lambda: cache.store(cache_path(ctx),
-                                                      {**result.to_json(), **extra}))
+        entry = result.to_json()
+        if result.verdict == "fail":
+            entry["reported"] = time.time()
+        _keep("cache the result", lambda: cache.store(cache_path(ctx), entry))
     return _problems(ctx, result.verdict, result.reasons)
 
 
@@ -232,12 +233,12 @@ def start_idle_verification(ctx: HookContext) -> int:
     return proc.pid
 
 
-def cached_failure(ctx: HookContext, entry: dict[str, object]) -> list[Problem]:
+def cached_failure(ctx: HookContext, entry: cache.ResultDoc) -> list[Problem]:
     """A failed result drains the node (again, should the drain be lost) until a test
     passes; but once it has been reported, a node found in service again was put back
     by someone on purpose: that invalidates the result, and the next chance re-tests."""
-    reasons = entry.get("reasons")
-    listed = [str(r) for r in (reasons if isinstance(reasons, list) else [])]
+    reasons = entry.get("reasons", [])
+    listed = [str(r) for r in reasons]
     problems = _problems(ctx, "fail", listed)
     if not entry.get("reported"):
         _keep("mark the failure reported",

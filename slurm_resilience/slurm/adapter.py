@@ -286,10 +286,5 @@ def from_config(cfg: object) -> SlurmAdapter:
 
     assert isinstance(cfg, Config)
     s = cfg.slurm
-    if s.backend == "pyslurm":
-        from slurm_resilience.slurm.pyslurm_backend import PySlurmAdapter
-
-        return PySlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix,
-                              bin_dir=s.bin_dir, slurm_conf=s.conf)
     return SlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix, bin_dir=s.bin_dir,
                         slurm_conf=s.conf)

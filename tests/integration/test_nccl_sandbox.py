@@ -63,8 +63,10 @@ def fault_file(box: Sandbox, node: str) -> str:
     return str(box.node_dir(node) / "nccl-fault.json")
 
 
-def worker_processes() -> list[tuple[int, int]]:
-    """(pid, ppid) of every live rank process on this machine."""
+def worker_processes(box: Sandbox) -> list[tuple[int, int]]:
+    """(pid, ppid) of every live rank process of this sandbox: its ranks name the sandbox's
+    fault file, so ranks of other checkouts testing on the same machine are not counted."""
+    mine = str(box.state_dir).encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -74,7 +76,7 @@ def worker_processes() -> list[tuple[int, int]]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if b"slurm_resilience.nccl.worker" in cmd:
+        if b"slurm_resilience.nccl.worker" in cmd and mine in cmd:
             found.append((int(entry), int(stat.rsplit(")", 1)[1].split()[1])))
     return found
 
@@ -202,7 +204,7 @@ def test_injected_hang_is_killed_at_the_timeout_and_drains(box: Sandbox) -> None
     job = box.sbatch(["true"], args=["-w", "node4", *WHOLE_NODE])
     reason = wait_for("node4 drained", lambda: drained_reason(box, "node4"), 60)
     assert reason == "SR: nccl: nccl test timed out after 6s"
-    assert worker_processes() == []
+    assert worker_processes(box) == []
     seconds = prolog_seconds(box, job)
     print(f"\nprolog with two hung attempts: {seconds:.3f} s")
     assert seconds >= 12  # both attempts ran into the 6 s limit; the watchdog did not fire
@@ -236,7 +238,7 @@ def test_job_arriving_during_idle_verification_takes_the_node_back(box: Sandbox)
     box.update_resilience_config({"nccl": {"enabled": True, "timeout_s": 60}})
     holder = wait_for("node2 verification running",
                       lambda: schedule.holder_pid(str(lock_file(box, "node2"))), 40)
-    wait_for("node2 ranks started", lambda: [p for p, pp in worker_processes()
+    wait_for("node2 ranks started", lambda: [p for p, pp in worker_processes(box)
                                              if pp == holder], 20, poll=0.1)
     job = box.sbatch(["true"], args=["-w", "node2", "-n1"])
     assert box.wait_job(job, timeout=60).state == "COMPLETED"
@@ -247,7 +249,7 @@ def test_job_arriving_during_idle_verification_takes_the_node_back(box: Sandbox)
     print(f"\nhand-off {handoff[0]['seconds']:.3f} s; whole prolog {total:.3f} s")
     assert handoff[0]["seconds"] < 3.0  # within the hand-off limit, not forced
     wait_for("verifier gone", lambda: not Path(f"/proc/{holder}").exists(), 10)
-    assert not [p for p, pp in worker_processes() if pp in (holder, 1)]
+    assert not [p for p, pp in worker_processes(box) if pp in (holder, 1)]
     assert drained_reason(box, "node2") == ""
     stopped = events(box, event="nccl: idle verification stopped: a job arrived")
     assert stopped

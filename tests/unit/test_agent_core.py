@@ -55,6 +55,31 @@ def test_refusal_reaches_client(server: AgentServer) -> None:
         client.call(server.path, "act", job_id=7)
 
 
+@pytest.mark.parametrize(("args", "error"), [
+    ({"job_id": True}, "job_id must be a non-negative integer, got 'True'"),
+    ({"job_id": 7.9}, "job_id must be a non-negative integer, got '7.9'"),
+    ({"job_id": -3}, "job_id must be a non-negative integer"),
+    ({"job_id": [7]}, "job_id must be a non-negative integer"),
+    ({"job_id": "7", "user": 5}, "user must be a string, got '5'"),
+    ({"job_id": 7, "user": "u" * 300}, "user is longer than 256 characters"),
+])
+def test_request_fields_are_checked_by_type(server: AgentServer, args: dict[str, object],
+                                            error: str) -> None:
+    """A request's fields are typed before use: a bool, a float or a list is never taken
+    for a job id (int(True) would be job 1), and strings are bounded."""
+    from slurm_resilience.agent.service import Request, int_arg, str_arg
+
+    def job(req: Request, peer: Peer) -> dict[str, object]:
+        return {"job_id": int_arg(req, "job_id"),
+                "user": str_arg(req, "user", default="", limit=256)}
+
+    server.route("job", job)
+    with pytest.raises(client.AgentRefused, match=error.replace("[", r"\[")):
+        client.call(server.path, "job", **args)
+    assert client.call(server.path, "job", job_id="12") == {"ok": True, "job_id": 12,
+                                                           "user": ""}
+
+
 def test_unknown_op_and_garbage_are_refused(server: AgentServer) -> None:
     """Unknown ops list the known ones; oversized requests are refused, not read."""
     server.route("known", lambda req, peer: {})

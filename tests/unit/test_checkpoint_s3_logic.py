@@ -15,7 +15,13 @@ from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeou
 
 from slurm_resilience.checkpoint.crc_combine import combine_parts, crc32c_combine
 from slurm_resilience.checkpoint.fairpool import FairPool
-from slurm_resilience.checkpoint.journal import Journal, new_record
+from slurm_resilience.checkpoint.journal import (
+    JobState,
+    Journal,
+    StageinState,
+    StepState,
+    new_record,
+)
 from slurm_resilience.checkpoint.retention import plan_remote_retention
 from slurm_resilience.checkpoint.s3 import (
     MAX_OBJECT_SIZE,
@@ -170,9 +176,51 @@ def test_misshaped_journal_records_are_quarantined_never_fatal(tmp_path: Path) -
     assert recs[1] == good
     assert recs[2]["stagein"] == {"state": "pending"} and recs[2]["uri"] == "s3://b/bob/r"
     assert list(recs[2]["steps"]) == ["6"]
-    assert recs[2]["ended_at"] is None and recs[2]["other_service"] == {"kept": 1}
+    assert recs[2]["ended_at"] is None and dict(recs[2])["other_service"] == {"kept": 1}
     quarantined = sorted(p.name.split(".")[0] for p in (journal.dir / "quarantine").iterdir())
     assert quarantined == ["job-2", "job-3", "job-4", "job-5", "job-6", "job-7"]
     assert json.loads((journal.dir / "job-2.json").read_text())["steps"] == {
         "6": {"state": "committed"}}
     assert Journal(journal.dir).load_all().keys() == {1, 2}  # the rewrite is clean
+
+
+def test_journal_states_load_as_enums_and_keep_their_json(tmp_path: Path) -> None:
+    """A record written with bare strings (as every agent so far wrote it) loads with
+    JobState/StepState/StageinState members, and is written back byte for byte the same
+    shape; a stage-in state no version ever wrote is quarantined and stage-in redone."""
+    old = {**new_record(3, 1000, 1000, "alice", "/nvme"), "uri": "s3://b/alice/r",
+           "state": "failed", "failed_from": "ended", "failed_at": 5.0, "error": "boom",
+           "stagein": {"state": "done", "step": 6, "seconds": 1.5},
+           "steps": {"6": {"state": "waiting-peers", "files": {}, "since": 1.0}}}
+    odd = {**new_record(4, 1000, 1000, "alice", "/nvme"), "uri": "s3://b/alice/r",
+           "stagein": {"state": "exploded"}}
+    journal = _journal_with(tmp_path, {"job-3.json": json.dumps(old),
+                                       "job-4.json": json.dumps(odd)})
+    recs = journal.load_all()
+    rec = recs[3]
+    assert rec["state"] is JobState.FAILED and rec.get("failed_from") is JobState.ENDED
+    assert rec["stagein"]["state"] is StageinState.DONE
+    assert rec["steps"]["6"]["state"] is StepState.WAITING_PEERS
+    journal.write(rec)
+    assert json.loads((journal.dir / "job-3.json").read_text()) == old
+    assert recs[4]["stagein"] == {"state": StageinState.PENDING}
+    assert [p.name.split(".")[0] for p in (journal.dir / "quarantine").iterdir()] == ["job-4"]
+
+
+def test_job_start_refuses_a_bool_or_float_job_id(tmp_path: Path) -> None:
+    """ckpt.job_start types each field: True is not job 1 and 7.9 is not job 7 (int()
+    took both); the refusal names the field, and nothing is journaled."""
+    from slurm_resilience.agent.service import Peer, RequestError
+    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.config import Config, load_text
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}/state\ncheckpoint:\n"
+                            f"  staging_root: {tmp_path}/nvme\n")
+    up = Uploader(cfg, "n1")
+    root = Peer(pid=1, uid=0, gid=0)
+    for bad in (True, 7.9):
+        with pytest.raises(RequestError, match="job_id must be a non-negative integer"):
+            up.on_job_start({"job_id": bad, "uid": 0, "gid": 0, "user": "root"}, root)
+    with pytest.raises(RequestError, match="user must be a string"):
+        up.on_job_start({"job_id": 7, "uid": 0, "gid": 0, "user": ["root"]}, root)
+    assert up.jobs == {} and list(up.journal.dir.glob("job-*.json")) == []

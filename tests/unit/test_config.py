@@ -49,6 +49,8 @@ def test_unknown_top_level_section() -> None:
         ("slurm: [1, 2]\n", r"slurm: expected a mapping"),
         ("slurm:\n  reason_prefix: ' '\n", r"reason_prefix must not be empty"),
         ("slurm:\n  backend: cli\n  backend: cli\n", r"slurm.backend: key given twice"),
+        # The pyslurm backend was removed: an old config naming it must fail, not fall back.
+        ("slurm:\n  backend: pyslurm\n", r"slurm.backend: 'pyslurm' is not valid; expected one of"),
         ("slurm: {\n", r"not valid YAML"),
     ],
 )

@@ -68,7 +68,7 @@ def write_report(directory: Path, job_id: int, run: int, started: float, detecte
                  ) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"hang-job{job_id}-run{run}-n1.json").write_text(json.dumps({
-        "job_id": job_id, "restart": run, "node": "n1", "detected_at": detected,
+        "job_id": job_id, "restart": run, "node": "n1", "mode": "act", "detected_at": detected,
         "timings": {"hang_started_at": started}, "ranks": []}))
 
 

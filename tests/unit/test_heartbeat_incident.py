@@ -25,6 +25,7 @@ from slurm_resilience.heartbeat.records import (
     NodeVerdict,
     Piece,
     PieceError,
+    ReportDoc,
     piece_from_bytes,
     piece_to_bytes,
 )
@@ -351,6 +352,28 @@ def test_reports_are_fetched_by_their_owner_only(tmp_path: Path) -> None:
     with pytest.raises(RequestError, match="must be a job id"):
         handlers.fetch(str(tmp_path), "node1", {"job_id": "../x"}, Peer(1, 0, 0), 1 << 20)
     assert os.stat(tmp_path).st_uid == os.geteuid()
+
+
+def test_status_lists_unusable_reports_by_name(tmp_path: Path) -> None:
+    """``status`` lists each report; a file that isn't JSON, isn't an object, or lacks a
+    report's identity is shown with its name and why, never left out silently."""
+    from slurm_resilience.heartbeat import status
+
+    report: ReportDoc = {"job_id": 42, "restart": 1, "user": "alice", "uid": 1000,
+                         "node": "node1", "mode": "act", "detected_at": NOW,
+                         "decision": {"action": "requeue", "reason": "r"},
+                         "blame": {"nodes": [], "ranks": [], "rule": "", "explanation": "x"}}
+    incident.write_agent_copy(str(tmp_path), report)
+    (tmp_path / "broken.json").write_text("{nope")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "old.json").write_text(json.dumps({"restart": 0, "node": "n", "mode": "act"}))
+    rows = {r.get("file", r.get("job_id")): r for r in status.incidents(str(tmp_path))}
+    assert rows[42] == {"job_id": 42, "run": 1, "node": "node1", "mode": "act",
+                        "detected_at": NOW, "action": "requeue", "reason": "r", "blame": "x",
+                        "files": []}
+    assert str(rows["broken.json"]["error"]).startswith("couldn't read: Expecting")
+    assert rows["list.json"]["error"] == "couldn't read: list.json is not a report"
+    assert rows["old.json"]["error"] == "couldn't read: old.json: job_id None is not an integer"
 
 
 def test_a_busy_node_lock_postpones_verification_instead_of_draining(tmp_path: Path) -> None:

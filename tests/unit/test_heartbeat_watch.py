@@ -21,7 +21,7 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import NodeSection
-from slurm_resilience.heartbeat import evidence, jobrecord, steps
+from slurm_resilience.heartbeat import evidence, jobrecord, safefs, steps
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat.watcher import HangWatcher, read_slots
 from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
@@ -86,6 +86,27 @@ def test_prolog_creates_private_user_dir_and_root_record(tmp_path: Path) -> None
     assert (st.st_uid, st.st_mode & 0o777) == (OTHER_UID, 0o700)
     records, errors = jobrecord.read_all(P.records_dir(cfg.node.run_dir, NODE))
     assert errors == [] and records[0].uid == OTHER_UID and records[0].nodes == ("node1", "node2")
+
+
+def test_job_records_are_typed_when_read(tmp_path: Path) -> None:
+    """A record reads back field for field; one whose uid is a bool or whose start time is
+    text is reported by name (int(True) made it uid 1 before), and the others still load."""
+    cfg = _cfg(tmp_path)
+    records_dir = P.records_dir(cfg.node.run_dir, NODE)
+    good = jobrecord.JobRecord(42, OTHER_UID, OTHER_UID, "u", 1.5, ("node1",))
+    jobrecord.write(records_dir, good)
+    for job_id, bad in ((43, {"uid": True}), (44, {"started": "yesterday"})):
+        doc = {**jobrecord.JobRecord(job_id, 0, 0, "r", 2.0).to_json(), **bad}
+        fd = os.open(records_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            safefs.replace_file(fd, f"{job_id}.json", json.dumps(doc).encode())
+        finally:
+            os.close(fd)
+    records, errors = jobrecord.read_all(records_dir)
+    assert records == [good]
+    assert sorted(e.split(".json: ", 1)[-1] for e in errors) == [
+        "job record: started 'yesterday' is not a time",
+        "job record: uid True is not a non-negative integer"]
 
 
 def test_prolog_refuses_a_symlinked_run_dir(tmp_path: Path) -> None:

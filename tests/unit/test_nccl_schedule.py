@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,23 @@ def test_missing_and_corrupt_cache_are_stale(tmp_path: Path) -> None:
     assert fresh(None).why == "no cached result"
     Path(path).write_text("{garbage")
     assert fresh(cache.read(path)).why == "cached result unreadable"
+
+
+@pytest.mark.parametrize("doc", [
+    {"verdict": "pass", "fingerprint": "fp", "cached_at": "yesterday"},
+    {"verdict": "maybe", "fingerprint": "fp", "cached_at": NOW},
+    {"verdict": "fail", "reasons": "one string", "cached_at": NOW},
+    {"verdict": "pass", "fingerprint": "fp", "cached_at": True},
+])
+def test_cache_fields_of_the_wrong_type_read_as_corrupt(tmp_path: Path,
+                                                        doc: dict[str, object]) -> None:
+    """A field the hooks act on with the wrong JSON type makes the file unusable (test
+    again), instead of crashing the prolog on float("yesterday")."""
+    path = tmp_path / "nccl-result.json"
+    path.write_text(json.dumps(doc))
+    entry = cache.read(str(path))
+    assert entry == {"corrupt": True}
+    assert fresh(entry).why == "cached result unreadable"
 
 
 def test_store_read_and_invalidate_round_trip(tmp_path: Path) -> None:

@@ -250,7 +250,8 @@ def test_heartbeat_state_garbage_is_ignored_with_a_word(tmp_path: Path, events: 
     (state / "incidents").mkdir(mode=0o700)
     (state / "incidents" / "hang-job7-run0-n1.json").write_bytes(garbage(kind))
     assert incident.reports_of_job(str(state / "incidents"), 7) == []
-    assert all("error" in r or not r for r in incident.list_reports(str(state / "incidents")))
+    assert all(r.error and r.report is None
+               for r in incident.list_reports(str(state / "incidents")))
     cfg = _nccl_cfg(tmp_path)
     jdir = Path(ckptfacts.journal_dir(cfg, "n1"))
     jdir.mkdir(parents=True)
@@ -405,10 +406,10 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
         "node:", f"  state_dir: {tmp_path}/state", f"  run_dir: {tmp_path}/run",
         "heartbeat:", "  rendezvous: directory", f"  rendezvous_dir: {tmp_path}/hang",
         "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme",
-        f"  journal_dir: {tmp_path}/blocker/journal"]) + "\n")
+        f"  journal_dir: {tmp_path}/blocker/journal", "metrics:", "  port: 0"]) + "\n")
     services = load_services(AgentContext(cfg, "n1", SlurmAdapter()))
     try:
-        assert [s.name for s in services] == ["heartbeat"]
+        assert [s.name for s in services] == ["heartbeat", "metrics"]
     finally:
         for svc in services:
             svc.close()
