@@ -1,9 +1,14 @@
-"""Pure parsers for ``scontrol show … -o`` and ``squeue --json`` output."""
+"""Pure parsers for ``scontrol show … -o`` one-line records, and the records they fill.
+
+The JSON forms (``scontrol --json``, ``squeue --json``) are read by
+:mod:`slurm_resilience.slurm.parse_json`; the adapter uses this text form only
+on Slurm 22.05, whose ``scontrol`` has no ``--json``.
+"""
 
 from __future__ import annotations
 
-import json
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +80,9 @@ class NodeInfo:
     partitions: tuple[str, ...] = ()
     cpus: int = 0
     alloc_cpus: int = 0
-    raw: Mapping[str, str] = field(default_factory=dict, repr=False)
+    address: str = ""
+    hostname: str = ""
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def drained(self) -> bool:
@@ -120,6 +127,8 @@ def parse_node(line: str) -> NodeInfo:
         partitions=_csv(f.get("Partitions", "")),
         cpus=int(f.get("CPUTot", "0") or 0),
         alloc_cpus=int(f.get("CPUAlloc", "0") or 0),
+        address=_none(f.get("NodeAddr", "")),
+        hostname=_none(f.get("NodeHostName", "")),
         raw=f,
     )
 
@@ -145,19 +154,105 @@ class JobInfo:
     work_dir: str = ""
     std_out: str = ""
     num_nodes: int = 0
+    priority: int = 0
+    # The job's --constraint; "" when it has none.
+    features: str = ""
+    # --switches: the most leaf switches wanted (0: no request) and how long to wait for them.
+    switches: int = 0
+    switch_wait_s: int = 0
+    # Whether the job has its nodes to itself; None where Slurm's output does not say
+    # (26.05's JSON reports an --exclusive job like any other).
+    exclusive: bool | None = None
+    submit_time: int = 0
+    start_time: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 _USER_ID = re.compile(r"^(?P<name>[^()]*)\((?P<uid>\d+)\)$")
+_SWITCHES = re.compile(r"^(?P<count>\d+)@(?P<wait>[\d:-]+)$")
+# Fields a job's owner writes, and what Slurm always prints right after each: text that
+# looks like "Key=value" inside them must not become a field of its own. Between Command
+# and StdErr Slurm prints the working directory, the submit line (24.11+) and the comments.
+_AFTER_USER_FIELD = {
+    "JobName": {"UserId"},
+    "Network": {"Command"},
+    "StdErr": {"StdIn"},
+    "StdIn": {"StdOut"},
+}
+# After StdOut come the keys printed only when set (these are the ones seen there), then
+# on 22.05 Power, always; 24.11+ may end with StdOut.
+_AFTER_STDOUT = {"", "Switches", "TresPerNode", "TresPerJob", "TresPerTask", "TresPerSocket",
+                 "CpusPerTres", "MemPerTres", "TresBind", "TresFreq", "NtasksPerTRES",
+                 "MailUser", "MailType", "CPU_Freq"}
+_BETWEEN_COMMAND_AND_STDERR = {"SubmitLine", "WorkDir", "AdminComment", "SystemComment",
+                               "Comment"}
+
+
+class AmbiguousRecord(ValueError):
+    """A text record in which a user-written value could pass for another field."""
+
+
+def _check_job_fields(keys: list[str], line: str) -> None:
+    """Refuse a job record where text a user wrote (job name, command, comment, paths,
+    submit line) could shadow a field Slurm wrote: one key twice, or a key where Slurm
+    never prints one."""
+    seen: dict[str, int] = {}
+    for k in keys:
+        seen[k] = seen.get(k, 0) + 1
+    twice = sorted(k for k, n in seen.items() if n > 1)
+    if twice:
+        raise AmbiguousRecord(f"job record has {', '.join(twice)} more than once (text in a "
+                              f"field the user writes?): {line[:80]!r}")
+    after_stdout = (_AFTER_STDOUT - {""}) | {"Power"} if "Power" in seen else _AFTER_STDOUT
+    successors = {**_AFTER_USER_FIELD, "StdOut": after_stdout}
+    for i, key in enumerate(keys):
+        after = keys[i + 1] if i + 1 < len(keys) else ""
+        allowed = successors.get(key)
+        if allowed is not None and after not in allowed:
+            expected = " or ".join(sorted(a or "the end" for a in allowed))
+            raise AmbiguousRecord(f"job record has {after or 'nothing'} after {key}, where "
+                                  f"Slurm prints {expected}: {line[:80]!r}")
+    if "Command" in seen and "StdErr" in seen:
+        inside = keys[keys.index("Command") + 1:keys.index("StdErr")]
+        odd = [k for k in inside if k not in _BETWEEN_COMMAND_AND_STDERR]
+        if odd:
+            raise AmbiguousRecord(f"job record has {', '.join(odd)} between Command and StdErr "
+                                  f"(text in a field the user writes?): {line[:80]!r}")
+
+
+def _switches(value: str) -> tuple[int, int]:
+    """``2@00:00:30`` → (2, 30); absent or unset → (0, 0)."""
+    m = _SWITCHES.match(_none(value))
+    if not m:
+        return 0, 0
+    seconds = 0
+    days, _, clock = m.group("wait").rpartition("-")
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return int(m.group("count")), seconds + int(days or 0) * 86400
+
+
+def _text_time(value: str) -> int:
+    value = _none(value)
+    if not value or value in ("Unknown", "None"):
+        return 0
+    return int(time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")))
 
 
 def parse_job(line: str) -> JobInfo:
-    """Parse one line of ``scontrol show job ID -o``."""
+    """Parse one line of ``scontrol show job ID -o``.
+
+    Raises :class:`AmbiguousRecord` when a value the job's owner wrote holds text that
+    could pass for another field (``sbatch --comment "StdOut=/x"``): the text form cannot
+    say which is real, so it is refused rather than guessed."""
     f = split_oneliner(line)
     if "JobId" not in f:
         raise ValueError(f"not a job record: {line[:80]!r}")
+    _check_job_fields([m.group(1) for m in _KEY.finditer(line.rstrip("\n"))], line)
     m = _USER_ID.match(f.get("UserId", ""))
     num = _none(f.get("NumNodes", "0")).split("-")[0]
+    switches, switch_wait = _switches(f.get("Switches", ""))
+    oversubscribe = _none(f.get("OverSubscribe", ""))
     return JobInfo(
         job_id=int(f["JobId"]),
         name=f.get("JobName", ""),
@@ -176,45 +271,14 @@ def parse_job(line: str) -> JobInfo:
         work_dir=_none(f.get("WorkDir", "")),
         std_out=_none(f.get("StdOut", "")),
         num_nodes=int(num) if num.isdigit() else 0,
+        priority=int(f.get("Priority", "0") or 0),
+        features=_none(f.get("Features", "")),
+        switches=switches,
+        switch_wait_s=switch_wait,
+        # 22.05 prints OverSubscribe=NO for --exclusive; 26.05 prints Exclusive=NODE.
+        exclusive=(f.get("Exclusive", "NO") not in ("NO", "")) if "Exclusive" in f
+        else (oversubscribe == "NO" if oversubscribe else None),
+        submit_time=_text_time(f.get("SubmitTime", "")),
+        start_time=_text_time(f.get("StartTime", "")),
         raw=f,
     )
-
-
-def _flatten_state(value: Any) -> str:
-    if isinstance(value, list):
-        return str(value[0]) if value else ""
-    return str(value or "")
-
-
-def parse_squeue_json(text: str) -> list[JobInfo]:
-    """Parse ``squeue --json`` (data_parser v0.0.38 in 22.05, later versions tolerated)."""
-    doc = json.loads(text)
-    jobs = []
-    for j in doc.get("jobs", []):
-        restarts = j.get("restart_cnt", 0)
-        num = j.get("node_count", 0)
-        if isinstance(num, dict):  # v0.0.39+: {"set": true, "number": 2}
-            num = num.get("number", 0)
-        jobs.append(
-            JobInfo(
-                job_id=int(j["job_id"]),
-                name=str(j.get("name", "")),
-                user=str(j.get("user_name", "")),
-                uid=int(j.get("user_id", -1)),
-                state=_flatten_state(j.get("job_state")),
-                reason=_none(j.get("state_reason", "")),
-                nodes=tuple(expand_hostlist(str(j.get("nodes", "") or ""))),
-                batch_host=_none(j.get("batch_host", "")),
-                restarts=int(restarts or 0),
-                requeue=bool(j.get("requeue", False)),
-                comment=_none(j.get("comment", "")),
-                admin_comment=_none(j.get("admin_comment", "")),
-                partition=_none(j.get("partition", "")),
-                exc_nodes=tuple(expand_hostlist(str(j.get("excluded_nodes", "") or ""))),
-                work_dir=_none(j.get("current_working_directory", "")),
-                std_out=_none(j.get("standard_output", "")),
-                num_nodes=int(num or 0),
-                raw=j,
-            )
-        )
-    return jobs
