@@ -170,54 +170,63 @@ class JobInfo:
 
 _USER_ID = re.compile(r"^(?P<name>[^()]*)\((?P<uid>\d+)\)$")
 _SWITCHES = re.compile(r"^(?P<count>\d+)@(?P<wait>[\d:-]+)$")
-# Fields a job's owner writes, and what Slurm always prints right after each: text that
-# looks like "Key=value" inside them must not become a field of its own. Between Command
-# and StdErr Slurm prints the working directory, the submit line (24.11+) and the comments.
+# Fields a job's owner writes, and the keys Slurm prints right after each: inside such a
+# value, text that looks like "Key=" is part of the value unless Key is one of these.
+# Between Command and StdErr Slurm prints the submit line (24.11+), the working
+# directory and the comments; after StdOut the keys printed only when set (those seen
+# here), then Power on 22.05; 24.11+ may end with StdOut.
+_IN_COMMAND_BLOCK = {"SubmitLine", "WorkDir", "AdminComment", "SystemComment", "Comment",
+                     "StdErr"}
+_AFTER_STDOUT = {"Power", "Switches", "TresPerNode", "TresPerJob", "TresPerTask",
+                 "TresPerSocket", "CpusPerTres", "MemPerTres", "TresBind", "TresFreq",
+                 "NtasksPerTRES", "MailUser", "MailType", "CPU_Freq"}
 _AFTER_USER_FIELD = {
     "JobName": {"UserId"},
     "Network": {"Command"},
+    "Command": _IN_COMMAND_BLOCK,
+    "SubmitLine": _IN_COMMAND_BLOCK,
+    "WorkDir": _IN_COMMAND_BLOCK,
+    "Comment": _IN_COMMAND_BLOCK,
     "StdErr": {"StdIn"},
     "StdIn": {"StdOut"},
+    "StdOut": _AFTER_STDOUT,
 }
-# After StdOut come the keys printed only when set (these are the ones seen there), then
-# on 22.05 Power, always; 24.11+ may end with StdOut.
-_AFTER_STDOUT = {"", "Switches", "TresPerNode", "TresPerJob", "TresPerTask", "TresPerSocket",
-                 "CpusPerTres", "MemPerTres", "TresBind", "TresFreq", "NtasksPerTRES",
-                 "MailUser", "MailType", "CPU_Freq"}
-_BETWEEN_COMMAND_AND_STDERR = {"SubmitLine", "WorkDir", "AdminComment", "SystemComment",
-                               "Comment"}
+
+# Keys Slurm prints in every job record, once: inside a user-written value they can only
+# be forged (a fake field earlier in the record swallowing the real ones).
+_EVERY_JOB_RECORD = {"JobId", "JobName", "UserId", "GroupId", "Priority", "JobState",
+                     "Reason", "Requeue", "Restarts", "Partition", "NodeList", "NumNodes",
+                     "Command", "WorkDir", "StdErr", "StdIn", "StdOut"}
 
 
 class AmbiguousRecord(ValueError):
     """A text record in which a user-written value could pass for another field."""
 
 
-def _check_job_fields(keys: list[str], line: str) -> None:
-    """Refuse a job record where text a user wrote (job name, command, comment, paths,
-    submit line) could shadow a field Slurm wrote: one key twice, or a key where Slurm
-    never prints one."""
-    seen: dict[str, int] = {}
-    for k in keys:
-        seen[k] = seen.get(k, 0) + 1
-    twice = sorted(k for k, n in seen.items() if n > 1)
+def split_job_record(line: str) -> dict[str, str]:
+    """Split a ``scontrol show job -o`` record, keeping "Key=" text inside user-written
+    values (job name, command, submit line, comment, paths) where Slurm would not print
+    that key next. Raises :class:`AmbiguousRecord` when a key still comes out twice, or
+    a key of every record ends up inside a value: the user wrote text that reads as the
+    fields that follow, and the text form cannot say which are Slurm's."""
+    line = line.rstrip("\n")
+    starts: list[re.Match[str]] = []
+    for m in _KEY.finditer(line):
+        current = starts[-1].group(1) if starts else ""
+        allowed = _AFTER_USER_FIELD.get(current)
+        if allowed is None or m.group(1) in allowed:
+            starts.append(m)
+        elif m.group(1) in _EVERY_JOB_RECORD:
+            raise AmbiguousRecord(f"job record has {m.group(1)}= inside {current} (a forged "
+                                  f"field before it?): {line[:80]!r}")
+    keys = [m.group(1) for m in starts]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
         raise AmbiguousRecord(f"job record has {', '.join(twice)} more than once (text in a "
                               f"field the user writes?): {line[:80]!r}")
-    after_stdout = (_AFTER_STDOUT - {""}) | {"Power"} if "Power" in seen else _AFTER_STDOUT
-    successors = {**_AFTER_USER_FIELD, "StdOut": after_stdout}
-    for i, key in enumerate(keys):
-        after = keys[i + 1] if i + 1 < len(keys) else ""
-        allowed = successors.get(key)
-        if allowed is not None and after not in allowed:
-            expected = " or ".join(sorted(a or "the end" for a in allowed))
-            raise AmbiguousRecord(f"job record has {after or 'nothing'} after {key}, where "
-                                  f"Slurm prints {expected}: {line[:80]!r}")
-    if "Command" in seen and "StdErr" in seen:
-        inside = keys[keys.index("Command") + 1:keys.index("StdErr")]
-        odd = [k for k in inside if k not in _BETWEEN_COMMAND_AND_STDERR]
-        if odd:
-            raise AmbiguousRecord(f"job record has {', '.join(odd)} between Command and StdErr "
-                                  f"(text in a field the user writes?): {line[:80]!r}")
+    return {m.group(1): line[m.end():starts[i + 1].start() if i + 1 < len(starts)
+                              else len(line)].strip()
+            for i, m in enumerate(starts)}
 
 
 def _switches(value: str) -> tuple[int, int]:
@@ -243,12 +252,11 @@ def parse_job(line: str) -> JobInfo:
     """Parse one line of ``scontrol show job ID -o``.
 
     Raises :class:`AmbiguousRecord` when a value the job's owner wrote holds text that
-    could pass for another field (``sbatch --comment "StdOut=/x"``): the text form cannot
-    say which is real, so it is refused rather than guessed."""
-    f = split_oneliner(line)
+    could pass for another field (``sbatch --comment "StdErr=/x"``): the text form cannot
+    say which is real, so it is refused rather than guessed (see :func:`split_job_record`)."""
+    f = split_job_record(line)
     if "JobId" not in f:
         raise ValueError(f"not a job record: {line[:80]!r}")
-    _check_job_fields([m.group(1) for m in _KEY.finditer(line.rstrip("\n"))], line)
     m = _USER_ID.match(f.get("UserId", ""))
     num = _none(f.get("NumNodes", "0")).split("-")[0]
     switches, switch_wait = _switches(f.get("Switches", ""))

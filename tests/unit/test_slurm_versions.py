@@ -9,6 +9,7 @@ switch, and a drained node. 23.02-schema/ is built from the v0.0.39 schema's fie
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,8 +89,38 @@ def test_scontrol_json_show_job_matches_squeue(version: str) -> None:
 def test_spoofing_text_record_is_refused(version: str) -> None:
     """A job name, comment or submit line holding "StdOut=..." makes the text record
     ambiguous: the parser refuses it instead of returning a forged field."""
-    with pytest.raises(AmbiguousRecord, match="more than once"):
+    with pytest.raises(AmbiguousRecord, match=r"forged|more than once"):
         parse_job(_read(version, "show_job_o.txt"))
+
+
+def _with(record: str, key: str, value: str) -> str:
+    """The real record with one user-written field's value replaced."""
+    return re.sub(rf"(^| ){key}=.*? (?=[A-Z][A-Za-z]*=)", rf"\g<1>{key}={value} ", record,
+                  count=1)
+
+
+@pytest.mark.parametrize("version", CAPTURED)
+def test_key_like_text_a_user_may_write_stays_in_its_value(version: str) -> None:
+    """Ordinary names and comments with "Key=value" text are not fields of their own."""
+    real = _read(version, "show_job_exclusive_o.txt")
+    job = parse_job(_with(_with(real, "JobName", "run LR=0.1 BS=32"), "WorkDir",
+                          "/tmp Epoch=3"))
+    assert job.name == "run LR=0.1 BS=32" and job.work_dir == "/tmp Epoch=3"
+    assert (job.state, job.std_out, job.switches) == ("PENDING", "/dev/null", 1)
+    assert "LR" not in job.raw and "Epoch" not in job.raw
+
+
+@pytest.mark.parametrize(("key", "forged"), [
+    ("JobName", "x JobState=COMPLETED"),
+    ("JobName", "x UserId=root(0) GroupId=root(0)"),
+    ("WorkDir", "/tmp StdErr=/a StdIn=/b StdOut=/etc/x"),
+    ("WorkDir", "/tmp Comment=c StdErr=/a StdIn=/b StdOut=/etc/x Power="),
+])
+def test_forged_fields_in_user_values_are_refused(key: str, forged: str) -> None:
+    """A forged field that would shadow or swallow a real one makes the record an error."""
+    real = _read("22.05.8", "show_job_exclusive_o.txt")
+    with pytest.raises(AmbiguousRecord):
+        parse_job(_with(real, key, forged))
 
 
 def _replay(version: str) -> FakeRunner:
@@ -117,7 +148,7 @@ def test_show_job_is_not_spoofed_by_the_users_command_line(version: str) -> None
 def test_show_job_on_2205_refuses_the_spoofed_record() -> None:
     """22.05 has no scontrol --json: the ambiguous text record is an error, never a guess."""
     runner = _replay("22.05.8")
-    with pytest.raises(SlurmError, match="more than once"):
+    with pytest.raises(SlurmError, match=r"forged|more than once"):
         SlurmAdapter(runner=runner).show_job(1)
     assert runner.calls == [["scontrol", "show", "job", "1", "-o"]]
 
