@@ -98,9 +98,19 @@ def _std_out(job: Mapping[str, Any]) -> str:
     return expand_output_pattern(path, job) if "%" in path else path
 
 
+# The state flags the text form prints in place of the base state, first match wins
+# (["PENDING", "COMPLETING"] reads JobState=COMPLETING there).
+_SHOWN_FLAGS = ("COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED",
+                "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT", "STOPPED", "REVOKED",
+                "RESV_DEL_HOLD", "SIGNALING")
+
+
 def _state(value: Any) -> str:
+    """v0.0.40+ lists the base state then its flags; read as the text form's JobState."""
     if isinstance(value, list):
-        return str(value[0]) if value else ""
+        states = [str(v) for v in value]
+        shown = [f for f in _SHOWN_FLAGS if f in states[1:]]
+        return shown[0] if shown else states[0] if states else ""
     return _text(value)
 
 
@@ -123,7 +133,10 @@ def job_from_json(j: Mapping[str, Any]) -> JobInfo:
         user=_text(j.get("user_name")),
         uid=_number(j.get("user_id", -1)),
         state=_state(j.get("job_state")),
-        reason=_text(j.get("state_reason")),
+        # What the text form prints as Reason: the description when Slurm set one
+        # ("job_requeued_in_held_state"), else the reason code ("JobHeldUser").
+        reason=_text(j.get("state_description")).replace(" ", "_")
+        or _text(j.get("state_reason")),
         nodes=tuple(expand_hostlist(_text(j.get("nodes")))),
         batch_host=_text(j.get("batch_host")),
         restarts=_number(j.get("restart_cnt")),

@@ -195,6 +195,19 @@ def test_output_pattern_expansion() -> None:
         expand_output_pattern("/o/%q", job)
 
 
+def test_held_and_completing_job_reads_as_the_text_form_does() -> None:
+    """26.05 right after `scontrol requeuehold` (seen in the sid leg): the text form says
+    JobState=COMPLETING Reason=job_requeued_in_held_state; JSON splits both."""
+    doc = {"jobs": [{"job_id": 3, "job_state": ["PENDING", "COMPLETING"],
+                     "state_reason": "JobHeldUser",
+                     "state_description": "job requeued in held state"}], "errors": []}
+    (job,) = parse_jobs_json(json.dumps(doc))
+    assert (job.state, job.reason) == ("COMPLETING", "job_requeued_in_held_state")
+    doc["jobs"][0].update(job_state=["PENDING"], state_description="")
+    (job,) = parse_jobs_json(json.dumps(doc))
+    assert (job.state, job.reason) == ("PENDING", "JobHeldUser")
+
+
 def test_json_errors_are_reported_not_hidden() -> None:
     """Slurm's own error list, or output that is not JSON, raises naming it."""
     with pytest.raises(ValueError, match="Invalid job id"):
