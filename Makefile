@@ -16,12 +16,15 @@ PIP_EXTRAS := dev,s3,gpu,train
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup apt venv lint typecheck unit integration test test-ansible demo bench sandbox-down clean
+.PHONY: help setup apt venv lint typecheck unit integration test test-leg test-legs \
+        test-ansible demo bench sandbox-down clean
 
 help:
 	@echo "make demo   bring up a local Slurm sandbox and run the main scenario"
 	@echo "make test   install what is needed, then ruff, mypy and pytest (unit + sandbox)"
 	@echo "make bench  run the benchmarks in benchmarks/ (prints ratios against references)"
+	@echo "make test-legs  the Slurm-facing tests on Slurm 24.11 (trixie) and 26.05 (sid) roots"
+	@echo "make test-leg SUITE=trixie|sid  one of them"
 	@echo "make test-ansible  roll out with ansible/site.yml onto a fresh Debian root, twice"
 	@echo "make lint | typecheck | unit | integration | sandbox-down | clean"
 
@@ -67,6 +70,17 @@ integration: setup
 
 test: setup lint typecheck
 	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+
+# The host's Slurm is bookworm's 22.05 (`make test`); these run the Slurm-facing tests
+# (.ci/leg-tests) against other Slurm versions, each in a cached Debian root (.ci/test-leg).
+LEG_SUITES := trixie sid
+SUITE ?= trixie
+
+test-leg: setup
+	.ci/test-leg $(SUITE) $(PYTEST_ARGS)
+
+test-legs: setup
+	@for s in $(LEG_SUITES); do $(MAKE) --no-print-directory test-leg SUITE=$$s || exit 1; done
 
 # ansible-lint, then site.yml applied twice to a fresh debootstrap root (second run
 # changed=0), then the sandbox inside that root gated by the hooks the role installed.

@@ -30,18 +30,23 @@ class FakeRunner:
     ``answers`` maps a program name (``"scontrol"``) to the answers it gives, in
     order; the last answer repeats. An answer is a :class:`Completed`, an
     exception to raise (e.g. :class:`~slurm_resilience.proc.CommandTimeout`), or a
-    function of the argv.
+    function of the argv. ``scontrol --version``, which the adapter asks once to
+    choose between the text and JSON forms, is answered from ``slurm_version`` and
+    not recorded; the default is 22.05, whose text form the scripts are written in.
     """
 
     answers: dict[str, list[Answer]] = field(default_factory=dict)
     calls: list[list[str]] = field(default_factory=list)
+    slurm_version: str = "22.05.8"
 
     def run(
         self, argv: Sequence[str], *, timeout: float, check: bool = True,
         input_text: str | None = None, env: Mapping[str, str] | None = None,
     ) -> Completed:
-        self.calls.append(list(argv))
         program = argv[0].rsplit("/", 1)[-1]
+        if program == "scontrol" and list(argv[1:]) == ["--version"]:
+            return completed(f"slurm {self.slurm_version}\n")
+        self.calls.append(list(argv))
         script = self.answers.get(program)
         if not script:
             raise CommandError(argv, f"FakeRunner has no answer for {program}")

@@ -95,11 +95,13 @@ def _start(nodes: int, leaves: int, slurm_overrides: dict[str, str] | None = Non
         _unavailable(f"missing {', '.join(missing)} (apt-get install slurmctld slurmd "
                      f"slurm-client munge, or `make test`)")
     make_traversable(REPO)
-    state = Path(tempfile.mkdtemp(prefix="sr-sandbox-", dir="/tmp"))
-    state.chmod(0o755)
     error: SandboxError | None = None
-    # A second try on other ports: a concurrent test run may have taken the free ones.
+    # A second try on other ports: a concurrent test run may have taken the free ones. Each
+    # try gets its own state dir: slurmctld refuses state saved under another ClusterName
+    # (the name follows the port).
     for _ in range(2):
+        state = Path(tempfile.mkdtemp(prefix="sr-sandbox-", dir="/tmp"))
+        state.chmod(0o755)
         layout = Layout(state_dir=state, nodes=nodes, leaves=leaves,
                         port_base=free_port_base(nodes), repo=REPO,
                         slurm_overrides=tuple((slurm_overrides or {}).items()))

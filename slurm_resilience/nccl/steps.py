@@ -62,7 +62,7 @@ def whole_node(ctx: HookContext) -> tuple[bool, str]:
         return False, "no job id in the environment"
     try:
         job = ctx.adapter.show_job(ctx.job_id)
-        if str(job.raw.get("OverSubscribe", "")).upper() == "NO":
+        if job.exclusive:
             return True, "exclusive job"
         node = ctx.adapter.show_node(ctx.node)
     except SlurmError as exc:

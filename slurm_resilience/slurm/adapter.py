@@ -3,7 +3,10 @@
 Every operation is an argv list run through :mod:`slurm_resilience.proc`
 (``shell=False``, a timeout, counted and logged). Failures come back as the
 typed exceptions in :mod:`slurm_resilience.slurm.errors`, carrying Slurm's
-message. Our drains carry a fixed reason prefix; :meth:`SlurmAdapter.resume`
+message. Jobs and nodes are read as JSON (``scontrol --json``, 23.02+); on
+22.05, whose scontrol has no ``--json``, from the ``-o`` text records, whose
+parser refuses a record where a user-written value could pass for another
+field. Our drains carry a fixed reason prefix; :meth:`SlurmAdapter.resume`
 re-reads the node just before acting and never touches anyone else's drain.
 """
 
@@ -24,6 +27,7 @@ from slurm_resilience.slurm.errors import (
     SlurmTimeout,
 )
 from slurm_resilience.slurm.parse import (
+    AmbiguousRecord,
     JobInfo,
     JobRun,
     NodeInfo,
@@ -31,8 +35,8 @@ from slurm_resilience.slurm.parse import (
     parse_job,
     parse_node,
     parse_sacct_runs,
-    parse_squeue_json,
 )
+from slurm_resilience.slurm.parse_json import parse_jobs_json, parse_nodes_json
 from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
 
 __all__ = ["MAX_REASON", "SlurmAdapter", "clean_reason", "from_config"]
@@ -41,6 +45,9 @@ log = get_logger("slurm")
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
 _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
+_VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.\d+)?\b")
+# The first release whose scontrol prints JSON (data_parser v0.0.39).
+JSON_SINCE = (23, 2)
 
 
 class RunnerLike(Protocol):
@@ -74,8 +81,11 @@ class SlurmAdapter:
         reason_prefix: str = "SR:",
         bin_dir: str = "",
         slurm_conf: str = "",
+        slurm_version: tuple[int, int] | None = None,
     ):
         self.runner: RunnerLike = runner or Runner()
+        # Asked of `scontrol --version` (no slurmctld call) on first need, unless given.
+        self._version = slurm_version
         self.timeout = timeout
         self.prefix = reason_prefix
         self.bin_dir = bin_dir
@@ -115,6 +125,40 @@ class SlurmAdapter:
                 events.cause_of(reason, self.prefix)
             events.count(self.events_path, kind, cause)
 
+    def slurm_version(self) -> tuple[int, int]:
+        """(major, minor) of the Slurm tools, e.g. (24, 11)."""
+        if self._version is None:
+            out = self._run("version", ["scontrol", "--version"]).stdout
+            m = _VERSION.search(out)
+            if not m:
+                raise SlurmError("version", f"no version in scontrol --version: {out[:80]!r}")
+            self._version = (int(m.group(1)), int(m.group(2)))
+        return self._version
+
+    def _json(self) -> bool:
+        return self.slurm_version() >= JSON_SINCE
+
+    def _nodes(self, operation: str, names: str | None) -> list[NodeInfo]:
+        """``scontrol show node [NAMES]`` as records, JSON where Slurm has it."""
+        target = [names] if names else []
+        if self._json():
+            out = self._run(operation, ["scontrol", "--json", "show", "node", *target])
+            try:
+                return parse_nodes_json(out.stdout)
+            except ValueError as exc:
+                raise self._unreadable(operation, exc) from exc
+        out = self._run(operation, ["scontrol", "show", "node", *target, "-o"])
+        return [parse_node(line) for line in out.stdout.splitlines()
+                if line.startswith("NodeName=")]
+
+    @staticmethod
+    def _unreadable(operation: str, exc: ValueError) -> SlurmError:
+        message = str(exc)
+        if _NOT_FOUND.search(message):
+            kind = JobNotFound if "job" in operation else NodeNotFound
+            return kind(operation, message)
+        return SlurmError(operation, message)
+
     def ours(self, reason: str) -> bool:
         """Whether a node reason was set by this suite."""
         return reason.startswith(self.prefix)
@@ -127,17 +171,14 @@ class SlurmAdapter:
 
     def show_node(self, name: str) -> NodeInfo:
         """The node's current state, reason and features."""
-        out = self._run("show node", ["scontrol", "show", "node", _check_node_name(name), "-o"])
-        for line in out.stdout.splitlines():
-            if line.startswith("NodeName="):
-                return parse_node(line)
+        for node in self._nodes("show node", _check_node_name(name)):
+            if node.name == name:
+                return node
         raise NodeNotFound("show node", f"no record for {name} in scontrol output")
 
     def list_nodes(self) -> list[NodeInfo]:
         """Every node slurmctld knows."""
-        out = self._run("list nodes", ["scontrol", "show", "node", "-o"])
-        lines = out.stdout.splitlines()
-        return [parse_node(line) for line in lines if line.startswith("NodeName=")]
+        return self._nodes("list nodes", None)
 
     def node_addresses(self, names: Sequence[str]) -> dict[str, str]:
         """Where each node is reached: its NodeAddr, else NodeHostName, else its name.
@@ -147,13 +188,8 @@ class SlurmAdapter:
         if not names:
             return {}
         expr = collect_hostlist([_check_node_name(n) for n in names])
-        out = self._run("show node addresses", ["scontrol", "show", "node", expr, "-o"])
-        found: dict[str, str] = {}
-        for line in out.stdout.splitlines():
-            if line.startswith("NodeName="):
-                raw = parse_node(line).raw
-                name = raw["NodeName"]
-                found[name] = raw.get("NodeAddr") or raw.get("NodeHostName") or name
+        found = {node.name: node.address or node.hostname or node.name
+                 for node in self._nodes("show node addresses", expr)}
         return {n: found[n] for n in names if n in found}
 
     def drain(self, name: str, reason: str) -> str:
@@ -203,17 +239,34 @@ class SlurmAdapter:
 
     def show_job(self, job_id: int | str) -> JobInfo:
         """The job's state, nodes, restarts and comments."""
-        out = self._run("show job", ["scontrol", "show", "job", _check_job_id(job_id), "-o"])
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("JobId=")]
-        if not lines:
+        jid = _check_job_id(job_id)
+        if self._json():
+            out = self._run("show job", ["scontrol", "--json", "show", "job", jid])
+            try:
+                jobs = parse_jobs_json(out.stdout)
+            except ValueError as exc:
+                raise self._unreadable("show job", exc) from exc
+        else:
+            out = self._run("show job", ["scontrol", "show", "job", jid, "-o"])
+            try:
+                jobs = [parse_job(ln) for ln in out.stdout.splitlines() if ln.startswith("JobId=")]
+            except AmbiguousRecord as exc:
+                log.error("job record ambiguous", job_id=jid, error=str(exc))
+                raise SlurmError("show job", str(exc)) from exc
+        # An array's or a het job's id can list several records; the one asked for first.
+        jobs.sort(key=lambda j: j.job_id != int(jid))
+        if not jobs:
             raise JobNotFound("show job", f"no record for job {job_id}")
-        return parse_job(lines[0])
+        return jobs[0]
 
     def list_jobs(self, *, node: str | None = None, user: str | None = None) -> list[JobInfo]:
         """Jobs slurmctld still holds, from ``squeue --json``; filtered here because
         22.05 ignores squeue's filters when printing JSON."""
         out = self._run("list jobs", ["squeue", "--json"])
-        jobs = parse_squeue_json(out.stdout)
+        try:
+            jobs = parse_jobs_json(out.stdout)
+        except ValueError as exc:
+            raise self._unreadable("list jobs", exc) from exc
         if node is not None:
             jobs = [j for j in jobs if node in j.nodes]
         if user is not None:

@@ -1,9 +1,14 @@
-"""Pure parsers for ``scontrol show … -o`` and ``squeue --json`` output."""
+"""Pure parsers for ``scontrol show … -o`` one-line records, and the records they fill.
+
+The JSON forms (``scontrol --json``, ``squeue --json``) are read by
+:mod:`slurm_resilience.slurm.parse_json`; the adapter uses this text form only
+on Slurm 22.05, whose ``scontrol`` has no ``--json``.
+"""
 
 from __future__ import annotations
 
-import json
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +80,9 @@ class NodeInfo:
     partitions: tuple[str, ...] = ()
     cpus: int = 0
     alloc_cpus: int = 0
-    raw: Mapping[str, str] = field(default_factory=dict, repr=False)
+    address: str = ""
+    hostname: str = ""
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def drained(self) -> bool:
@@ -120,6 +127,8 @@ def parse_node(line: str) -> NodeInfo:
         partitions=_csv(f.get("Partitions", "")),
         cpus=int(f.get("CPUTot", "0") or 0),
         alloc_cpus=int(f.get("CPUAlloc", "0") or 0),
+        address=_none(f.get("NodeAddr", "")),
+        hostname=_none(f.get("NodeHostName", "")),
         raw=f,
     )
 
@@ -145,19 +154,113 @@ class JobInfo:
     work_dir: str = ""
     std_out: str = ""
     num_nodes: int = 0
+    priority: int = 0
+    # The job's --constraint; "" when it has none.
+    features: str = ""
+    # --switches: the most leaf switches wanted (0: no request) and how long to wait for them.
+    switches: int = 0
+    switch_wait_s: int = 0
+    # Whether the job has its nodes to itself; None where Slurm's output does not say
+    # (26.05's JSON reports an --exclusive job like any other).
+    exclusive: bool | None = None
+    submit_time: int = 0
+    start_time: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 _USER_ID = re.compile(r"^(?P<name>[^()]*)\((?P<uid>\d+)\)$")
+_SWITCHES = re.compile(r"^(?P<count>\d+)@(?P<wait>[\d:-]+)$")
+# Fields a job's owner writes, and the keys Slurm prints right after each: inside such a
+# value, text that looks like "Key=" is part of the value unless Key is one of these.
+# Between Command and StdErr Slurm prints the submit line (24.11+), the working
+# directory and the comments; after StdOut the keys printed only when set (those seen
+# here), then Power on 22.05; 24.11+ may end with StdOut.
+_IN_COMMAND_BLOCK = {"SubmitLine", "WorkDir", "AdminComment", "SystemComment", "Comment",
+                     "StdErr"}
+_AFTER_STDOUT = {"Power", "Switches", "TresPerNode", "TresPerJob", "TresPerTask",
+                 "TresPerSocket", "CpusPerTres", "MemPerTres", "TresBind", "TresFreq",
+                 "NtasksPerTRES", "MailUser", "MailType", "CPU_Freq"}
+_AFTER_USER_FIELD = {
+    "JobName": {"UserId"},
+    "Network": {"Command"},
+    "Command": _IN_COMMAND_BLOCK,
+    "SubmitLine": _IN_COMMAND_BLOCK,
+    "WorkDir": _IN_COMMAND_BLOCK,
+    "Comment": _IN_COMMAND_BLOCK,
+    "StdErr": {"StdIn"},
+    "StdIn": {"StdOut"},
+    "StdOut": _AFTER_STDOUT,
+}
+
+# Keys Slurm prints in every job record, once: inside a user-written value they can only
+# be forged (a fake field earlier in the record swallowing the real ones).
+_EVERY_JOB_RECORD = {"JobId", "JobName", "UserId", "GroupId", "Priority", "JobState",
+                     "Reason", "Requeue", "Restarts", "Partition", "NodeList", "NumNodes",
+                     "Command", "WorkDir", "StdErr", "StdIn", "StdOut"}
+
+
+class AmbiguousRecord(ValueError):
+    """A text record in which a user-written value could pass for another field."""
+
+
+def split_job_record(line: str) -> dict[str, str]:
+    """Split a ``scontrol show job -o`` record, keeping "Key=" text inside user-written
+    values (job name, command, submit line, comment, paths) where Slurm would not print
+    that key next. Raises :class:`AmbiguousRecord` when a key still comes out twice, or
+    a key of every record ends up inside a value: the user wrote text that reads as the
+    fields that follow, and the text form cannot say which are Slurm's."""
+    line = line.rstrip("\n")
+    starts: list[re.Match[str]] = []
+    for m in _KEY.finditer(line):
+        current = starts[-1].group(1) if starts else ""
+        allowed = _AFTER_USER_FIELD.get(current)
+        if allowed is None or m.group(1) in allowed:
+            starts.append(m)
+        elif m.group(1) in _EVERY_JOB_RECORD:
+            raise AmbiguousRecord(f"job record has {m.group(1)}= inside {current} (a forged "
+                                  f"field before it?): {line[:80]!r}")
+    keys = [m.group(1) for m in starts]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise AmbiguousRecord(f"job record has {', '.join(twice)} more than once (text in a "
+                              f"field the user writes?): {line[:80]!r}")
+    return {m.group(1): line[m.end():starts[i + 1].start() if i + 1 < len(starts)
+                              else len(line)].strip()
+            for i, m in enumerate(starts)}
+
+
+def _switches(value: str) -> tuple[int, int]:
+    """``2@00:00:30`` → (2, 30); absent or unset → (0, 0)."""
+    m = _SWITCHES.match(_none(value))
+    if not m:
+        return 0, 0
+    seconds = 0
+    days, _, clock = m.group("wait").rpartition("-")
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return int(m.group("count")), seconds + int(days or 0) * 86400
+
+
+def _text_time(value: str) -> int:
+    value = _none(value)
+    if not value or value in ("Unknown", "None"):
+        return 0
+    return int(time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")))
 
 
 def parse_job(line: str) -> JobInfo:
-    """Parse one line of ``scontrol show job ID -o``."""
-    f = split_oneliner(line)
+    """Parse one line of ``scontrol show job ID -o``.
+
+    Raises :class:`AmbiguousRecord` when a value the job's owner wrote holds text that
+    could pass for another field (``sbatch --comment "StdErr=/x"``): the text form cannot
+    say which is real, so it is refused rather than guessed (see :func:`split_job_record`)."""
+    f = split_job_record(line)
     if "JobId" not in f:
         raise ValueError(f"not a job record: {line[:80]!r}")
     m = _USER_ID.match(f.get("UserId", ""))
     num = _none(f.get("NumNodes", "0")).split("-")[0]
+    switches, switch_wait = _switches(f.get("Switches", ""))
+    oversubscribe = _none(f.get("OverSubscribe", ""))
     return JobInfo(
         job_id=int(f["JobId"]),
         name=f.get("JobName", ""),
@@ -176,48 +279,17 @@ def parse_job(line: str) -> JobInfo:
         work_dir=_none(f.get("WorkDir", "")),
         std_out=_none(f.get("StdOut", "")),
         num_nodes=int(num) if num.isdigit() else 0,
+        priority=int(f.get("Priority", "0") or 0),
+        features=_none(f.get("Features", "")),
+        switches=switches,
+        switch_wait_s=switch_wait,
+        # 22.05 prints OverSubscribe=NO for --exclusive; 26.05 prints Exclusive=NODE.
+        exclusive=(f.get("Exclusive", "NO") not in ("NO", "")) if "Exclusive" in f
+        else (oversubscribe == "NO" if oversubscribe else None),
+        submit_time=_text_time(f.get("SubmitTime", "")),
+        start_time=_text_time(f.get("StartTime", "")),
         raw=f,
     )
-
-
-def _flatten_state(value: Any) -> str:
-    if isinstance(value, list):
-        return str(value[0]) if value else ""
-    return str(value or "")
-
-
-def parse_squeue_json(text: str) -> list[JobInfo]:
-    """Parse ``squeue --json`` (data_parser v0.0.38 in 22.05, later versions tolerated)."""
-    doc = json.loads(text)
-    jobs = []
-    for j in doc.get("jobs", []):
-        restarts = j.get("restart_cnt", 0)
-        num = j.get("node_count", 0)
-        if isinstance(num, dict):  # v0.0.39+: {"set": true, "number": 2}
-            num = num.get("number", 0)
-        jobs.append(
-            JobInfo(
-                job_id=int(j["job_id"]),
-                name=str(j.get("name", "")),
-                user=str(j.get("user_name", "")),
-                uid=int(j.get("user_id", -1)),
-                state=_flatten_state(j.get("job_state")),
-                reason=_none(j.get("state_reason", "")),
-                nodes=tuple(expand_hostlist(str(j.get("nodes", "") or ""))),
-                batch_host=_none(j.get("batch_host", "")),
-                restarts=int(restarts or 0),
-                requeue=bool(j.get("requeue", False)),
-                comment=_none(j.get("comment", "")),
-                admin_comment=_none(j.get("admin_comment", "")),
-                partition=_none(j.get("partition", "")),
-                exc_nodes=tuple(expand_hostlist(str(j.get("excluded_nodes", "") or ""))),
-                work_dir=_none(j.get("current_working_directory", "")),
-                std_out=_none(j.get("standard_output", "")),
-                num_nodes=int(num or 0),
-                raw=j,
-            )
-        )
-    return jobs
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ def test_errors_are_typed_and_carry_slurms_message(sandbox: Sandbox) -> None:
     with pytest.raises((JobNotFound, SlurmError)) as job_err:
         ctl.requeue(999999)
     assert "Invalid job id" in job_err.value.slurm_message
-    assert STATS.failures["scontrol"] >= before + 2
+    # 23.02+ answers an unknown node in JSON with an empty list and exit 0: only the
+    # requeue is a failed call there.
+    assert STATS.failures["scontrol"] >= before + (1 if ctl.slurm_version() >= (23, 2) else 2)
 
 
 def test_list_jobs_filters_by_node(sandbox: Sandbox) -> None:

@@ -79,10 +79,6 @@ def _wait_done(box: Sandbox, ids: set[int], timeout: float) -> dict[int, JobInfo
         time.sleep(0.5)
 
 
-def _epoch(job: JobInfo, key: str) -> float:
-    return time.mktime(time.strptime(str(job.raw[key]), "%Y-%m-%dT%H:%M:%S"))
-
-
 def campaign(box: Sandbox, *, seed: int, batches: int = 10, per_batch: int = 11) -> Campaign:
     """Randomized 1-3-node exclusive sleep jobs in batches, a random drain before each batch."""
     rng = random.Random(seed)
@@ -109,10 +105,10 @@ def campaign(box: Sandbox, *, seed: int, batches: int = 10, per_batch: int = 11)
             if len(job.nodes) < 2:
                 continue
             result.multi += 1
-            result.pinned += str(job.raw.get("Switches", "")).startswith(("1@", "2@", "3@"))
+            result.pinned += job.switches in (1, 2, 3)
             if len({leaf_of[n] for n in job.nodes}) == 1:
                 result.in_leaf += 1
-            elif _epoch(job, "StartTime") - _epoch(job, "SubmitTime") >= WAIT4SWITCH_S:
+            elif job.start_time - job.submit_time >= WAIT4SWITCH_S:
                 result.excused += 1
     if drained:
         ctl.resume(drained)
@@ -166,14 +162,14 @@ def test_feature_mode_constraints_in_slurm(box: Sandbox) -> None:
     jobs = _wait_done(box, set(ids.values()), timeout=60)
     for own, expected in cases.items():
         job = jobs[ids[own]]
-        assert job.raw["Features"] == expected
+        assert job.features == expected
         assert job.state == "COMPLETED"
         assert len({box.leaf_of(n) for n in job.nodes}) == 1
     spank = box.layout.repo / "spank" / "slurm_resilience.so"
     if spank.exists():
         jid = box.sbatch(["true"], args=["-N2", "--leaf-pin=off", "--output=/dev/null"])
         job = box.wait_job(jid)
-        assert job.raw["Features"] == "(null)"
+        assert job.features == ""
         assert "left alone: SPANK SLURM_RESILIENCE_LEAF_PIN=off" in ctld_log(box)
     configure(box, mode="tree")
 
@@ -186,9 +182,10 @@ def test_user_switches_and_opt_out_env_in_slurm(box: Sandbox) -> None:
     off = box.sbatch(["true"], args=["-N2", "--output=/dev/null"],
                      env={"SLURM_RESILIENCE_LEAF_PIN": "off"})
     pinned = box.sbatch(["true"], args=["-N2", "--output=/dev/null"])
-    assert box.wait_job(own).raw["Switches"].startswith("2@")
-    assert not box.wait_job(off).raw.get("Switches", "").startswith("1@")
-    assert box.wait_job(pinned).raw["Switches"] == "1@00:00:30"
+    assert box.wait_job(own).switches == 2
+    assert box.wait_job(off).switches != 1
+    pinned_job = box.wait_job(pinned)
+    assert (pinned_job.switches, pinned_job.switch_wait_s) == (1, 30)
     assert "left alone: environment SLURM_RESILIENCE_LEAF_PIN=off" in ctld_log(box)
 
 
@@ -233,7 +230,7 @@ def test_rail_optimised_capture_installs_and_places_by_rail_group(box: Sandbox,
         assert "SwitchName=rg-leaf0001 Level=0" in topo and "Nodes=node[1-3]" in topo
         assert "leaf-pin: loaded 3 leaves (largest 3 nodes), mode tree" in ctld_log(box)
         job = box.wait_job(box.sbatch(["true"], args=["-N3", "--output=/dev/null"]))
-        assert job.raw["Switches"].startswith("1@")
+        assert job.switches == 1
         groups = [{"node1", "node2", "node3"}, {"node4", "node5", "node6"},
                   {"node7", "node8", "node9"}]
         assert set(job.nodes) in groups

@@ -79,6 +79,8 @@ class SlurmStandIn:
         if self.down_calls > 0:
             self.down_calls -= 1
             raise CommandTimeout(argv, "timed out: Unable to contact slurm controller")
+        if list(argv[1:]) == ["--version"]:  # the adapter reads 22.05's text form
+            return Completed(tuple(argv), 0, "slurm 22.05.8\n", "", 0.0)
         self.calls.append(list(argv))
         out = ""
         if argv[1:3] == ["show", "job"]:

@@ -91,6 +91,7 @@ def test_the_adapter_counts_what_it_does(tmp_path: Path) -> None:
     scontrol = bin_dir / "scontrol"
     # Just enough of scontrol: show node prints the reason last set, update records it.
     scontrol.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then echo "slurm 22.05.8"; exit 0; fi
 if [ "$1" = show ]; then
   r=$(cat {state})
   if [ -n "$r" ]; then st=IDLE+DRAIN; else st=IDLE; fi

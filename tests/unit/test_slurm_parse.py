@@ -11,9 +11,9 @@ from slurm_resilience.slurm.parse import (
     expand_hostlist,
     parse_job,
     parse_node,
-    parse_squeue_json,
     split_oneliner,
 )
+from slurm_resilience.slurm.parse_json import parse_squeue_json
 
 REAL = REAL_FIXTURES / "slurm"
 
