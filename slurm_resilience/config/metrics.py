@@ -62,9 +62,15 @@ class StragglerSection:
              "is named")
     suspect_after_jobs: int = setting(
         0, min=0, max=1000,
-        help="make this node a suspect for verification (the hang handling's suspect path) "
-             "once it was named a straggler in this many different jobs within "
-             "record_window_s; 0: never, only report")
+        help="make this node a suspect for verification (the hang handling's suspect path, "
+             "within its hourly budgets) once it was named a straggler in this many different "
+             "jobs, of at least 2 different users, within record_window_s; 0: never, only "
+             "report; 1 is refused (one job is its owner's word only)")
     record_window_s: float = setting(
         7 * 86400.0, min=3600, max=365 * 86400,
         help="how long this node remembers the jobs it was a straggler in")
+
+    def validate(self) -> None:
+        if self.suspect_after_jobs == 1:
+            raise ValueError("suspect_after_jobs=1 would let one job's owner take the node out "
+                             "of service; use 0 (off) or at least 2 (jobs of 2 or more users)")

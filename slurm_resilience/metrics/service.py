@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,7 +28,7 @@ from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.stragglers.jobsteps import StepWatch
-from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord
+from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord, suspicion
 
 log = get_logger("metrics")
 
@@ -55,8 +56,10 @@ class MetricsService:
     name = "metrics"
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter,
-                 services: dict[str, Any], agent: Any = None, *, serve: bool = True):
+                 services: dict[str, Any], agent: Any = None, *, serve: bool = True,
+                 wall: Callable[[], float] = time.time):
         self.cfg = cfg
+        self.wall = wall
         self.node = node
         self.adapter = adapter
         self.watcher = services.get("heartbeat")
@@ -64,7 +67,7 @@ class MetricsService:
         self.steps = StepWatch(lambda: self.live_cfg.stragglers, node,
                                StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node),
                                                             FILENAME)),
-                               time.time, self._on_named)
+                               wall, self._on_named)
         state = node_path(cfg.node.state_dir, node)
         incidents = node_path(cfg.heartbeat.incident_dir, node) if cfg.heartbeat.incident_dir \
             else os.path.join(state, "incidents")
@@ -176,32 +179,80 @@ class MetricsService:
 
     def _on_named(self, job_id: int, kept: list[Entry]) -> None:
         events.count(self.sources.events_path, events.STRAGGLER, "step_time")
-        need = self.live_cfg.stragglers.suspect_after_jobs
-        jobs = sorted({e.job_id for e in kept})
-        if not need or len(jobs) < need:
+        cfg = self.live_cfg
+        need = cfg.stragglers.suspect_after_jobs
+        if not need:
+            return
+        found = suspicion(kept, need)
+        if not found:
+            fresh = [e for e in kept if not e.suspected]
+            if len({e.job_id for e in fresh}) >= need:
+                log.warning("stragglers: named in enough jobs, but not of different users: "
+                            "not made a suspect", jobs=sorted({e.job_id for e in fresh}),
+                            users=sorted({e.user for e in fresh}))
+            return
+        hb = cfg.heartbeat
+        if hb.mode != "act" or not hb.drain or not hb.suspect_drain:
+            # Nothing would verify it, or the site takes no node out on heuristics.
+            log.warning("stragglers: a suspect, reported only (needs heartbeat.mode act, "
+                        "heartbeat.drain and heartbeat.suspect_drain)", job_id=job_id,
+                        jobs=sorted({e.job_id for e in found}))
             return
         if self._suspecting is not None and self._suspecting.is_alive():
             return
-        hours = self.live_cfg.stragglers.record_window_s / 3600
-        what = (f"straggler in {len(jobs)} jobs within {hours:g}h "
+        jobs = sorted({e.job_id for e in found})
+        users = {e.user for e in found if e.user}
+        # The reason names the job that tipped it, and charges its owner's hang budget.
+        user = next((e.user for e in found if e.job_id == job_id and e.user), "") or "-"
+        hours = cfg.stragglers.record_window_s / 3600
+        what = (f"straggler in {len(jobs)} jobs of {len(users)} users within {hours:g}h "
                 f"({','.join(map(str, jobs[-5:]))})")
-        self._suspecting = threading.Thread(target=self._suspect, args=(job_id, what),
+        self._suspecting = threading.Thread(target=self._suspect, args=(job_id, user, what, jobs),
                                             name="straggler-suspect", daemon=True)
         self._suspecting.start()
 
-    def _suspect(self, job_id: int, what: str) -> None:
-        """Drain as a hang suspect: the node's own agent verifies it once the jobs left
-        (heartbeat.suspect) and returns it to service or keeps it drained."""
-        user = "-"
-        view = self.watcher.jobs.get(job_id) if self.watcher is not None else None
-        if view is not None:
-            user = view.record.user
-        reason = policy.suspect_reason(job_id, user, time.time(), what)
+    def _suspect(self, job_id: int, user: str, what: str, jobs: list[int]) -> str:
+        """Drain as a hang suspect within the hang handling's hourly budgets (counted from
+        Slurm's node reasons): the node's own agent verifies it once the jobs left
+        (heartbeat.suspect) and returns it to service or keeps it drained. Returns what was
+        done. The jobs are counted only once the drain is set, so a failure tries again at
+        the next naming and a drain is never repeated for the same jobs."""
+        hb = self.live_cfg.heartbeat
+        now = self.wall()
         try:
-            text = self.adapter.drain(self.node, reason)
-            log.warning("stragglers: node made a suspect for verification", reason=text)
+            nodes = self.adapter.list_nodes()
         except SlurmError as exc:
             log.warning("stragglers: couldn't make the node a suspect", error=str(exc))
+            return f"couldn't list nodes: {exc}"
+        mine = next((n for n in nodes if n.name == self.node), None)
+        if mine is None or mine.drained or mine.down:
+            why = "unknown to Slurm" if mine is None else f"already out: {mine.reason!r}"
+            log.warning("stragglers: a suspect, not drained", node=self.node, why=why)
+            return f"not drained: {why}"
+        budget = policy.budget_used(nodes, self.adapter.prefix, now)
+        spent = budget.by_user.get(user, 0)
+        if budget.total + 1 > hb.budget_per_hour or spent + 1 > hb.budget_per_user_per_hour:
+            note = (f"hang budget spent ({budget.total} of {hb.budget_per_hour} nodes per hour "
+                    f"cluster-wide, {spent} of {hb.budget_per_user_per_hour} for user {user})")
+            log.warning("stragglers: a suspect, reported, not taken out of service",
+                        node=self.node, note=note)
+            return f"not drained: {note}"
+        reason = policy.suspect_reason(job_id, user, now, what)
+        try:
+            text = self.adapter.drain(self.node, reason)
+        except SlurmError as exc:
+            log.warning("stragglers: couldn't make the node a suspect", error=str(exc))
+            return f"couldn't drain: {exc}"
+        try:
+            self.steps.record.mark_suspected(jobs)
+        except OSError as exc:
+            log.warning("stragglers: couldn't mark the jobs counted", path=self.steps.record.path,
+                        error=str(exc))
+        log.warning("stragglers: node made a suspect for verification", reason=text)
+        suspects = getattr(self.watcher, "suspects", None)
+        if suspects is not None:
+            suspects.incident_seen()  # verify soon, not at the next idle poll
+        return f"drained: {text}"
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -210,7 +261,8 @@ class MetricsService:
         ask: no job-private data, only job ids and step times)."""
         return {"node": self.node, "url": self.url, "serve_error": self.serve_error,
                 "jobs": [s.__dict__ for s in self.steps.snapshot()],
-                "recent": [e.__dict__ for e in self.steps.recent_jobs()]}
+                "recent": [{"at": e.at, "job_id": e.job_id, "ranks": e.ranks,
+                            "slowdown": e.slowdown} for e in self.steps.recent_jobs()]}
 
     def handlers(self) -> dict[str, Handler]:
         return {"metrics.stragglers": self.handle_stragglers,

@@ -5,7 +5,8 @@ made several steps between two readings adds one: the window is a sample, not a 
 From the windows: the job's step-time p50/p95 for the metrics, and straggler ranks named
 by :mod:`.detect`. A rank named for the first time in a job adds the job to this node's
 :class:`~.record.StragglerRecord`; with ``suspect_after_jobs`` set, a node named in that
-many different jobs is drained as a hang suspect, which its own agent then verifies
+many different jobs, of at least two different users (:func:`~.record.suspicion`), is
+drained as a hang suspect within the hang budgets, which its own agent then verifies
 (:mod:`slurm_resilience.heartbeat.suspect`) and returns to service or keeps drained.
 
 Everything here is bounded by the jobs on the node and the window per rank; a job's state
@@ -91,12 +92,12 @@ class StepWatch:
             with self.lock:
                 self.jobs[job_id] = job
             if newly:
-                self._named(job_id, job)
+                self._named(job_id, job, view.record.user)
         with self.lock:
             for gone in set(self.jobs) - present:
                 del self.jobs[gone]
 
-    def _named(self, job_id: int, job: _Job) -> None:
+    def _named(self, job_id: int, job: _Job, user: str) -> None:
         j = job.tracker.last
         ranks = sorted(job.named)
         slowdown = 0.0
@@ -107,7 +108,7 @@ class StepWatch:
                     reference_s=round(j.reference_s, 4) if j else None)
         now = self.wall()
         try:
-            kept = self.record.add(Entry(now, job_id, tuple(ranks), slowdown), now,
+            kept = self.record.add(Entry(now, job_id, tuple(ranks), slowdown, user), now,
                                    self.cfg().record_window_s)
         except OSError as exc:
             log.warning("stragglers: couldn't update the node's record", path=self.record.path,
