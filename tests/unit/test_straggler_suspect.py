@@ -112,6 +112,9 @@ def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
     parsed = policy.parse_reason(reason)
     assert parsed is not None and parsed.suspect and parsed.job_id == 13
     assert recorded(svc) == [(11, "alice", True), (12, "bob", True), (13, "alice", True)]
+    # Anyone may ask the agent for the record: it answers no job owners.
+    recent = svc.handle_stragglers({}, None)["recent"]  # type: ignore[arg-type]
+    assert [r["job_id"] for r in recent] == [11, 12, 13] and "user" not in recent[0]
     # Named again while drained (a job that was already running): no second drain.
     straggle(svc, 14, "carol")
     assert len(ctl.drains) == 1
