@@ -274,8 +274,9 @@ class ServicesCheckSection:
 @dataclass(frozen=True)
 class DiagCheckSection:
     """Active GPU diagnostics: ``dcgmi diag`` where DCGM is installed, else a small torch
-    memory and bandwidth test. Never part of a hook's run: only ``slurm-resilience check
-    --only diag`` (or a caller that names it) runs them."""
+    memory and bandwidth test. Never on the prolog path: ``slurm-resilience check --only
+    diag`` runs them, the epilog after a GPU failure (``after_failure``), and idle nodes
+    through the NCCL idle verification's node lock (``idle_interval_s``)."""
 
     enabled: bool = setting(True, help="kill switch: false skips active diagnostics")
     on_unknown: Policy = setting(
@@ -286,6 +287,18 @@ class DiagCheckSection:
     timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
     memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
     memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    after_failure: bool = setting(
+        False, help="the epilog runs the diagnostics when its own checks failed on a GPU "
+                    "(a gpu or xid finding that drains); counted in the epilog's budget")
+    after_failure_level: int = setting(2, min=1, max=4,
+                                       help="dcgmi diag -r level of the epilog's run")
+    after_failure_timeout_s: float = setting(
+        240.0, min=10, max=3600,
+        help="hard limit of the epilog's run; hooks.epilog_timeout_s must hold it")
+    idle_interval_s: float = setting(
+        0.0, min=0,
+        help="an idle node runs the diagnostics this often, in the background under the "
+             "NCCL node lock (a job arriving stops it); 0: never")
     min_hbm_gbps_by_model: dict[str, float] = setting(
         default_factory=lambda: {"H100": 2000.0, "H200": 3000.0, "A100": 1200.0,
                                  "B200": 4500.0, "GB200": 4500.0},
