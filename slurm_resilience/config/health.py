@@ -312,6 +312,34 @@ class DiagCheckSection:
 
 
 @dataclass(frozen=True)
+class GdrCheckSection:
+    """GPUDirect RDMA loopback bandwidth per HCA with perftest's ``ib_write_bw`` (server
+    and client on this host, ``--use_cuda`` when GPUs exist). Active: only ``check --only
+    gdr`` and the idle diagnostics run it; never a hook."""
+
+    enabled: bool = setting(True, help="kill switch: false never runs ib_write_bw")
+    on_unknown: Policy = setting(
+        "fail-open", help="ib_write_bw not installed, or a test that did not finish: drain "
+                          "or only report")
+    args: list[str] = setting(
+        default_factory=lambda: ["-s", "8388608", "-n", "5000", "-F"],
+        help="ib_write_bw arguments besides -d, -p, --report_gbits and --use_cuda")
+    port: int = setting(18515, min=1024, max=65000,
+                        help="TCP port of the first HCA's loopback pair (then +1 per HCA)")
+    timeout_s: float = setting(60.0, min=5, max=600, help="hard limit per HCA")
+    max_hcas: int = setting(16, min=1, max=64,
+                            help="HCAs tested at most (the run's limit is timeout_s each)")
+    gpu_by_hca: dict[str, int] = setting(
+        default_factory=dict,
+        help="the GPU whose memory each HCA's test uses (the one nearest it); unlisted HCAs "
+             "take GPUs in order (mlx5_0 -> 0 ...)")
+    min_gbps_by_link_rate: dict[str, float] = setting(
+        default_factory=lambda: {"800": 720.0, "400": 360.0, "200": 180.0, "100": 90.0},
+        help="least BW average (Gb/s) by the port's link rate; NDR 360 is aznhc's lower "
+             "figure (it ships 380/360), the others the same 90% of line rate")
+
+
+@dataclass(frozen=True)
 class HealthSection:
     """The node health gate run by the prolog, epilog and HealthCheckProgram."""
 
@@ -346,6 +374,9 @@ class HealthSection:
         default_factory=ServicesCheckSection, help="GPU service units (Fabric Manager, IMEX)")
     diag: DiagCheckSection = setting(
         default_factory=DiagCheckSection, help="active GPU diagnostics (only when asked)")
+    gdr: GdrCheckSection = setting(
+        default_factory=GdrCheckSection,
+        help="GPUDirect RDMA loopback bandwidth per HCA (only when asked, or idle)")
 
     def validate(self) -> None:
         if self.backend == "fake" and not self.scenario_dir:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -87,7 +88,10 @@ def run_idle(cfg: Config, node: str, is_idle: Callable[[], bool],
             return None
         logger.info("health: idle diagnostics started", tool=cfg.health.diag.tool,
                     diag_level=cfg.health.diag.level)
-        report = gate.run(cfg, node, "idle", only=("diag",))
+        # GPUDirect RDMA loopback too, where perftest is installed (else it is off here;
+        # `check --only gdr` says "not installed").
+        gdr = cfg.health.gdr.enabled and shutil.which("ib_write_bw") is not None
+        report = gate.run(cfg, node, "idle", only=("diag", "gdr") if gdr else ("diag",))
         record = IdleRecord(clock(), report.verdict.healthy,
                             "" if report.verdict.healthy else report.verdict.reason())
         store = gate.StateStore(gate.state_dir(cfg, node))
