@@ -170,6 +170,11 @@ class KernelLogCheckSection:
     mce: bool = setting(True, help="kill switch: machine checks; any uncorrected one fails")
     max_corrected_mce: int = setting(
         100, min=0, help="corrected machine-check/EDAC events tolerated in the window")
+    sxids: bool = setting(
+        True, help="kill switch: NVSwitch SXids (fatal ones fail, non-fatal ones warn)")
+    max_fatal_sxids: int = setting(
+        0, min=0, help="fatal SXids tolerated per NVSwitch and SXid number in the current "
+                       "boot (not only the window: a fatal SXid lasts until the reset)")
 
 
 @dataclass(frozen=True)
