@@ -63,7 +63,7 @@ def run_idle(cfg: Config, node: str, is_idle: Callable[[], bool],
     """Hold the node lock, re-check that the node is idle, run the diagnostics and record
     the result. None when it did not run (lock busy, node no longer idle)."""
     from slurm_resilience.config.paths import node_path
-    from slurm_resilience.health import gate
+    from slurm_resilience.health import gate, steps
     from slurm_resilience.log import get_logger
     from slurm_resilience.nccl import schedule
 
@@ -92,6 +92,7 @@ def run_idle(cfg: Config, node: str, is_idle: Callable[[], bool],
         # `check --only gdr` says "not installed").
         gdr = cfg.health.gdr.enabled and shutil.which("ib_write_bw") is not None
         report = gate.run(cfg, node, "idle", only=("diag", "gdr") if gdr else ("diag",))
+        steps.count_results(cfg, node, "idle", report)
         record = IdleRecord(clock(), report.verdict.healthy,
                             "" if report.verdict.healthy else report.verdict.reason())
         store = gate.StateStore(gate.state_dir(cfg, node))

@@ -13,12 +13,15 @@ import os
 import re
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slurm_resilience import log
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
+
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
 
 STEP = "health"
 OURS = "drains"  # state file: reasons we drained with, jobs our prolog failed
@@ -107,7 +110,7 @@ def _report(ctx: HookContext, kind: str, expected: int | None, job_start: float 
 
     report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start,
                       job_gpus=job_gpu_ids(ctx.env) if kind == "prolog" else None)
-    _count_results(ctx, kind, report)
+    count_results(ctx.cfg, ctx.node, kind, report)
     return report
 
 
@@ -126,7 +129,7 @@ def _problems(ctx: HookContext, report: Any) -> list[Problem]:
     return problems
 
 
-def _count_results(ctx: HookContext, kind: str, report: Any) -> None:
+def count_results(cfg: Config, node: str, kind: str, report: Any) -> None:
     """Each check's worst result, for the agent's metrics (one small locked file write)."""
     from slurm_resilience.health.findings import Severity
     from slurm_resilience.metrics import events
@@ -134,7 +137,7 @@ def _count_results(ctx: HookContext, kind: str, report: Any) -> None:
     ran = [name for name in report.seconds if name != "total"]
     results = {name: max((f.severity for f in report.findings if f.check == name),
                          default=Severity.OK).name.lower() for name in ran}
-    events.gate_results(events.path_for(ctx.cfg.node.state_dir, ctx.node), kind, results)
+    events.gate_results(events.path_for(cfg.node.state_dir, node), kind, results)
 
 
 def prolog(ctx: HookContext) -> list[Problem]:
@@ -201,7 +204,7 @@ def _diag_after_failure(ctx: HookContext) -> list[Problem]:
         "health: a GPU failed: running active diagnostics", diag_level=diag.level,
         timeout_s=diag.timeout_s, tool=diag.tool)
     report = gate.run(cfg, ctx.node, "epilog", only=("diag",))
-    _count_results(ctx, "epilog", report)
+    count_results(ctx.cfg, ctx.node, "epilog", report)
     return _problems(ctx, report)
 
 

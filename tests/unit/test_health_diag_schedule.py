@@ -26,7 +26,7 @@ from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.nccl.schedule import NodeLock, holder_pid, take_over
 from slurm_resilience.sandbox import hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
-from slurm_resilience.testing import FakeRunner
+from slurm_resilience.testing import FakeRunner, completed
 
 NODE = "node1"
 DCGM = REAL_FIXTURES / "dcgm"
@@ -173,3 +173,40 @@ def test_a_job_takes_the_node_back_from_an_idle_diagnostic(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_healthcheck_spawns_the_idle_runner_only_when_due_free_and_idle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Due and idle: the detached runner is started (its module in argv, so the hand-off
+    knows it as ours); the lock held by a test: nothing started and no Slurm call; a
+    recent run: not due."""
+    path = write_config(tmp_path, idle_interval_s=3600)
+    started: list[list[str]] = []
+
+    class Spawned:
+        pid = 4242
+
+    def popen(argv: list[str], **kwargs: Any) -> Spawned:
+        started.append(list(argv))
+        assert kwargs["start_new_session"] is True
+        return Spawned()
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    line = "NodeName=node1 CPUAlloc=0 CPUTot=2 State=IDLE Partitions=debug Reason=(null)"
+    runner = FakeRunner({"scontrol": [completed(line)]})
+    c = HookContext(kind="healthcheck", cfg=config.load(str(path)), node=NODE, env={},
+                    _adapter=SlurmAdapter(runner=runner))
+    assert steps._idle_diag(c) == []
+    assert len(started) == 1 and "slurm_resilience.health.idle_diag" in started[0]
+    lock = NodeLock(str(tmp_path / "nodes" / NODE / "run" / "nccl.lock"))
+    assert lock.try_acquire()
+    calls = len(runner.calls)
+    try:
+        steps._idle_diag(c)
+    finally:
+        lock.release()
+    assert len(started) == 1 and len(runner.calls) == calls
+    gate.StateStore(gate.state_dir(c.cfg, NODE)).save(
+        idle_diag.RECORD, idle_diag.IdleRecord(time.time(), True).to_state())
+    steps._idle_diag(c)
+    assert len(started) == 1
