@@ -43,15 +43,19 @@ def sysfs(tmp_path: Path, hcas: dict[str, str]) -> Path:
 
 
 def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """ib_write_bw on PATH: the server waits (killed when the pair is done); the client
-    refuses once (server not listening yet), then prints the recorded run of its HCA."""
+    """ib_write_bw on PATH: the server waits for its client's test, then ends (as the real
+    one does); the client refuses once (server not listening yet), then prints the
+    recorded run of its HCA."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
     tool = bin_dir / "ib_write_bw"
     tool.write_text(f"""#!/bin/sh
 for a in "$@"; do last="$a"; done
-[ "$last" = localhost ] || exec sleep 120
+if [ "$last" != localhost ]; then
+  while [ ! -e {tmp_path}/tested-$2 ]; do sleep 0.05; done
+  exit 0
+fi
 echo "$@" >> {calls}
 if [ ! -e {tmp_path}/listening-$2 ]; then
   touch {tmp_path}/listening-$2
@@ -59,6 +63,7 @@ if [ ! -e {tmp_path}/listening-$2 ]; then
   exit 1
 fi
 case "$2" in mlx5_0) cat {PASS};; mlx5_3) cat {SLOW};; esac
+touch {tmp_path}/tested-$2
 """)
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -119,3 +124,29 @@ def test_the_gate_runs_it_only_when_asked(tmp_path: Path, monkeypatch: pytest.Mo
     assert report.verdict.healthy
     assert [(f.check, f.severity) for f in report.findings] == [("gdr", Severity.UNKNOWN)]
     assert "gdr" not in gate.run(cfg, "n1", "prolog").seconds
+
+
+def test_a_server_that_cannot_start_is_named(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """perftest built without CUDA: the server exits at once; the HCA is "not measured",
+    with the server's own words, never a pass."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "ib_write_bw"
+    tool.write_text("""#!/bin/sh
+for a in "$@"; do last="$a"; done
+if [ "$last" != localhost ]; then
+  echo "CUDA support is not enabled in this perftest build" >&2
+  exit 1
+fi
+echo " Couldn't connect to localhost:18515" >&2
+exit 1
+""")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    root = sysfs(tmp_path, {"mlx5_0": "400 Gb/sec (4X NDR)"})
+    snap = perftest.collect(str(root), args=[], port=18515, timeout=30, gpu_by_hca={"mlx5_0": 0})
+    findings = gdr.check(snap, GdrCheckSection(), {}).findings
+    assert [(f.severity, f.message) for f in findings] == [
+        (Severity.UNKNOWN, "mlx5_0 loopback (gpu0) not measured: server exited 1: CUDA "
+                           "support is not enabled in this perftest build")]

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurm_resilience.proc import ChildGroup, CommandError, Runner
+from slurm_resilience.proc import CommandError, Completed, Runner
 
 TOOL = "ib_write_bw"
 _HEADER = re.compile(r"#bytes\s+#iterations\s+BW peak\[(Gb|MB|MiB)/sec\]\s+"
@@ -106,40 +106,50 @@ def gpu_count(dev: str = "/dev") -> int:
         return 0
 
 
+def _tail(done: Completed) -> str:
+    return ((done.stderr or done.stdout).strip().splitlines() or [""])[-1][:200]
+
+
 def _one(hca: str, gpu: int | None, port: int, args: list[str], timeout: float,
          runner: Runner) -> tuple[float | None, str | None]:
+    """One loopback pair. Both ends stay in the caller's process group (no session of
+    their own), so whoever stops the caller's group stops them too (the idle runner's
+    hand-off); each is bounded by ``timeout``, and the server ends with its client."""
     base = [TOOL, "-d", hca, "-p", str(port), "--report_gbits", *args]
     if gpu is not None:
         base.append(f"--use_cuda={gpu}")
-    group = ChildGroup()
-    server: dict[str, Any] = {}
+    server: dict[str, Completed | str] = {}
 
     def serve() -> None:
         try:
-            server["done"] = runner.run(base, timeout=timeout, check=False, group=group)
+            server["done"] = runner.run(base, timeout=timeout, check=False)
         except CommandError as exc:
             server["error"] = str(exc)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
+    result: tuple[float | None, str | None] = (None, None)
     last = "no answer"
-    try:
-        while time.monotonic() < deadline and thread.is_alive():
-            try:
-                done = runner.run([*base, "localhost"], check=False, group=group,
-                                  timeout=max(deadline - time.monotonic(), 0.1))
-            except CommandError as exc:
-                return None, str(exc)
-            try:
-                return parse_bw(done.stdout), None
-            except PerftestParseError:
-                last = ((done.stderr or done.stdout).strip().splitlines() or [""])[-1][:200]
+    while result == (None, None) and time.monotonic() < deadline and thread.is_alive():
+        try:
+            done = runner.run([*base, "localhost"], check=False,
+                              timeout=max(deadline - time.monotonic(), 0.1))
+        except CommandError as exc:
+            result = (None, str(exc))
+            break
+        try:
+            result = (parse_bw(done.stdout), None)
+        except PerftestParseError:
+            last = _tail(done)
             time.sleep(CONNECT_RETRY_S)  # the server is not listening yet
-        return None, server.get("error") or f"exit without a result: {last}"
-    finally:
-        group.kill_all()
-        thread.join(5.0)
+    thread.join(max(deadline - time.monotonic(), 0.0) + 1.0)
+    if result != (None, None):
+        return result
+    ended = server.get("done")
+    if isinstance(ended, Completed):
+        return None, f"server exited {ended.returncode}: {_tail(ended)}"
+    return None, str(server.get("error") or f"no result within {timeout:g}s: {last}")
 
 
 def collect(root: str, *, args: list[str], port: int, timeout: float,
