@@ -23,6 +23,7 @@ from slurm_resilience.config import budgets
 from slurm_resilience.fakes import kmsg
 from slurm_resilience.health import gate, idle_diag, steps, xid_repairs
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.nccl import steps as nccl_steps
 from slurm_resilience.nccl.schedule import NodeLock, holder_pid, take_over
 from slurm_resilience.sandbox import hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -138,10 +139,12 @@ def test_a_failed_idle_run_keeps_the_node_drained_until_one_passes(
     assert steps._idle_diag(ctx(path, "healthcheck")) == []
 
 
+@pytest.mark.parametrize("through_prolog", [False, True])
 def test_a_job_takes_the_node_back_from_an_idle_diagnostic(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """dcgmi hangs; the prolog's hand-off (take_over) stops the runner and its dcgmi,
-    gets the lock without a forced kill, and nothing is recorded."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through_prolog: bool) -> None:
+    """dcgmi hangs; the prolog's hand-off (take_over, or the NCCL prolog step with the NCCL
+    gate off) stops the runner and its dcgmi, gets the lock without a forced kill, and
+    nothing is recorded."""
     path = write_config(tmp_path, idle_interval_s=3600)
     pid_file = tmp_path / "dcgmi.pid"
     stand_in_dcgmi(tmp_path, monkeypatch, f"echo $$ > {pid_file}\nexec sleep 600")
@@ -158,10 +161,18 @@ def test_a_job_takes_the_node_back_from_an_idle_diagnostic(
             time.sleep(0.05)
         assert holder_pid(lock_path) == proc.pid
         dcgmi_pid = int(pid_file.read_text())
-        lock = NodeLock(lock_path)
-        handoff = take_over(lock, 30.0)
-        lock.release()
-        assert handoff.held and handoff.locked and not handoff.forced
+        if through_prolog:
+            # The NCCL gate is off; its prolog step still takes the node back.
+            c = ctx(path, "prolog")
+            assert not c.cfg.nccl.enabled
+            assert nccl_steps.prolog(c) == []
+            assert "nccl_handoff_s" in c.notes
+        else:
+            lock = NodeLock(lock_path)
+            handoff = take_over(lock, 30.0)
+            lock.release()
+            assert handoff.held and handoff.locked and not handoff.forced
+        assert holder_pid(lock_path) is None
         assert proc.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 30
         while Path(f"/proc/{dcgmi_pid}").exists() and time.monotonic() < deadline:
