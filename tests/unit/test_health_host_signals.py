@@ -143,3 +143,15 @@ def test_nvswitch_sxids_fatal_fails_for_the_boot_non_fatal_warns() -> None:
     kmsg = ["3,5521,7611044871,-;nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, "
             "Link 30 LTSSM Fault Up"]
     assert failed(judge(kmsg)) == {"sxid-fatal"}
+
+
+def test_the_sandbox_sxid_line_fails_the_node(tmp_path: Path) -> None:
+    """`sandbox inject node1 kernel-log:sxid` writes a fatal SXid the check reads back."""
+    from slurm_resilience.fakes import kmsg
+
+    path = tmp_path / "kmsg"
+    kmsg.append(str(path), kmsg.HOST_SIGNAL_LINES["sxid"], priority=3)
+    snap = xid_collector.collect("file", str(path), "", 1 << 20, 3600)
+    findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
+    assert failed(findings) == {"sxid-fatal"}
+    assert [f.subject for f in findings] == ["nvswitch3 SXid 24007"]
