@@ -78,8 +78,9 @@ def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
         # the hand-off from idle verification (NCCL or diagnostics)
         prolog += [Wait("nccl.handoff_timeout_s", cfg.nccl.handoff_timeout_s),
                    Wait("nccl margin", NCCL_MARGIN_S)]
-    healthcheck = (health, Wait(f"slurm.timeout_s (x{HEALTHCHECK_SLURM_CALLS})",
-                                HEALTHCHECK_SLURM_CALLS * cfg.slurm.timeout_s))
+    # Idle diagnostics ask once more whether the node is idle before starting.
+    calls = HEALTHCHECK_SLURM_CALLS + (1 if idle_diag(cfg) else 0)
+    healthcheck = (health, Wait(f"slurm.timeout_s (x{calls})", calls * cfg.slurm.timeout_s))
     return {"hooks.prolog_timeout_s": tuple(prolog), "hooks.epilog_timeout_s": tuple(epilog),
             "hooks.healthcheck_timeout_s": healthcheck}
 

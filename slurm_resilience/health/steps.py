@@ -266,6 +266,10 @@ def _idle_diag(ctx: HookContext) -> list[Problem]:
                             idle_diag.RECORD)), None)
     problems = [] if last is None or last.healthy else [
         Problem(STEP, last.reason.removeprefix("health: ") or "idle diagnostics failed")]
+    if problems:
+        # As any failure of ours: the streak starts again, and the drain is remembered
+        # so a later passing run resumes it.
+        _bookkeeping(ctx, "record that the node was drained", lambda: _remember(ctx), None)
     if idle_diag.due(last, time.time(), d.idle_interval_s):
         _maybe_start_idle_diag(ctx, logger)
     return problems

@@ -118,6 +118,8 @@ def test_idle_runs_are_due_on_their_interval_and_hold_the_prolog_handoff(
     cfg = config.load(str(write_config(tmp_path, idle_interval_s=3600)))
     assert [w.key for w in budgets.hook_waits(cfg)["hooks.prolog_timeout_s"]] == [
         "health.collector_timeout_s", "nccl.handoff_timeout_s", "nccl margin"]
+    assert [w.key for w in budgets.hook_waits(cfg)["hooks.healthcheck_timeout_s"]] == [
+        "health.collector_timeout_s", "slurm.timeout_s (x4)"]
 
 
 def test_a_failed_idle_run_keeps_the_node_drained_until_one_passes(
@@ -129,8 +131,10 @@ def test_a_failed_idle_run_keeps_the_node_drained_until_one_passes(
     cfg = config.load(str(path))
     record = idle_diag.run_idle(cfg, NODE, lambda: True)
     assert record is not None and not record.healthy
-    problems = steps._idle_diag(ctx(path, "healthcheck"))
+    c = ctx(path, "healthcheck")
+    problems = steps._idle_diag(c)
     assert [p.reason for p in problems] == [record.reason]
+    assert steps._store(c).load(steps.OURS)["drained"] is True
     assert "gpu1 DCGM memory Fail" in record.reason
     assert idle_diag.run_idle(cfg, NODE, lambda: False) is None  # a job got the node
     tool.write_text(f"#!/bin/sh\ncat {PASS_DOC}\n")
