@@ -384,7 +384,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     slow = {n: jobs.pop(n) for n in ACTIVE if n in jobs}
     outcomes = childproc.run_all(jobs, h.collector_timeout_s)
     # One active test at a time: each loads the GPUs, and each is measured alone.
-    limits = {"diag": h.diag.timeout_s, "gdr": h.gdr.timeout_s * h.gdr.max_hcas + 5}
+    limits = {"diag": h.diag.timeout_s, "gdr": (h.gdr.timeout_s + 2) * h.gdr.max_hcas + 5}
     for name, job in slow.items():
         outcomes.update(childproc.run_all({name: job}, limits[name]))
     seconds = {name: o.seconds for name, o in outcomes.items()}
