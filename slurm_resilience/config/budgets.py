@@ -53,6 +53,11 @@ class Conflict:
                 f"{self.total_s:g} or lower one of those")
 
 
+def idle_diag(cfg: Config) -> bool:
+    """Idle nodes run the active diagnostics under the NCCL node lock."""
+    return cfg.health.diag.enabled and cfg.health.diag.idle_interval_s > 0
+
+
 def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
     """The worst-case waits of each hook, by the key of its limit."""
     agent = cfg.agent.request_timeout_s
@@ -66,11 +71,16 @@ def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
                    Wait("checkpoint.epilog_wait_s", cfg.checkpoint.epilog_wait_s),
                    # handing a staging dir too big to remove in time to the agent
                    Wait("agent.request_timeout_s (hand-off)", agent)]
-    if cfg.nccl.enabled:
+    if cfg.health.diag.enabled and cfg.health.diag.after_failure:
+        epilog.append(Wait("health.diag.after_failure_timeout_s",
+                           cfg.health.diag.after_failure_timeout_s))
+    if cfg.nccl.enabled or idle_diag(cfg):
+        # the hand-off from idle verification (NCCL or diagnostics)
         prolog += [Wait("nccl.handoff_timeout_s", cfg.nccl.handoff_timeout_s),
                    Wait("nccl margin", NCCL_MARGIN_S)]
-    healthcheck = (health, Wait(f"slurm.timeout_s (x{HEALTHCHECK_SLURM_CALLS})",
-                                HEALTHCHECK_SLURM_CALLS * cfg.slurm.timeout_s))
+    # Idle diagnostics ask once more whether the node is idle before starting.
+    calls = HEALTHCHECK_SLURM_CALLS + (1 if idle_diag(cfg) else 0)
+    healthcheck = (health, Wait(f"slurm.timeout_s (x{calls})", calls * cfg.slurm.timeout_s))
     return {"hooks.prolog_timeout_s": tuple(prolog), "hooks.epilog_timeout_s": tuple(epilog),
             "hooks.healthcheck_timeout_s": healthcheck}
 

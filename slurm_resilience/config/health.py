@@ -170,6 +170,11 @@ class KernelLogCheckSection:
     mce: bool = setting(True, help="kill switch: machine checks; any uncorrected one fails")
     max_corrected_mce: int = setting(
         100, min=0, help="corrected machine-check/EDAC events tolerated in the window")
+    sxids: bool = setting(
+        True, help="kill switch: NVSwitch SXids (fatal ones fail, non-fatal ones warn)")
+    max_fatal_sxids: int = setting(
+        0, min=0, help="fatal SXids tolerated per NVSwitch and SXid number in the current "
+                       "boot (not only the window: a fatal SXid lasts until the reset)")
 
 
 @dataclass(frozen=True)
@@ -274,8 +279,9 @@ class ServicesCheckSection:
 @dataclass(frozen=True)
 class DiagCheckSection:
     """Active GPU diagnostics: ``dcgmi diag`` where DCGM is installed, else a small torch
-    memory and bandwidth test. Never part of a hook's run: only ``slurm-resilience check
-    --only diag`` (or a caller that names it) runs them."""
+    memory and bandwidth test. Never on the prolog path: ``slurm-resilience check --only
+    diag`` runs them, the epilog after a GPU failure (``after_failure``), and idle nodes
+    through the NCCL idle verification's node lock (``idle_interval_s``)."""
 
     enabled: bool = setting(True, help="kill switch: false skips active diagnostics")
     on_unknown: Policy = setting(
@@ -286,6 +292,18 @@ class DiagCheckSection:
     timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
     memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
     memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    after_failure: bool = setting(
+        False, help="the epilog runs the diagnostics when its own checks failed on a GPU "
+                    "(a gpu or xid finding that drains); counted in the epilog's budget")
+    after_failure_level: int = setting(2, min=1, max=4,
+                                       help="dcgmi diag -r level of the epilog's run")
+    after_failure_timeout_s: float = setting(
+        240.0, min=10, max=3600,
+        help="hard limit of the epilog's run; hooks.epilog_timeout_s must hold it")
+    idle_interval_s: float = setting(
+        0.0, min=0,
+        help="an idle node runs the diagnostics this often, in the background under the "
+             "NCCL node lock (a job arriving stops it); 0: never")
     min_hbm_gbps_by_model: dict[str, float] = setting(
         default_factory=lambda: {"H100": 2000.0, "H200": 3000.0, "A100": 1200.0,
                                  "B200": 4500.0, "GB200": 4500.0},
@@ -296,6 +314,34 @@ class DiagCheckSection:
                                  "GB200": 100.0},
         help="torch test: least host-to-device and device-to-host bandwidth (GB/s) per GPU "
              "model; H100 is aznhc's check_gpu_bw 48, the others are set conservatively")
+
+
+@dataclass(frozen=True)
+class GdrCheckSection:
+    """GPUDirect RDMA loopback bandwidth per HCA with perftest's ``ib_write_bw`` (server
+    and client on this host, ``--use_cuda`` when GPUs exist). Active: only ``check --only
+    gdr`` and the idle diagnostics run it; never a hook."""
+
+    enabled: bool = setting(True, help="kill switch: false never runs ib_write_bw")
+    on_unknown: Policy = setting(
+        "fail-open", help="ib_write_bw not installed, or a test that did not finish: drain "
+                          "or only report")
+    args: list[str] = setting(
+        default_factory=lambda: ["-s", "8388608", "-n", "5000", "-F"],
+        help="ib_write_bw arguments besides -d, -p, --report_gbits and --use_cuda")
+    port: int = setting(18515, min=1024, max=65000,
+                        help="TCP port of the first HCA's loopback pair (then +1 per HCA)")
+    timeout_s: float = setting(60.0, min=5, max=600, help="hard limit per HCA")
+    max_hcas: int = setting(16, min=1, max=64,
+                            help="HCAs tested at most (the run's limit is timeout_s each)")
+    gpu_by_hca: dict[str, int] = setting(
+        default_factory=dict,
+        help="the GPU whose memory each HCA's test uses (the one nearest it); unlisted HCAs "
+             "take GPUs in order (mlx5_0 -> 0 ...)")
+    min_gbps_by_link_rate: dict[str, float] = setting(
+        default_factory=lambda: {"800": 720.0, "400": 360.0, "200": 180.0, "100": 90.0},
+        help="least BW average (Gb/s) by the port's link rate; NDR 360 is aznhc's lower "
+             "figure (it ships 380/360), the others the same 90% of line rate")
 
 
 @dataclass(frozen=True)
@@ -333,6 +379,9 @@ class HealthSection:
         default_factory=ServicesCheckSection, help="GPU service units (Fabric Manager, IMEX)")
     diag: DiagCheckSection = setting(
         default_factory=DiagCheckSection, help="active GPU diagnostics (only when asked)")
+    gdr: GdrCheckSection = setting(
+        default_factory=GdrCheckSection,
+        help="GPUDirect RDMA loopback bandwidth per HCA (only when asked, or idle)")
 
     def validate(self) -> None:
         if self.backend == "fake" and not self.scenario_dir:

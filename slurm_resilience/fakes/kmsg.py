@@ -34,6 +34,8 @@ HOST_SIGNAL_LINES = {
     "soft-lockup": "watchdog: BUG: soft lockup - CPU#17 stuck for 23s! [python:81234]",
     "hard-lockup": "NMI watchdog: Watchdog detected hard LOCKUP on cpu 33",
     "mce": "mce: Uncorrected hardware memory error in user-access at 3c5a1e2000",
+    "sxid": "nvidia-nvswitch3: SXid (PCI:0000:08:00.0): 24007, Fatal, Link 44 sourcetrack "
+            "TCEN0 crumbstore ECC DBE Error (First)",
 }
 
 

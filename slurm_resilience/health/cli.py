@@ -21,8 +21,9 @@ def register(sub: Any) -> None:
                    help="which hook's check set to run (default: manual, i.e. all checks)")
     p.add_argument("--only", default="",
                    help="comma-separated checks: gpu,xid,kernel,infiniband,nvme,mounts,"
-                        "services; diag (active GPU diagnostics, minutes of GPU load) runs "
-                        "only when named here")
+                        "services; diag (active GPU diagnostics, minutes of GPU load) and gdr "
+                        "(GPUDirect RDMA loopback per HCA with ib_write_bw) run only when "
+                        "named here")
     p.set_defaults(func=run)
 
 

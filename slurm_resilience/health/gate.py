@@ -20,6 +20,7 @@ from typing import Any
 from slurm_resilience.config import Config
 from slurm_resilience.config.health import (
     DiagCheckSection,
+    GdrCheckSection,
     GpuCheckSection,
     InfinibandCheckSection,
     KernelLogCheckSection,
@@ -52,12 +53,12 @@ from slurm_resilience.health.findings import (
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
-CHECKS = ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag")
-# Active checks load the GPUs for minutes: they run only when a caller names them.
-ACTIVE = ("diag",)
+CHECKS = ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr")
+# Active checks load the GPUs (and HCAs) for minutes: they run only when a caller names them.
+ACTIVE = ("diag", "gdr")
 # Order of findings in a drain reason: an Xid names the event behind a GPU's state.
-_REASON_ORDER = ("xid", "gpu", "diag", "kernel", "services", "infiniband", "nvme", "mounts",
-                 "gate")
+_REASON_ORDER = ("xid", "gpu", "diag", "kernel", "services", "infiniband", "gdr", "nvme",
+                 "mounts", "gate")
 # Checks that judge another check's collector: the kernel log is read once for both.
 _COLLECTOR_OF = {"kernel": "xid"}
 
@@ -214,6 +215,12 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
         jobs["diag"] = functools.partial(diag.collect_json, h.diag.tool, h.diag.level,
                                          h.diag.timeout_s, h.diag.memtest_bytes,
                                          h.diag.memtest_iters)
+    if "gdr" in wanted:
+        from slurm_resilience.health.collectors import perftest
+
+        jobs["gdr"] = functools.partial(
+            perftest.collect_json, node_path(h.infiniband.sysfs_root, node), list(h.gdr.args),
+            h.gdr.port, h.gdr.timeout_s, dict(h.gdr.gpu_by_hca), h.gdr.max_hcas)
     return jobs
 
 
@@ -336,6 +343,11 @@ def _check(name: str, snap: dict[str, Any], prev: dict[str, Any], facts: _RunFac
         if result.state.get("last_clean") == now:
             extra.extend(_record_diag_repairs(facts.store, facts.gpu_by_pci, covered, now))
         return result, extra
+    if name == "gdr":
+        from slurm_resilience.health.checks import gdr as gdr_check
+        from slurm_resilience.health.collectors.perftest import PerftestSnapshot
+
+        return gdr_check.check(PerftestSnapshot.from_json(snap), h.gdr, prev), extra
     if name == "services":
         from slurm_resilience.health.checks import services as services_check
 
@@ -352,9 +364,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     h = cfg.health
     sections: dict[str, GpuCheckSection | XidCheckSection | KernelLogCheckSection
                    | InfinibandCheckSection | NvmeCheckSection | MountsCheckSection
-                   | ServicesCheckSection | DiagCheckSection] = {
+                   | ServicesCheckSection | DiagCheckSection | GdrCheckSection] = {
         "gpu": h.gpu, "xid": h.xid, "kernel": h.kernel_log, "infiniband": h.infiniband,
-        "nvme": h.nvme, "mounts": h.mounts, "services": h.services, "diag": h.diag}
+        "nvme": h.nvme, "mounts": h.mounts, "services": h.services, "diag": h.diag,
+        "gdr": h.gdr}
     wanted = [n for n in CHECKS if sections[n].enabled and (not only or n in only)
               and (n not in ACTIVE or n in only)]
     if h.gpu.expected_count == 0 and "gpu" in wanted:
@@ -370,8 +383,10 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
     jobs = _collectors(cfg, node, active, wanted)
     slow = {n: jobs.pop(n) for n in ACTIVE if n in jobs}
     outcomes = childproc.run_all(jobs, h.collector_timeout_s)
-    if slow:
-        outcomes.update(childproc.run_all(slow, h.diag.timeout_s))
+    # One active test at a time: each loads the GPUs, and each is measured alone.
+    limits = {"diag": h.diag.timeout_s, "gdr": (h.gdr.timeout_s + 2) * h.gdr.max_hcas + 5}
+    for name, job in slow.items():
+        outcomes.update(childproc.run_all({name: job}, limits[name]))
     seconds = {name: o.seconds for name, o in outcomes.items()}
     findings: list[Finding] = []
     store = StateStore(state_dir(cfg, node))

@@ -13,12 +13,15 @@ import os
 import re
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slurm_resilience import log
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
+
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
 
 STEP = "health"
 OURS = "drains"  # state file: reasons we drained with, jobs our prolog failed
@@ -98,11 +101,20 @@ def _remember(ctx: HookContext) -> None:
 
 def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | None = None
           ) -> list[Problem]:
+    return _problems(ctx, _report(ctx, kind, expected, job_start))
+
+
+def _report(ctx: HookContext, kind: str, expected: int | None, job_start: float | None = None
+            ) -> Any:
     from slurm_resilience.health import gate
 
     report = gate.run(ctx.cfg, ctx.node, kind, expected_gpus=expected, job_start=job_start,
                       job_gpus=job_gpu_ids(ctx.env) if kind == "prolog" else None)
-    _count_results(ctx, kind, report)
+    count_results(ctx.cfg, ctx.node, kind, report)
+    return report
+
+
+def _problems(ctx: HookContext, report: Any) -> list[Problem]:
     logger = log.get_logger("health", hook=ctx.kind)
     notable = [f.to_dict() for f in report.findings if f.severity > 0]
     if report.verdict.healthy:
@@ -117,7 +129,7 @@ def _gate(ctx: HookContext, kind: str, expected: int | None, job_start: float | 
     return problems
 
 
-def _count_results(ctx: HookContext, kind: str, report: Any) -> None:
+def count_results(cfg: Config, node: str, kind: str, report: Any) -> None:
     """Each check's worst result, for the agent's metrics (one small locked file write)."""
     from slurm_resilience.health.findings import Severity
     from slurm_resilience.metrics import events
@@ -125,7 +137,7 @@ def _count_results(ctx: HookContext, kind: str, report: Any) -> None:
     ran = [name for name in report.seconds if name != "total"]
     results = {name: max((f.severity for f in report.findings if f.check == name),
                          default=Severity.OK).name.lower() for name in ran}
-    events.gate_results(events.path_for(ctx.cfg.node.state_dir, ctx.node), kind, results)
+    events.gate_results(events.path_for(cfg.node.state_dir, node), kind, results)
 
 
 def prolog(ctx: HookContext) -> list[Problem]:
@@ -156,8 +168,44 @@ def _job_start(ctx: HookContext) -> float | None:
 
 
 def epilog(ctx: HookContext) -> list[Problem]:
-    """The prolog's checks plus the Xids raised while the job ran."""
-    return _gate(ctx, "epilog", job_gpus(ctx.env), job_start=xids_since(ctx))
+    """The prolog's checks plus the Xids raised while the job ran; then, when configured
+    and those found a GPU failing, the active diagnostics."""
+    report = _report(ctx, "epilog", job_gpus(ctx.env), job_start=xids_since(ctx))
+    problems = _problems(ctx, report)
+    d = ctx.cfg.health.diag
+    if d.enabled and d.after_failure and gpu_failed(report):
+        problems += _diag_after_failure(ctx)
+    return problems
+
+
+# Checks whose failure calls for the active diagnostics after a job.
+DIAG_TRIGGERS = ("gpu", "xid")
+
+
+def gpu_failed(report: Any) -> bool:
+    """Pure: the epilog's own checks found a GPU failing (a draining gpu or xid finding).
+    Warnings (an application's Xid 13, one VBIOS per model) do not run minutes of tests."""
+    return any(f.check in DIAG_TRIGGERS for f in report.verdict.blocking)
+
+
+def _diag_after_failure(ctx: HookContext) -> list[Problem]:
+    """``dcgmi diag`` (or the torch test) at ``after_failure_level``, bounded by
+    ``after_failure_timeout_s`` (held in the epilog's budget: config/budgets.py). A clean
+    run records a repair for the Xid check, as any clean diagnostic does."""
+    import dataclasses
+
+    from slurm_resilience.health import gate
+
+    h = ctx.cfg.health
+    diag = dataclasses.replace(h.diag, level=h.diag.after_failure_level,
+                               timeout_s=h.diag.after_failure_timeout_s)
+    cfg = dataclasses.replace(ctx.cfg, health=dataclasses.replace(h, diag=diag))
+    log.get_logger("health", hook=ctx.kind).warning(
+        "health: a GPU failed: running active diagnostics", diag_level=diag.level,
+        timeout_s=diag.timeout_s, tool=diag.tool)
+    report = gate.run(cfg, ctx.node, "epilog", only=("diag",))
+    count_results(ctx.cfg, ctx.node, "epilog", report)
+    return _problems(ctx, report)
 
 
 def xids_since(ctx: HookContext) -> float:
@@ -186,6 +234,7 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         except SlurmError as exc:
             logger.warning("couldn't read the node's gres; GPU count not checked", error=str(exc))
     problems = _gate(ctx, "healthcheck", expected)
+    problems += _idle_diag(ctx)
     if h.release_held_jobs:
         # Whether or not this node is healthy now: the node is drained, so a released
         # job is scheduled elsewhere.
@@ -201,6 +250,56 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
             or int(ours["streak"]) % LOOK_EVERY_PASSES == 0):
         _maybe_resume(ctx, ours)
     return []
+
+
+def _idle_diag(ctx: HookContext) -> list[Problem]:
+    """Keep the node drained while the last idle diagnostic run failed; start the next
+    run in the background when it is due and the node is idle."""
+    from slurm_resilience.health import idle_diag
+
+    d = ctx.cfg.health.diag
+    if not d.enabled or d.idle_interval_s <= 0:
+        return []
+    logger = log.get_logger("health", hook=ctx.kind)
+    last = _bookkeeping(ctx, "read the last idle diagnostics",
+                        lambda: idle_diag.IdleRecord.from_state(_store(ctx).load(
+                            idle_diag.RECORD)), None)
+    problems = [] if last is None or last.healthy else [
+        Problem(STEP, last.reason.removeprefix("health: ") or "idle diagnostics failed")]
+    if problems:
+        # As any failure of ours: the streak starts again, and the drain is remembered
+        # so a later passing run resumes it.
+        _bookkeeping(ctx, "record that the node was drained", lambda: _remember(ctx), None)
+    if idle_diag.due(last, time.time(), d.idle_interval_s):
+        _maybe_start_idle_diag(ctx, logger)
+    return problems
+
+
+def _maybe_start_idle_diag(ctx: HookContext, logger: Any) -> None:
+    import subprocess
+
+    from slurm_resilience.config import job_config_path
+    from slurm_resilience.config.paths import node_path
+    from slurm_resilience.health import idle_diag
+    from slurm_resilience.nccl import lifetime, schedule
+
+    lock = os.path.join(node_path(ctx.cfg.node.run_dir, ctx.node), schedule.LOCK_NAME)
+    if schedule.holder_pid(lock) is not None:
+        return  # an NCCL test or a diagnostic holds the node: next time
+    try:
+        if not ctx.adapter.show_node(ctx.node).idle:
+            return
+    except SlurmError as exc:
+        logger.warning("health: couldn't read node state for idle diagnostics",
+                       error=str(exc))
+        return
+    owner = lifetime.find_owner()
+    # Detached, as the NCCL idle verifier: slurmd's limit on this run never cuts it short.
+    proc = subprocess.Popen(
+        idle_diag.argv(ctx.node, owner.arg() if owner else None, job_config_path(ctx.env)),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, env=dict(ctx.env))
+    logger.info("health: idle diagnostics spawned", pid=proc.pid)
 
 
 def _ints(value: object) -> list[int]:

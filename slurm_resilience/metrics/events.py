@@ -45,7 +45,7 @@ KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
 
 class GateLast(TypedDict):
     result: str  # ok | warn | fail | unknown
-    kind: str  # prolog | epilog | healthcheck | manual
+    kind: str  # prolog | epilog | healthcheck | manual | idle
     at: float
 
 

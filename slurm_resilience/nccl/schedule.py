@@ -28,8 +28,9 @@ ASK_VARS = ("SLURM_RESILIENCE_NCCL_TEST", "SPANK_SLURM_RESILIENCE_NCCL_TEST")
 _TRUE = ("1", "yes", "true", "on")
 LOCK_NAME = "nccl.lock"
 # Only a process whose command line says it is ours may be signalled by the hand-off:
-# idle verification (python -m slurm_resilience.nccl.verify) or `slurm-resilience nccl-test`.
-OUR_MARKS = (b"slurm_resilience.nccl", b"nccl-test")
+# idle verification (python -m slurm_resilience.nccl.verify), `slurm-resilience nccl-test`,
+# or the idle active diagnostics (python -m slurm_resilience.health.idle_diag).
+OUR_MARKS = (b"slurm_resilience.nccl", b"nccl-test", b"slurm_resilience.health.idle_diag")
 
 
 def job_asks(env: Mapping[str, str], always: bool = False) -> bool:

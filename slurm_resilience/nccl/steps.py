@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from slurm_resilience.config import budgets
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
@@ -162,6 +163,13 @@ def _run_inline(ctx: HookContext, lock: schedule.NodeLock, budget_s: float, why:
 def prolog(ctx: HookContext) -> list[Problem]:
     s: NcclSection = ctx.cfg.nccl
     if not s.enabled:
+        if budgets.idle_diag(ctx.cfg):
+            # Idle diagnostics hold the same lock: take the node back from them.
+            lock = schedule.NodeLock(lock_path(ctx))
+            handoff = schedule.take_over(lock, s.handoff_timeout_s)
+            if handoff.held:
+                ctx.notes["nccl_handoff_s"] = round(handoff.seconds, 3)
+            lock.release()
         return []
     started = time.monotonic()
     lock = schedule.NodeLock(lock_path(ctx))

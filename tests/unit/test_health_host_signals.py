@@ -114,3 +114,44 @@ def test_fake_kernel_log_lines_fire(tmp_path: Path) -> None:
     findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
     assert failed(findings) == {"readonly-remount"}
     assert [f.subject for f in findings] == ["nvme0n1p1"]
+
+
+SXIDS = (REAL_FIXTURES / "kernel-log" / "nvswitch-sxid_handwritten.txt").read_text().splitlines()
+
+
+def test_nvswitch_sxids_fatal_fails_for_the_boot_non_fatal_warns() -> None:
+    """One event per SXid (the Severity/Data detail lines are not events); the fatal
+    24007 on nvswitch3 fails, even past the window (it lasts until the reset); the two
+    non-fatal ones warn; an earlier boot's fatal SXid is history; the kill switch."""
+    events = snap_of(SXIDS).host_events
+    assert [(e.signal, e.device) for e in events] == [
+        (HostSignal.SXID_NONFATAL, "nvswitch2 SXid 12028"),
+        (HostSignal.SXID_NONFATAL, "nvswitch0 SXid 20009"),
+        (HostSignal.SXID_FATAL, "nvswitch3 SXid 24007")]
+    findings = judge(SXIDS)
+    assert [f.message for f in findings if f.severity is Severity.FAIL] == [
+        "nvswitch3 SXid 24007 fatal x1 in the kernel log (tolerated 0): [ 7611.044871] "
+        "nvidia-nvswitch3: "
+        "SXid (PCI:0000:08:00.0): 24007, Fatal, Link 44 sourcetrack TCEN0 crumbstore ECC "
+        "DBE Error (First)"]
+    assert {f.subject for f in findings if f.severity is Severity.WARN} == {
+        "nvswitch2 SXid 12028", "nvswitch0 SXid 20009"}
+    assert failed(judge(SXIDS, KernelLogCheckSection(window_s=60))) == {"sxid-fatal"}
+    assert not failed(judge(SXIDS, boot=NOW - 3600))  # stamps beyond uptime: earlier boot
+    quiet = judge(SXIDS, KernelLogCheckSection(sxids=False))
+    assert {f.severity for f in quiet} == {Severity.OK}
+    kmsg = ["3,5521,7611044871,-;nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, "
+            "Link 30 LTSSM Fault Up"]
+    assert failed(judge(kmsg)) == {"sxid-fatal"}
+
+
+def test_the_sandbox_sxid_line_fails_the_node(tmp_path: Path) -> None:
+    """`sandbox inject node1 kernel-log:sxid` writes a fatal SXid the check reads back."""
+    from slurm_resilience.fakes import kmsg
+
+    path = tmp_path / "kmsg"
+    kmsg.append(str(path), kmsg.HOST_SIGNAL_LINES["sxid"], priority=3)
+    snap = xid_collector.collect("file", str(path), "", 1 << 20, 3600)
+    findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
+    assert failed(findings) == {"sxid-fatal"}
+    assert [f.subject for f in findings] == ["nvswitch3 SXid 24007"]

@@ -1,9 +1,12 @@
-"""Host signals from the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE.
+"""Host signals from the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE,
+NVSwitch SXids.
 
 A pure function of the kernel-log snapshot the Xid collector already took: events
 of the current boot within ``window_s`` are counted per signal (and per device for
 NVMe) and set against the thresholds in ``health.kernel_log``. Events of an earlier
-boot are history: a reboot cleared the lockup, remounted the disk.
+boot are history: a reboot cleared the lockup, remounted the disk. A fatal SXid
+counts for the whole current boot, whatever ``window_s`` says: the NVSwitch stays
+unusable until it is reset, which on HGX baseboards means a reboot.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from slurm_resilience.config.health import KernelLogCheckSection
 from slurm_resilience.health.collectors.host_signals import HostSignal
 from slurm_resilience.health.collectors.kernlog_time import BootOf
 from slurm_resilience.health.collectors.xid import HostEvent, KernelLogSnapshot
-from slurm_resilience.health.findings import Finding, fail, ok, unknown
+from slurm_resilience.health.findings import Finding, fail, ok, unknown, warn
 
 NAME = "kernel"
 
@@ -25,7 +28,13 @@ _WHAT = {
     HostSignal.HARD_LOCKUP: "CPU hard lockup",
     HostSignal.MCE_CORRECTED: "corrected machine check",
     HostSignal.MCE_UNCORRECTED: "uncorrected machine check",
+    HostSignal.SXID_FATAL: "fatal",
+    HostSignal.SXID_NONFATAL: "non-fatal",
 }
+# Signals that only ever warn (a non-fatal SXid: the switch corrected or contained it).
+_WARN_ONLY = (HostSignal.SXID_NONFATAL,)
+# Signals judged over the whole current boot (they last until the device is reset).
+_WHOLE_BOOT = (HostSignal.SXID_FATAL,)
 
 
 def _limits(cfg: KernelLogCheckSection) -> dict[HostSignal, int]:
@@ -42,12 +51,17 @@ def _limits(cfg: KernelLogCheckSection) -> dict[HostSignal, int]:
     if cfg.mce:
         limits[HostSignal.MCE_UNCORRECTED] = 0
         limits[HostSignal.MCE_CORRECTED] = cfg.max_corrected_mce
+    if cfg.sxids:
+        limits[HostSignal.SXID_FATAL] = cfg.max_fatal_sxids
+        limits[HostSignal.SXID_NONFATAL] = 0
     return limits
 
 
 def _subject(signal: HostSignal, device: str) -> str:
     if signal is HostSignal.NVME_IO_ERROR or signal is HostSignal.READONLY_REMOUNT:
         return device or "disk"
+    if signal in (HostSignal.SXID_FATAL, HostSignal.SXID_NONFATAL):
+        return device or "nvswitch"
     return "host"
 
 
@@ -59,7 +73,7 @@ def check(snap: KernelLogSnapshot, cfg: KernelLogCheckSection, *, now: float) ->
     recent: list[HostEvent] = [
         e for e in snap.host_events
         if e.boot is BootOf.CURRENT and e.signal in limits
-        and (e.time is None or e.time >= horizon)]
+        and (e.time is None or e.time >= horizon or e.signal in _WHOLE_BOOT)]
     # NVMe errors and read-only remounts are judged per device, the rest per host.
     counts: Counter[tuple[HostSignal, str]] = Counter(
         (e.signal, _subject(e.signal, e.device)) for e in recent)
@@ -71,11 +85,13 @@ def check(snap: KernelLogSnapshot, cfg: KernelLogCheckSection, *, now: float) ->
         message = (f"{subject} {_WHAT[signal]} x{count} in the kernel log "
                    f"(tolerated {limit}): {sample}")[:240]
         data = {"signal": signal.value, "count": count, "limit": limit, "sample": sample}
-        if count > limit:
+        if count > limit and signal in _WARN_ONLY:
+            findings.append(warn(NAME, subject, message, **data))
+        elif count > limit:
             findings.append(fail(NAME, subject, message, **data))
         else:
             findings.append(ok(NAME, subject, message, **data))
     if not findings:
-        findings.append(ok(NAME, "kernel-log", "no NVMe I/O error, read-only remount, lockup "
-                                               "or machine check in this boot"))
+        findings.append(ok(NAME, "kernel-log", "no NVMe I/O error, read-only remount, lockup, "
+                                               "machine check or SXid in this boot"))
     return findings

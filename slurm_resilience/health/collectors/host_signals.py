@@ -1,9 +1,13 @@
-"""Host failures the kernel log names: NVMe I/O errors, read-only remounts, lockups, MCE.
+"""Host failures the kernel log names: NVMe I/O errors, read-only remounts, lockups, MCE,
+and NVSwitch SXids.
 
 Each pattern matches the line the kernel itself prints (message formats from the
 kernel sources: block/blk-core.c, drivers/nvme/host/core.c, fs/ext4/super.c,
 fs/xfs/xfs_fsops.c, fs/btrfs, kernel/watchdog.c, arch/x86/kernel/cpu/mce,
-drivers/edac). A machine check prints a burst of ``[Hardware Error]`` detail lines
+drivers/edac; SXids: the NVSwitch driver's ``nvidia-nvswitchN: SXid (PCI:0000:05:00.0):
+12028, Non-fatal, Link 32 ...`` as listed in NVIDIA's Fabric Manager guide, whose
+follow-up ``SXid (PCI:...): 11004, Severity 0 Engine instance ...`` detail lines are not
+events of their own). A machine check prints a burst of ``[Hardware Error]`` detail lines
 per event; only the one summary line of an event is matched, so an event counts once.
 """
 
@@ -20,13 +24,15 @@ class HostSignal(enum.Enum):
     HARD_LOCKUP = "hard-lockup"
     MCE_CORRECTED = "mce-corrected"
     MCE_UNCORRECTED = "mce-uncorrected"
+    SXID_FATAL = "sxid-fatal"
+    SXID_NONFATAL = "sxid-nonfatal"
 
 
 # Substrings every pattern below contains: a line without any of them is skipped
 # without a regex, and the collector finds candidate lines with str.find on the whole
 # text. Long needles are found faster.
 HINTS = ("I/O error", "nvme nvme", "read-only", "readonly", "XFS (", "soft lockup",
-         "hard LOCKUP", "Uncorrected hardware", "achine check", "EDAC MC")
+         "hard LOCKUP", "Uncorrected hardware", "achine check", "EDAC MC", "SXid (")
 
 _PATTERNS: tuple[tuple[HostSignal, re.Pattern[str]], ...] = (
     # blk_update_request / blk_print_req_error: "I/O error, dev nvme0n1, sector 123 op 0x0"
@@ -55,10 +61,25 @@ _PATTERNS: tuple[tuple[HostSignal, re.Pattern[str]], ...] = (
 )
 
 
+# The device is "nvswitchN SXid NNNNN" so each switch and SXid number is told apart.
+_SXID = re.compile(r"\bnvidia-(?P<sw>nvswitch\d+): SXid \((?:PCI:)?[0-9a-fA-F:.]+\): "
+                   r"(?P<sxid>\d+), (?P<sev>Fatal|Non-fatal)\b")
+
+
+def _sxid(message: str) -> tuple[HostSignal, str] | None:
+    m = _SXID.search(message)
+    if m is None:
+        return None
+    signal = HostSignal.SXID_FATAL if m["sev"] == "Fatal" else HostSignal.SXID_NONFATAL
+    return signal, f"{m['sw']} SXid {m['sxid']}"
+
+
 def classify(message: str) -> tuple[HostSignal, str] | None:
     """The signal a kernel message reports and the device/CPU it names, or None."""
     if not any(h in message for h in HINTS):
         return None
+    if "SXid (" in message:
+        return _sxid(message)
     for signal, pattern in _PATTERNS:
         m = pattern.search(message)
         if m:
