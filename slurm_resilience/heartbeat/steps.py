@@ -27,10 +27,10 @@ def _nodes(ctx: HookContext) -> tuple[str, ...]:
     raw = ctx.env.get("SLURM_JOB_NODELIST") or ctx.env.get("SLURM_NODELIST") or ""
     if not raw:
         return (ctx.node,)
-    from slurm_resilience.slurm.parse import expand_hostlist
+    import hostlist  # the library alone: slurm.parse's record parsers stay off the prolog path
 
     try:
-        return tuple(expand_hostlist(raw))
+        return tuple(hostlist.expand_hostlist(raw))
     except (ValueError, TypeError, IndexError):
         return (ctx.node,)
 

@@ -6,10 +6,12 @@ import os
 import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from slurm_resilience.config import Config
-from slurm_resilience.slurm.adapter import SlurmAdapter, from_config
+
+if TYPE_CHECKING:  # the adapter loads on first use: the healthy prolog never calls Slurm
+    from slurm_resilience.slurm.adapter import SlurmAdapter
 
 HookKind = Literal["prolog", "epilog", "healthcheck"]
 
@@ -70,6 +72,8 @@ class HookContext:
     def adapter(self) -> SlurmAdapter:
         """Created on first use, so the healthy path makes no Slurm call at all."""
         if self._adapter is None:
+            from slurm_resilience.slurm.adapter import from_config
+
             self._adapter = from_config(self.cfg)
             # Drains a hook makes are counted in this node's metrics (metrics.events).
             from slurm_resilience.metrics import events

@@ -11,7 +11,6 @@ one small file read, which is why the prolog can afford to ask on every job.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -214,4 +213,6 @@ def fingerprint(section: NcclSection) -> str:
                        for t in section.thresholds],
     }
     text = json.dumps(relevant, sort_keys=True)
+    import hashlib  # here, not at import: OpenSSL's load costs every prolog ~8 ms
+
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -14,7 +14,6 @@ torch, no Slurm call.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -231,6 +230,8 @@ def start_idle_verification(ctx: HookContext) -> int:
     if owner is None:
         log.warning("nccl: no slurmd or agent above this health run; the idle verifier "
                     "is bounded by its test's deadline only")
+    import subprocess  # the healthcheck's idle path only: off every prolog's import path
+
     proc = subprocess.Popen(
         verifier_argv(ctx, owner), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,

@@ -86,7 +86,7 @@ def test_healthy_prolog_is_silent_and_calls_no_slurm(
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text(f"logging:\n  file: {tmp_path}/ev.jsonl\n  syslog: false\n")
     made: list[object] = []
-    monkeypatch.setattr("slurm_resilience.hooks.context.from_config",
+    monkeypatch.setattr("slurm_resilience.slurm.adapter.from_config",
                         lambda cfg: made.append(cfg))
     env = {"SLURM_RESILIENCE_CONFIG": str(cfgfile), "SLURM_JOB_ID": "3",
            "SLURMD_NODENAME": "node1"}

@@ -10,14 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import stat
 import time
 from dataclasses import dataclass
 from typing import Any
-
-from slurm_resilience.proc import CommandError, Runner
 
 PROBE_BYTES = 4096
 
@@ -77,7 +74,7 @@ def _used_bytes(path: str) -> int:
 
 def _probe(path: str) -> tuple[float | None, str | None]:
     """Milliseconds to write and fsync a small new file, or the error."""
-    name = os.path.join(path, f".slurm-resilience-probe-{secrets.token_hex(8)}")
+    name = os.path.join(path, f".slurm-resilience-probe-{os.urandom(8).hex()}")
     started = time.monotonic()
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -114,6 +111,8 @@ def parse_smart(text: str) -> SmartLog:
 def _smart(device: str, timeout: float) -> SmartLog:
     if shutil.which("nvme") is None:
         return SmartLog(skipped="nvme-cli not installed")
+    from slurm_resilience.proc import CommandError, Runner  # healthcheck only, not the prolog
+
     try:
         result = Runner().run(["nvme", "smart-log", device, "-o", "json"], timeout=timeout)
     except CommandError as exc:

@@ -17,7 +17,6 @@ dropped silently. Each event gets a stable key so the check counts it once:
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import time
@@ -33,7 +32,6 @@ from slurm_resilience.health.collectors.kernlog_time import (
     is_boot_marker,
     read_stamp,
 )
-from slurm_resilience.proc import CommandError, Runner
 
 # Current drivers print ``(PCI:0000:01:00)``, with MIG ``(PCI:0000:01:00 GPU-I:05)``;
 # older ones ``(0000:01:00)``.
@@ -164,6 +162,8 @@ def parse_message(message: str) -> XidFields | None:
 
 
 def _digest(text: str) -> str:
+    import hashlib  # only for undated lines: loading OpenSSL costs the prolog ~8 ms
+
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
 
 
@@ -357,9 +357,15 @@ def _read_file_tail(path: str, max_bytes: int) -> list[str]:
 
 
 def _read_journal(window_s: int, timeout: float) -> list[str]:
-    result = Runner().run(
-        ["journalctl", "-k", "-b", "-q", "--no-pager", "-o", "short-iso-precise",
-         f"--since=-{int(window_s)}s"], timeout=timeout)
+    # Imported here: subprocess and friends stay off the prolog's path for file/kmsg sources.
+    from slurm_resilience.proc import CommandError, Runner
+
+    try:
+        result = Runner().run(
+            ["journalctl", "-k", "-b", "-q", "--no-pager", "-o", "short-iso-precise",
+             f"--since=-{int(window_s)}s"], timeout=timeout)
+    except CommandError as exc:
+        raise OSError(str(exc)) from None
     return result.stdout.splitlines()
 
 
@@ -382,7 +388,7 @@ def collect(source: str, path: str, boot_id_file: str, max_read_bytes: int, wind
             # A file source that does not exist yet has simply logged nothing.
             return base
         return replace(base, error=f"couldn't read the kernel log {path}: not found")
-    except (OSError, CommandError) as exc:
+    except OSError as exc:
         return replace(base, error=f"couldn't read the kernel log ({source} {path}): {exc}")
     parsed = parse_lines(lines, boot_id, boot, now)
     return replace(base, events=tuple(parsed.events), host_events=tuple(parsed.host_events),
