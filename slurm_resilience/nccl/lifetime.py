@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.procstat import read_proc
 
 log = get_logger("nccl")
 
@@ -47,26 +48,6 @@ class Owner:
         return cls(int(pid), int(start))
 
 
-@dataclass(frozen=True)
-class _Stat:
-    ppid: int
-    start: int
-    comm: str
-
-
-def _stat(pid: int, proc: str) -> _Stat | None:
-    try:
-        with open(f"{proc}/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    head, _, tail = stat.rpartition(")")
-    rest = tail.split()
-    if len(rest) < 20 or rest[0] in ("Z", "X"):
-        return None
-    return _Stat(int(rest[1]), int(rest[19]), head.partition("(")[2])
-
-
 def _is_agent(pid: int, proc: str) -> bool:
     try:
         with open(f"{proc}/{pid}/cmdline", "rb") as fh:
@@ -85,11 +66,11 @@ def find_owner(pid: int | None = None, proc: str = "/proc") -> Owner | None:
     if pid is None:
         here = os.getppid()
     else:
-        st = _stat(pid, proc)
+        st = read_proc(pid, proc)
         here = st.ppid if st else 0
     while here > 1 and here not in seen:
         seen.add(here)
-        st = _stat(here, proc)
+        st = read_proc(here, proc)
         if st is None:
             break
         if st.comm in OWNER_COMMS or _is_agent(here, proc):
@@ -99,7 +80,7 @@ def find_owner(pid: int | None = None, proc: str = "/proc") -> Owner | None:
 
 
 def alive(owner: Owner, proc: str = "/proc") -> bool:
-    st = _stat(owner.pid, proc)
+    st = read_proc(owner.pid, proc)
     return st is not None and st.start == owner.start
 
 

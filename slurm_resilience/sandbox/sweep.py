@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.procstat import Proc, read_proc
 
 log = get_logger("sandbox")
 
@@ -42,37 +43,11 @@ POLL_S = 0.05
 
 
 @dataclass(frozen=True)
-class Proc:
-    """A process, identified by pid and start time (so a recycled pid is never signalled)."""
-
-    pid: int
-    ppid: int
-    start: int
-    comm: str
-    tty: int = 0
-
-
-@dataclass(frozen=True)
 class Found:
     """A process of the sandbox and why it counts as one."""
 
     proc: Proc
     why: str
-
-
-def read_proc(pid: int, proc: str = "/proc") -> Proc | None:
-    """``/proc/<pid>/stat`` as a :class:`Proc`; None when gone or a zombie."""
-    try:
-        with open(f"{proc}/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    head, _, tail = stat.rpartition(")")
-    rest = tail.split()
-    if len(rest) < 20 or rest[0] in ("Z", "X"):
-        return None
-    return Proc(pid, int(rest[1]), int(rest[19]), head.partition("(")[2], int(rest[4]))
 
 
 def processes(proc: str = "/proc") -> dict[int, Proc]:

@@ -52,7 +52,7 @@ time.sleep(600)
 def test_a_watcher_exits_once_its_owner_has_ended() -> None:
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        stat = lifetime._stat(owner.pid, "/proc")
+        stat = lifetime.read_proc(owner.pid, "/proc")
         assert stat is not None
         me = lifetime.Owner(owner.pid, stat.start)
         watcher = subprocess.Popen([sys.executable, "-c", WATCHER, me.arg()],
@@ -69,7 +69,7 @@ def test_a_watcher_exits_once_its_owner_has_ended() -> None:
 
 
 def test_a_recycled_pid_is_not_the_owner() -> None:
-    stat = lifetime._stat(1, "/proc")
+    stat = lifetime.read_proc(1, "/proc")
     assert stat is not None
     assert lifetime.alive(lifetime.Owner(1, stat.start))
     assert not lifetime.alive(lifetime.Owner(1, stat.start + 1))
