@@ -36,6 +36,8 @@ REAL_FIXTURES = REPO / "tests" / "fixtures"
 REQUIRE_SANDBOX = os.environ.get("SLURM_RESILIENCE_REQUIRE_SANDBOX") == "1"
 KEEP_SANDBOX = os.environ.get("SLURM_RESILIENCE_KEEP_SANDBOX") == "1"
 TEST_USERS = ("srtest1", "srtest2")
+# Debian's own interpreter: ordinary users can run it (a pyenv or venv one may be private).
+PYTHON_SYS = "/usr/bin/python3"
 
 SandboxFactory = Callable[..., Sandbox]
 
@@ -72,6 +74,27 @@ def free_port_base(nodes: int) -> int:
             _used_bases.add(base)
             return base
     raise SandboxError("sandbox: no free port range found")
+
+
+# Prints once its own environment is in place, then waits to be killed.
+_SLEEPER = "import sys, time; print('ready', flush=True); time.sleep(600)"
+
+
+def start_sleeper(env: dict[str, str], **popen: object) -> subprocess.Popen[bytes]:
+    """A process with ``env`` whose /proc/<pid>/environ is readable when this returns.
+
+    Popen returns once exec has begun, but the kernel fills in the new environment a moment
+    later: a read of /proc/<pid>/environ in that window comes back empty. The child says
+    "ready" from its new image, after which the environment is there.
+    """
+    proc = subprocess.Popen([PYTHON_SYS, "-c", _SLEEPER], env=env,
+                            stdout=subprocess.PIPE, **popen)  # type: ignore[call-overload]
+    assert proc.stdout is not None
+    if proc.stdout.readline() != b"ready\n":
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"sleeper {proc.pid} ended before it was ready")
+    return proc  # type: ignore[no-any-return]
 
 
 def make_traversable(path: Path) -> None:

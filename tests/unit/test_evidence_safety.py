@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import start_sleeper
 
 from slurm_resilience.heartbeat import evidence, safefs
 from slurm_resilience.heartbeat.slot import SlotView
@@ -124,7 +125,7 @@ def test_flight_recorder_dump_in_a_root_dir_is_never_opened(
     pw = pwd.getpwnam(test_users[0])
     env = {"PATH": "/usr/bin:/bin", evidence.NCCL_PIPE_ENV: f"{mine}/pipe",
            evidence.NCCL_FILE_ENV: f"{secret}/dev"}
-    job = subprocess.Popen(["sleep", "60"], env=env, user=pw.pw_uid, group=pw.pw_gid)
+    job = start_sleeper(env, user=pw.pw_uid, group=pw.pw_gid)
     # PyTorch's side of the pipe, open before the trigger (a FIFO without a reader refuses
     # a non-blocking writer).
     reader = os.open(mine / "pipe0.pipe", os.O_RDONLY | os.O_NONBLOCK)

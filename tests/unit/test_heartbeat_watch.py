@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import start_sleeper
 
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
@@ -197,7 +198,7 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
     reader.start()
     env = {**os.environ, evidence.NCCL_PIPE_ENV: str(pipe_prefix),
            evidence.NCCL_FILE_ENV: str(dump_prefix)}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    proc = start_sleeper(env)
     try:
         save = tmp_path / "saved"
         save.mkdir()
@@ -209,7 +210,8 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
         reader.join(5)
-    assert result["bytes"] == len(payload) and result["saved_as"] == "nccl-trace-rank3.bin"
+    assert result.get("bytes") == len(payload), result
+    assert result.get("saved_as") == "nccl-trace-rank3.bin", result
     assert (save / "nccl-trace-rank3.bin").read_bytes() == payload
     assert not marker.exists()
 
