@@ -23,13 +23,12 @@ Public tools disagree on four codes; our choices:
 * **121** (C2C link error, GB200): not fatal. NVIDIA's immediate action is IGNORE
   (the link recovers by itself); draining on it would take GB200 nodes out for nothing.
 
-Each entry's :data:`SOURCES` names where its action comes from: "catalog" is the
-"Resolution Bucket (Immediate Action)" column of NVIDIA's Xid Catalog for Ampere and
-newer GPUs (docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html);
-"R570" is the driver's own "GPU recovery action" that Xid 154 reports
-(NVML ``nvmlDeviceGpuRecoveryAction_t``); "documentation" is the meaning in NVIDIA's
-Xid documentation with our fatal choice; ``ours`` is a choice of this project,
-explained above. A site overrides the list with ``health.xid.fatal`` /
+Each entry's :data:`SOURCES` names the public NVIDIA document (title, section, URL) its
+meaning comes from, and then the basis of its fatal / not-fatal decision: NVIDIA's
+immediate action where we read it in the Xid Catalog (:data:`ACTIONS`), the driver's own
+word in the message (NVLink 144-150, recovery action 154), our reading of the meaning
+(the GPU needs a reset, or the application is at fault), or a choice of this project
+marked "(ours)" and explained above. A site overrides the list with ``health.xid.fatal`` /
 ``extra_fatal`` / ``not_fatal``.
 """
 
@@ -83,6 +82,10 @@ MEANINGS: dict[int, str] = {
 }
 
 
+# NVLink Xids (144-150) say themselves whether they are fatal: "SAW_MVB Nonfatal XC0 ...".
+NVLINK_RANGE = range(144, 151)
+
+
 class Action(enum.Enum):
     """NVIDIA's immediate action for an Xid (the catalogue's resolution bucket)."""
 
@@ -93,9 +96,19 @@ class Action(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
-_CATALOG = "NVIDIA Xid Catalog, immediate action"
-_DOC = "NVIDIA Xid documentation (meaning); fatal by our choice: the GPU needs a reset"
-_APP = "NVIDIA Xid documentation: usually the application's fault; never drains"
+# The public documents the entries rest on. NVIDIA revises them in place: re-read them
+# when a new driver branch adds Xids.
+XID_DOC = ("NVIDIA 'Xid Errors', the Xid's entry "
+           "(https://docs.nvidia.com/deploy/xid-errors/index.html)")
+XID_CATALOG = ("NVIDIA 'Analyzing Xid Errors with the Xid Catalog', column 'Resolution Bucket "
+               "(Immediate Action)' "
+               "(https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html)")
+PAGE_RETIREMENT = ("NVIDIA 'Dynamic Page Retirement', section 'Visibility: XIDs' "
+                   "(https://docs.nvidia.com/deploy/dynamic-page-retirement/visibility.html)")
+MEMORY_ERRORS = ("NVIDIA 'GPU Memory Error Management' (row remapping, contained and "
+                 "uncontained errors) (https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/)")
+RECOVERY_ACTION = ("NVML 'nvmlDeviceGpuRecoveryAction_t' (driver R570+), which Xid 154 "
+                   "reports (https://docs.nvidia.com/deploy/nvml-api/)")
 
 # NVIDIA's immediate action, only where we read it in the catalogue itself.
 ACTIONS: dict[int, Action] = {
@@ -104,20 +117,36 @@ ACTIONS: dict[int, Action] = {
     155: Action.RESET_GPU, 156: Action.RESET_GPU, 158: Action.RESET_GPU,
 }
 
-# Where each entry's meaning and fatal/not-fatal choice comes from.
+_RESET = "fatal: the GPU needs a reset or its hardware is failing (our reading of the meaning)"
+_APP = "not fatal: usually the application's own fault; one buggy job must not drain nodes"
+
+# Where each entry's meaning, and its fatal / not-fatal decision, come from. Every value
+# reads "<document> -- fatal: <basis>" or "<document> -- not fatal: <basis>";
+# test_health_xid checks that the word matches DEFAULT_FATAL.
 SOURCES: dict[int, str] = {
-    **{x: _DOC for x in (32, 38, 44, 48, 61, 62, 64, 69, 74, 79, 95, 110, 119, 120, 123,
-                         136, 140, 143)},
-    **{x: _APP for x in (31, 43, 45, 94, 109)},
-    **{x: f"{_CATALOG} RESTART_APP" for x in (8, 13)},
-    **{x: f"{_CATALOG} RESET_GPU" for x in (46, 155, 156, 158)},
-    121: f"{_CATALOG} IGNORE (C2C link recovers by itself)",
-    **{x: "NVIDIA Xid documentation; the message says Fatal or Nonfatal, which decides"
-       for x in range(144, 151)},
-    154: "driver R570+ recovery action (NVML nvmlDeviceGpuRecoveryAction_t) in the message",
-    63: "ours: NVML's remap-pending state is checked instead (see above)",
-    68: "ours: NVDEC is not used by training (see above)",
-    92: "ours: corrected errors; the ECC counters are checked instead (see above)",
+    **{x: f"{XID_DOC} -- {_RESET}" for x in (61, 62, 74, 79, 110, 119, 120, 136, 143)},
+    **{x: f"{XID_DOC} -- not fatal (ours): reported, not drained; the meaning names no "
+          "hardware fault or reset, and a repeat shows in the Xid rate" for x in (32, 38, 44,
+                                                                               69, 123)},
+    48: f"{PAGE_RETIREMENT}; {MEMORY_ERRORS} -- {_RESET} (double-bit error)",
+    64: f"{PAGE_RETIREMENT}; {MEMORY_ERRORS} -- {_RESET} (the retirement/remap failed)",
+    95: f"{MEMORY_ERRORS} -- {_RESET} (uncontained: the error may have spread)",
+    140: f"{MEMORY_ERRORS} -- {_RESET} (unrecovered ECC error)",
+    **{x: f"{XID_DOC} -- {_APP}" for x in (31, 43, 45, 109)},
+    94: f"{MEMORY_ERRORS} -- not fatal: contained to the application that hit it; the "
+        "remap it needs is judged through NVML's remap-pending state",
+    **{x: f"{XID_CATALOG}: RESTART_APP -- {_APP}" for x in (8, 13)},
+    **{x: f"{XID_CATALOG}: RESET_GPU -- fatal: NVIDIA's immediate action is a GPU reset"
+       for x in (46, 155, 156, 158)},
+    121: f"{XID_CATALOG}: IGNORE -- not fatal: the C2C link recovers by itself",
+    **{x: f"{XID_DOC} -- fatal, unless the driver's own message says 'Nonfatal' "
+          "(is_fatal reads it)" for x in NVLINK_RANGE},
+    154: f"{RECOVERY_ACTION} -- fatal, unless the message names the action 'None'",
+    63: f"{PAGE_RETIREMENT} -- not fatal (ours): NVML's remap-pending state is checked "
+        "instead, and clears on the reset (see above)",
+    68: f"{XID_DOC} -- not fatal (ours): NVDEC is not used by training (see above)",
+    92: f"{XID_DOC} -- not fatal (ours): the errors were corrected; the ECC counters are "
+        "checked instead (see above)",
 }
 
 # Xids after which the GPU needs a reset, or whose hardware is failing.
@@ -126,8 +155,6 @@ DEFAULT_FATAL: frozenset[int] = frozenset({
     144, 145, 146, 147, 148, 149, 150, 154, 155, 156, 158,
 })
 
-# NVLink Xids (144-150) say themselves whether they are fatal: "SAW_MVB Nonfatal XC0 ...".
-NVLINK_RANGE = range(144, 151)
 _NONFATAL_WORD = re.compile(r"\bNonfatal\b")
 # Xid 154 names the recovery action; "to 0x0 (None)" means nothing is needed any more.
 _RECOVERY_NONE = re.compile(r"\bto 0x0 \(None\)")

@@ -20,9 +20,11 @@ DCGM = REAL_FIXTURES / "dcgm"
 
 
 def test_dcgm3_pass_is_a_clean_diagnostic() -> None:
-    """Every result Pass (3.x schema, gpu_ids): one OK finding and the time remembered
+    """(Hand-written: two GPUs, which the real single-GPU captures cannot show.) Every
+    result Pass (3.x schema, gpu_ids): one OK finding and the time remembered
     as evidence of a clean diagnostic."""
-    report = dcgm.parse_diag((DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass.txt").read_text())
+    report = dcgm.parse_diag(
+        (DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass_handwritten.txt").read_text())
     assert report.version == "3.3.5" and report.driver == "550.54.15"
     assert {r.gpu for r in report.results} == {None, 0, 1}
     result = diag_check.check_dcgm(report, {}, now=123.0)
@@ -30,11 +32,74 @@ def test_dcgm3_pass_is_a_clean_diagnostic() -> None:
     assert result.state["last_clean"] == 123.0
 
 
+# Real `dcgmi diag -j` captures (tests/fixtures/SOURCES.md section 9): what each says,
+# test by test, as (category, test, gpu, status).
+VC_DEPLOYMENT = [("Deployment", t, None, "pass") for t in (
+    "Denylist", "NVML Library", "CUDA Main Library", "Permissions and OS Blocks",
+    "Persistence Mode", "Environment Variables", "Page Retirement/Row Remap",
+    "Graphics Processes", "Inforom")]
+REAL_CAPTURES = {
+    "dcgmi-diag-r2-j_dcgm-2x3x_1gpu-16gb_pass_virtualclient.json": [
+        *VC_DEPLOYMENT, ("Integration", "PCIe", 0, "pass"),
+        ("Hardware", "GPU Memory", 0, "pass")],
+    "dcgmi-diag-r3-j_dcgm-2x3x_1gpu-16gb_pass-eud-skip_virtualclient.json": [
+        *VC_DEPLOYMENT, ("Integration", "PCIe", 0, "pass"),
+        ("Hardware", "GPU Memory", 0, "pass"), ("Hardware", "Diagnostic", 0, "pass"),
+        ("Hardware", "EUD Test", 0, "skip"), ("Stress", "Targeted Stress", 0, "pass"),
+        ("Stress", "Targeted Power", 0, "pass"), ("Stress", "Memory Bandwidth", 0, "pass")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CAPTURES))
+def test_real_dcgm3_captures_read_test_by_test_and_pass(name: str) -> None:
+    """Two recorded single-GPU runs (levels 2 and 3, 3.x schema): every test, its GPU
+    (none for the software tests, which carry no GPU key) and its status as the capture
+    says; the one Skip (EUD) among passes does not stop a clean verdict; the document has
+    no version and the message does not pretend one."""
+    report = dcgm.parse_diag((DCGM / name).read_text())
+    assert [(r.category, r.test, r.gpu, r.status) for r in report.results] == REAL_CAPTURES[name]
+    assert report.version == "" and report.error is None
+    assert all(r.warnings == [] for r in report.results)
+    result = diag_check.check_dcgm(report, {}, now=7.0)
+    assert [(f.severity, f.message) for f in result.findings] == [
+        (Severity.OK, f"DCGM diagnostics passed ({len(REAL_CAPTURES[name])} results)")]
+    assert result.state["last_clean"] == 7.0
+
+
+def test_real_dcgm4_excerpt_names_each_of_eight_gpus() -> None:
+    """The 4.x `diagnostic` test as pasted in NVIDIA/DCGM issue #215 (an excerpt: one test
+    object of an 8-GPU run, with its trailing comma). The test wraps it in the 4.x
+    document around it -- that wrapper is ours, the test object is the capture -- and
+    reads eight entity results, GPUs 0-7, all Pass, ``info`` lists ignored."""
+    excerpt = (DCGM / "dcgmi-diag-j_dcgm4_8gpu_diagnostic-test-excerpt_dcgm-issue215.txt"
+               ).read_text().rstrip().removesuffix(",")
+    doc = ('{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": ['
+           + excerpt + ']}]}, "metadata": {"version": "4"}}')
+    report = dcgm.parse_diag(doc)
+    assert [(r.test, r.gpu, r.status) for r in report.results] == [
+        ("diagnostic", g, "pass") for g in range(8)]
+    assert [f.severity for f in diag_check.check_dcgm(report, {}, now=0).findings] == [
+        Severity.OK]
+
+
+def test_dcgm4_test_with_only_a_summary_is_the_nodes_result() -> None:
+    """A 4.x test object whose verdict is only in ``test_summary`` (no entity results)
+    is still read, as a node-level result; its ``info`` is not a warning."""
+    doc = ('{"DCGM Diagnostic": {"test_categories": [{"category": "Deployment", "tests": '
+           '[{"name": "software", "results": [], "test_summary": {"status": "Fail", '
+           '"info": ["x"], "warnings": [{"warning": "driver mismatch", "error_id": 9}]}}]}]}}')
+    report = dcgm.parse_diag(doc)
+    assert [(r.test, r.gpu, r.status, r.warnings, r.error_ids) for r in report.results] == [
+        ("software", None, "fail", ["driver mismatch"], [9])]
+    assert [f.subject for f in diag_check.check_dcgm(report, {}, now=0).findings] == ["node"]
+
+
 def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
-    """4.x schema: the memory Fail on GPU 1 fails with DCGM's own message; the PCIe Warn
+    """(Hand-written: no real failing capture with a source was found.) 4.x schema: the
+    memory Fail on GPU 1 fails with DCGM's own message; the PCIe Warn
     is a warning; the document survives the JSON hop."""
     report = dcgm.parse_diag(
-        (DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail.txt").read_text())
+        (DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail_handwritten.txt").read_text())
     assert report.version == "4.2.3" and report.driver == "570.148.08"
     assert dcgm.from_json(dcgm.to_json(report)) == report
     findings = diag_check.check_dcgm(report, {}, now=0).findings
@@ -46,9 +111,10 @@ def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
 
 
 def test_dcgm_that_tested_nothing_is_not_a_pass() -> None:
-    """Every test skipped (3.x, gpu_id key, as in DCGM issue #139): could not check."""
+    """(Hand-written after the excerpt in DCGM issue #139.) Every test skipped (3.x,
+    gpu_id key): could not check."""
     report = dcgm.parse_diag(
-        (DCGM / "dcgmi-diag-r3-j_dcgm3-schema_t400_all-skipped.txt").read_text())
+        (DCGM / "dcgmi-diag-r3-j_dcgm3-schema_t400_all-skipped_handwritten.txt").read_text())
     assert [r.gpu for r in report.results] == [0, 0, 0]
     findings = diag_check.check_dcgm(report, {}, now=0).findings
     assert [f.severity for f in findings] == [Severity.UNKNOWN]
@@ -62,7 +128,7 @@ def test_dcgmi_is_run_and_its_failing_exit_status_keeps_the_json(tmp_path: Path,
                                                                  ) -> None:
     """A dcgmi on PATH that exits non-zero (as on failed tests) with its JSON: parsed and
     failing; a dcgmi that prints no JSON is "couldn't run", naming what it said."""
-    fixture = DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail.txt"
+    fixture = DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail_handwritten.txt"
     tool = tmp_path / "dcgmi"
     tool.write_text(f"#!/bin/sh\ncat {fixture}\nexit 226\n")
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)

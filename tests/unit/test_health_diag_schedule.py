@@ -31,8 +31,8 @@ from slurm_resilience.testing import FakeRunner, completed
 
 NODE = "node1"
 DCGM = REAL_FIXTURES / "dcgm"
-FAIL_DOC = DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail.txt"
-PASS_DOC = DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass.txt"
+FAIL_DOC = DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail_handwritten.txt"
+PASS_DOC = DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass_handwritten.txt"
 
 
 def write_config(tmp_path: Path, **diag: Any) -> Path:

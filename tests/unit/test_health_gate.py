@@ -157,7 +157,7 @@ def test_clean_active_diagnostic_ends_the_fatal_xid_of_the_gpus_it_tested(
     assert "gpu1 XID 48" in reasons and "gpu2 XID 48" in reasons
     tool = tmp_path / "bin" / "dcgmi"
     tool.parent.mkdir()
-    passed = REAL_FIXTURES / "dcgm" / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass.txt"
+    passed = REAL_FIXTURES / "dcgm" / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass_handwritten.txt"
     tool.write_text(f"#!/bin/sh\ncat {passed}\n")
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin:/bin")

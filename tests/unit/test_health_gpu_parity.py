@@ -73,6 +73,34 @@ def test_nvlink_error_counters_fail_on_their_rise(tmp_path: Path) -> None:
     assert fails(findings) == ["gpu0 NVLink replay errors +450 (expected <=100)"]
 
 
+def test_nvlink_crc_flit_and_data_limits_fire(tmp_path: Path) -> None:
+    """The CRC flit and CRC data totals (NVML_FI_DEV_NVLINK_CRC_*_ERROR_COUNT_TOTAL) fail
+    on a rise past their own limits: exactly the limit passes, one more fails, each names
+    its counter; a site's lower limit in the config is the one applied; a total that goes
+    down (driver reload) is a new baseline, not a failure."""
+    scen = fake.default_scenario(2)
+    scen["gpus"][0]["nvlink_errors"]["crc_flit"] = 7000  # history before the first run
+    scen["gpus"][1]["nvlink_errors"]["crc_data"] = 300
+    _, state = judge(collect(tmp_path, scen), now=0)
+    scen["gpus"][0]["nvlink_errors"]["crc_flit"] = 7100  # +100: at the default limit
+    scen["gpus"][1]["nvlink_errors"]["crc_data"] = 400
+    findings, state = judge(collect(tmp_path, scen), state=state, now=600)
+    assert not fails(findings)
+    scen["gpus"][0]["nvlink_errors"]["crc_flit"] = 7201  # +101
+    scen["gpus"][1]["nvlink_errors"]["crc_data"] = 650  # +250
+    findings, state = judge(collect(tmp_path, scen), state=state, now=1200)
+    assert fails(findings) == ["gpu0 NVLink crc_flit errors +101 (expected <=100)",
+                               "gpu1 NVLink crc_data errors +250 (expected <=100)"]
+    site = GpuCheckSection(max_nvlink_error_delta={"crc_flit": 100, "crc_data": 10,
+                                                   "replay": 100, "recovery": 0})
+    scen["gpus"][1]["nvlink_errors"]["crc_data"] = 661  # +11
+    findings, state = judge(collect(tmp_path, scen), cfg=site, state=state, now=1800)
+    assert fails(findings) == ["gpu1 NVLink crc_data errors +11 (expected <=10)"]
+    scen["gpus"][0]["nvlink_errors"]["crc_flit"] = 3  # reset by a driver reload
+    findings, _ = judge(collect(tmp_path, scen), state=state, now=2400)
+    assert not fails(findings)
+
+
 def test_pcie_replays_fail_as_a_rate(tmp_path: Path) -> None:
     """PCIe replays since reset are history (a real healthy H100 capture shows 120); a
     rise faster than max_pcie_replays_per_min fails."""

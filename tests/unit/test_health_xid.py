@@ -323,6 +323,21 @@ def test_catalogue_fatal_set_and_sources() -> None:
     assert xid_catalog.action(46) is xid_catalog.Action.RESET_GPU
 
 
+def test_every_xid_names_its_document_and_the_basis_of_its_decision() -> None:
+    """Each entry's source names a public NVIDIA document by URL and states the decision
+    it backs ("-- fatal: ..." / "-- not fatal: ..."), which must be the decision
+    DEFAULT_FATAL makes; an entry with a catalogue action names that action."""
+    for xid, source in xid_catalog.SOURCES.items():
+        assert "https://docs.nvidia.com/" in source, xid
+        said_fatal = " -- fatal" in source
+        assert said_fatal != (" -- not fatal" in source), (xid, source)
+        assert said_fatal == (xid in xid_catalog.DEFAULT_FATAL), (xid, source)
+    for xid, act in xid_catalog.ACTIONS.items():
+        assert "Immediate Action)' (https://" in xid_catalog.SOURCES[xid]
+        assert f": {act.value} -- " in xid_catalog.SOURCES[xid], xid
+    assert set(xid_catalog.DEFAULT_FATAL) <= set(xid_catalog.SOURCES)
+
+
 def test_an_xid_storm_never_pushes_out_a_fatal_event() -> None:
     """An old unrepaired fatal Xid survives a storm of newer non-fatal ones."""
     storm = snap_of(("", 48, "DBE", NOW - 3500),

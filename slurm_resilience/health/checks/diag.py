@@ -37,8 +37,9 @@ def check_dcgm(report: DiagReport, state: dict[str, Any], now: float) -> CheckRe
         # Every test skipped (or none reported): nothing was tested, which is no pass.
         out.append(unknown(NAME, "dcgmi", f"DCGM diagnostics tested nothing "
                                           f"({len(report.results)} results, all skipped)"))
-    return _done(out, f"DCGM {report.version} diagnostics passed "
-                      f"({len(report.results)} results)", state, now)
+    version = f"DCGM {report.version}" if report.version else "DCGM"
+    return _done(out, f"{version} diagnostics passed ({len(report.results)} results)",
+                 state, now)
 
 
 def check_memtest(report: MemtestReport, cfg: DiagCheckSection, state: dict[str, Any],

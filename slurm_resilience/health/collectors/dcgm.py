@@ -6,7 +6,10 @@ Two schemas exist. DCGM 3.x writes ``{"DCGM GPU Diagnostic": {"test_categories":
 names the entity of each result (``entity_group``, ``entity_group_id``, ``entity_id``),
 adds a per-test ``test_summary`` and moves the versions under ``metadata``. Warnings
 are plain strings in old releases and ``{"warning", "error_id", ...}`` objects later.
-Both are read here into one typed record.
+Both are read here into one typed record. Real captures (``tests/fixtures/dcgm``,
+sources in ``SOURCES.md``) also show: software tests of 3.x with no GPU key at all, a
+document with no ``version``, and ``info`` as a string (3.x) or a list (4.x), which is
+not read.
 """
 
 from __future__ import annotations
@@ -85,9 +88,13 @@ def parse_diag(text: str) -> DiagReport:
         report.error = f"dcgmi: {body['runtime_error']}"
     for cat in body.get("test_categories", []) or []:
         for test in cat.get("tests", []) or []:
-            for res in test.get("results", []) or []:
-                if not isinstance(res, dict) or "status" not in res:
-                    continue
+            results = [r for r in test.get("results", []) or []
+                       if isinstance(r, dict) and "status" in r]
+            summary = test.get("test_summary")
+            if not results and isinstance(summary, dict) and "status" in summary:
+                # 4.x: a test may carry only its summary; it is then the node's result.
+                results = [{k: v for k, v in summary.items() if k != "info"}]
+            for res in results:
                 status = str(res["status"]).strip().lower()
                 texts, codes = _warnings(res)
                 report.results.append(DiagResult(
