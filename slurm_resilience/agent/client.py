@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import time
+from collections.abc import Callable
 
 # The agent's answer, one JSON object; callers check the type of each field they use.
 Answer = dict[str, object]
@@ -21,7 +22,9 @@ class AgentRefused(Exception):
     """The agent answered with an error."""
 
 
-def call(path: str, op: str, *, timeout: float = 5.0, **args: object) -> Answer:
+def call(path: str, op: str, *, timeout: float = 5.0,
+         clock: Callable[[], float] = time.monotonic,
+         sleep: Callable[[float], object] = time.sleep, **args: object) -> Answer:
     """Send one request and return the answer; raises on transport errors and refusals.
 
     An agent over its connection caps answers "busy" at once; the call tries again, with
@@ -29,17 +32,17 @@ def call(path: str, op: str, *, timeout: float = 5.0, **args: object) -> Answer:
     through), then raises :class:`AgentUnavailable` like an agent that can't be reached.
     """
     request = json.dumps({"op": op, **args}).encode() + b"\n"
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     pause = BUSY_PAUSE_S
     while True:
-        answer = _once(path, request, max(deadline - time.monotonic(), 0.01))
+        answer = _once(path, request, max(deadline - clock(), 0.01))
         if not answer.get("busy"):
             break
-        left = deadline - time.monotonic()
+        left = deadline - clock()
         if left <= 0:
             raise AgentUnavailable(f"agent: couldn't get a connection at {path}: "
                                    f"{answer.get('error', 'busy')}")
-        time.sleep(min(pause, left))
+        sleep(min(pause, left))
         pause = min(pause * 2, 0.5)
     if not answer.get("ok"):
         raise AgentRefused(str(answer.get("error", "refused")))

@@ -22,8 +22,13 @@ from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 log = get_logger("checkpoint.hooks")
 
 
-def prolog(ctx: HookContext) -> list[Problem]:
-    """Create the job's staging dir (owner = job user, 0700, no links) and tell the agent."""
+def prolog(ctx: HookContext, *, clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], object] = time.sleep) -> list[Problem]:
+    """Create the job's staging dir (owner = job user, 0700, no links) and tell the agent.
+
+    An agent that can't be reached fails at once; one that stays busy (over its caps) is
+    tried again until ``agent.request_timeout_s`` (a share of the prolog's budget, see
+    config.budgets). Either way the job runs and the log says why it gets no stage-in."""
     ck = ctx.cfg.checkpoint
     if not ck.enabled or ctx.job_id is None or ctx.uid is None:
         return []
@@ -37,13 +42,17 @@ def prolog(ctx: HookContext) -> list[Problem]:
         # With the SPANK option --ckpt-uri the agent starts staging in right now, while
         # Slurm launches the tasks; otherwise when the job registers its URI.
         answer = call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start",
-                      timeout=ctx.cfg.agent.request_timeout_s, job_id=ctx.job_id,
-                      uid=ctx.uid, gid=gid, user=ctx.user, uri=ctx.job_option("CKPT_URI"))
+                      timeout=ctx.cfg.agent.request_timeout_s, clock=clock, sleep=sleep,
+                      job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user,
+                      uri=ctx.job_option("CKPT_URI"))
         if answer.get("refused"):
             log.warning("prolog: --ckpt-uri refused", error=answer["refused"])
     except (AgentUnavailable, AgentRefused) as exc:
-        # Training still works locally; the job just gets no stage-in or S3 sync.
-        log.warning("prolog: couldn't ask the agent to stage in", error=str(exc))
+        # Training still works locally; the job just gets no stage-in or S3 sync. Not a
+        # drain: an agent that is down or flooded says nothing about the node's hardware.
+        log.warning("prolog: couldn't tell the agent about the job; it runs without "
+                    "stage-in or S3 sync of its checkpoints", error=str(exc),
+                    job_id=ctx.job_id, waited_limit_s=ctx.cfg.agent.request_timeout_s)
     return []
 
 

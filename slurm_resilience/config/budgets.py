@@ -22,6 +22,11 @@ CKPT_POLL_S = 0.5
 # The share of the epilog's spare time (its limit less every wait above) that removing a
 # job's staging dir may take; the rest of the tree is handed to the agent (checkpoint/steps.py).
 EPILOG_REMOVE_SHARE = 0.5
+# The share of a hook's spare time that removing a job's run dir may take (heartbeat/steps.py);
+# with EPILOG_REMOVE_SHARE it leaves a quarter of the epilog's spare time unspent.
+RUN_DIR_REMOVE_SHARE = 0.25
+# Limit of one mount(8) or umount(8) of a job's run-dir tmpfs (heartbeat/jobfs.py).
+MOUNT_TIMEOUT_S = 1.0
 # Slurm calls a healthy-again HealthCheckProgram makes: its gres, then resume (show + update).
 HEALTHCHECK_SLURM_CALLS = 3
 
@@ -64,6 +69,10 @@ def hook_waits(cfg: Config) -> dict[str, tuple[Wait, ...]]:
     health = Wait("health.collector_timeout_s", cfg.health.collector_timeout_s)
     prolog: list[Wait] = [health]
     epilog: list[Wait] = [health]
+    if cfg.node.job_tmpfs.enabled:
+        # mounting the job's run-dir tmpfs (the prolog may first unmount a leftover one)
+        prolog.append(Wait("node.job_tmpfs (mount, umount)", 2 * MOUNT_TIMEOUT_S))
+        epilog.append(Wait("node.job_tmpfs (umount)", MOUNT_TIMEOUT_S))
     if cfg.checkpoint.enabled:
         prolog.append(Wait("agent.request_timeout_s", agent))
         # job_end, then polling until epilog_wait_s, whose last call may take a full timeout.
@@ -99,8 +108,20 @@ def conflicts(cfg: Config) -> list[Conflict]:
     return out
 
 
+def spare_s(cfg: Config, limit_key: str) -> float:
+    """What a hook's limit leaves over after every wait it must hold (0 when nothing)."""
+    limits = {"hooks.prolog_timeout_s": cfg.hooks.prolog_timeout_s,
+              "hooks.epilog_timeout_s": cfg.hooks.epilog_timeout_s}
+    total = sum(w.seconds for w in hook_waits(cfg)[limit_key])
+    return max(0.0, limits[limit_key] - total)
+
+
 def epilog_remove_s(cfg: Config) -> float:
-    """Seconds the epilog may spend removing a job's staging dir: a share of what its limit
-    leaves over after every wait it must hold (0 when nothing is left)."""
-    total = sum(w.seconds for w in hook_waits(cfg)["hooks.epilog_timeout_s"])
-    return max(0.0, cfg.hooks.epilog_timeout_s - total) * EPILOG_REMOVE_SHARE
+    """Seconds the epilog may spend removing a job's staging dir: a share of its spare time."""
+    return spare_s(cfg, "hooks.epilog_timeout_s") * EPILOG_REMOVE_SHARE
+
+
+def run_dir_remove_s(cfg: Config, limit_key: str) -> float:
+    """Seconds the prolog or epilog (by its limit's key) may spend removing a job's run
+    dir; what doesn't fit is set aside for the agent (heartbeat/steps.py)."""
+    return spare_s(cfg, limit_key) * RUN_DIR_REMOVE_SHARE

@@ -15,7 +15,7 @@ from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.checkpoint import CheckpointSection
 from slurm_resilience.config.health import HealthSection
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.config.loader import setting
+from slurm_resilience.config.loader import ByteSize, setting
 from slurm_resilience.config.metrics import MetricsSection, StragglerSection
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
@@ -55,6 +55,26 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
+class JobTmpfsSection:
+    """A size- and inode-limited tmpfs the prolog mounts on each job's run directory."""
+
+    enabled: bool = setting(
+        True, help="mount one on every job's run directory (false: a plain directory, bounded "
+                   "only by the filesystem under node.run_dir)")
+    # A 256-byte slot still takes a 4 KiB tmpfs page: 4096 slots (heartbeat.slots.MAX_SLOTS)
+    # need 16 MiB. Pages are charged to the memory cgroup of the job that writes them.
+    size: ByteSize = setting(
+        ByteSize(32 << 20), help="most bytes one job can write there (tmpfs size=)")
+    inodes: int = setting(
+        8192, min=64, max=10_000_000, help="most files and directories one job can create "
+                                           "there (tmpfs nr_inodes=)")
+
+    def validate(self) -> None:
+        if self.size < 1 << 20:
+            raise ValueError("node.job_tmpfs.size must be at least 1MiB")
+
+
+@dataclass(frozen=True)
 class NodeSection:
     """Facts about the node this process runs on."""
 
@@ -67,6 +87,9 @@ class NodeSection:
         help="per-job directories (heartbeat slots) and job records; not on /run, whose small "
              "tmpfs munge, systemd and every daemon's pid file share with it",
     )
+    job_tmpfs: JobTmpfsSection = setting(
+        default_factory=JobTmpfsSection,
+        help="bound what one job can put in its run directory")
 
 
 @dataclass(frozen=True)

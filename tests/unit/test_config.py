@@ -149,7 +149,8 @@ def test_hook_budgets_are_cross_checked_and_name_the_keys() -> None:
     msg = str(err.value)
     assert "hooks.epilog_timeout_s=60 is shorter than" in msg
     assert "checkpoint.epilog_wait_s=3600" in msg and "health.collector_timeout_s=5" in msg
-    assert "raise hooks.epilog_timeout_s to at least 3620.5" in msg
+    assert "node.job_tmpfs (umount)=1" in msg  # unmounting the job's run-dir tmpfs
+    assert "raise hooks.epilog_timeout_s to at least 3621.5" in msg
 
 
 def test_prolog_budget_counts_the_nccl_handoff_and_the_agent() -> None:
@@ -157,7 +158,8 @@ def test_prolog_budget_counts_the_nccl_handoff_and_the_agent() -> None:
     text = ("checkpoint:\n  enabled: true\nnccl:\n  enabled: true\n  handoff_timeout_s: 15\n")
     with pytest.raises(ConfigError, match=r"hooks.prolog_timeout_s=20 is shorter than the "
                                           r"waits it must hold: health.collector_timeout_s=5 "
-                                          r"\+ agent.request_timeout_s=5 \+ "
+                                          r"\+ node.job_tmpfs \(mount, umount\)=2 \+ "
+                                          r"agent.request_timeout_s=5 \+ "
                                           r"nccl.handoff_timeout_s=15"):
         load_text(Config, text)
     assert load_text(Config, text + "hooks:\n  prolog_timeout_s: 30\n").hooks.prolog_timeout_s \

@@ -117,7 +117,8 @@ def test_idle_runs_are_due_on_their_interval_and_hold_the_prolog_handoff(
     assert idle_diag.due(last, 4600.0, 3600)
     cfg = config.load(str(write_config(tmp_path, idle_interval_s=3600)))
     assert [w.key for w in budgets.hook_waits(cfg)["hooks.prolog_timeout_s"]] == [
-        "health.collector_timeout_s", "nccl.handoff_timeout_s", "nccl margin"]
+        "health.collector_timeout_s", "node.job_tmpfs (mount, umount)",
+        "nccl.handoff_timeout_s", "nccl margin"]
     assert [w.key for w in budgets.hook_waits(cfg)["hooks.healthcheck_timeout_s"]] == [
         "health.collector_timeout_s", "slurm.timeout_s (x4)"]
 

@@ -21,7 +21,7 @@ from conftest import start_sleeper
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.config.schema import NodeSection
+from slurm_resilience.config.schema import JobTmpfsSection, NodeSection
 from slurm_resilience.heartbeat import evidence, jobrecord, safefs, steps
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat.watcher import HangWatcher, read_slots
@@ -65,8 +65,10 @@ def _watcher(cfg: Config, runner: object, clock: FakeClock, node: str = NODE) ->
 def _cfg(tmp_path: Path, **hb: object) -> Config:
     # No network listener in unit tests: the shared directory when one is given, else none.
     hb.setdefault("rendezvous", "directory" if "rendezvous_dir" in hb else "none")
+    # Plain run dirs: these tests are about slots; the job's tmpfs has test_heartbeat_run_dir.
     return Config(node=NodeSection(state_dir=str(tmp_path / "state"),
-                                   run_dir=str(tmp_path / "run")),
+                                   run_dir=str(tmp_path / "run"),
+                                   job_tmpfs=JobTmpfsSection(enabled=False)),
                   heartbeat=replace(HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
                                                      warmup_steps=0, min_timeout_s=0.5,
                                                      evidence_timeout_s=10,
@@ -428,7 +430,8 @@ def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> 
     """Rank 1 on node2 hangs while rank 0 on the batch host keeps beating: node2's agent
     publishes it, the batch host's agent blames node2 (lowest step) and requeues once."""
     cfg = Config(node=NodeSection(state_dir=str(tmp_path / "{node}" / "state"),
-                                  run_dir=str(tmp_path / "{node}" / "run")),
+                                  run_dir=str(tmp_path / "{node}" / "run"),
+                                  job_tmpfs=JobTmpfsSection(enabled=False)),
                  heartbeat=HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0,
                                             warmup_steps=0, min_timeout_s=0.5,
                                             evidence_timeout_s=10, rendezvous_wait_s=2,

@@ -64,11 +64,21 @@ def test_healthy_prolog_loads_no_heavy_module(tmp_path: Path) -> None:
         "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7",
         "SLURM_JOB_NODELIST": NODE,
     }
-    done = subprocess.run([sys.executable, "-I", "-c", _RUN], env=env, cwd=REPO,
-                          capture_output=True, text=True, check=False, timeout=120)
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _RUN], env=env, cwd=REPO,
+                              capture_output=True, text=True, check=False, timeout=120)
+    finally:
+        _unmount_under(tmp_path)  # the job's run-dir tmpfs: no epilog runs here
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0, done.stderr
     loaded = set(result["modules"])
     assert "slurm_resilience.checkpoint.steps" in loaded  # the steps did run
     assert sorted(m for m in HEAVY if m in loaded) == []
+
+
+def _unmount_under(path: Path) -> None:
+    with open("/proc/self/mountinfo") as fh:
+        points = [line.split()[4] for line in fh if line.split()[4].startswith(f"{path}/")]
+    for point in reversed(points):
+        subprocess.run(["umount", "--lazy", point], check=False, timeout=10)

@@ -1,0 +1,101 @@
+"""The checkpoint prolog when the node agent can't be reached or stays busy: the job runs,
+the wait is bounded by ``agent.request_timeout_s`` (counted on an injected clock), and the
+log names the cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience import log
+from slurm_resilience.agent.server import AgentServer
+from slurm_resilience.checkpoint import steps
+from slurm_resilience.config import Config, load_text
+from slurm_resilience.hooks.context import HookContext
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks")
+UID, GID = 54321, 54321
+TIMEOUT_S = 4.0
+
+
+class FakeClock:
+    """Monotonic time that moves only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _cfg(tmp_path: Path) -> Config:
+    return load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state",
+        "agent:", f"  socket: {tmp_path}/run/agent.sock", f"  request_timeout_s: {TIMEOUT_S}",
+        "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme/{{node}}"]) + "\n")
+
+
+def _ctx(cfg: Config) -> HookContext:
+    return HookContext(kind="prolog", cfg=cfg, node="n1", env={}, job_id=31, uid=UID, gid=GID,
+                       user="nobody")
+
+
+@pytest.fixture
+def events(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(path))
+    yield path
+    log.reset()
+
+
+def _said(path: Path) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in lines if "couldn't tell the agent about the job" in str(e["event"])]
+
+
+def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
+        tmp_path: Path, events: Path) -> None:
+    """No socket at all: the first try fails, nothing is waited for, the job's staging dir
+    is there, and the warning names the socket that is missing."""
+    clock = FakeClock()
+    assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
+    assert clock.slept == []
+    assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
+    said = _said(events)
+    assert len(said) == 1 and said[0]["level"] == "warning"
+    assert "agent.sock" in str(said[0]["error"]) and "No such file" in str(said[0]["error"])
+
+
+def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
+                                                             events: Path) -> None:
+    """A real agent socket over its caps answers every connection "busy" (as the server
+    does under a flood): the prolog retries with growing pauses until request_timeout_s
+    has passed on its clock, never longer, then lets the job run and says it was busy."""
+    server = AgentServer(f"{tmp_path}/run/agent.sock", max_connections=0, max_per_uid=0,
+                         root_reserve=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        clock = FakeClock()
+        assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(clock.slept) > 3, "busy was not retried"
+    assert sum(clock.slept) == pytest.approx(TIMEOUT_S)  # the last pause ends at the deadline
+    assert max(clock.slept) <= 0.5
+    assert server.stats.busy == len(clock.slept) + 1 and server.stats.admitted == 0
+    said = _said(events)
+    assert len(said) == 1 and "busy" in str(said[0]["error"])
+    assert said[0]["waited_limit_s"] == TIMEOUT_S
+    assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
