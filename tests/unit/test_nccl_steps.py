@@ -43,12 +43,13 @@ def test_prolog_with_a_fresh_result_runs_nothing_and_asks_no_one(tmp_path: Path)
     starts no rank and never imports torch."""
     script = f"""
 import json, sys
-from pathlib import Path
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_nccl_steps import context, fresh_pass
-from slurm_resilience.nccl import steps
-ctx = context(Path({str(tmp_path)!r}))
-fresh_pass(ctx)
+from slurm_resilience.config import Config, load_text
+from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.nccl import cache, steps
+ctx = HookContext(kind="prolog", cfg=load_text(Config, {config_text(tmp_path)!r}), node="n1",
+                  env={{}}, job_id=7)
+cache.store(steps.cache_path(ctx), {{"verdict": "pass", "reasons": ["ok"],
+                                    "fingerprint": cache.fingerprint(ctx.cfg.nccl)}})
 problems = steps.prolog(ctx)
 mods = sys.modules
 print(json.dumps({{"problems": len(problems), "adapter": ctx._adapter is not None,
