@@ -10,7 +10,8 @@
  * Each option is validated where the user typed it (a bad value fails sbatch with
  * a message naming the option). Values reach:
  *   - the prolog/epilog and job_submit as SPANK_SLURM_RESILIENCE_<NAME>
- *     (spank_job_control_setenv), so root code never reads the job's own env;
+ *     (spank_job_control_setenv). A user's own SLURM_CONF/plugstack can set these
+ *     too, so root checks them again in Python (hooks/context.py) before use;
  *   - the job's tasks as SLURM_RESILIENCE_<NAME> (spank_setenv, remote context),
  *     where the training-side API reads them.
  *

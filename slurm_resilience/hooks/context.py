@@ -15,6 +15,28 @@ if TYPE_CHECKING:  # the adapter loads on first use: the healthy prolog never ca
 
 HookKind = Literal["prolog", "epilog", "healthcheck"]
 
+SPANK_PREFIX = "SPANK_SLURM_RESILIENCE_"
+# The plugin's own rules (spank/slurm_resilience_spank.c, check_value), applied again by
+# root. A run URI's prefix (is it the user's?) is checked further by the agent.
+_MAX_VALUE = 1023
+_CHOICES = {"HANG": ("on", "observe", "off"), "LEAF_PIN": ("on", "off"), "NCCL_TEST": ("1",)}
+
+
+def option_refusal(name: str, value: str) -> str:
+    """Why ``value`` is not one the SPANK plugin would have passed for ``name``; "" if it is."""
+    if name not in (*_CHOICES, "CKPT_URI", "HANG_TIMEOUT"):
+        return "not an option of the slurm-resilience plugin"
+    if len(value) > _MAX_VALUE or not all("!" <= c <= "~" for c in value):
+        return f"must be 1-{_MAX_VALUE} printable ASCII characters without spaces"
+    if name in _CHOICES and value not in _CHOICES[name]:
+        return "expected " + " or ".join(_CHOICES[name])
+    if name == "CKPT_URI" and (not value.startswith("s3://") or value[5:6] in ("", "/")
+                               or ".." in value):
+        return "expected s3://bucket/prefix without '..'"
+    if name == "HANG_TIMEOUT" and not (value.isdigit() and int(value) >= 10):
+        return "expected whole seconds, at least 10"
+    return ""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -53,20 +75,37 @@ class HookContext:
     user: str = ""
     _adapter: SlurmAdapter | None = field(default=None, repr=False)
     notes: HookNotes = field(default_factory=lambda: HookNotes())
+    _refused: set[str] = field(default_factory=set, repr=False)  # logged once per hook run
 
     def job_option(self, name: str) -> str:
-        """A per-job option from our SPANK plugin (``--hang-timeout`` → ``HANG_TIMEOUT``).
+        """A per-job option of our SPANK plugin (``--hang-timeout`` → ``HANG_TIMEOUT``),
+        or "" when it is not given or fails the re-check.
 
-        slurmd gives the prolog/epilog the plugin's values as
-        ``SPANK_SLURM_RESILIENCE_<NAME>``; the job's own environment is never visible
-        here, which is what we want: root code reads only what the plugin validated.
+        slurmd passes the plugin's values as ``SPANK_SLURM_RESILIENCE_<NAME>``, but the
+        plugin's check in sbatch is not a guarantee: a user's own ``SLURM_CONF`` and
+        plugstack can set the same variables with any value. So root checks each value
+        again here, by the plugin's rules, and a value that fails is logged and treated
+        as not given (the job runs without that option).
         """
-        return self.env.get(f"SPANK_SLURM_RESILIENCE_{name.upper()}", "")
+        value = self.env.get(f"{SPANK_PREFIX}{name.upper()}", "")
+        if not value:
+            return ""
+        why = option_refusal(name.upper(), value)
+        if why:
+            if name.upper() not in self._refused:
+                self._refused.add(name.upper())
+                from slurm_resilience.log import get_logger
+
+                get_logger("hooks").warning(
+                    "job option refused; the job runs without it",
+                    variable=f"{SPANK_PREFIX}{name.upper()}", value=value, why=why)
+            return ""
+        return value
 
     def job_options(self) -> dict[str, str]:
-        """Every per-job option the SPANK plugin passed, by name."""
-        prefix = "SPANK_SLURM_RESILIENCE_"
-        return {k[len(prefix):]: v for k, v in self.env.items() if k.startswith(prefix)}
+        """Every per-job option that passed the re-check, by name (the rest are logged)."""
+        names = [k[len(SPANK_PREFIX):] for k in self.env if k.startswith(SPANK_PREFIX)]
+        return {n: v for n in names if (v := self.job_option(n))}
 
     @property
     def adapter(self) -> SlurmAdapter:

@@ -79,18 +79,30 @@ def read(path: str) -> EventsDoc:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a JSON object")
     doc = empty()
+    dropped = 0
     counters = data.get("counters")
     if isinstance(counters, dict):
-        doc["counters"] = {str(k): int(v) for k, v in counters.items()
+        doc["counters"] = {str(k): v for k, v in counters.items()
                            if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        dropped += len(counters) - len(doc["counters"])
     gate = data.get("gate")
     if isinstance(gate, dict):
         for check, last in gate.items():
-            if isinstance(last, dict):
-                doc["gate"][str(check)] = {"result": str(last.get("result", "unknown")),
-                                           "kind": str(last.get("kind", "")),
-                                           "at": float(last.get("at") or 0.0)}
+            at = last.get("at") if isinstance(last, dict) else None
+            if not isinstance(last, dict) or not _number(at):
+                dropped += 1  # a field of the wrong type is dropped alone, the rest kept
+                continue
+            doc["gate"][str(check)] = {"result": str(last.get("result", "unknown")),
+                                       "kind": str(last.get("kind", "")),
+                                       "at": float(at or 0.0)}
+    if dropped:
+        log.warning("metrics: events file has values of the wrong type; dropped them",
+                    path=path, dropped=dropped)
     return doc
+
+
+def _number(value: object) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None = None) -> None:

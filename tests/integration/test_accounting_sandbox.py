@@ -9,10 +9,10 @@ import sys
 
 import pytest
 from conftest import SandboxFactory
+from hang_jobs import acting, reports, submit, wait_for
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
-from tests.integration.test_hang import _acting, _reports, _submit, _wait_for
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -22,9 +22,9 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     box: Sandbox = sandbox_factory(nodes=3, leaves=1, with_accounting=True)
     user = test_users[0]
     work = box.user_dir(user, "acct")
-    job_id = _submit(box, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
-                                      "--hang-rank 1", nodes=1, tasks=2)
-    _wait_for(lambda: _acting(_reports(box, job_id), 0), 120, "the requeue decision")
+    job_id = submit(box, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                     "--hang-rank 1", nodes=1, tasks=2)
+    wait_for(lambda: acting(reports(box, job_id), 0), 120, "the requeue decision")
     final = box.wait_job(job_id, timeout=180)
     assert final.state == "COMPLETED"
 
@@ -33,8 +33,8 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
                        "-o", "JobID,State"]).stdout
         return [line.split("|")[1] for line in out.splitlines() if line.strip()]
 
-    got = _wait_for(lambda: (s := states()) and "REQUEUED" in s and "COMPLETED" in s and s,
-                    60, "the requeue in sacct")
+    got = wait_for(lambda: (s := states()) and "REQUEUED" in s and "COMPLETED" in s and s,
+                   60, "the requeue in sacct")
     print(f"sacct: job {job_id}: {got}")
     # Goodput takes the allocation times from accounting, the right source for them.
     out = box.run([sys.executable, "-m", "slurm_resilience", "goodput", str(job_id),
@@ -58,8 +58,8 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
             return str(box.run(["sacctmgr", "-n", "-P", "show", "event", f"nodes={idle}",
                                 "format=NodeName,Reason"]).stdout)
 
-        text = _wait_for(lambda: "XID 79" in (t := events()) and t, 90,
-                         "our drain in sacctmgr show event")
+        text = wait_for(lambda: "XID 79" in (t := events()) and t, 90,
+                        "our drain in sacctmgr show event")
         assert f"{idle}|SR: health: gpu1 XID 79" in str(text), text
     finally:
         faults.heal(box.state_dir, idle)

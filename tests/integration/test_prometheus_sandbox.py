@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang_jobs import acting, output, reports, submit, wait_for
 
 from slurm_resilience.sandbox import control, faults
 from slurm_resilience.sandbox.handle import Sandbox
-from tests.integration.test_hang import _acting, _output, _reports, _submit, _wait_for
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -57,8 +57,8 @@ def prometheus(sandbox: Sandbox, tmp_path: Path) -> Iterator[str]:
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: len(query(url, 'up{job="slurm-resilience"} == 1')) == len(targets),
-                  60, "every agent scraped by Prometheus")
+        wait_for(lambda: len(query(url, 'up{job="slurm-resilience"} == 1')) == len(targets),
+                 60, "every agent scraped by Prometheus")
         yield url
     finally:
         proc.terminate()
@@ -99,11 +99,11 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
         sandbox: Sandbox, prometheus: str, test_users: tuple[str, ...]) -> None:
     user = test_users[0]
     work = sandbox.user_dir(user, "prom")
-    job_id = _submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
-                                          "--hang-rank 1")
-    _wait_for(lambda: _acting(_reports(sandbox, job_id), 0), 120, "the requeue decision")
+    job_id = submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                         "--hang-rank 1")
+    wait_for(lambda: acting(reports(sandbox, job_id), 0), 120, "the requeue decision")
     final = sandbox.wait_job(job_id, timeout=180)
-    out = _output(work, job_id)
+    out = output(work, job_id)
     assert final.state == "COMPLETED", out
 
     # An Xid on a node the job is not on now: its prolog drains it.
@@ -119,7 +119,7 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
         "backlog": f"last_over_time(slurm_resilience_checkpoint_upload_backlog_steps{{{job}}}"
                    f"[10m])",
     }
-    got = {k: _wait_for(lambda q=q: query(prometheus, q), 60, k) for k, q in want.items()}
+    got = {k: wait_for(lambda q=q: query(prometheus, q), 60, k) for k, q in want.items()}
     port = str(sandbox.layout.metrics_port(sandbox.nodes.index(idle) + 1))
     assert any(r["metric"]["instance"].endswith(f":{port}") for r in got["drain"]), got
     ratios = [float(r["value"][1]) for r in got["goodput"]]
@@ -132,7 +132,7 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     assert len(b["runs"]) == 2
     accounted = b["productive_s"] + sum(b["losses_s"].values())
     assert accounted >= 0.95 * b["allocated_s"]
-    report = _acting(_reports(sandbox, job_id), 0)
+    report = acting(reports(sandbox, job_id), 0)
     assert report is not None
     detect_s = float(report["detected_at"]) - float(report["timings"]["hang_started_at"])
     assert abs(b["losses_s"]["hung_before_detection"] - detect_s) <= 1.5, (b, detect_s)

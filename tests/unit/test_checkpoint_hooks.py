@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import stat
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slurm_resilience import log
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.checkpoint import steps
 from slurm_resilience.checkpoint.commit import committed_steps
@@ -56,6 +58,32 @@ def test_prolog_creates_owned_dir_and_registers_job(agent: tuple[Config, Uploade
     st = os.lstat(tmp_path / "nvme" / "n1" / "job-7")
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (UID, 0o700)
     assert up.jobs[7]["uid"] == UID and up.jobs[7]["user"] == "nobody"
+
+
+@pytest.mark.parametrize(("uri", "event", "why"), [
+    ("s3://ckpt/nobody/../root/run", "job option refused; the job runs without it",
+     "expected s3://bucket/prefix without '..'"),  # refused by the hook's own re-check
+    ("s3://ckpt/root/run", "prolog: --ckpt-uri refused",
+     "outside the prefix user nobody may write to"),  # well formed, another user's prefix
+])
+def test_a_forged_ckpt_uri_is_refused_with_a_logged_reason(
+        agent: tuple[Config, Uploader], tmp_path: Path, uri: str, event: str, why: str) -> None:
+    """A user's own plugstack can set SPANK_SLURM_RESILIENCE_CKPT_URI to anything: the
+    Python re-checks (the hook's, then the agent's prefix check) refuse it, the job starts
+    without a run URI (no stage-in from someone else's prefix), and the log says why."""
+    cfg, up = agent
+    up.ck = dataclasses.replace(up.ck, allowed_prefix="s3://ckpt/{user}/")
+    ctx = _ctx(cfg, "prolog", 8)
+    ctx.env = {"SPANK_SLURM_RESILIENCE_CKPT_URI": uri}
+    log.configure(mode="json", level="info", file=str(tmp_path / "ev.jsonl"))
+    try:
+        assert steps.prolog(ctx) == []
+    finally:
+        log.reset()
+    assert 8 in up.jobs and not up.jobs[8].get("uri")
+    said = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert any(e["event"] == event and why in str(e.get("why", e.get("error")))
+               for e in said), said
 
 
 def test_prolog_sets_a_symlinked_staging_dir_aside(agent: tuple[Config, Uploader],

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_state import samples, slot, view
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience.agent.server import AgentServer
@@ -20,8 +21,6 @@ from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.metrics.saves import SaveBook
-from tests.unit.test_metrics import samples
-from tests.unit.test_stragglers import slot, view
 
 ME = os.getuid()
 

@@ -7,6 +7,7 @@ import socket
 import threading
 from pathlib import Path
 
+from agent_state import slot, view
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from slurm_resilience.config import Config
@@ -16,7 +17,6 @@ from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
 from slurm_resilience.stragglers.synthetic import steps
-from tests.unit.test_stragglers import slot, view
 
 CFG = Config()
 

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from agent_state import slot, view
 
 from slurm_resilience.goodput import compute
 from slurm_resilience.goodput.compute import Hang, Run
 from slurm_resilience.goodput.ledger import Ledger, note_hangs
 from slurm_resilience.heartbeat import slot as S
-from tests.unit.test_stragglers import slot, view
 
 TICK = 1.0
 REPO = Path(__file__).resolve().parents[2]

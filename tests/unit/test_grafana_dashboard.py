@@ -8,6 +8,7 @@ import re
 import threading
 from pathlib import Path
 
+from agent_state import Uploads, Watcher, feed, journal_record
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,17 +23,9 @@ from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
-from tests.unit.test_metrics import Uploads, feed, journal_record
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "conf" / "grafana-dashboard.json"
 NAME = re.compile(r"\bslurm_resilience_[a-z0-9_]+")
-
-
-class Watcher:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.jobs: dict[int, object] = {}
-        self.threads: dict[int, threading.Thread] = {}
 
 
 def exported(tmp_path: Path) -> set[str]:

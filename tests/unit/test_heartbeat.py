@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,15 +43,21 @@ def test_fresh_slot_decodes_with_header_and_no_beats(tmp_path: Path) -> None:
 
 
 def test_beats_record_step_and_step_time_stats(tmp_path: Path) -> None:
-    """Beats store the step, count and step-time statistics (the first interval excluded)."""
-    hb, path = _slot(tmp_path)
-    for step in range(5):
+    """Beats store the step, count and step-time statistics (the first interval excluded),
+    and the slot maps its monotonic times to Unix time."""
+    now = [500.0]
+    path = tmp_path / S.slot_filename(0)
+    hb = Heartbeat(str(path), rank=0, world_size=2, clock=lambda: now[0],
+                   wall_clock=lambda: 1_700_000_000.0)
+    for step, dt in enumerate([30.0, 2.0, 1.0, 4.0, 2.0]):  # the first: start-up, excluded
+        now[0] += dt
         hb.beat(step)
-        time.sleep(0.01)
     v = _read(path)
-    assert v.step == 4 and v.beats == 5
-    assert 0.005 < v.min_dt <= v.ewma_dt <= v.max_dt < 1.0
-    assert abs(v.wall(v.last_beat) - time.time()) < 1.0
+    assert v.step == 4 and v.beats == 5 and v.last_dt == 2.0
+    assert (v.min_dt, v.max_dt) == (1.0, 4.0)
+    assert v.min_dt < v.ewma_dt < v.max_dt
+    assert v.wall(v.last_beat) == 1_700_000_000.0 + 39.0
+    hb.close()
 
 
 def test_section_sets_name_and_leaving_counts_as_progress(tmp_path: Path) -> None:

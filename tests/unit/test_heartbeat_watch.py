@@ -57,6 +57,20 @@ class FakeClock:
         self.offset += seconds
 
 
+class FrozenClock(FakeClock):
+    """Both clocks stand still but when advanced: step times are exactly what a test says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_mono, self.base_wall = time.monotonic(), time.time()
+
+    def monotonic(self) -> float:
+        return self.base_mono + self.offset
+
+    def time(self) -> float:
+        return self.base_wall + self.offset
+
+
 def _watcher(cfg: Config, runner: object, clock: FakeClock, node: str = NODE) -> HangWatcher:
     return HangWatcher(cfg, node, SlurmAdapter(runner=runner),  # type: ignore[arg-type]
                        clock=clock, sleep=clock.sleep, config_path="")
@@ -376,14 +390,16 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
                nccl_timeout_s=600, nccl_margin_s=60)
     steps.prolog_run_dir(_ctx(cfg, uid=0))
     slot = Path(P.job_dir(cfg.node.run_dir, NODE, 42)) / "hb-rank-0.slot"
-    hb = Heartbeat(str(slot), rank=0, world_size=1, job_id=42)
-    for step in range(4):
+    clock = FrozenClock()
+    hb = Heartbeat(str(slot), rank=0, world_size=1, job_id=42, clock=clock.monotonic,
+                   wall_clock=clock.time)
+    for step, dt in enumerate([5.0, 0.1, 0.3, 0.2]):  # the first interval is start-up
+        clock.advance(dt)
         hb.beat(step)
-        time.sleep(0.1)
-    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    watcher = _watcher(cfg, FakeRunner(42, NODE), clock)
     watcher.tick()
     tuned = watcher.jobs[42].verdict.tuned_timeout_s
-    assert tuned is not None and 1.0 <= tuned < 5.0
+    assert tuned == pytest.approx(0.3 * 10)  # the slowest step times auto_tune_factor
     again = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
     assert again.tuned.get(42) == tuned
     hb.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import types
@@ -95,6 +96,50 @@ def test_healthy_prolog_is_silent_and_calls_no_slurm(
     assert out.out == "" and out.err == ""
     assert made == []
     assert '"hook ok"' in (tmp_path / "ev.jsonl").read_text()
+
+
+# Values a user's own SLURM_CONF/plugstack could hand the prolog: the SPANK plugin never
+# checked them, so only the Python re-check stands between them and root.
+FORGED = {
+    "SPANK_SLURM_RESILIENCE_CKPT_URI": "s3://ckpt/../other-user/run",
+    "SPANK_SLURM_RESILIENCE_HANG_TIMEOUT": "1",
+    "SPANK_SLURM_RESILIENCE_HANG": "on\nlevel=info event=forged",
+    "SPANK_SLURM_RESILIENCE_LEAF_PIN": "x" * 5000,
+    "SPANK_SLURM_RESILIENCE_NCCL_TEST": "$(reboot)",
+    "SPANK_SLURM_RESILIENCE_LD_PRELOAD": "/tmp/evil.so",
+}
+
+
+def test_forged_spank_variables_are_refused_by_the_python_recheck(
+    step_module: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SPANK_SLURM_RESILIENCE_* set by something other than our plugin, with values the
+    plugin would never pass: each reads as not given, and each refusal is logged once with
+    the variable and why; the job still runs, and a valid option beside them is kept."""
+    monkeypatch.setitem(runner.STEPS, "prolog", ["sr_test_steps:ok"])
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text(f"logging:\n  file: {tmp_path}/ev.jsonl\n  syslog: false\n")
+    env = {"SLURM_RESILIENCE_CONFIG": str(cfgfile), "SLURM_JOB_ID": "3",
+           "SLURMD_NODENAME": "node1", **FORGED}
+    ctx = HookContext.from_env("prolog", Config(), {**env, "SPANK_SLURM_RESILIENCE_HANG": "off"})
+    assert ctx.job_option("CKPT_URI") == "" and ctx.job_option("hang") == "off"
+    assert runner.main("prolog", [], env) == 0
+    lines = (tmp_path / "ev.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    refused = {e["variable"]: e["why"] for e in events
+               if e["event"] == "job option refused; the job runs without it"}
+    assert refused == {
+        "SPANK_SLURM_RESILIENCE_CKPT_URI": "expected s3://bucket/prefix without '..'",
+        "SPANK_SLURM_RESILIENCE_HANG_TIMEOUT": "expected whole seconds, at least 10",
+        "SPANK_SLURM_RESILIENCE_HANG": "must be 1-1023 printable ASCII characters without "
+                                       "spaces",
+        "SPANK_SLURM_RESILIENCE_LEAF_PIN": "must be 1-1023 printable ASCII characters "
+                                           "without spaces",
+        "SPANK_SLURM_RESILIENCE_NCCL_TEST": "expected 1",
+        "SPANK_SLURM_RESILIENCE_LD_PRELOAD": "not an option of the slurm-resilience plugin",
+    }
+    assert not any(e.get("event") == "forged" for e in events)  # the newline forged no line
+    assert [e.get("job_options") for e in events if e["event"] == "hook ok"] == [None]
 
 
 def test_bad_config_lets_jobs_run_but_says_why(

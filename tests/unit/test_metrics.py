@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_state import Uploads, Watcher, feed, journal_record, samples, slot, view
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.agent.daemon import Agent
 from slurm_resilience.agent.service import AgentContext
@@ -28,18 +28,8 @@ from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
-from slurm_resilience.stragglers.synthetic import steps
-from tests.unit.test_stragglers import slot, view
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def promtool_check(text: str) -> None:
@@ -115,39 +105,6 @@ esac; done
 
 # -- the collector ------------------------------------------------------------------------------
 
-class Watcher:
-    """The two attributes of HangWatcher the collector reads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.jobs: dict[int, Any] = {}
-        self.threads: dict[int, threading.Thread] = {}
-
-
-class Uploads:
-    """The two attributes of Uploader the collector reads, with real journal records."""
-
-    def __init__(self, jobs: dict[int, dict[str, Any]]) -> None:
-        self.lock = threading.RLock()
-        self.jobs = jobs
-
-
-def journal_record(job_id: int) -> dict[str, Any]:
-    return {"job_id": job_id, "uid": 1000, "gid": 1000, "user": "alice",
-            "staging_root": "/x", "uri": "s3://ckpt/alice/run", "state": "active",
-            "ended_at": None,
-            "stagein": {"state": "done", "step": 100, "source": "s3", "mode": "whole",
-                        "fetched_bytes": 3 << 20, "fallbacks": [], "seconds": 4.5,
-                        "started": 10.0, "finished": 14.5},
-            "steps": {"100": {"state": "committed", "files": {}, "since": 1000.0,
-                              "committed_at": 1012.5},
-                      "200": {"state": "pending", "bytes": 10 << 20, "since": 2000.0,
-                              "files": {"k": {"done": False, "parts": {
-                                  "1": {"etag": "e", "size": 4 << 20, "crc32c": "c"}}}}},
-                      "300": {"state": "pending", "files": {}, "since": 3000.0},
-                      "50": {"state": "failed", "reason": "403", "files": {}}}}
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
     cfg = load_text(Config, f"agent: {{socket: {tmp_path}/run/agent.sock}}\n", "test")
@@ -167,16 +124,6 @@ def collector_for(tmp_path: Path, agent: Agent | None = None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(sources))
     return registry, watcher, watch, sources
-
-
-def feed(watcher: Watcher, watch: StepWatch, job_id: int, count: int,
-         slow_rank: int | None = None) -> None:
-    for i, row in enumerate(steps(8, count, job_id)):
-        v = view(job_id, [slot(r, i + 1, x * (1.5 if r == slow_rank else 1), job_id)
-                          for r, x in enumerate(row)])
-        with watcher.lock:
-            watcher.jobs[job_id] = v
-        watch.observe(list(watcher.jobs.values()))
 
 
 def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,

@@ -30,14 +30,32 @@ def test_every_capture_has_a_source_row_and_every_row_a_capture() -> None:
     assert rows == top
 
 
+# ``from tests.x import``/``import tests.x`` (conftest or another test module as a package)
+# and a path walk out of the repository.
+OTHER_WAYS = re.compile(r"^\s*(?:from|import)\s+tests\b|parents\[[3-9]\]", re.M)
+
+
 def test_tests_import_their_helpers_one_way() -> None:
-    """Helpers come from ``conftest`` by name; no ``tests.conftest``, no walk out of the repo."""
+    """Helpers come by name from ``conftest`` or a helper module beside it (tests/*.py);
+    never through the ``tests`` package, never from another test module, and no walk out
+    of the repo."""
     offenders = []
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
     for path in TESTS.rglob("*.py"):
         if path == Path(__file__):
             continue
         text = path.read_text()
-        if "from tests.conftest" in text or "import tests.conftest" in text \
-                or re.search(r"parents\[[3-9]\]", text):
+        imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M))
+        if OTHER_WAYS.search(text) or imported & test_modules:
             offenders.append(str(path.relative_to(REPO)))
     assert offenders == []
+
+
+def test_the_guard_sees_each_other_way() -> None:
+    """The patterns above catch the ways that were in use before."""
+    for line in ("from tests.conftest import REPO", "import tests.conftest",
+                 "from tests.unit.test_stragglers import slot, view",
+                 "    from tests.integration.test_hang import _acting",
+                 'REPO = Path(__file__).resolve().parents[3]'):
+        assert OTHER_WAYS.search(line), line
+    assert not OTHER_WAYS.search("from conftest import REAL_FIXTURES\nimport testsuite\n")

@@ -415,3 +415,119 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
             svc.close()
     said = [e for e in logged(events) if "couldn't start" in str(e["event"])]
     assert said and said[0]["service"] == "slurm_resilience.checkpoint.uploader:factory"
+
+
+# -- the state files added later: stragglers, metrics events, NCCL drains, goodput, idle diag --
+
+# Per file, a document of the right outer shape whose fields have the wrong types: the
+# case a reader that only checks "is it JSON" trips on.
+WRONG_FIELDS = {
+    "stragglers": [{"at": "x", "job_id": [1], "ranks": 5, "slowdown": None}],
+    "events": {"counters": {"drain|x": "many", "y": -3}, "gate": {"gpu": {"at": [1]}}},
+    "ledger": {"job_id": 7, "runs": [{"run": "x", "start": "soon", "end": [],
+                                      "ckpt_step": {}}]},
+}
+
+
+def _spoiled(path: Path, kind: str, which: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "wrong-types":
+        path.write_text(json.dumps(WRONG_FIELDS[which]))
+    else:
+        path.write_bytes(garbage(kind))
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_straggler_record_garbage_reads_as_empty_and_is_rewritten(
+        tmp_path: Path, events: Path, kind: str) -> None:
+    """stragglers.json: read as no entry with a warning naming it; the next naming is kept."""
+    from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord
+
+    path = _spoiled(tmp_path / "state" / FILENAME, kind, "stragglers")
+    record = StragglerRecord(str(path))
+    assert record.load() == []
+    assert any(e.get("path") == str(path) for e in logged(events)), logged(events)
+    entry = Entry(100.0, 7, (3,), 0.3, "alice")
+    assert record.add(entry, now=101.0, window_s=3600) == [entry]
+    assert record.load() == [entry]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_metrics_events_garbage_counts_from_zero_and_is_said(
+        tmp_path: Path, events: Path, kind: str) -> None:
+    """metrics-events.json: counting goes on from zero with a warning; the collector never
+    sees an exception other than the ones it reports."""
+    from slurm_resilience.metrics import events as metric_events
+
+    path = _spoiled(tmp_path / "state" / metric_events.FILENAME, kind, "events")
+    with contextlib.suppress(OSError, ValueError):  # the documented ways to refuse a file
+        metric_events.read(str(path))
+    metric_events.count(str(path), metric_events.DRAIN, "health")
+    doc = metric_events.read(str(path))
+    assert doc["counters"].get("drain|health") == 1
+    assert any(e.get("path") == str(path) for e in logged(events)), logged(events)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nccl_drains_garbage_is_said_and_only_our_tagged_drain_is_lifted(
+        tmp_path: Path, events: Path, kind: str) -> None:
+    """nccl-drains.json (the reasons we drained with) turned to garbage: said, never a
+    crash. After a passing test our own drain is still lifted, known by its owner tag as
+    with lost memory; a drain that is not ours never is. A later failure records afresh."""
+    from slurm_resilience.nccl import cache
+    from slurm_resilience.nccl import steps as nccl_steps
+
+    cfg = _nccl_cfg(tmp_path)
+    line = "NodeName=n1 CPUAlloc=0 CPUTot=2 State=IDLE+DRAIN Partitions=debug Reason={}"
+    for reason, lifted in (("Kernel panic [admin@t]", False),
+                           ("SR: nccl: gpu0 busbw 1 GB/s [root@t]", True)):
+        runner = FakeRunner({"scontrol": [completed(line.format(reason))] * 2
+                             + [completed("")]})
+        ctx = HookContext(kind="healthcheck", cfg=cfg, node="n1", env={},
+                          _adapter=SlurmAdapter(runner=runner))
+        path = Path(nccl_steps.drains_path(ctx))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(garbage(kind))
+        assert nccl_steps.maybe_resume(ctx) is lifted
+        assert bool([c for c in runner.calls if "State=RESUME" in c]) is lifted
+    if kind != "wrong-types":  # an object of unknown keys: merely no remembered reason
+        assert any(e.get("path") == str(path) for e in logged(events)), logged(events)
+    nccl_steps.cached_failure(ctx, {"verdict": "fail", "reasons": ["gpu0 busbw 1 GB/s"]})
+    assert cache.read(str(path)) == {"reasons": ["gpu0 busbw 1 GB/s"]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_goodput_ledger_garbage_starts_afresh_and_the_tick_goes_on(
+        tmp_path: Path, events: Path, kind: str) -> None:
+    """A job's goodput ledger: garbage is set aside for a fresh ledger with a warning; the
+    agent's tick over that job neither raises nor keeps the garbage."""
+    from agent_state import slot, view
+
+    from slurm_resilience.goodput.ledger import Ledger
+
+    ledger = Ledger(str(tmp_path / "goodput"))
+    path = _spoiled(Path(ledger.path(7)), kind, "ledger")
+    ledger.observe([view(7, [slot(r, 5, 1.0, 7) for r in range(8)])], now=1000.0)
+    assert any(e.get("path") == str(path) for e in logged(events)), logged(events)
+    job = ledger.load(7)
+    assert job is not None and job.job_id == 7 and list(job.runs) == [0]
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "wrong-fields"])
+def test_idle_diag_record_garbage_reads_as_no_run(tmp_path: Path, events: Path,
+                                                  kind: str) -> None:
+    """The idle-diagnostics record: garbage reads as "no run yet" (one is due), is set aside
+    with a warning, and never as a failed run that would keep the node drained."""
+    from slurm_resilience.health import idle_diag
+
+    store = gate.StateStore(str(tmp_path / "health"))
+    path = tmp_path / "health" / f"{idle_diag.RECORD}.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(garbage(kind) if kind != "wrong-fields" else
+                     json.dumps({"time": "x", "healthy": "no", "reason": 5}).encode())
+    last = idle_diag.IdleRecord.from_state(store.load(idle_diag.RECORD))
+    assert last is None and idle_diag.due(last, 1000.0, 3600)
+    if kind not in ("wrong-types", "wrong-fields"):  # an object of other fields: no record
+        assert any(e.get("path", "").endswith(f"{idle_diag.RECORD}.json")
+                   for e in logged(events)), logged(events)

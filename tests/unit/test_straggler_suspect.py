@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_state import slot
 
 from slurm_resilience.config import Config, ConfigError, load_text
 from slurm_resilience.config.heartbeat import HeartbeatSection
@@ -25,7 +26,6 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.record import Entry, StragglerRecord, suspicion
 from slurm_resilience.stragglers.synthetic import steps
 from slurm_resilience.testing import FakeRunner, completed
-from tests.unit.test_stragglers import slot
 
 NODE = "n1"
 NOW = 1_800_000_000.0

@@ -13,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from slurm_resilience.config.heartbeat import HeartbeatSection
+from agent_state import slot, view
+
 from slurm_resilience.config.metrics import StragglerSection
-from slurm_resilience.heartbeat import detect, jobrecord
-from slurm_resilience.heartbeat.localpiece import JobView
-from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.stragglers.detect import Tracker, judge
 from slurm_resilience.stragglers.jobsteps import StepWatch, quantile
 from slurm_resilience.stragglers.record import StragglerRecord
@@ -90,21 +88,6 @@ def test_below_min_slowdown_is_not_named_even_when_far_outside_the_spread() -> N
 
 
 # -- the agent's step watch ---------------------------------------------------------------
-
-def slot(rank: int, step: int, dt: float, job_id: int) -> SlotView:
-    return SlotView(rank=rank, world_size=8, local_rank=rank, pid=100 + rank, pid_start=1,
-                    job_id=job_id, restart_count=0, clock_offset=0.0, created=0.0,
-                    job_step_timeout_s=0.0, flags=0, step=step, last_beat=float(step),
-                    beats=step, last_dt=dt, ewma_dt=dt, min_dt=dt, max_dt=dt, ckpt_step=-1,
-                    section_start=0.0, section_timeout_s=0.0, section="")
-
-
-def view(job_id: int, slots: list[SlotView]) -> JobView:
-    rec = jobrecord.JobRecord(job_id=job_id, uid=1000, gid=1000, user="alice", started=0.0)
-    verdict = detect.judge(job_id, slots, 0.0, HeartbeatSection(),
-                           alive={s.rank: True for s in slots})
-    return JobView(rec, slots, verdict)
-
 
 def run_job(watch: StepWatch, job_id: int, slow_rank: int | None, count: int = 200) -> None:
     for i, row in enumerate(steps(8, count, job_id)):
