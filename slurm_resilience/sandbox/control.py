@@ -551,8 +551,9 @@ def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
     Jobs are cancelled first (so their epilogs run while slurmd is up), then the daemons
     named by pid files (all but munged at once, then munged, which the others may need
     while shutting down), then every other process of the sandbox (``slurmstepd``, jobs,
-    idle verifiers and their ranks): TERM, then KILL after ``grace``. Raises SandboxError
-    naming what is still running after that.
+    idle verifiers and their ranks): TERM, then KILL after ``grace``; last, mounts left
+    inside the state dir (a killed job's run-dir tmpfs) are detached. Raises SandboxError
+    naming what is still running, or still mounted, after that.
     """
     _cancel_jobs(layout)
     everything = list(reversed(all_daemons(layout)))
@@ -564,7 +565,12 @@ def down(layout: Layout, *, grace: float = 5.0) -> list[str]:
     if left:
         raise SandboxError("sandbox: down: still running after SIGKILL: " + ", ".join(
             f"{f.proc.comm}[{f.proc.pid}] ({f.why})" for f in left))
-    return names + [f"{f.proc.comm}[{f.proc.pid}]" for f in swept]
+    # Jobs killed before their epilog ran leave their run-dir tmpfs mounted.
+    unmounted, stuck = sweep.unmount_under(layout.state_dir)
+    if stuck:
+        raise SandboxError("sandbox: down: couldn't unmount " + ", ".join(stuck))
+    return (names + [f"{f.proc.comm}[{f.proc.pid}]" for f in swept]
+            + [f"mount {p}" for p in unmounted])
 
 
 # States in which a job may still have processes on a node; the first ones can be cancelled.

@@ -17,6 +17,9 @@ process is this sandbox's when
 Paths are matched whole, so ``/tmp/sbx1`` never matches ``/tmp/sbx10``: a
 sandbox beside this one is never touched. The caller and its ancestors are
 never included (``sandbox down`` run from a job or a shell inside the state dir).
+
+Mounts are swept too (:func:`unmount_under`): a job whose epilog never ran leaves its
+run-dir tmpfs mounted inside the state directory.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slurm_resilience.log import get_logger
 from slurm_resilience.procstat import Proc, read_proc
+
+if TYPE_CHECKING:
+    from slurm_resilience.proc import Runner
 
 log = get_logger("sandbox")
 
@@ -211,3 +218,41 @@ def _wait_gone(procs: list[Proc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while any(same(p) for p in procs) and time.monotonic() < deadline:
         time.sleep(POLL_S)
+
+
+def _unescape_mount_path(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in a path as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts_under(root: Path, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points inside ``root`` (whole paths: a sibling directory never matches),
+    deepest first so nested mounts come off before their parents."""
+    base = os.path.realpath(root)
+    found: list[str] = []
+    with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            fields = line.split(" ")
+            if len(fields) > 4:
+                point = _unescape_mount_path(fields[4])
+                if point != base and _inside(point, base):
+                    found.append(point)
+    return sorted(set(found), key=lambda p: p.count("/"), reverse=True)
+
+
+def unmount_under(root: Path, *, runner: Runner | None = None) -> tuple[list[str], list[str]]:
+    """Detach (MNT_DETACH) every mount inside ``root``; returns (detached, failed)."""
+    from slurm_resilience.proc import CommandError, Runner
+
+    run = runner or Runner(env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"})
+    detached: list[str] = []
+    failed: list[str] = []
+    for point in mounts_under(root):
+        try:
+            run.run(["umount", "--lazy", "--no-canonicalize", point], timeout=10)
+            detached.append(point)
+        except CommandError as exc:
+            log.error("couldn't unmount a mount left in the sandbox", path=point,
+                      error=str(exc))
+            failed.append(point)
+    return detached, failed

@@ -147,3 +147,29 @@ def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     hardware.exchange(tmp_path / "a", tmp_path / "b")
     assert (tmp_path / "b" / "x").read_text() == "a" and not (tmp_path / "a" / "x").exists()
+
+
+def test_mounts_left_in_the_state_dir_are_detached_and_a_siblings_are_not(tmp_path: Path
+                                                                          ) -> None:
+    """A job killed before its epilog leaves its run-dir tmpfs mounted: down detaches every
+    mount inside the state dir, nested ones first, and none of a sandbox beside it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")  # CI runs as root
+    state, sibling = tmp_path / "sbx1", tmp_path / "sbx10"
+    points = [state / "run" / "job 7", state / "run" / "job 7" / "inner", sibling / "run"]
+    mounted: list[Path] = []
+    try:
+        for point in points:
+            point.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "slurm-resilience",
+                            str(point)], check=True)
+            mounted.append(point)
+        assert sweep.mounts_under(state) == [str(points[1]), str(points[0])]
+        detached, failed = sweep.unmount_under(state)
+        assert (detached, failed) == ([str(points[1]), str(points[0])], [])
+        assert sweep.mounts_under(state) == []
+        assert sweep.mounts_under(sibling) == [str(sibling / "run")]
+    finally:
+        for point in reversed(mounted):
+            subprocess.run(["umount", "--lazy", str(point)], check=False,
+                           stderr=subprocess.DEVNULL)
