@@ -103,12 +103,22 @@ def init(env: Mapping[str, str] | None = None) -> Heartbeat | None:
         return None
     rank = _int(env, "RANK", "SLURM_PROCID")
     world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
-    _current = Heartbeat(
-        os.path.join(directory, S.slot_filename(rank)), rank=rank, world_size=max(world, 1),
-        local_rank=_int(env, "LOCAL_RANK", "SLURM_LOCALID"), job_id=job_id,
-        restart_count=_int(env, "SLURM_RESTART_COUNT"), step_timeout_s=timeout,
-        flags=S.FLAG_OBSERVE if mode == "observe" else 0,
-    )
+    try:
+        _current = Heartbeat(
+            os.path.join(directory, S.slot_filename(rank)), rank=rank,
+            world_size=max(world, 1), local_rank=_int(env, "LOCAL_RANK", "SLURM_LOCALID"),
+            job_id=job_id, restart_count=_int(env, "SLURM_RESTART_COUNT"),
+            step_timeout_s=timeout, flags=S.FLAG_OBSERVE if mode == "observe" else 0,
+        )
+    except OSError as exc:
+        # EACCES: the job does not see its run-dir tmpfs (a private mount namespace made
+        # before the prolog, e.g. job_container/tmpfs; see the heartbeat README). Training
+        # goes on; only hang detection is lost, and the job's stderr says so.
+        print(f"slurm-resilience: heartbeat: couldn't create this rank's slot in "
+              f"{directory}: {exc.strerror}; hang detection is off for this rank",
+              file=sys.stderr)
+        _disabled = True
+        return None
     atexit.register(_current.done)
     return _current
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import pwd
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import REPO, make_traversable
 
 from slurm_resilience import heartbeat
 from slurm_resilience.config.heartbeat import HeartbeatSection
@@ -245,3 +249,26 @@ def test_unreadable_cluster_config_disables_heartbeat_not_training(
     assert heartbeat.init({"SLURM_JOB_ID": "9", "SLURM_RESILIENCE_CONFIG": str(bad)}) is None
     heartbeat.beat(1)
     assert "hang detection is off" in capsys.readouterr().err
+
+
+def test_a_run_dir_the_job_cannot_write_turns_hang_detection_off_not_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        test_users: tuple[str, ...]) -> None:
+    """A job that does not see its run-dir tmpfs (a private mount namespace made before the
+    prolog) finds the root-only mount point: the rank trains on, and its stderr says why."""
+    (tmp_path / "job-43").mkdir(mode=0o700)  # root's, as under an unseen mount
+    pw = pwd.getpwnam(test_users[0])
+    make_traversable(tmp_path)
+    monkeypatch.setattr(heartbeat, "_current", None)
+    monkeypatch.setattr(heartbeat, "_disabled", False)
+    code = ("import sys; from slurm_resilience import heartbeat\n"
+            "assert heartbeat.init(dict(SLURM_JOB_ID='43', SLURM_PROCID='0',"
+            f" SLURM_RESILIENCE_RUN_DIR={str(tmp_path)!r})) is None\n"
+            "heartbeat.beat(1); print('trained on')\n")
+    out = subprocess.run([sys.executable, "-c", code], user=pw.pw_uid, group=pw.pw_gid,
+                         capture_output=True, text=True, cwd="/", check=False,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "trained on\n"
+    assert "couldn't create this rank's slot" in out.stderr
+    assert "Permission denied; hang detection is off for this rank" in out.stderr
