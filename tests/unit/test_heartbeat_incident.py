@@ -29,7 +29,7 @@ from slurm_resilience.heartbeat.records import (
     piece_from_bytes,
     piece_to_bytes,
 )
-from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress
 from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
 from slurm_resilience.heartbeat.watcher import HangWatcher
 from slurm_resilience.proc import CommandTimeout, Completed
@@ -230,6 +230,42 @@ def test_an_incident_claimed_before_a_restart_is_finished_once(tmp_path: Path) -
     second.wait()
     assert [c[1] for c in slurm.calls].count("requeue") == 1
     assert (42, 0) in second.store.seen
+
+
+def test_a_claim_without_a_plan_is_decided_again_after_a_restart(tmp_path: Path) -> None:
+    """The agent died between claim and plan: the next start decides again from the claim
+    (the suspect drained, the job requeued, once); a third life does nothing more."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn()
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    stalled = B.Blame((("node1", "hang job 42: rank 1 stalled first"),), (1,), "lowest step",
+                      "rank 1 on node1 stalled first (lowest step)")
+    assert store.claim(42, 0, clock.time() + 60, ClaimBasis("act", False, stalled))
+    _watcher(cfg, slurm, clock).wait()
+    assert [c[1] for c in slurm.calls].count("requeuehold") == 1
+    assert slurm.node_reason.startswith("SR: suspect hang job 42 user alice")
+    done = store.load(42, 0)
+    assert done is not None and done.state == "done" and len(done.plan) == 5
+    report = incident.read_report(str(tmp_path / "state" / "incidents"),
+                                  "hang-job42-run0-node1.json")
+    assert report["decision"]["action"] == "requeue"
+    assert report["actions"][0] == "(decided again after an agent restart)"
+    assert "requeued and held job 42" in report["actions"]
+    calls = len(slurm.calls)
+    _watcher(cfg, slurm, clock).wait()
+    assert len(slurm.calls) == calls
+
+
+def test_a_claim_without_a_plan_past_its_deadline_is_dropped_and_says_so(
+        tmp_path: Path) -> None:
+    """Past the incident's deadline a plan-less claim is given up without a Slurm call."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn()
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    none = B.Blame((), (), "none", "no node can be blamed")
+    assert store.claim(42, 0, clock.time() - 1, ClaimBasis("act", False, none))
+    _watcher(cfg, slurm, clock).wait()
+    assert slurm.calls == [] and store.load(42, 0).state == "gave-up"  # type: ignore[union-attr]
 
 
 def test_a_requeue_already_done_before_a_crash_is_not_repeated(tmp_path: Path) -> None:
