@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import hashlib
 import importlib
 import os
+import re
 import shutil
 import stat
 import sys
@@ -49,6 +50,9 @@ MAX_ENVIRON_BYTES = 1 << 20
 TIMED_OUT = "evidence capture timed out"
 # After the deadline, how long killed py-spy children get to be reaped by their threads.
 REAP_GRACE_S = 1.0
+# Names tried for one dump before giving up keeping it (a taken name is never reused).
+SAVE_ATTEMPTS = 16
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 Clock = Callable[[], float]
 
@@ -109,7 +113,8 @@ class NcclTraceDoc(TypedDict, total=False):
     error: str
     bytes: int
     sha256: str
-    saved_as: str  # under the incident's files/ directory
+    saved_as: str  # under the incident's files/ directory; only a file this capture wrote
+    save_error: str  # why the dump read was not kept
 
 
 class RankEvidenceDoc(TypedDict):
@@ -188,13 +193,14 @@ def _trigger_pipe(pipe: str, uid: int) -> str:
 
 def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None, *,
                          wait_s: float = 5.0, clock: Clock = time.monotonic,
-                         poll_s: float = 0.2) -> NcclTraceDoc:
+                         poll_s: float = 0.2, save_prefix: str = "nccl-trace") -> NcclTraceDoc:
     """Trigger the NCCL flight recorder of one rank and keep its dump as opaque bytes.
 
     The pipe and the dump file are in paths the job chose: each is reached only as the job's
     user could (:func:`safefs.open_job_path`): never through a link, never a device, FIFO or
     socket where a file is expected, never in a directory the user does not own. Every
     refusal reads the same, whether the path is absent, forbidden or of the wrong type.
+    The dump is kept as ``<save_prefix>-rank<R>.bin`` (see :func:`trace_prefix`).
     """
     env = read_environ(pid)
     prefix = env.get(NCCL_PIPE_ENV, "")
@@ -227,13 +233,33 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
         time.sleep(poll_s)
     result["bytes"], result["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     if save_dir_fd is not None:
-        saved = f"nccl-trace-rank{rank}.bin"
-        try:
-            safefs.write_new(save_dir_fd, saved, data)
+        saved, error = save_trace(save_dir_fd, f"{save_prefix}-rank{rank}", data)
+        if saved:
             result["saved_as"] = saved
-        except FileExistsError:
-            result["saved_as"] = saved
+        else:
+            result["save_error"] = error
     return result
+
+
+def trace_prefix(job_id: int, run: int, node: str) -> str:
+    """The start of a flight-recorder dump's name under ``files/``: the directory is shared
+    by every job (and, where node directories are shared, by every node)."""
+    return f"nccl-trace-job{int(job_id)}-run{int(run)}-{_SAFE_NAME.sub('_', node)}"
+
+
+def save_trace(dir_fd: int, stem: str, data: bytes) -> tuple[str, str]:
+    """Keep ``data`` as a new file ``<stem>.bin`` (``<stem>.<n>.bin`` when taken); returns
+    ``(name written, "")`` or ``("", why not)``. Never names a file this call did not write."""
+    for n in range(SAVE_ATTEMPTS):
+        name = f"{stem}.bin" if n == 0 else f"{stem}.{n}.bin"
+        try:
+            safefs.write_new(dir_fd, name, data)
+            return name, ""
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            return "", f"couldn't keep the dump as {name}: {exc.strerror or exc}"
+    return "", f"couldn't keep the dump: {stem}.bin and {SAVE_ATTEMPTS - 1} more names taken"
 
 
 NodeCheck = Callable[[float], Mapping[str, Any]]
@@ -280,7 +306,8 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
                           timeout: float, save_dir_fd: int | None = None, workers: int = 8,
                           clock: Clock = time.monotonic, runner: Runner | None = None,
                           node_checks: Mapping[str, NodeCheck] | None = None,
-                          poll_s: float = 0.05) -> CaptureOutcome:
+                          poll_s: float = 0.05, save_prefix: str = "nccl-trace"
+                          ) -> CaptureOutcome:
     """Every rank's evidence and the node's checks, together, within one bound ``timeout``.
 
     The node checks (Xids, health) start first, in threads of their own, each told the time
@@ -309,7 +336,8 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
             return ev
         try:
             ev.nccl_trace = nccl_flight_recorder(v.pid, v.rank, uid, save_dir_fd,
-                                                 wait_s=min(5.0, left / 2), clock=clock)
+                                                 wait_s=min(5.0, left / 2), clock=clock,
+                                                 save_prefix=save_prefix)
         except OSError as exc:
             ev.nccl_trace = {"error": f"couldn't read environment of pid {v.pid}: {exc}"}
         return ev

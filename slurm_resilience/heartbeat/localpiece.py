@@ -58,7 +58,11 @@ def capture(cfg: Config, node: str, view: JobView, trigger: str, incident_dir: s
     try:
         outcome = evidence.capture_ranks_bounded(
             stalled, rec.uid, py_spy=evidence.find_py_spy(hb.py_spy),
-            timeout=hb.evidence_timeout_s, save_dir_fd=save_fd, node_checks=checks)
+            timeout=hb.evidence_timeout_s, save_dir_fd=save_fd, node_checks=checks,
+            # The run as the slots say (Slurm is read later): a user can only make their own
+            # job's names collide, and a taken name is never reused.
+            save_prefix=evidence.trace_prefix(
+                rec.job_id, max((v.restart_count for v in view.slots), default=0), node))
     finally:
         if save_fd is not None:
             os.close(save_fd)
