@@ -221,7 +221,8 @@ class HeartbeatSection:
     budget_per_hour: int = setting(
         4, min=0, max=100000,
         help="nodes hang handling may take out of service per hour, cluster-wide (counted from "
-             "Slurm's node reasons, which carry the time); past it incidents report, not drain",
+             "the take-outs recorded in node Comments and our dated node reasons); past it "
+             "incidents report, not drain",
     )
     budget_per_user_per_hour: int = setting(
         2, min=0, max=100000, help="the same, counted per job owner"

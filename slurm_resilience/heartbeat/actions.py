@@ -10,13 +10,21 @@ longer held.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from slurm_resilience.heartbeat import takeouts as T
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
-from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, NodeNotFound, SlurmError
+from slurm_resilience.slurm.errors import (
+    ForeignDrain,
+    JobNotFound,
+    NodeNotFound,
+    SlurmError,
+    SlurmTimeout,
+)
 
 log = get_logger("heartbeat.actions")
 
@@ -26,6 +34,7 @@ BACKOFF_MAX_S = 8.0
 
 class StepKind(enum.Enum):
     DRAIN = "drain"  # node, reason
+    RECORD = "record"  # node, the drain's reason: noted in the node's Comment (budgets)
     COMMENT = "comment"  # AdminComment text
     REQUEUE = "requeue"
     REQUEUE_HOLD = "requeue-hold"  # text: AdminComment
@@ -55,6 +64,8 @@ class Step:
     def describe(self, job_id: int) -> str:
         if self.kind is StepKind.DRAIN:
             return f"drain {self.target}"
+        if self.kind is StepKind.RECORD:
+            return f"record the take-out of {self.target}"
         if self.kind is StepKind.EXCLUDE:
             return f"exclude {','.join(self.nodes)} from job {job_id}"
         return f"{self.kind.value} job {job_id}"
@@ -124,6 +135,8 @@ def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:
             return f"drained {step.target}: {adapter.drain(step.target, step.text)}"
         except ForeignDrain as exc:
             return f"left {step.target} alone: {exc.slurm_message}"
+    if k is StepKind.RECORD:
+        return record_takeout(adapter, step.target, step.text)
     if k is StepKind.COMMENT:
         adapter.set_admin_comment(job_id, step.text)
         return f"set the AdminComment of job {job_id}"
@@ -150,6 +163,39 @@ def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:
         adapter.release(job_id)
         return f"released job {job_id}"
     raise ValueError(f"unknown step {k}")
+
+
+# scontrol's words when slurmctld can't be reached (worth retrying), as opposed to a refusal.
+_UNREACHABLE = re.compile(r"unable to contact|connection refused|connect failure|timed out|"
+                          r"zero bytes|try again", re.IGNORECASE)
+
+
+def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
+    """Note in ``node``'s Comment that hang handling took it out with ``reason``, so the
+    hourly budgets keep counting it after a resume (see :mod:`takeouts`). Only a drain Slurm
+    shows now is recorded: one left alone (another's drain) takes nothing out. Recording is
+    idempotent (a resumed plan repeats it harmlessly). SlurmError while Slurm is unreachable
+    is raised (retried); a refusal is reported and the plan goes on: the take-out then
+    counts only while the node stays out."""
+    parsed = T.parse_reason(reason)
+    if parsed is None:
+        return f"no take-out of {node} recorded: {reason!r} is not a hang reason"
+    try:
+        info = adapter.show_node(node)
+        if not (info.drained or info.down) or T.parse_reason(info.reason) != parsed:
+            return f"no take-out of {node} recorded: it is not out for this incident"
+        merged = T.merge_comment(info.comment, T.TakeOut.of(parsed))
+        if merged != info.comment:
+            adapter.set_node_comment(node, merged)
+    except SlurmError as exc:
+        if isinstance(exc, (SlurmTimeout, NodeNotFound)) or _UNREACHABLE.search(
+                exc.slurm_message):
+            raise
+        log.error("heartbeat: budget: couldn't record a take-out in the node's Comment",
+                  node=node, error=str(exc))
+        return (f"couldn't record the take-out of {node} in its Comment ({exc.slurm_message}): "
+                "the hourly budget counts it only while it stays out")
+    return f"recorded the take-out of {node} in its Comment"
 
 
 def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], done: int,

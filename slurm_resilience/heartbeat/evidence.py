@@ -11,9 +11,11 @@ slot (pid and start time) and belong to the job's user, so a slot can never
 point the root agent at someone else's process. Paths from the job's
 environment are reached only as the job's user could (``safefs.open_job_path``).
 
-All rank captures share one deadline (``heartbeat.evidence_timeout_s``): at it,
-captures not started are cancelled and running py-spy children are killed as
-process groups; the incident goes on without waiting for them.
+All of it shares one deadline (``heartbeat.evidence_timeout_s``): the node's checks run
+beside the rank captures and get the time left; at the deadline (less a short grace for
+reaping) captures not started are cancelled, running py-spy children are killed as
+process groups, and checks still running are reported as timed out; the incident goes on
+without waiting for them.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import concurrent.futures as cf
 import hashlib
 import importlib
 import os
+import re
 import shutil
 import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
 from slurm_resilience.config import Config
@@ -47,6 +50,9 @@ MAX_ENVIRON_BYTES = 1 << 20
 TIMED_OUT = "evidence capture timed out"
 # After the deadline, how long killed py-spy children get to be reaped by their threads.
 REAP_GRACE_S = 1.0
+# Names tried for one dump before giving up keeping it (a taken name is never reused).
+SAVE_ATTEMPTS = 16
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 Clock = Callable[[], float]
 
@@ -107,7 +113,8 @@ class NcclTraceDoc(TypedDict, total=False):
     error: str
     bytes: int
     sha256: str
-    saved_as: str  # under the incident's files/ directory
+    saved_as: str  # under the incident's files/ directory; only a file this capture wrote
+    save_error: str  # why the dump read was not kept
 
 
 class RankEvidenceDoc(TypedDict):
@@ -186,13 +193,14 @@ def _trigger_pipe(pipe: str, uid: int) -> str:
 
 def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None, *,
                          wait_s: float = 5.0, clock: Clock = time.monotonic,
-                         poll_s: float = 0.2) -> NcclTraceDoc:
+                         poll_s: float = 0.2, save_prefix: str = "nccl-trace") -> NcclTraceDoc:
     """Trigger the NCCL flight recorder of one rank and keep its dump as opaque bytes.
 
     The pipe and the dump file are in paths the job chose: each is reached only as the job's
     user could (:func:`safefs.open_job_path`): never through a link, never a device, FIFO or
     socket where a file is expected, never in a directory the user does not own. Every
     refusal reads the same, whether the path is absent, forbidden or of the wrong type.
+    The dump is kept as ``<save_prefix>-rank<R>.bin`` (see :func:`trace_prefix`).
     """
     env = read_environ(pid)
     prefix = env.get(NCCL_PIPE_ENV, "")
@@ -225,24 +233,57 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
         time.sleep(poll_s)
     result["bytes"], result["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     if save_dir_fd is not None:
-        saved = f"nccl-trace-rank{rank}.bin"
-        try:
-            safefs.write_new(save_dir_fd, saved, data)
+        saved, error = save_trace(save_dir_fd, f"{save_prefix}-rank{rank}", data)
+        if saved:
             result["saved_as"] = saved
-        except FileExistsError:
-            result["saved_as"] = saved
+        else:
+            result["save_error"] = error
     return result
+
+
+def trace_prefix(job_id: int, run: int, node: str) -> str:
+    """The start of a flight-recorder dump's name under ``files/``: the directory is shared
+    by every job (and, where node directories are shared, by every node)."""
+    return f"nccl-trace-job{int(job_id)}-run{int(run)}-{_SAFE_NAME.sub('_', node)}"
+
+
+def save_trace(dir_fd: int, stem: str, data: bytes) -> tuple[str, str]:
+    """Keep ``data`` as a new file ``<stem>.bin`` (``<stem>.<n>.bin`` when taken); returns
+    ``(name written, "")`` or ``("", why not)``. Never names a file this call did not write."""
+    for n in range(SAVE_ATTEMPTS):
+        name = f"{stem}.bin" if n == 0 else f"{stem}.{n}.bin"
+        try:
+            safefs.write_new(dir_fd, name, data)
+            return name, ""
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            return "", f"couldn't keep the dump as {name}: {exc.strerror or exc}"
+    return "", f"couldn't keep the dump: {stem}.bin and {SAVE_ATTEMPTS - 1} more names taken"
+
+
+NodeCheck = Callable[[float], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
 class CaptureOutcome:
-    """Evidence of every rank, and how the deadline went: ranks cut off by it, and the
-    py-spy children still unreaped when capture returned (none, unless the kernel is stuck)."""
+    """Evidence of every rank and of the node, and how the one deadline went.
+
+    ``started_at``, ``deadline`` and ``cut_at`` are readings of the capture's clock: the
+    deadline is ``started_at`` plus the configured bound, ``cut_at`` the reading at which
+    what was still running was cut off (None when everything finished before). Ranks and
+    node checks cut off are listed; ``children_unreaped`` are py-spy children still alive
+    when capture returned (none, unless the kernel is stuck)."""
 
     ranks: list[RankEvidence]
     timed_out: tuple[int, ...]
     children_started: int
     children_unreaped: tuple[int, ...]
+    node: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    node_timed_out: tuple[str, ...] = ()
+    started_at: float = 0.0
+    deadline: float = 0.0
+    cut_at: float | None = None
 
 
 def capture_ranks(slots: Sequence[SlotView], uid: int, *, py_spy: str | None, timeout: float,
@@ -255,49 +296,74 @@ def capture_ranks(slots: Sequence[SlotView], uid: int, *, py_spy: str | None, ti
                                  runner=runner).ranks
 
 
+def reap_grace(timeout: float) -> float:
+    """The part of the bound kept for reaping killed children: captures are cut this long
+    before the deadline, so the whole capture, reaping included, fits the bound."""
+    return min(REAP_GRACE_S, timeout / 10)
+
+
 def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | None,
                           timeout: float, save_dir_fd: int | None = None, workers: int = 8,
-                          clock: Clock = time.monotonic, runner: Runner | None = None
+                          clock: Clock = time.monotonic, runner: Runner | None = None,
+                          node_checks: Mapping[str, NodeCheck] | None = None,
+                          poll_s: float = 0.05, save_prefix: str = "nccl-trace"
                           ) -> CaptureOutcome:
-    """:func:`capture_ranks` with the deadline's outcome.
+    """Every rank's evidence and the node's checks, together, within one bound ``timeout``.
 
-    At the deadline, captures not started are cancelled, running py-spy children are killed
-    (their process groups), and the result is returned without waiting for stragglers beyond
-    a short grace for reaping: a rank cut off says so in ``stack_error``.
+    The node checks (Xids, health) start first, in threads of their own, each told the time
+    left (they bound their collectors by it); the ranks are captured by ``workers`` threads.
+    At ``deadline - reap_grace``, on ``clock``, rank captures not started are cancelled,
+    running py-spy children are killed (their process groups) and reaped within the grace;
+    node checks still running are reported as timed out and left to end by their own limit.
+    Nothing waits past the deadline for a straggler.
     """
-    deadline = clock() + timeout
+    started = clock()
+    deadline = started + timeout
+    grace = reap_grace(timeout)
+    cut = deadline - grace
     group = ChildGroup()
+    checks = dict(node_checks or {})
 
     def one(v: SlotView) -> RankEvidence:
         ev = RankEvidence(v.rank, v.pid)
         if not same_process(v.pid, v.pid_start, uid):
             ev.stack_error = (f"pid {v.pid} is gone or is not the job's process: no stack")
             return ev
-        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, deadline - clock(), runner,
-                                               group)
-        left = deadline - clock()
+        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, cut - clock(), runner, group)
+        left = cut - clock()
         if left <= 0:
             ev.nccl_trace = {"error": f"{TIMED_OUT}: flight recorder not triggered"}
             return ev
         try:
             ev.nccl_trace = nccl_flight_recorder(v.pid, v.rank, uid, save_dir_fd,
-                                                 wait_s=min(5.0, left / 2), clock=clock)
+                                                 wait_s=min(5.0, left / 2), clock=clock,
+                                                 save_prefix=save_prefix)
         except OSError as exc:
             ev.nccl_trace = {"error": f"couldn't read environment of pid {v.pid}: {exc}"}
         return ev
 
-    if not slots:
-        return CaptureOutcome([], (), 0, ())
+    node_pool = cf.ThreadPoolExecutor(max_workers=max(1, len(checks)),
+                                      thread_name_prefix="evidence-node")
+    node_futs = {name: node_pool.submit(check, max(0.0, cut - clock()))
+                 for name, check in checks.items()}
     pool = cf.ThreadPoolExecutor(max_workers=max(1, min(workers, len(slots))),
                                  thread_name_prefix="evidence")
     futures = {pool.submit(one, v): v for v in slots}
-    done, pending = cf.wait(futures, timeout=max(0.0, deadline - clock()))
+    everything: set[cf.Future[Any]] = {*futures, *node_futs.values()}
+    # Short waits against the clock rather than one long one, so the cut follows the
+    # capture's own clock (injected in tests) and not only the time the wait began with.
+    while not all(f.done() for f in everything) and (left := cut - clock()) > 0:
+        cf.wait(everything, timeout=min(left, poll_s))
+    done = {f for f in everything if f.done()}
+    cut_at = None if len(done) == len(everything) else clock()
     # Not `with pool`: its exit waits for every task, which is what made 80 slots with a
     # slow py-spy take minutes. Cancel what has not started, kill what runs, move on.
     pool.shutdown(wait=False, cancel_futures=True)
+    node_pool.shutdown(wait=False, cancel_futures=True)
     group.kill_all()
     # Cancelled futures never count as done for cf.wait: wait only for those that ran.
-    late, _ = cf.wait([f for f in pending if not f.cancelled()], timeout=REAP_GRACE_S)
+    pending = [f for f in futures if f not in done and not f.cancelled()]
+    late, _ = cf.wait(pending, timeout=grace) if pending else (set(), set())
     out: list[RankEvidence] = []
     timed_out: list[int] = []
     for fut, v in futures.items():
@@ -313,14 +379,26 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
         else:
             out.append(RankEvidence(v.rank, v.pid, stack_error=f"{TIMED_OUT}: not captured "
                                                                f"within {timeout:g}s"))
+    node: dict[str, Mapping[str, Any]] = {}
+    node_late: list[str] = []
+    for name, nfut in node_futs.items():
+        if nfut in done and nfut.exception() is None:
+            node[name] = nfut.result()
+        elif nfut in done:
+            node[name] = {"checked": False, "error": f"{name} failed: {nfut.exception()}"}
+        else:
+            node_late.append(name)
+            node[name] = {"checked": False,
+                          "error": f"{TIMED_OUT}: {name} not finished within {timeout:g}s"}
     unreaped = tuple(group.running())
     if unreaped:
         log.error("couldn't reap py-spy children at the evidence deadline", pids=list(unreaped))
-    if timed_out:
+    if timed_out or node_late:
         log.warning("evidence capture cut off at its deadline", ranks=len(timed_out),
-                    timeout_s=timeout)
+                    node_checks=node_late, timeout_s=timeout)
     return CaptureOutcome(sorted(out, key=lambda e: e.rank), tuple(sorted(timed_out)),
-                          group.started, unreaped)
+                          group.started, unreaped, node, tuple(node_late), started, deadline,
+                          cut_at)
 
 
 def _optional(module: str) -> Any:
@@ -331,8 +409,9 @@ def _optional(module: str) -> Any:
         return None
 
 
-def xids_since(cfg: Config, node: str, since: float) -> XidsDoc:
-    """Xid events since ``since`` (the job's start) from the gate's kernel-log collector."""
+def xids_since(cfg: Config, node: str, since: float, timeout_s: float | None = None) -> XidsDoc:
+    """Xid events since ``since`` (the job's start) from the gate's kernel-log collector,
+    within ``timeout_s`` when given (the evidence time left), else the collector limit."""
     collector = _optional("slurm_resilience.health.collectors.xid")
     catalog = _optional("slurm_resilience.health.xid_catalog")
     health = getattr(cfg, "health", None)
@@ -344,7 +423,7 @@ def xids_since(cfg: Config, node: str, since: float) -> XidsDoc:
     try:
         snap = collector.collect(x.source, node_path(x.path, node),
                                  node_path(x.boot_id_file, node), x.max_read_bytes,
-                                 x.window_s, health.collector_timeout_s)
+                                 x.window_s, _limit(health.collector_timeout_s, timeout_s))
     except (OSError, CommandError) as exc:
         return {"checked": False, "error": f"couldn't read the kernel log: {exc}"}
     fatal = catalog.fatal_set(x.fatal, x.extra_fatal, x.not_fatal)
@@ -360,11 +439,20 @@ def xids_since(cfg: Config, node: str, since: float) -> XidsDoc:
                        for e in events], "findings": findings}
 
 
-def health_snapshot(cfg: Config, node: str) -> HealthDoc:
-    """The gate's read-only checks now; failed findings count as fresh blame evidence."""
+def _limit(configured: float, left: float | None) -> float:
+    # A collector given no time at all would still start; a tenth of a second is the least.
+    return configured if left is None else max(0.1, min(configured, left))
+
+
+def health_snapshot(cfg: Config, node: str, timeout_s: float | None = None) -> HealthDoc:
+    """The gate's read-only checks now; failed findings count as fresh blame evidence. With
+    ``timeout_s`` (the evidence time left) the collectors get no more than that."""
     gate = _optional("slurm_resilience.health.gate")
     if gate is None or getattr(cfg, "health", None) is None:
         return {"checked": False, "error": "health gate not installed: no snapshot"}
+    if timeout_s is not None:
+        limit = _limit(cfg.health.collector_timeout_s, timeout_s)
+        cfg = replace(cfg, health=replace(cfg.health, collector_timeout_s=limit))
     try:
         report = gate.run(cfg, node, "prolog", only=("gpu", "infiniband", "nvme"))
     except Exception as exc:  # noqa: BLE001 - a broken collector must not stop the incident

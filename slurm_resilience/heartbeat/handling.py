@@ -17,12 +17,20 @@ from typing import Any
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import blame as B
 from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
-from slurm_resilience.heartbeat.actions import Clocked, DeadlinePassed, Stopping, execute, retry
+from slurm_resilience.heartbeat.actions import (
+    Clocked,
+    DeadlinePassed,
+    Step,
+    Stopping,
+    execute,
+    retry,
+)
 from slurm_resilience.heartbeat.records import (
     Action,
     BlameDoc,
     Clock,
     Decision,
+    DecisionDoc,
     Piece,
     PieceError,
     Report,
@@ -32,7 +40,7 @@ from slurm_resilience.heartbeat.records import (
     piece_to_bytes,
 )
 from slurm_resilience.heartbeat.rendezvous import Rendezvous
-from slurm_resilience.heartbeat.store import IncidentStore, Progress, ProgressState
+from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress, ProgressState
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
@@ -142,27 +150,40 @@ class IncidentRunner:
         report = replace(report, decision=decision)
         if decision.action in (Action.REPORT, Action.SKIP):
             return self.finish(report)
-        if not self.store.claim(rec.job_id, run, deadline):
+        basis = ClaimBasis(view.verdict.mode, trigger.startswith("reported"), blamed)
+        if not self.store.claim(rec.job_id, run, deadline, basis):
             return self.finish(replace(report, decision=replace(
                 decision, action=Action.SKIP,
                 reason="another handler already acted on this run")))
         steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
-        actions: list[str] = [decision.budget_note] if decision.budget_note else []
+        notes = self._notes(cfg, rec.job_id, decision)
+        path = self._write(report)
+        done = self._execute(Progress(rec.job_id, run, ProgressState.ACTING, steps, 0, deadline,
+                                      path), save_first=True)
+        timings = replace(report.timings, action_at=self.clock.time())
+        return self.finish(replace(report, actions=tuple(notes + done), timings=timings))
+
+    @staticmethod
+    def _notes(cfg: Config, job_id: int, decision: Decision) -> list[str]:
+        """What the report says before the steps: the budget held nodes back, draining is off."""
+        notes: list[str] = [decision.budget_note] if decision.budget_note else []
         if decision.budget_note:
             log.warning("heartbeat: budget: hang budget spent; nodes reported, not taken out",
-                        job_id=rec.job_id, note=decision.budget_note)
-        if not hb.drain and any(c.verdict.value != "spare" for c in decision.nodes):
-            actions.append("draining is off (heartbeat.drain: false): no node drained")
-        path = self._write(report)
-        progress = Progress(rec.job_id, run, ProgressState.ACTING, steps, 0, deadline, path)
-        self.store.save(progress)
-        done, complete = execute(self.adapter, rec.job_id, run, steps, 0, deadline,
-                                 self.clocked, lambda i: self.store.save(
-                                     replace(progress, done=i)))
-        self.store.save(replace(progress, done=len(steps) if complete else progress.done,
+                        job_id=job_id, note=decision.budget_note)
+        if not cfg.heartbeat.drain and any(c.verdict.value != "spare" for c in decision.nodes):
+            notes.append("draining is off (heartbeat.drain: false): no node drained")
+        return notes
+
+    def _execute(self, progress: Progress, *, save_first: bool = False) -> list[str]:
+        """Run the plan from its next step, saving progress after each; the final state."""
+        if save_first:
+            self.store.save(progress)
+        done, complete = execute(self.adapter, progress.job_id, progress.run, progress.plan,
+                                 progress.done, progress.deadline, self.clocked,
+                                 lambda i: self.store.save(replace(progress, done=i)))
+        self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
                                 state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
-        timings = replace(report.timings, action_at=self.clock.time())
-        return self.finish(replace(report, actions=tuple(actions + done), timings=timings))
+        return done
 
     def decide(self, cfg: Config, job: JobInfo, mode: str, blamed: B.Blame,
                self_reported: bool, deadline: float) -> Decision:
@@ -197,30 +218,90 @@ class IncidentRunner:
 
     def _resume(self, progress: Progress) -> None:
         if progress.state is ProgressState.CLAIMED:
-            # Claimed but no plan saved: nothing was done yet; the job's ledger in Slurm
-            # (run already handled or not) decides on the next detection.
-            self.store.save(replace(progress, state=ProgressState.GAVE_UP))
-            log.warning("heartbeat: resume: claimed incident had no plan; left to the next "
-                        "detection", job_id=progress.job_id, run=progress.run)
+            self._redecide(progress)
             return
         log.warning("heartbeat: resume: finishing an incident after an agent restart",
                     job_id=progress.job_id, run=progress.run, done=progress.done,
                     steps=len(progress.plan))
-        done, complete = execute(self.adapter, progress.job_id, progress.run, progress.plan,
-                                 progress.done, progress.deadline, self.clocked,
-                                 lambda i: self.store.save(replace(progress, done=i)))
-        self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
-                                state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
+        done = self._execute(progress)
         if progress.report:
-            try:
-                data = incident.read_report(os.path.dirname(progress.report),
-                                            os.path.basename(progress.report))
-                data["actions"] = [*data.get("actions", []), "(after an agent restart)", *done]
-                incident.write_agent_copy(os.path.dirname(progress.report), data)
-            except (OSError, ValueError) as exc:
-                log.error("heartbeat: resume: couldn't update report", path=progress.report,
-                          error=str(exc))
+            self._amend_report(progress.report, ["(after an agent restart)", *done])
         log.warning("hang incident resumed", job_id=progress.job_id, actions=done)
+
+    def _drop(self, progress: Progress, why: str) -> None:
+        self.store.save(replace(progress, state=ProgressState.GAVE_UP))
+        log.error("heartbeat: resume: claimed incident dropped", job_id=progress.job_id,
+                  run=progress.run, why=why)
+
+    def _redecide(self, progress: Progress) -> None:
+        """A claim whose plan was never saved (the agent died in between). Steps run only once
+        the plan is saved, so nothing was done: decide again from the claim's basis and
+        Slurm's facts of now, then act as a fresh incident would, before its deadline."""
+        job_id, run, basis, deadline = (progress.job_id, progress.run, progress.basis,
+                                        progress.deadline)
+        if basis is None:  # claimed by a release that saved no basis
+            self._drop(progress, "the claim holds nothing to decide from")
+            return
+        if self.clock.time() >= deadline:
+            self._drop(progress, "its deadline passed before the agent came back")
+            return
+        log.warning("heartbeat: resume: deciding again an incident claimed before an agent "
+                    "restart", job_id=job_id, run=run)
+        cfg = self.cfg()
+        try:
+            job: JobInfo = retry("read the job", lambda: self.adapter.show_job(job_id),
+                                 deadline, self.clocked)
+            if job.restarts != run:
+                self.store.save(replace(progress, state=ProgressState.DONE))
+                log.warning("heartbeat: resume: the job left the claimed run; nothing to do",
+                            job_id=job_id, run=run, current=job.restarts)
+                return
+            decision = self.decide(cfg, job, basis.mode, basis.blame, basis.self_reported,
+                                   deadline)
+        except (DeadlinePassed, JobNotFound) as exc:
+            self._drop(progress, str(exc))
+            return
+        steps: tuple[Step, ...] = ()
+        if decision.action not in (Action.REPORT, Action.SKIP):
+            steps = policy.plan(job_id, decision, job.admin_comment, drain=cfg.heartbeat.drain)
+        notes = ["(decided again after an agent restart)",
+                 *self._notes(cfg, job_id, decision)]
+        path = os.path.join(self.incident_dir,
+                            incident.base_name(job_id, run, self.node) + ".json")
+        done = self._execute(Progress(job_id, run, ProgressState.ACTING, steps, 0, deadline,
+                                      path), save_first=True)
+        stub = replace(self._report_stub(job, basis), decision=decision,
+                       actions=tuple(notes + done))
+        if not self._amend_report(path, stub.actions, stub.to_json()["decision"]):
+            # Died before the report was written: keep what is known (no ranks or stacks).
+            self._write(stub)
+        log.warning("hang incident resumed", job_id=job_id, decision=decision.action.value,
+                    actions=done)
+
+    def _report_stub(self, job: JobInfo, basis: ClaimBasis) -> Report:
+        return Report(job.job_id, job.restarts, job.user, job.uid, self.node, basis.mode,
+                      "claimed before an agent restart", (), {},
+                      _blame_json(basis.blame, ()), None, (),
+                      Timings(self.clock.time(), 0.0))
+
+    def _amend_report(self, path: str, actions: Sequence[str],
+                      decision: DecisionDoc | None = None) -> bool:
+        """Add to the report a previous life wrote; False when there is none."""
+        try:
+            data = incident.read_report(os.path.dirname(path), os.path.basename(path))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as exc:
+            log.error("heartbeat: resume: couldn't update report", path=path, error=str(exc))
+            return True
+        if decision is not None:
+            data["decision"] = decision
+        data["actions"] = [*data.get("actions", []), *actions]
+        try:
+            incident.write_agent_copy(os.path.dirname(path), data)
+        except OSError as exc:
+            log.error("heartbeat: resume: couldn't update report", path=path, error=str(exc))
+        return True
 
     def _write(self, report: Report) -> str:
         try:

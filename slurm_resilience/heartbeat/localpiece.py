@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import cast
 
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import blame as B
@@ -38,7 +39,8 @@ def rank_lines(view: JobView, node: str) -> tuple[RankLine, ...]:
 
 def capture(cfg: Config, node: str, view: JobView, trigger: str, incident_dir: str,
             now: float) -> Piece:
-    """Evidence and observations of this node's ranks (bounded by evidence_timeout_s)."""
+    """Evidence and observations of this node's ranks, and the node's own checks, all within
+    evidence_timeout_s (see :func:`evidence.capture_ranks_bounded`)."""
     hb = cfg.heartbeat
     rec = view.record
     states = {r.rank: r.state for r in view.verdict.ranks}
@@ -50,15 +52,23 @@ def capture(cfg: Config, node: str, view: JobView, trigger: str, incident_dir: s
     except OSError as exc:
         log.warning("heartbeat: evidence: couldn't create incident file directory",
                     path=files_dir, error=str(exc))
+    checks: dict[str, evidence.NodeCheck] = {
+        "xids": lambda left: evidence.xids_since(cfg, node, rec.started, left),
+        "health": lambda left: evidence.health_snapshot(cfg, node, left)}
     try:
-        ranks_ev = evidence.capture_ranks(
+        outcome = evidence.capture_ranks_bounded(
             stalled, rec.uid, py_spy=evidence.find_py_spy(hb.py_spy),
-            timeout=hb.evidence_timeout_s, save_dir_fd=save_fd)
+            timeout=hb.evidence_timeout_s, save_dir_fd=save_fd, node_checks=checks,
+            # The run as the slots say (Slurm is read later): a user can only make their own
+            # job's names collide, and a taken name is never reused.
+            save_prefix=evidence.trace_prefix(
+                rec.job_id, max((v.restart_count for v in view.slots), default=0), node))
     finally:
         if save_fd is not None:
             os.close(save_fd)
-    xids = evidence.xids_since(cfg, node, rec.started)
-    health = evidence.health_snapshot(cfg, node)
+    ranks_ev = outcome.ranks
+    xids = cast(evidence.XidsDoc, outcome.node["xids"])
+    health = cast(evidence.HealthDoc, outcome.node["health"])
     stacks = {e.rank: e.stack for e in ranks_ev}
     obs = tuple(B.RankObservation(v.rank, node, v.step, v.wall(v.last_progress),
                                   B.in_collective(stacks.get(v.rank, "")), v.ewma_dt)

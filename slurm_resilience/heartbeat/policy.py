@@ -6,57 +6,31 @@ what the budget allows, what happens to the job, and the plan of Slurm steps.
   collective") is a *suspect*: the requeued job excludes it, and it is drained with a
   ``suspect`` reason that its own agent lifts when verification passes.
 * Budgets cap how many nodes hang handling takes out of service per hour, cluster-wide and
-  per job owner. They are counted from Slurm's node reasons (ours carry the user and the
-  time), so no shared state is needed. Past the budget nodes are reported, not touched.
+  per job owner. They are counted from Slurm's nodes: the take-outs recorded in each node's
+  Comment (kept across resume, see :mod:`takeouts`) and our dated reasons on nodes out now.
+  Past the budget nodes are reported, not touched.
 * The job: requeued per :func:`requeue.decide`; a ``--no-requeue`` job is left or cancelled
   per ``no_requeue_policy``.
 """
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.heartbeat import takeouts as T
 from slurm_resilience.heartbeat.actions import Step, StepKind
 from slurm_resilience.heartbeat.blame import Blame
 from slurm_resilience.heartbeat.records import Action, Decision, NodeCall, NodeVerdict
+from slurm_resilience.heartbeat.takeouts import HangReason as HangReason
 from slurm_resilience.slurm.parse import NodeInfo
 
-# "SR: suspect hang job 12 user alice at 2026-11-23T15:40:00Z: rank 1 stalled first"
-_REASON = re.compile(r"^(?:\S+:\s+)?(?P<suspect>suspect )?hang (?:job (?P<job>\d+)|suspect of "
-                     r"jobs [^ ]+) user (?P<user>\S+) at (?P<at>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
-WINDOW_S = 3600.0
-
-
-def iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-def _epoch(text: str) -> float:
-    return float(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone)
-
-
-@dataclass(frozen=True)
-class HangReason:
-    """What one of our hang reasons on a node says."""
-
-    suspect: bool
-    job_id: int | None
-    user: str
-    at: float
-
-
-def parse_reason(reason: str) -> HangReason | None:
-    m = _REASON.match(reason)
-    if not m:
-        return None
-    job = m.group("job")
-    return HangReason(bool(m.group("suspect")), int(job) if job else None, m.group("user"),
-                      _epoch(m.group("at")))
+# Our reasons and the take-out record live in takeouts (actions reads them too).
+WINDOW_S = T.WINDOW_S
+iso = T.iso
+parse_reason = T.parse_reason
 
 
 def drain_reason(job_id: int, user: str, now: float, what: str) -> str:
@@ -75,7 +49,8 @@ def accumulated_reason(jobs: Sequence[tuple[int, str]], now: float, window_s: fl
 
 @dataclass(frozen=True)
 class Budget:
-    """Nodes out of service for hangs within the last hour: cluster-wide and per user."""
+    """Take-outs by hang handling within the last hour, cluster-wide and per user (by
+    :func:`takeouts.user_key`), and the nodes out of service for a hang right now."""
 
     total: int
     by_user: Mapping[str, int]
@@ -83,18 +58,28 @@ class Budget:
 
 
 def budget_used(nodes: Iterable[NodeInfo], prefix: str, now: float) -> Budget:
-    """Count nodes drained (or down) with one of our hang reasons set within the hour."""
-    counted: set[str] = set()
-    by_user: dict[str, int] = {}
+    """Count take-outs of the last hour: every one recorded in a node's Comment (it stays
+    when the node is resumed) and every node drained or down with one of our hang reasons
+    set within the hour (a take-out whose record was not written yet, or a drain of an
+    earlier release); the same take-out seen both ways counts once."""
+    events: set[tuple[str, T.TakeOut]] = set()
+    out_now: set[str] = set()
     for n in nodes:
+        # A record from the future (clock skew between nodes) counts: the budget errs on
+        # the side of fewer take-outs.
+        events.update((n.name, t) for t in T.parse_comment(n.comment)
+                      if now - t.at <= WINDOW_S)
         if not (n.drained or n.down) or not n.reason.startswith(prefix):
             continue
         parsed = parse_reason(n.reason)
         if parsed is None or now - parsed.at > WINDOW_S:
             continue
-        counted.add(n.name)
-        by_user[parsed.user] = by_user.get(parsed.user, 0) + 1
-    return Budget(len(counted), by_user, frozenset(counted))
+        out_now.add(n.name)
+        events.add((n.name, T.TakeOut.of(parsed)))
+    by_user: dict[str, int] = {}
+    for _, t in events:
+        by_user[t.user] = by_user.get(t.user, 0) + 1
+    return Budget(len(events), by_user, frozenset(out_now))
 
 
 def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, now: float,
@@ -113,7 +98,7 @@ def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, no
         wanted = [(n, NodeVerdict.SUSPECT, suspect_reason(job_id, user, now,
                                                           f"{what} ({blamed.rule})"))
                   for n, _ in blamed.drains]
-    total, mine = budget.total, budget.by_user.get(user, 0)
+    total, mine = budget.total, budget.by_user.get(T.user_key(user), 0)
     held: list[str] = []
     for node, verdict, reason in wanted:
         if verdict is NodeVerdict.SUSPECT and not cfg.suspect_drain:
@@ -130,7 +115,7 @@ def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, no
     note = ""
     if held:
         note = (f"hang budget spent ({budget.total} of {cfg.budget_per_hour} nodes per hour "
-                f"cluster-wide, {budget.by_user.get(user, 0)} of "
+                f"cluster-wide, {budget.by_user.get(T.user_key(user), 0)} of "
                 f"{cfg.budget_per_user_per_hour} for user {user}): {', '.join(held)} reported, "
                 "not taken out of service")
     return tuple(calls), note
@@ -166,8 +151,12 @@ def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool
     under suspicion), then the job's ledger, then the job."""
     steps: list[Step] = []
     if decision.action in (Action.REQUEUE, Action.HOLD) and drain:
-        steps += [Step(StepKind.DRAIN, c.node, c.reason) for c in decision.nodes
-                  if c.verdict in (NodeVerdict.DRAIN, NodeVerdict.SUSPECT)]
+        # Each drain is then recorded in the node's Comment, where it outlives a resume
+        # and keeps counting against the hourly budgets.
+        for c in decision.nodes:
+            if c.verdict in (NodeVerdict.DRAIN, NodeVerdict.SUSPECT):
+                steps += [Step(StepKind.DRAIN, c.node, c.reason),
+                          Step(StepKind.RECORD, c.node, c.reason)]
     ledger = R.parse_ledger(decision.ledger) or R.Ledger()
     comment = R.merge_comment(admin_comment, ledger, decision.reason)
     if decision.action is Action.REQUEUE:

@@ -2,7 +2,9 @@
 
 Claiming a run of a job creates ``<state>/acted/<job>-<run>`` with ``O_EXCL`` (two agents, or
 an agent and its restarted twin, cannot both win). The file then holds the incident's plan and
-how far it got; one still ``acting`` after a restart is resumed from its next step. At most
+how far it got; one still ``acting`` after a restart is resumed from its next step. A claim
+also holds what the decision is made from (:class:`ClaimBasis`), so one whose plan was never
+saved (a crash between claim and plan) is decided again after a restart, not forgotten. At most
 ``max_handled`` markers are kept (oldest removed), and none older than the retention.
 """
 
@@ -18,6 +20,7 @@ from typing import TypedDict
 
 from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.actions import Step, StepDoc, step_from_json
+from slurm_resilience.heartbeat.blame import Blame
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.store")
@@ -40,6 +43,48 @@ class ProgressState(str, enum.Enum):
 UNFINISHED = frozenset({ProgressState.CLAIMED, ProgressState.ACTING})
 
 
+class BlameRecordDoc(TypedDict):
+    drains: list[list[str]]  # [node, reason] pairs
+    ranks: list[int]
+    rule: str
+    explanation: str
+
+
+class BasisDoc(TypedDict):
+    mode: str
+    self_reported: bool
+    blame: BlameRecordDoc
+
+
+@dataclass(frozen=True)
+class ClaimBasis:
+    """The incident's own inputs to the decision, saved with the claim. Slurm's facts (the
+    job, node reasons for the budget) and the committed checkpoint are read again when a
+    restarted agent decides from it."""
+
+    mode: str
+    self_reported: bool
+    blame: Blame
+
+    def to_json(self) -> BasisDoc:
+        b = self.blame
+        return {"mode": self.mode, "self_reported": self.self_reported,
+                "blame": {"drains": [[n, r] for n, r in b.drains], "ranks": list(b.ranks),
+                          "rule": b.rule, "explanation": b.explanation}}
+
+
+def _basis_from_json(data: object) -> ClaimBasis | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("blame"), dict):
+        raise ValueError("basis is not an object")
+    b = data["blame"]
+    drains = tuple((str(n), str(r)) for n, r in b["drains"])
+    return ClaimBasis(str(data["mode"]), bool(data["self_reported"]),
+                      Blame(drains, tuple(int(r) for r in b["ranks"]), str(b["rule"]),
+                            str(b["explanation"])))
+
+
 class ProgressDoc(TypedDict):
     job_id: int
     run: int
@@ -48,11 +93,13 @@ class ProgressDoc(TypedDict):
     done: int
     deadline: float
     report: str
+    basis: BasisDoc | None
 
 
 @dataclass(frozen=True)
 class Progress:
-    """A claimed incident: its plan, steps done, deadline (wall time) and report file."""
+    """A claimed incident: its plan, steps done, deadline (wall time), report file and, while
+    only claimed, what its decision is made from."""
 
     job_id: int
     run: int
@@ -61,6 +108,7 @@ class Progress:
     done: int = 0
     deadline: float = 0.0
     report: str = ""
+    basis: ClaimBasis | None = None
 
     def __post_init__(self) -> None:
         # Callers may still pass the value ("acting"): always hold the member.
@@ -69,7 +117,8 @@ class Progress:
     def to_json(self) -> ProgressDoc:
         return {"job_id": self.job_id, "run": self.run, "state": self.state.value,
                 "plan": [s.to_json() for s in self.plan], "done": self.done,
-                "deadline": self.deadline, "report": self.report}
+                "deadline": self.deadline, "report": self.report,
+                "basis": self.basis.to_json() if self.basis else None}
 
 
 def _from_json(data: object) -> Progress:
@@ -79,7 +128,7 @@ def _from_json(data: object) -> Progress:
     return Progress(int(data["job_id"]), int(data["run"]), ProgressState(data["state"]),
                     tuple(step_from_json(s) for s in data.get("plan", [])),
                     int(data.get("done", 0)), float(data.get("deadline", 0.0)),
-                    str(data.get("report", "")))
+                    str(data.get("report", "")), _basis_from_json(data.get("basis")))
 
 
 class IncidentStore:
@@ -106,11 +155,13 @@ class IncidentStore:
             self.seen.popitem(last=False)
         return True
 
-    def claim(self, job_id: int, run: int, deadline: float) -> bool:
+    def claim(self, job_id: int, run: int, deadline: float,
+              basis: ClaimBasis | None = None) -> bool:
         """Atomically claim acting on this run; False when it was claimed before."""
         fd = self._dir()
         try:
-            claimed = Progress(job_id, run, ProgressState.CLAIMED, deadline=deadline)
+            claimed = Progress(job_id, run, ProgressState.CLAIMED, deadline=deadline,
+                               basis=basis)
             data = json.dumps(claimed.to_json())
             safefs.write_new(fd, self.name(job_id, run), data.encode())
             return True

@@ -21,6 +21,8 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.heartbeat import policy
+from slurm_resilience.heartbeat.actions import record_takeout
+from slurm_resilience.heartbeat.takeouts import user_key
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events, http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
@@ -230,7 +232,7 @@ class MetricsService:
             log.warning("stragglers: a suspect, not drained", node=self.node, why=why)
             return f"not drained: {why}"
         budget = policy.budget_used(nodes, self.adapter.prefix, now)
-        spent = budget.by_user.get(user, 0)
+        spent = budget.by_user.get(user_key(user), 0)
         if budget.total + 1 > hb.budget_per_hour or spent + 1 > hb.budget_per_user_per_hour:
             note = (f"hang budget spent ({budget.total} of {hb.budget_per_hour} nodes per hour "
                     f"cluster-wide, {spent} of {hb.budget_per_user_per_hour} for user {user})")
@@ -243,6 +245,12 @@ class MetricsService:
         except SlurmError as exc:
             log.warning("stragglers: couldn't make the node a suspect", error=str(exc))
             return f"couldn't drain: {exc}"
+        try:  # counted against the hourly budgets also after the node is resumed
+            recorded = record_takeout(self.adapter, self.node, reason)
+        except SlurmError as exc:
+            recorded = f"couldn't record the take-out: {exc}"
+            log.warning("stragglers: couldn't record the take-out in the node's Comment",
+                        error=str(exc))
         try:
             self.steps.record.mark_suspected(jobs)
         except OSError as exc:
@@ -252,7 +260,7 @@ class MetricsService:
         suspects = getattr(self.watcher, "suspects", None)
         if suspects is not None:
             suspects.incident_seen()  # verify soon, not at the next idle poll
-        return f"drained: {text}"
+        return f"drained: {text}; {recorded}"
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -179,8 +179,8 @@ class Sandbox:
 
     def reset(self, timeout: float = 30.0) -> None:
         """Back to a clean cluster between tests: cancel every job, resume every
-        drained node (whoever drained it), heal every node's stand-in hardware and
-        restore the default hooks' config."""
+        drained node (whoever drained it) and clear node Comments, heal every node's
+        stand-in hardware and restore the default hooks' config."""
         from slurm_resilience.sandbox import faults
 
         control.write_resilience_conf(self.layout, self.base_resilience_sections())
@@ -202,4 +202,12 @@ class Sandbox:
                     self.run(["scontrol", "update", f"NodeName={node.name}", "State=RESUME"])
                 except Exception as exc:  # the message says which node could not be resumed
                     raise SlurmError("reset", f"couldn't resume {node.name}: {exc}") from exc
+            if node.comment:
+                # Hang handling's record of take-outs lives there and outlives a resume: left
+                # in place it would spend the next test's hourly hang budget.
+                try:
+                    self.run(["scontrol", "update", f"NodeName={node.name}", "Comment="])
+                except Exception as exc:
+                    raise SlurmError("reset", f"couldn't clear the Comment of {node.name}: "
+                                              f"{exc}") from exc
         self.wait_nodes_ready(timeout)

@@ -48,6 +48,8 @@ _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)",
 _VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.\d+)?\b")
 # The first release whose scontrol prints JSON (data_parser v0.0.39).
 JSON_SINCE = (23, 2)
+# A node Comment we set stays this short (scontrol and sinfo show it on one line).
+MAX_NODE_COMMENT = 1024
 
 
 class RunnerLike(Protocol):
@@ -225,6 +227,12 @@ class SlurmAdapter:
         log.warning("node resumed", target=name, previous_reason=node.reason)
         self._count("resume", node.reason)
         return True
+
+    def set_node_comment(self, name: str, text: str) -> None:
+        """Replace a node's Comment (operators' field, kept across resume); one printable line."""
+        line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+        self._run("set node comment", ["scontrol", "update", f"NodeName={_check_node_name(name)}",
+                                       f"Comment={line[:MAX_NODE_COMMENT]}"])
 
     def set_features(self, name: str, available: Iterable[str], active: Iterable[str] | None = None
                      ) -> None:

@@ -82,6 +82,8 @@ class NodeInfo:
     alloc_cpus: int = 0
     address: str = ""
     hostname: str = ""
+    # Operators' free text; hang handling keeps its record of recent take-outs in it.
+    comment: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -129,6 +131,7 @@ def parse_node(line: str) -> NodeInfo:
         alloc_cpus=int(f.get("CPUAlloc", "0") or 0),
         address=_none(f.get("NodeAddr", "")),
         hostname=_none(f.get("NodeHostName", "")),
+        comment=_none(f.get("Comment", "")),
         raw=f,
     )
 

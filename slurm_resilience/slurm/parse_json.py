@@ -189,6 +189,7 @@ def node_from_json(n: Mapping[str, Any]) -> NodeInfo:
         alloc_cpus=_number(n.get("alloc_cpus")),
         address=_text(n.get("address")),
         hostname=_text(n.get("hostname")),
+        comment=_text(n.get("comment")),
         raw=n,
     )
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from slurm_resilience.heartbeat import policy
+from slurm_resilience.heartbeat import actions, policy
 from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -228,12 +228,17 @@ def test_failed_loopback_verification_drains_the_suspect_with_measured_vs_expect
 
 def test_the_budget_stops_drains_past_its_limit_and_says_so(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """With the hourly budget used up by a hang drain Slurm already shows, the next suspect is
-    reported, not taken out of service: the report, the log and `status` say so."""
+    """With the hourly budget used up by a hang take-out earlier in the hour, of a node back
+    in service since (its Comment keeps the record), the next suspect is reported, not taken
+    out of service: the report, the log and `status` say so."""
     sandbox.update_resilience_config({"heartbeat": {"budget_per_hour": 1}})
     ctl = sandbox.adapter()
     spent = sandbox.nodes[-1]
-    ctl.drain(spent, policy.drain_reason(1, "someone", time.time(), "an earlier hang"))
+    earlier = policy.drain_reason(1, "someone", time.time(), "an earlier hang")
+    ctl.drain(spent, earlier)
+    assert actions.record_takeout(ctl, spent, earlier).startswith("recorded")
+    assert ctl.resume(spent) and not ctl.show_node(spent).drained
+    assert "[sr-out someone/1/" in ctl.show_node(spent).comment
     user = test_users[0]
     job_id, work = _deadlocked_job(sandbox, user, "budget")
     suspect = _rank_node(work, job_id, 1, 0)

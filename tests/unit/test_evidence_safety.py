@@ -10,7 +10,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -171,29 +173,79 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+class CaptureClock:
+    """The capture's clock, moved by the test: it reads 0 while the slow work starts, and
+    ``at`` once ``ready()`` says all of it is running (or, so a broken capture can't hang the
+    test, after 60 real seconds). Real waits inside are short polls, so the cut follows it."""
+
+    def __init__(self, ready: Callable[[], bool], at: float):
+        self.ready, self.at = ready, at
+        self.moved = False
+        self.give_up = time.monotonic() + 60
+
+    def __call__(self) -> float:
+        if not self.moved and (self.ready() or time.monotonic() > self.give_up):
+            self.moved = True
+        return self.at if self.moved else 0.0
+
+
 def test_evidence_of_256_slots_with_a_slow_py_spy_stops_at_its_deadline(tmp_path: Path) -> None:
-    """256 ranks and a py-spy that never answers: every rank is reported as timed out, the
-    captures not started are cancelled, and every py-spy child started was killed and reaped."""
+    """256 ranks, a py-spy that never answers and Xid and health checks that never return:
+    everything starts at once under one deadline (the configured bound on the capture's
+    clock); at its cut (the deadline less the reap grace) every rank and both node checks
+    are reported as timed out, the captures not started are cancelled, and every py-spy
+    child started was killed and reaped."""
+    bound = 20.0
+    cut = bound - evidence.reap_grace(bound)
     pids = tmp_path / "pids"
+    pids.touch()
     fake = tmp_path / "py-spy"
     fake.write_text(SLOW_PY_SPY.format(pids=pids))
     fake.chmod(0o755)
-    outcome = evidence.capture_ranks_bounded(_slots(256), os.getuid(), py_spy=str(fake),
-                                             timeout=1.0, workers=8)
+    given: dict[str, float] = {}
+    release = threading.Event()
+
+    def stuck(name: str) -> evidence.NodeCheck:
+        def check(left: float) -> dict[str, object]:
+            given[name] = left
+            release.wait(60)
+            return {"checked": True}
+        return check
+
+    clock = CaptureClock(lambda: len(pids.read_text().split()) >= 8 and len(given) == 2, cut)
+    try:
+        outcome = evidence.capture_ranks_bounded(
+            _slots(256), os.getuid(), py_spy=str(fake), timeout=bound, workers=8, clock=clock,
+            node_checks={"xids": stuck("xids"), "health": stuck("health")})
+    finally:
+        release.set()
+    # One bound for all of it: the node checks began with the ranks, given the time to the
+    # cut; the cut came at the first reading of the cut point, the grace after it ends at
+    # the deadline.
+    assert (outcome.started_at, outcome.deadline) == (0.0, bound)
+    assert given == {"xids": cut, "health": cut}
+    assert outcome.cut_at == cut and cut + evidence.reap_grace(bound) == outcome.deadline
     assert [e.rank for e in outcome.ranks] == list(range(256))
     assert outcome.timed_out == tuple(range(256))
     assert all(e.stack_error.startswith(evidence.TIMED_OUT) for e in outcome.ranks)
-    assert 1 <= outcome.children_started <= 8 and outcome.children_unreaped == ()
+    assert outcome.node_timed_out == ("xids", "health")
+    assert all(str(outcome.node[n]["error"]).startswith(evidence.TIMED_OUT)
+               for n in ("xids", "health"))
+    assert outcome.children_started == 8 and outcome.children_unreaped == ()
     started = [int(p) for p in pids.read_text().split()]
-    assert len(started) == outcome.children_started and all(_gone(p) for p in started)
+    assert len(started) == 8 and all(_gone(p) for p in started)
 
 
 def test_fast_captures_finish_and_are_not_marked_timed_out(tmp_path: Path) -> None:
-    """A py-spy that answers at once yields every rank's stack and no time-out."""
+    """A py-spy that answers at once and quick node checks: every rank's stack and both
+    checks' results, no time-out, nothing cut."""
     fake = tmp_path / "py-spy"
     fake.write_text("#!/bin/sh\necho \"Thread 1: main (train.py:3)\"\n")
     fake.chmod(0o755)
-    outcome = evidence.capture_ranks_bounded(_slots(16), os.getuid(), py_spy=str(fake),
-                                             timeout=60.0, workers=4)
+    outcome = evidence.capture_ranks_bounded(
+        _slots(16), os.getuid(), py_spy=str(fake), timeout=60.0, workers=4,
+        node_checks={"xids": lambda left: {"checked": True, "findings": []}})
     assert outcome.timed_out == () and outcome.children_unreaped == ()
+    assert outcome.cut_at is None and outcome.node_timed_out == ()
+    assert outcome.node == {"xids": {"checked": True, "findings": []}}
     assert all("main (train.py:3)" in e.stack for e in outcome.ranks)

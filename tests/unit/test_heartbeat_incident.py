@@ -16,8 +16,16 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import NodeSection
+from slurm_resilience.heartbeat import (
+    actions,
+    ckptfacts,
+    handlers,
+    incident,
+    policy,
+    rendezvous,
+    takeouts,
+)
 from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat import ckptfacts, handlers, incident, policy, rendezvous
 from slurm_resilience.heartbeat.actions import Step, StepKind
 from slurm_resilience.heartbeat.records import (
     Action,
@@ -29,11 +37,12 @@ from slurm_resilience.heartbeat.records import (
     piece_from_bytes,
     piece_to_bytes,
 )
-from slurm_resilience.heartbeat.store import IncidentStore, Progress
+from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress
 from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
 from slurm_resilience.heartbeat.watcher import HangWatcher
-from slurm_resilience.proc import CommandTimeout, Completed
+from slurm_resilience.proc import CommandError, CommandTimeout, Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
 
 HB = HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0, warmup_steps=0,
@@ -72,6 +81,7 @@ class SlurmStandIn:
         self.restarts, self.down_calls = restarts, down_calls
         self.node_reason, self.alloc = node_reason, alloc
         self.state = "RUNNING"
+        self.node_comment = ""
         self.calls: list[list[str]] = []
 
     def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
@@ -93,11 +103,15 @@ class SlurmStandIn:
                 else "(null)"
             out = (f"NodeName=node1 State=IDLE{flag} CPUTot=2 CPUAlloc={self.alloc} "
                    f"Reason={reason}")
+            if self.node_comment:  # scontrol prints it after the reason, only when set
+                out += f" Comment={self.node_comment}"
         elif argv[1] == "requeue":
             self.restarts += 1
         elif argv[1:3] == ["update", "NodeName=node1"]:
             if argv[3] == "State=RESUME":
                 self.node_reason = ""
+            elif argv[3].startswith("Comment="):
+                self.node_comment = argv[3].removeprefix("Comment=")
             else:
                 self.node_reason = argv[4].removeprefix("Reason=")
         return Completed(tuple(argv), 0, out, "", 0.0)
@@ -148,6 +162,96 @@ def test_past_the_budget_nodes_are_reported_not_taken_out() -> None:
     assert "hang budget spent" in note and "1 of 1 for user alice" in note and "n2" in note
 
 
+def _up(name: str, comment: str) -> NodeInfo:
+    return NodeInfo(name, "IDLE", frozenset(), "", comment=comment)
+
+
+def test_take_outs_count_for_an_hour_also_after_the_node_is_back() -> None:
+    """The budgets count take-outs of the last hour: a suspect drained and resumed within
+    the hour still counts (its Comment keeps the record), per user and cluster-wide; older
+    ones don't; a node out now whose record is also in its Comment counts once."""
+    bob = policy.parse_reason(policy.suspect_reason(7, "bob", NOW - 600, "rank 0 stalled first"))
+    assert bob is not None
+    comment = takeouts.merge_comment("", takeouts.TakeOut.of(bob))
+    reason = "SR: " + policy.suspect_reason(7, "bob", NOW - 600, "rank 0 stalled first")
+    nodes = [
+        _up("a", comment),  # drained for bob's job 10 minutes ago, verified, resumed
+        _up("b", f"[sr-out alice/8/{int(NOW - 1800)} alice/9/{int(NOW - 7200)}] rack 4"),
+        _up("c", "admin: new PSU"),
+        NodeInfo("d", "IDLE", frozenset({"DRAIN"}), reason, comment=comment),  # out now
+    ]
+    used = policy.budget_used(nodes, "SR:", NOW)
+    assert (used.total, dict(used.by_user), used.nodes) == (3, {"bob": 2, "alice": 1},
+                                                            frozenset({"d"}))
+    later = policy.budget_used(nodes, "SR:", NOW + 2000)  # alice's is over an hour old now
+    assert (later.total, dict(later.by_user)) == (2, {"bob": 2})
+
+
+def test_a_user_cycling_suspect_drains_is_stopped_by_the_budget() -> None:
+    """Alice's suspect was verified and resumed; her next hang within the hour finds her
+    budget (1 per user) spent, though no node is out of service now."""
+    old = policy.parse_reason(policy.suspect_reason(41, "alice", NOW - 300, "rank 1 ..."))
+    assert old is not None
+    nodes = [_up("n2", takeouts.merge_comment("", takeouts.TakeOut.of(old)))]
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    calls, note = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
+                                    now=NOW, budget=policy.budget_used(nodes, "SR:", NOW),
+                                    cfg=HB)
+    assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
+    assert "1 of 1 for user alice" in note
+
+
+def test_the_take_out_record_is_bounded_and_keeps_the_operators_text() -> None:
+    """Merging prunes entries older than an hour before the new one, keeps at most
+    MAX_ENTRIES, is idempotent, and leaves an operator's own text in the Comment."""
+    first = takeouts.TakeOut("alice", 1, int(NOW - 4000))
+    text = takeouts.merge_comment("rack 4, PSU swapped", first)
+    assert text == f"[sr-out alice/1/{int(NOW - 4000)}] rack 4, PSU swapped"
+    now = takeouts.TakeOut("bob", 2, int(NOW))
+    text = takeouts.merge_comment(text, now)
+    assert takeouts.parse_comment(text) == [now] and text.endswith("] rack 4, PSU swapped")
+    assert takeouts.merge_comment(text, now) == text
+    for i in range(100):
+        text = takeouts.merge_comment(text, takeouts.TakeOut("eve", 100 + i, int(NOW) + i))
+    assert len(takeouts.parse_comment(text)) == takeouts.MAX_ENTRIES
+    assert takeouts.parse_comment("[sr-out ../x/1 bob/2/3 alice/nan/4]") == [
+        takeouts.TakeOut("bob", 2, 3)]
+
+
+def test_a_take_out_is_recorded_only_for_a_drain_slurm_shows(tmp_path: Path) -> None:
+    """The record step writes the node's Comment through the adapter only when the node is
+    out with this incident's reason; a refusal is reported, an unreachable Slurm retried."""
+    reason = policy.suspect_reason(42, "alice", NOW, "rank 1 stalled first")
+    slurm = SlurmStandIn()
+    adapter = SlurmAdapter(runner=slurm)
+    assert "not out for this incident" in actions.record_takeout(adapter, "node1", reason)
+    adapter.drain("node1", reason)
+    assert actions.record_takeout(adapter, "node1", reason).startswith("recorded")
+    assert takeouts.parse_comment(slurm.node_comment) == [takeouts.TakeOut("alice", 42,
+                                                                           int(NOW))]
+    assert ["scontrol", "update", "NodeName=node1",
+            f"Comment={slurm.node_comment}"] in [c[-4:] for c in slurm.calls]
+    refusing = SlurmStandIn(node_reason="SR: " + reason)
+    refusing.run = _refuse_comment(refusing, "Invalid node state specified")  # type: ignore[method-assign]
+    note = actions.record_takeout(SlurmAdapter(runner=refusing), "node1", reason)
+    assert note.startswith("couldn't record the take-out of node1")
+    away = SlurmStandIn(node_reason="SR: " + reason)
+    away.run = _refuse_comment(away, "Unable to contact slurm controller")  # type: ignore[method-assign]
+    with pytest.raises(SlurmError):
+        actions.record_takeout(SlurmAdapter(runner=away), "node1", reason)
+
+
+def _refuse_comment(slurm: SlurmStandIn, message: str) -> object:
+    real = slurm.run
+
+    def run(argv: Sequence[str], **kw: object) -> Completed:
+        if any(a.startswith("Comment=") for a in argv):
+            raise CommandError(argv, "exit 1", Completed(tuple(argv), 1, "", message, 0.0))
+        return real(argv, **kw)  # type: ignore[arg-type]
+
+    return run
+
+
 def test_no_requeue_job_is_left_or_cancelled_and_never_drains() -> None:
     """A --no-requeue job is left running (or cancelled, per policy); its suspect is spared."""
     call = NodeCall("n2", NodeVerdict.SUSPECT, "suspect ...")
@@ -167,7 +271,7 @@ def test_requeue_with_a_suspect_holds_excludes_then_releases() -> None:
                       ckpt_step=5, mode="act", cfg=HB, calls=[call], budget_note="")
     assert d.action is Action.REQUEUE and d.exclude == ("n2",)
     assert [s.kind for s in policy.plan(42, d, "", drain=True)] == [
-        StepKind.DRAIN, StepKind.COMMENT, StepKind.REQUEUE_HOLD, StepKind.EXCLUDE,
+        StepKind.DRAIN, StepKind.RECORD, StepKind.COMMENT, StepKind.REQUEUE_HOLD, StepKind.EXCLUDE,
         StepKind.RELEASE]
 
 
@@ -230,6 +334,42 @@ def test_an_incident_claimed_before_a_restart_is_finished_once(tmp_path: Path) -
     second.wait()
     assert [c[1] for c in slurm.calls].count("requeue") == 1
     assert (42, 0) in second.store.seen
+
+
+def test_a_claim_without_a_plan_is_decided_again_after_a_restart(tmp_path: Path) -> None:
+    """The agent died between claim and plan: the next start decides again from the claim
+    (the suspect drained, the job requeued, once); a third life does nothing more."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn()
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    stalled = B.Blame((("node1", "hang job 42: rank 1 stalled first"),), (1,), "lowest step",
+                      "rank 1 on node1 stalled first (lowest step)")
+    assert store.claim(42, 0, clock.time() + 60, ClaimBasis("act", False, stalled))
+    _watcher(cfg, slurm, clock).wait()
+    assert [c[1] for c in slurm.calls].count("requeuehold") == 1
+    assert slurm.node_reason.startswith("SR: suspect hang job 42 user alice")
+    done = store.load(42, 0)
+    assert done is not None and done.state == "done" and len(done.plan) == 6
+    report = incident.read_report(str(tmp_path / "state" / "incidents"),
+                                  "hang-job42-run0-node1.json")
+    assert report["decision"]["action"] == "requeue"
+    assert report["actions"][0] == "(decided again after an agent restart)"
+    assert "requeued and held job 42" in report["actions"]
+    calls = len(slurm.calls)
+    _watcher(cfg, slurm, clock).wait()
+    assert len(slurm.calls) == calls
+
+
+def test_a_claim_without_a_plan_past_its_deadline_is_dropped_and_says_so(
+        tmp_path: Path) -> None:
+    """Past the incident's deadline a plan-less claim is given up without a Slurm call."""
+    cfg, clock = _runner_cfg(tmp_path)
+    slurm = SlurmStandIn()
+    store = IncidentStore(str(tmp_path / "state" / "heartbeat" / "acted"))
+    none = B.Blame((), (), "none", "no node can be blamed")
+    assert store.claim(42, 0, clock.time() - 1, ClaimBasis("act", False, none))
+    _watcher(cfg, slurm, clock).wait()
+    assert slurm.calls == [] and store.load(42, 0).state == "gave-up"  # type: ignore[union-attr]
 
 
 def test_a_requeue_already_done_before_a_crash_is_not_repeated(tmp_path: Path) -> None:

@@ -195,7 +195,9 @@ def test_same_process_checks_start_time_and_uid() -> None:
 
 
 def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
-    """The flight recorder is triggered through the job's FIFO and its dump kept as opaque bytes."""
+    """The flight recorder is triggered through the job's FIFO and its dump kept as opaque
+    bytes, under a name of its job, run and node; a name another capture took is left alone
+    and the dump kept under a new one."""
     marker = tmp_path / "unpickled"
     payload = pickle.dumps(_Boom(str(marker)))
     pipe_prefix, dump_prefix = tmp_path / "nccl_pipe_", tmp_path / "nccl_trace_"
@@ -218,18 +220,43 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
     try:
         save = tmp_path / "saved"
         save.mkdir()
+        prefix = evidence.trace_prefix(42, 1, "node/1")
+        assert prefix == "nccl-trace-job42-run1-node_1"
+        (save / f"{prefix}-rank3.bin").write_bytes(b"an earlier capture's dump")
         fd = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
         result = evidence.nccl_flight_recorder(proc.pid, 3, os.getuid(), fd, wait_s=5,
-                                               clock=_until_done(reader), poll_s=0.01)
+                                               clock=_until_done(reader), poll_s=0.01,
+                                               save_prefix=prefix)
         os.close(fd)
     finally:
         proc.kill()
         proc.wait()
         reader.join(5)
     assert result.get("bytes") == len(payload), result
-    assert result.get("saved_as") == "nccl-trace-rank3.bin", result
-    assert (save / "nccl-trace-rank3.bin").read_bytes() == payload
+    assert result.get("saved_as") == f"{prefix}-rank3.1.bin", result
+    assert (save / f"{prefix}-rank3.1.bin").read_bytes() == payload
+    assert (save / f"{prefix}-rank3.bin").read_bytes() == b"an earlier capture's dump"
     assert not marker.exists()
+
+
+def test_a_dump_that_could_not_be_kept_names_no_file(tmp_path: Path) -> None:
+    """Every candidate name taken, or the directory refusing the write: no saved_as, and
+    save_error says why."""
+    save = tmp_path / "saved"
+    save.mkdir()
+    for n in range(evidence.SAVE_ATTEMPTS):
+        (save / (f"t-rank0.{n}.bin" if n else "t-rank0.bin")).write_bytes(b"other")
+    fd = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert evidence.save_trace(fd, "t-rank0", b"mine")[0] == ""
+        assert "names taken" in evidence.save_trace(fd, "t-rank0", b"mine")[1]
+        assert evidence.save_trace(fd, "t-rank1", b"mine") == ("t-rank1.bin", "")
+    finally:
+        os.close(fd)
+    name, error = evidence.save_trace(-1, "t-rank2", b"mine")  # a bad directory: EBADF
+    assert name == "" and error.startswith("couldn't keep the dump as t-rank2.bin")
+    assert {p.read_bytes() for p in save.iterdir() if p.name.startswith("t-rank0")} == {
+        b"other"}
 
 
 def _until_done(thread: threading.Thread, polls_after: int = 3) -> Callable[[], float]:

@@ -13,7 +13,7 @@ from slurm_resilience.slurm.parse import (
     parse_node,
     split_oneliner,
 )
-from slurm_resilience.slurm.parse_json import parse_squeue_json
+from slurm_resilience.slurm.parse_json import parse_nodes_json, parse_squeue_json
 
 REAL = REAL_FIXTURES / "slurm"
 
@@ -87,3 +87,15 @@ def test_clean_reason_is_one_bounded_line() -> None:
     """Reasons lose control characters and newlines and are bounded in length."""
     assert clean_reason("a\nb\tc\x00d") == "a b c d"
     assert len(clean_reason("x" * 1000)) == 200
+
+
+def test_node_comment_is_read_in_text_and_json() -> None:
+    """The node Comment (hang handling's take-out record lives there) is read after the
+    reason in scontrol's one-line form, and from the JSON form."""
+    line = ("NodeName=node2 State=IDLE+DRAIN CPUTot=2 Reason=SR: suspect hang job 4 user a at "
+            "2026-11-23T10:00:00Z: x; verifying [root@2026-11-23T10:00:01] "
+            "Comment=[sr-out a/4/1795428000] rack 4")
+    node = parse_node(line)
+    assert node.comment == "[sr-out a/4/1795428000] rack 4" and node.reason.endswith("verifying")
+    doc = json.dumps({"nodes": [{"name": "node2", "state": ["IDLE"], "comment": "c"}]})
+    assert parse_nodes_json(doc)[0].comment == "c"

@@ -33,10 +33,12 @@ FAST = {"window_steps": 20, "min_steps": 10, "persist_evaluations": 3}
 
 
 class Ctl:
-    """``scontrol show node`` / ``update NodeName=`` over a dict of node -> (state, reason)."""
+    """``scontrol show node`` / ``update NodeName=`` over a dict of node -> (state, reason),
+    and node Comments (kept across resume, as Slurm does)."""
 
     def __init__(self, nodes: dict[str, tuple[str, str]]):
         self.nodes = dict(nodes)
+        self.comments: dict[str, str] = {}
         self.updates: list[list[str]] = []
 
     def __call__(self, argv: Sequence[str]) -> Completed:
@@ -45,7 +47,9 @@ class Ctl:
             names = [a for a in args[2:] if a != "-o"] or sorted(self.nodes)
             return completed("".join(
                 f"NodeName={n} State={self.nodes[n][0]} CPUTot=2 CPUAlloc=0 "
-                f"Reason={self.nodes[n][1] or '(null)'}\n" for n in names if n in self.nodes))
+                f"Reason={self.nodes[n][1] or '(null)'}"
+                + (f" Comment={self.comments[n]}" if self.comments.get(n) else "") + "\n"
+                for n in names if n in self.nodes))
         if args[:1] == ["update"]:
             self.updates.append(args)
             fields = dict(a.split("=", 1) for a in args[1:])
@@ -54,6 +58,8 @@ class Ctl:
                 self.nodes[name] = ("IDLE+DRAIN", fields["Reason"])
             elif fields.get("State") == "RESUME":
                 self.nodes[name] = ("IDLE", "")
+            elif "Comment" in fields:
+                self.comments[name] = fields["Comment"]
             return completed()
         raise AssertionError(f"unexpected scontrol call {argv}")
 
@@ -125,6 +131,9 @@ def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
                          lambda cfg, node: passed)
     assert watch.poll() == "returned to service"
     assert ctl.nodes[NODE] == ("IDLE", "")
+    # Back in service, the take-out still counts against alice's hourly budget.
+    assert dict(policy.budget_used(svc.adapter.list_nodes(), "SR:", wall[0]).by_user) == {
+        "alice": 1}
 
     # The jobs that drained it are counted: one more job does not drain it again ...
     straggle(svc, 15, "bob")
