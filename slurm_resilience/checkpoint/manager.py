@@ -114,6 +114,10 @@ class CheckpointManager:
         self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self._save_report_failed = False
         self.last_saved: int | None = None
+        # Steps this run loaded or saved: only these may a save() of the same number skip as
+        # "already committed" (the same on every rank: both come from collective calls).
+        self._trusted: set[int] = set()
+        self._passed_over: dict[int, str] = {}  # steps load_latest found corrupt
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
         if _dist_ready():
@@ -245,16 +249,18 @@ class CheckpointManager:
             problem = exc
         # One decision for every rank: a node that already holds the step committed, or a
         # rank whose state can't be saved, stops the save everywhere.
-        committed, bad = self._all_max([int((self.job_dir / step_name(step) / COMMIT).exists()),
-                                        int(problem is not None)])
+        here = (self.job_dir / step_name(step) / COMMIT).exists()
+        committed, bad = self._all_max([int(here), int(problem is not None)])
         if bad:
             raise problem or CheckpointError(
                 f"checkpoint: save: step {step}: another rank's state can't be saved (its "
                 "error names the key); nothing was saved")
-        if committed:
-            print(f"checkpoint: save: step {step} is already committed; not overwriting",
-                  file=sys.stderr)
+        if committed and step in self._trusted:
+            print(f"checkpoint: save: step {step} is already committed (this run loaded or "
+                  "saved it); not overwriting", file=sys.stderr)
             return
+        if committed:
+            self._set_aside_or_raise(step, here)
         snapshot = self._snap.take(state_dict)
         from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
@@ -265,6 +271,26 @@ class CheckpointManager:
                                         name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
+
+    def _set_aside_or_raise(self, step: int, here: bool) -> None:
+        """A committed ``step`` that this run neither loaded nor saved: a save must neither
+        skip (the new state would never be written) nor overwrite it. One this run's restore
+        found corrupt is set aside, without an agent (with one, its stage-in already did
+        that, and its uploads may be reading the dir); anything else raises, every rank."""
+        if step not in self._passed_over or self.agent_socket is not None:
+            raise CheckpointError(
+                f"checkpoint: save: step {step} is already committed in {self.job_dir} "
+                f"(on {'this node' if here else 'another node'}) but this run neither "
+                "loaded nor saved it (an earlier run's step that this run did not resume "
+                "from); not overwriting it, and not dropping this save: resume from it "
+                "(load_latest) or save under another step number")
+        if here and self.local_leader:
+            aside = self.job_dir / f".passed-over-{step_name(step)}.{time.time_ns()}"
+            os.rename(self.job_dir / step_name(step), aside)
+            print(f"checkpoint: save: WARNING: step {step} is committed here but this run's "
+                  f"restore found it corrupt ({self._passed_over[step]}); set aside as {aside}, "
+                  "saving the new step in its place", file=sys.stderr, flush=True)
+        self._all_max([0])  # a barrier: every node's copy is gone before anyone writes
 
     def _persist(self, step: int, snapshot: dict[str, Any], writer: Any, stall_s: float
                  ) -> None:
@@ -288,6 +314,7 @@ class CheckpointManager:
         if self.local_leader:
             write_commit_marker(self.job_dir, step, self.world_size)
         self.last_saved = step
+        self._trusted.add(step)
 
     def _report_save(self, step: int, stall_s: float, write_s: float) -> None:
         """Tell the node agent this save's stall and write time (its metrics and goodput).
@@ -456,6 +483,7 @@ class CheckpointManager:
                                  f"{METADATA_RELPATH} (written before the DCP format, or "
                                  "staged in incompletely)")
             return None
+        self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
         return hi
 
     def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
@@ -494,6 +522,8 @@ class CheckpointManager:
     def _pass_over(self, step: int, why: str) -> None:
         """Only a failed verification falls back: say so loudly, and have every node's agent
         stage in the next older step (``ckpt.restage``) before any rank asks again."""
+        self._trusted.discard(step)
+        self._passed_over[step] = why
         if self.rank == 0:
             print(f"checkpoint: load: WARNING: committed step {step} does not verify; falling "
                   f"back to an older step: {why}", file=sys.stderr, flush=True)

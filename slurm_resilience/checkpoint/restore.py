@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.commit import CheckpointError, step_name
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
 from slurm_resilience.checkpoint.journal import (
     FallbackDoc,
@@ -20,7 +20,7 @@ from slurm_resilience.checkpoint.journal import (
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
-from slurm_resilience.checkpoint.staging import open_job_dir
+from slurm_resilience.checkpoint.staging import open_job_dir, set_aside_step
 from slurm_resilience.config import Config
 from slurm_resilience.log import get_logger
 
@@ -66,9 +66,16 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                     log.warning("stage-in: couldn't upload this node's part", job_id=job_id,
                                 step=step, error=str(exc))
 
+            def set_aside(step: int, why: str) -> None:
+                # Out of the job's sight (a later save(step) must not find its COMMIT.json),
+                # never uploaded again (the job moved on from it), removed by the agent.
+                set_aside_step(rec["staging_root"], job_id, jfd, step_name(step),
+                               f"stage-in passed over step {step}: {why}")
+                up.abandon_step(rec, step, f"passed over by stage-in and set aside: {why}")
+
             res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                            policy(up.cfg), upload_local=upload_local,
-                           exclude=excluded_steps(rec))
+                           exclude=excluded_steps(rec), set_aside=set_aside)
         result: StageinDoc = {
             "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,

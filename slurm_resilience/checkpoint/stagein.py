@@ -265,10 +265,16 @@ def _is_dcp(manifests: dict[int, Manifest]) -> bool:
     return 0 in manifests and any(f.path == METADATA for f in manifests[0].files)
 
 
+SetAside = Callable[[int, str], None]
+"""Moves a local step (by number) that stage-in passed over out of the job's staging dir,
+given why (root side: into ``.stale/``, see staging.set_aside_step)."""
+
+
 def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
              policy: StageinPolicy | None = None, clock: Clock | None = None,
              upload_local: Callable[[int], None] | None = None,
-             exclude: Mapping[int, str] | None = None) -> StageinResult:
+             exclude: Mapping[int, str] | None = None, *,
+             set_aside: SetAside) -> StageinResult:
     """Choose the newest committed step of the run and bring what a restore needs to start.
 
     Candidates are local steps, S3 steps with COMMIT.json and S3 steps with only an
@@ -279,7 +285,9 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     ``upload_local(step)`` uploads this node's part of a step still uploading, which may
     be the part the other nodes' upload waits for (a requeue onto the same node).
     ``exclude`` maps steps a restore found corrupt (block CRC32C) to why: passed over,
-    each as a fallback.
+    each as a fallback. A local step passed over (partial, failing verification, excluded)
+    goes to ``set_aside``: its COMMIT.json must not stay where the job's ``save()`` of
+    that step number would take it for committed and skip writing it.
     """
     policy = policy or StageinPolicy()
     clock = clock or SystemClock()
@@ -289,6 +297,14 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     def fall_back(step: int, reason: str) -> None:
         log.error("stage-in: step does not verify, falling back", step=step, error=reason)
         fallbacks.append(Fallback(step, reason))
+        if _has_marker(job_fd, step):
+            try:
+                set_aside(step, reason)
+            except (CheckpointError, OSError) as exc:
+                raise StageinFailed(
+                    f"checkpoint: stage-in: step {step} was passed over ({reason}) but its "
+                    f"local copy couldn't be set aside ({exc}); a save of step {step} would "
+                    "take it for committed") from None
 
     excluded = dict(exclude or {})
     if s3 is None or uri is None:
@@ -350,6 +366,23 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
                  bytes=nbytes)
         return StageinResult(step, "s3", mode, nbytes, tuple(fallbacks), remote)
     return StageinResult(None, "none", "", 0, tuple(fallbacks), None)
+
+
+def _has_marker(job_fd: int, step: int) -> bool:
+    """Whether the job dir has ``step-N/COMMIT.json`` (whatever it is: never followed)."""
+    try:
+        sfd = open_dir_at(job_fd, step_name(step))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True  # a link or worse where the step dir should be: set it aside too
+    try:
+        os.stat(COMMIT, dir_fd=sfd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(sfd)
 
 
 def _local_incomplete(job_fd: int, step: int, uid: int) -> str | None:

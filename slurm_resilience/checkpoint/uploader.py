@@ -549,6 +549,15 @@ class Uploader:
         self.journal.write(rec)
         log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
 
+    def abandon_step(self, rec: JobRecord, step: int, why: str) -> None:
+        """Stage-in passed over a local step and set it aside: a pending upload of it will
+        never finish (its intent is withdrawn, its objects go); ``.stale/`` is cleaned
+        on the next pass."""
+        self.stale_due = True
+        st = rec["steps"].get(str(step))
+        if st is not None and st.get("state") not in DONE_STATES:
+            self._reject(rec, step, why)
+
     def _reject(self, rec: JobRecord, step: int, why: str,
                 state: StepState = StepState.REJECTED, *, delete_ours: bool = True) -> None:
         """A step we must not upload (a link, a foreign file, a bad manifest, bytes that
