@@ -34,12 +34,12 @@ from slurm_resilience.checkpoint.commit import (
 )
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
+from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
-ENV_ALLOW_FRESH = "SLURM_RESILIENCE_CKPT_ALLOW_FRESH_START"
 
 # dcp.save/load without a process group (one process, no torch.distributed) warn on every call.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
@@ -66,6 +66,16 @@ class StageinStatus:
     state: str  # none | running | done | failed | unavailable
     step: int | None = None
     error: str | None = None
+    fallbacks: tuple[Fallen, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fallen:
+    """A newer step this node's stage-in passed over, why, and the opt-in that let it."""
+
+    step: int
+    reason: str
+    opt_in: str = ""
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -76,10 +86,6 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
-def _env_flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class CheckpointManager:
     """Saves and loads a job's DCP checkpoints in its node-local staging dir."""
 
@@ -88,7 +94,7 @@ class CheckpointManager:
                  job_id: int | None = None, agent_socket: str | None = None,
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
                  ranges: RangeSource | None = None, allow_fresh_start: bool = False,
-                 keep_buffers: bool = True):
+                 keep_buffers: bool = True, allow_older_step: bool = False):
         self.job_dir = Path(job_dir)
         self.rank = rank
         self.world_size = world_size
@@ -98,6 +104,9 @@ class CheckpointManager:
         self.agent_socket = agent_socket
         self.stagein_timeout_s = stagein_timeout_s
         self.allow_fresh_start = allow_fresh_start
+        # Told to the agent at register: after the bounded wait for a step still uploading
+        # from nodes that may be dead, stage-in takes the newest complete older step.
+        self.allow_older_step = allow_older_step
         # True: the snapshot buffers stay between saves (one copy of the state resident, no
         # page faults in the next stall); False: freed once each save is written.
         self.keep_buffers = keep_buffers
@@ -135,6 +144,7 @@ class CheckpointManager:
     def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointManager:
         """Job id, rank, staging dir (config) and run URI from the environment."""
         env = dict(os.environ if env is None else env)
+        allow_fresh, allow_older = env_flag(env, ENV_ALLOW_FRESH), env_flag(env, ENV_ALLOW_OLDER)
         from slurm_resilience import config
         from slurm_resilience.config.paths import node_name, node_path
 
@@ -180,7 +190,7 @@ class CheckpointManager:
         mgr = cls(jdir, rank=rank, world_size=world, local_leader=local_rank == 0, uri=uri,
                   job_id=job_id, agent_socket=agent_socket,
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
-                  allow_fresh_start=_env_flag(env, ENV_ALLOW_FRESH))
+                  allow_fresh_start=allow_fresh, allow_older_step=allow_older)
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register()
         return mgr
@@ -202,8 +212,9 @@ class CheckpointManager:
 
         assert self.agent_socket is not None
         try:
+            extra = {"allow_older_step": True} if self.allow_older_step else {}
             call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0)
+                 timeout=30.0, **extra)
         except AgentRefused as exc:
             raise CheckpointError(str(exc)) from None
         except AgentUnavailable as exc:
@@ -415,8 +426,13 @@ class CheckpointManager:
             if state in ("done", "failed", "none"):
                 step = status.get("step")
                 error = status.get("error")
+                raw = status.get("fallbacks")
+                fallen = tuple(Fallen(int(f["step"]), str(f.get("reason", "")),
+                                      str(f.get("opt_in") or ""))
+                               for f in (raw if isinstance(raw, list) else [])
+                               if isinstance(f, dict) and isinstance(f.get("step"), int))
                 return StageinStatus(state, int(step) if isinstance(step, int) else None,
-                                     str(error) if error is not None else None)
+                                     str(error) if error is not None else None, fallen)
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
@@ -450,6 +466,8 @@ class CheckpointManager:
             # The run's S3 steps are unknown: loading a local one could silently go back.
             error = f"the node agent is unreachable ({self._agent_lost or status.error})"
         failed = error is not None
+        if not failed and self.rank == 0:
+            warn_fallbacks(status)
         hi, neg_lo, any_failed = self._all_max([candidate, -candidate, int(failed)])
         lo = -neg_lo
         if any_failed:
@@ -560,6 +578,19 @@ class CheckpointManager:
         self.wait()
 
 
+def warn_fallbacks(status: StageinStatus) -> None:
+    """Say on the job's stderr which newer steps stage-in passed over for the one it
+    staged: a resume from an older step is never quiet."""
+    for f in status.fallbacks:
+        if f.opt_in:
+            print(f"checkpoint: load: WARNING: resuming from OLDER step {status.step}, not "
+                  f"step {f.step}, because {f.opt_in} is set: {f.reason}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"checkpoint: load: WARNING: stage-in passed over step {f.step} for step "
+                  f"{status.step}: {f.reason}", file=sys.stderr, flush=True)
+
+
 def _corruption(exc: BaseException) -> str | None:
     """The message of a CorruptStep behind ``exc`` (DCP wraps each rank's failure), if any."""
     if isinstance(exc, CorruptStep):
@@ -591,5 +622,5 @@ def _dist_ready() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "FileEntry", "Loaded", "StageinStatus",
-           "part_dirs"]
+__all__ = ["ENV_ALLOW_FRESH", "ENV_ALLOW_OLDER", "CheckpointError", "CheckpointManager",
+           "Fallen", "FileEntry", "Loaded", "StageinStatus", "part_dirs"]

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import pwd
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from moto_s3 import copy_step, upload_step
 
+from slurm_resilience import log
+from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import COMMIT, committed_steps, read_marker, step_name
-from slurm_resilience.checkpoint.manager import CheckpointManager
+from slurm_resilience.checkpoint.manager import (
+    ENV_ALLOW_OLDER,
+    CheckpointError,
+    CheckpointManager,
+    Fallen,
+    StageinStatus,
+    warn_fallbacks,
+)
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
@@ -21,6 +33,8 @@ from slurm_resilience.checkpoint.staging import (
     open_job_dir,
     set_aside_step,
 )
+from slurm_resilience.checkpoint.uploader import Uploader
+from slurm_resilience.config import Config, load_text
 
 JOB = 7
 
@@ -88,3 +102,97 @@ def test_set_aside_moves_a_planted_link_never_its_target(tmp_path: Path) -> None
     assert not (job / step_name(3)).exists() and (target / COMMIT).is_file()
     (aside,) = (Path(root) / STALE).iterdir()
     assert aside.is_symlink()
+
+
+ROOT = Peer(pid=1, uid=0, gid=0)
+DEAD = b'{"step": 10, "job_id": 3, "node": "dead9", "ranks": [1], "world_size": 2, "time": 0}'
+ALIVE = b'{"step": 10, "job_id": 3, "node": "n4", "ranks": [0], "world_size": 2, "time": 0}'
+
+
+@pytest.fixture
+def events(tmp_path: Path) -> Iterator[Path]:
+    f = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(f))
+    yield f
+    log.reset()
+
+
+def _agent(tmp_path: Path, s3: S3) -> tuple[Uploader, str]:
+    """The node agent's checkpoint service on moto; no wait for a step still uploading
+    (stagein_intent_wait_s: 0), so nothing here waits on the wall clock."""
+    cfg = load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state",
+        "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme",
+        "  allowed_prefix: s3://ckpt/", "  stagein_intent_wait_s: 0"]) + "\n")
+    up = Uploader(cfg, "n1", s3=s3)
+    _root(tmp_path)
+    return up, pwd.getpwuid(os.getuid()).pw_name
+
+
+def _run_stagein(up: Uploader) -> dict[str, object]:
+    up.stageins[JOB].join()
+    return up.on_status({"job_id": JOB}, ROOT)
+
+
+def _still_uploading(tmp_path: Path, s3: S3) -> None:
+    """S3: a complete step 5, and step 10 with both nodes' intent records, where only the
+    surviving node's rank 0 arrived (its node died before uploading rank 1)."""
+    upload_step(s3, "run", _saved(tmp_path / "old5", 5, 5.0))
+    upload_step(s3, "run", _saved(tmp_path / "old10", 10, 10.0), commit=False)
+    for name, body in (("dead9", DEAD), ("n4", ALIVE)):
+        s3.client.put_object(Bucket="ckpt", Key=f"run/step-00000010/INTENT-{name}.json",
+                             Body=body)
+
+
+def test_step_still_uploading_from_a_dead_node_fails_naming_it_and_the_opt_in(
+        tmp_path: Path, s3: S3) -> None:
+    """Without the job's opt-in, the bounded wait for step 10 ends in an error naming the
+    step, the node whose part never arrived (and its ranks), and the opt-in."""
+    _still_uploading(tmp_path, s3)
+    up, user = _agent(tmp_path, s3)
+    up.on_job_start({"job_id": JOB, "uid": os.getuid(), "gid": os.getgid(), "user": user,
+                     "uri": "s3://ckpt/run"}, ROOT)
+    st = _run_stagein(up)
+    assert st["stagein"] == "failed", st
+    error = str(st["error"])
+    assert ("step 10 is committed but still uploading from node(s) dead9 (ranks [1] never "
+            "arrived)") in error, error
+    assert f"set {ENV_ALLOW_OLDER}=1 in the job's environment" in error
+    assert up.jobs[JOB]["stagein"].get("still_uploading") == 10
+
+
+def test_job_opt_in_takes_the_newest_older_step_loudly(
+        tmp_path: Path, s3: S3, events: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The job's opt-in, told at register (even after the stage-in failed on that wait),
+    takes the newest complete older step: a log event and a status line naming both
+    steps, and a warning on the job's stderr."""
+    _still_uploading(tmp_path, s3)
+    up, user = _agent(tmp_path, s3)
+    up.on_job_start({"job_id": JOB, "uid": os.getuid(), "gid": os.getgid(), "user": user,
+                     "uri": "s3://ckpt/run"}, ROOT)
+    assert _run_stagein(up)["stagein"] == "failed"
+    with pytest.raises(RequestError, match="allow_older_step must be true or false"):
+        up.on_register({"job_id": JOB, "uri": "s3://ckpt/run", "allow_older_step": "yes"},
+                       ROOT)
+    up.on_register({"job_id": JOB, "uri": "s3://ckpt/run", "allow_older_step": True}, ROOT)
+    st = _run_stagein(up)
+    assert (st["stagein"], st["step"], st["source"]) == ("done", 5, "s3"), st
+    (fb,) = st["fallbacks"]  # type: ignore[misc]
+    assert (fb["step"], fb["opt_in"]) == (10, ENV_ALLOW_OLDER)
+    lines = format_status(JOB, "n1", st)
+    assert (f"  WARNING: took OLDER step 5 instead of step 10 because {ENV_ALLOW_OLDER} is "
+            "set") in lines, lines
+    took = [json.loads(x) for x in events.read_text().splitlines()
+            if "took an OLDER step" in x]
+    assert [(e["step"], e["passed_over"], e["opt_in"]) for e in took] == [
+        (5, 10, ENV_ALLOW_OLDER)]
+    warn_fallbacks(StageinStatus("done", 5, None, (Fallen(10, fb["reason"], fb["opt_in"]),)))
+    err = capsys.readouterr().err
+    assert f"resuming from OLDER step 5, not step 10, because {ENV_ALLOW_OLDER} is set" in err
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable"])
+def test_opt_ins_are_validated(value: str) -> None:
+    """An opt-in that is neither yes nor no is refused, naming the variable."""
+    with pytest.raises(CheckpointError, match=f"{ENV_ALLOW_OLDER}='{value}' is not a yes/no"):
+        CheckpointManager.from_env({ENV_ALLOW_OLDER: value})
