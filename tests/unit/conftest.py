@@ -1,12 +1,15 @@
-"""Fixtures of the unit tests: a real S3-protocol endpoint (moto, see moto_s3.py)."""
+"""Fixtures of the unit tests: a real S3-protocol endpoint (moto, see moto_s3.py), and the
+log's JSON events."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from slurm_resilience import log
 from slurm_resilience.checkpoint.s3 import S3, S3Settings
 
 
@@ -45,3 +48,12 @@ def s3(moto_endpoint: str, request: pytest.FixtureRequest) -> S3:
 
     request.addfinalizer(empty)
     return client
+
+
+@pytest.fixture
+def events(tmp_path: Path) -> Iterator[Path]:
+    """The JSON lines file the log writes to during the test."""
+    f = tmp_path / "events.jsonl"
+    log.configure(mode="json", level="info", file=str(f))
+    yield f
+    log.reset()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pwd
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from moto_s3 import copy_step, upload_step
 
-from slurm_resilience import log
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import COMMIT, committed_steps, read_marker, step_name
@@ -107,14 +106,6 @@ def test_set_aside_moves_a_planted_link_never_its_target(tmp_path: Path) -> None
 ROOT = Peer(pid=1, uid=0, gid=0)
 DEAD = b'{"step": 10, "job_id": 3, "node": "dead9", "ranks": [1], "world_size": 2, "time": 0}'
 ALIVE = b'{"step": 10, "job_id": 3, "node": "n4", "ranks": [0], "world_size": 2, "time": 0}'
-
-
-@pytest.fixture
-def events(tmp_path: Path) -> Iterator[Path]:
-    f = tmp_path / "events.jsonl"
-    log.configure(mode="json", level="info", file=str(f))
-    yield f
-    log.reset()
 
 
 def _agent(tmp_path: Path, s3: S3) -> tuple[Uploader, str]:
