@@ -155,6 +155,9 @@ def format_status(job_id: int, node: str, answer: dict[str, Any]) -> list[str]:
         head += f": {answer.get('error')}"
     lines = [head]
     for fb in answer.get("fallbacks") or []:
+        if fb.get("opt_in"):
+            lines.append(f"  WARNING: took OLDER step {answer.get('step')} instead of step "
+                         f"{fb.get('step')} because {fb.get('opt_in')} is set")
         lines.append(f"  passed over step {fb.get('step')}: {fb.get('reason')}")
     fetch = answer.get("fetch") or {}
     if fetch.get("requests"):

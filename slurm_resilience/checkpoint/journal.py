@@ -96,9 +96,13 @@ class StepDoc(TypedDict, total=False):
     staged_in: bool
 
 
-class FallbackDoc(TypedDict):
+class _FallbackBase(TypedDict):
     step: int
     reason: str
+
+
+class FallbackDoc(_FallbackBase, total=False):
+    opt_in: str  # the opt-in that let stage-in take an older step (a config key or env var)
 
 
 class StageinDoc(TypedDict, total=False):
@@ -114,6 +118,7 @@ class StageinDoc(TypedDict, total=False):
     fallbacks: list[FallbackDoc]
     seconds: float
     error: str
+    still_uploading: int  # failed: the step whose upload never completed within the wait
 
 
 class _JobRecordBase(TypedDict):
@@ -136,6 +141,7 @@ class JobRecord(_JobRecordBase, total=False):
     error: str
     failed_at: float
     stagein_excluded: dict[str, str]  # step -> why the restore passed it over
+    allow_older_step: bool  # the job's opt-in (ckpt.register): see stagein.StepStillUploading
 
 
 JobRecordDoc = JobRecord  # the name older code and tests use
@@ -226,6 +232,9 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
         problems.append("failed_from is not a job state")
     elif rec.get("failed_from") is not None:
         rec["failed_from"] = JobState(rec["failed_from"])
+    if not isinstance(doc.get("allow_older_step", False), bool):
+        rec.pop("allow_older_step", None)
+        problems.append("allow_older_step is not a bool")
     if doc.get("error") is not None and not isinstance(doc["error"], str):
         rec["error"] = str(doc["error"])
     if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:

@@ -34,12 +34,12 @@ from slurm_resilience.checkpoint.commit import (
 )
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
+from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
-ENV_ALLOW_FRESH = "SLURM_RESILIENCE_CKPT_ALLOW_FRESH_START"
 
 # dcp.save/load without a process group (one process, no torch.distributed) warn on every call.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
@@ -66,6 +66,16 @@ class StageinStatus:
     state: str  # none | running | done | failed | unavailable
     step: int | None = None
     error: str | None = None
+    fallbacks: tuple[Fallen, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fallen:
+    """A newer step this node's stage-in passed over, why, and the opt-in that let it."""
+
+    step: int
+    reason: str
+    opt_in: str = ""
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -76,10 +86,6 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
-def _env_flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class CheckpointManager:
     """Saves and loads a job's DCP checkpoints in its node-local staging dir."""
 
@@ -88,7 +94,7 @@ class CheckpointManager:
                  job_id: int | None = None, agent_socket: str | None = None,
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
                  ranges: RangeSource | None = None, allow_fresh_start: bool = False,
-                 keep_buffers: bool = True):
+                 keep_buffers: bool = True, allow_older_step: bool = False):
         self.job_dir = Path(job_dir)
         self.rank = rank
         self.world_size = world_size
@@ -98,6 +104,9 @@ class CheckpointManager:
         self.agent_socket = agent_socket
         self.stagein_timeout_s = stagein_timeout_s
         self.allow_fresh_start = allow_fresh_start
+        # Told to the agent at register: after the bounded wait for a step still uploading
+        # from nodes that may be dead, stage-in takes the newest complete older step.
+        self.allow_older_step = allow_older_step
         # True: the snapshot buffers stay between saves (one copy of the state resident, no
         # page faults in the next stall); False: freed once each save is written.
         self.keep_buffers = keep_buffers
@@ -114,6 +123,10 @@ class CheckpointManager:
         self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self._save_report_failed = False
         self.last_saved: int | None = None
+        # Steps this run loaded or saved: only these may a save() of the same number skip as
+        # "already committed" (the same on every rank: both come from collective calls).
+        self._trusted: set[int] = set()
+        self._passed_over: dict[int, str] = {}  # steps load_latest found corrupt
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
         if _dist_ready():
@@ -131,6 +144,7 @@ class CheckpointManager:
     def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointManager:
         """Job id, rank, staging dir (config) and run URI from the environment."""
         env = dict(os.environ if env is None else env)
+        allow_fresh, allow_older = env_flag(env, ENV_ALLOW_FRESH), env_flag(env, ENV_ALLOW_OLDER)
         from slurm_resilience import config
         from slurm_resilience.config.paths import node_name, node_path
 
@@ -176,7 +190,7 @@ class CheckpointManager:
         mgr = cls(jdir, rank=rank, world_size=world, local_leader=local_rank == 0, uri=uri,
                   job_id=job_id, agent_socket=agent_socket,
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
-                  allow_fresh_start=_env_flag(env, ENV_ALLOW_FRESH))
+                  allow_fresh_start=allow_fresh, allow_older_step=allow_older)
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register()
         return mgr
@@ -198,8 +212,9 @@ class CheckpointManager:
 
         assert self.agent_socket is not None
         try:
+            extra = {"allow_older_step": True} if self.allow_older_step else {}
             call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0)
+                 timeout=30.0, **extra)
         except AgentRefused as exc:
             raise CheckpointError(str(exc)) from None
         except AgentUnavailable as exc:
@@ -245,16 +260,18 @@ class CheckpointManager:
             problem = exc
         # One decision for every rank: a node that already holds the step committed, or a
         # rank whose state can't be saved, stops the save everywhere.
-        committed, bad = self._all_max([int((self.job_dir / step_name(step) / COMMIT).exists()),
-                                        int(problem is not None)])
+        here = (self.job_dir / step_name(step) / COMMIT).exists()
+        committed, bad = self._all_max([int(here), int(problem is not None)])
         if bad:
             raise problem or CheckpointError(
                 f"checkpoint: save: step {step}: another rank's state can't be saved (its "
                 "error names the key); nothing was saved")
-        if committed:
-            print(f"checkpoint: save: step {step} is already committed; not overwriting",
-                  file=sys.stderr)
+        if committed and step in self._trusted:
+            print(f"checkpoint: save: step {step} is already committed (this run loaded or "
+                  "saved it); not overwriting", file=sys.stderr)
             return
+        if committed:
+            self._set_aside_or_raise(step, here)
         snapshot = self._snap.take(state_dict)
         from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
@@ -265,6 +282,26 @@ class CheckpointManager:
                                         name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
+
+    def _set_aside_or_raise(self, step: int, here: bool) -> None:
+        """A committed ``step`` that this run neither loaded nor saved: a save must neither
+        skip (the new state would never be written) nor overwrite it. One this run's restore
+        found corrupt is set aside, without an agent (with one, its stage-in already did
+        that, and its uploads may be reading the dir); anything else raises, every rank."""
+        if step not in self._passed_over or self.agent_socket is not None:
+            raise CheckpointError(
+                f"checkpoint: save: step {step} is already committed in {self.job_dir} "
+                f"(on {'this node' if here else 'another node'}) but this run neither "
+                "loaded nor saved it (an earlier run's step that this run did not resume "
+                "from); not overwriting it, and not dropping this save: resume from it "
+                "(load_latest) or save under another step number")
+        if here and self.local_leader:
+            aside = self.job_dir / f".passed-over-{step_name(step)}.{time.time_ns()}"
+            os.rename(self.job_dir / step_name(step), aside)
+            print(f"checkpoint: save: WARNING: step {step} is committed here but this run's "
+                  f"restore found it corrupt ({self._passed_over[step]}); set aside as {aside}, "
+                  "saving the new step in its place", file=sys.stderr, flush=True)
+        self._all_max([0])  # a barrier: every node's copy is gone before anyone writes
 
     def _persist(self, step: int, snapshot: dict[str, Any], writer: Any, stall_s: float
                  ) -> None:
@@ -288,6 +325,7 @@ class CheckpointManager:
         if self.local_leader:
             write_commit_marker(self.job_dir, step, self.world_size)
         self.last_saved = step
+        self._trusted.add(step)
 
     def _report_save(self, step: int, stall_s: float, write_s: float) -> None:
         """Tell the node agent this save's stall and write time (its metrics and goodput).
@@ -388,8 +426,13 @@ class CheckpointManager:
             if state in ("done", "failed", "none"):
                 step = status.get("step")
                 error = status.get("error")
+                raw = status.get("fallbacks")
+                fallen = tuple(Fallen(int(f["step"]), str(f.get("reason", "")),
+                                      str(f.get("opt_in") or ""))
+                               for f in (raw if isinstance(raw, list) else [])
+                               if isinstance(f, dict) and isinstance(f.get("step"), int))
                 return StageinStatus(state, int(step) if isinstance(step, int) else None,
-                                     str(error) if error is not None else None)
+                                     str(error) if error is not None else None, fallen)
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
@@ -423,6 +466,8 @@ class CheckpointManager:
             # The run's S3 steps are unknown: loading a local one could silently go back.
             error = f"the node agent is unreachable ({self._agent_lost or status.error})"
         failed = error is not None
+        if not failed and self.rank == 0:
+            warn_fallbacks(status)
         hi, neg_lo, any_failed = self._all_max([candidate, -candidate, int(failed)])
         lo = -neg_lo
         if any_failed:
@@ -456,6 +501,7 @@ class CheckpointManager:
                                  f"{METADATA_RELPATH} (written before the DCP format, or "
                                  "staged in incompletely)")
             return None
+        self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
         return hi
 
     def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
@@ -494,6 +540,8 @@ class CheckpointManager:
     def _pass_over(self, step: int, why: str) -> None:
         """Only a failed verification falls back: say so loudly, and have every node's agent
         stage in the next older step (``ckpt.restage``) before any rank asks again."""
+        self._trusted.discard(step)
+        self._passed_over[step] = why
         if self.rank == 0:
             print(f"checkpoint: load: WARNING: committed step {step} does not verify; falling "
                   f"back to an older step: {why}", file=sys.stderr, flush=True)
@@ -530,6 +578,19 @@ class CheckpointManager:
         self.wait()
 
 
+def warn_fallbacks(status: StageinStatus) -> None:
+    """Say on the job's stderr which newer steps stage-in passed over for the one it
+    staged: a resume from an older step is never quiet."""
+    for f in status.fallbacks:
+        if f.opt_in:
+            print(f"checkpoint: load: WARNING: resuming from OLDER step {status.step}, not "
+                  f"step {f.step}, because {f.opt_in} is set: {f.reason}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"checkpoint: load: WARNING: stage-in passed over step {f.step} for step "
+                  f"{status.step}: {f.reason}", file=sys.stderr, flush=True)
+
+
 def _corruption(exc: BaseException) -> str | None:
     """The message of a CorruptStep behind ``exc`` (DCP wraps each rank's failure), if any."""
     if isinstance(exc, CorruptStep):
@@ -561,5 +622,5 @@ def _dist_ready() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "FileEntry", "Loaded", "StageinStatus",
-           "part_dirs"]
+__all__ = ["ENV_ALLOW_FRESH", "ENV_ALLOW_OLDER", "CheckpointError", "CheckpointManager",
+           "Fallen", "FileEntry", "Loaded", "StageinStatus", "part_dirs"]

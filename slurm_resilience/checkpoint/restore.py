@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
-from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.checkpoint.commit import CheckpointError, step_name
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
 from slurm_resilience.checkpoint.journal import (
     FallbackDoc,
@@ -19,8 +19,13 @@ from slurm_resilience.checkpoint.journal import (
 )
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
-from slurm_resilience.checkpoint.staging import open_job_dir
+from slurm_resilience.checkpoint.stagein import (
+    Fallback,
+    StageinPolicy,
+    StepStillUploading,
+    stage_in,
+)
+from slurm_resilience.checkpoint.staging import open_job_dir, set_aside_step
 from slurm_resilience.config import Config
 from slurm_resilience.log import get_logger
 
@@ -66,13 +71,21 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                     log.warning("stage-in: couldn't upload this node's part", job_id=job_id,
                                 step=step, error=str(exc))
 
+            def set_aside(step: int, why: str) -> None:
+                # Out of the job's sight (a later save(step) must not find its COMMIT.json),
+                # never uploaded again (the job moved on from it), removed by the agent.
+                set_aside_step(rec["staging_root"], job_id, jfd, step_name(step),
+                               f"stage-in passed over step {step}: {why}")
+                up.abandon_step(rec, step, f"passed over by stage-in and set aside: {why}")
+
             res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                            policy(up.cfg), upload_local=upload_local,
-                           exclude=excluded_steps(rec))
+                           exclude=excluded_steps(rec), set_aside=set_aside,
+                           allow_older=lambda: rec.get("allow_older_step") is True)
         result: StageinDoc = {
             "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,
-            "fallbacks": [{"step": f.step, "reason": f.reason} for f in res.fallbacks],
+            "fallbacks": [_fallback_doc(f) for f in res.fallbacks],
             "seconds": round(time.monotonic() - started, 3)}
         if res.source == "s3" and res.step is not None:
             with up.lock:  # already in S3: never upload it again
@@ -86,8 +99,17 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
     except (CheckpointError, OSError) as exc:
         result = {"state": StageinState.FAILED, "step": None, "error": str(exc),
                   "seconds": round(time.monotonic() - started, 3)}
+        if isinstance(exc, StepStillUploading):  # a later opt-in (ckpt.register) reruns it
+            result["still_uploading"] = exc.step
         log.error("stage-in failed", job_id=job_id, error=str(exc))
     return result
+
+
+def _fallback_doc(f: Fallback) -> FallbackDoc:
+    doc: FallbackDoc = {"step": f.step, "reason": f.reason}
+    if f.opt_in:
+        doc["opt_in"] = f.opt_in
+    return doc
 
 
 class StageinStatus(TypedDict):

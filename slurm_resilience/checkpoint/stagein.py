@@ -34,7 +34,8 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
-from slurm_resilience.checkpoint.intent import PREFIX, is_intent
+from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
+from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
 from slurm_resilience.checkpoint.prefix import S3Uri
 from slurm_resilience.checkpoint.rootfs import (
     committed_steps_at,
@@ -157,6 +158,14 @@ class StageinFailed(CheckpointError):
     """A committed step exists (or may exist) but can't be staged in; the message says why."""
 
 
+class StepStillUploading(StageinFailed):
+    """The wait for a step still uploading ran out and nothing allowed an older step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 class Clock(Protocol):
     def monotonic(self) -> float: ...
 
@@ -184,10 +193,12 @@ class StageinPolicy:
 
 @dataclass(frozen=True)
 class Fallback:
-    """A newer step stage-in passed over, and why (shown in ckpt.status and the log)."""
+    """A newer step stage-in passed over, and why (shown in ckpt.status and the log);
+    ``opt_in`` names what let it take an older step instead of failing, if anything did."""
 
     step: int
     reason: str
+    opt_in: str = ""
 
 
 @dataclass(frozen=True)
@@ -265,10 +276,17 @@ def _is_dcp(manifests: dict[int, Manifest]) -> bool:
     return 0 in manifests and any(f.path == METADATA for f in manifests[0].files)
 
 
+SetAside = Callable[[int, str], None]
+"""Moves a local step (by number) that stage-in passed over out of the job's staging dir,
+given why (root side: into ``.stale/``, see staging.set_aside_step)."""
+
+
 def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
              policy: StageinPolicy | None = None, clock: Clock | None = None,
              upload_local: Callable[[int], None] | None = None,
-             exclude: Mapping[int, str] | None = None) -> StageinResult:
+             exclude: Mapping[int, str] | None = None, *,
+             set_aside: SetAside, allow_older: Callable[[], bool] | None = None
+             ) -> StageinResult:
     """Choose the newest committed step of the run and bring what a restore needs to start.
 
     Candidates are local steps, S3 steps with COMMIT.json and S3 steps with only an
@@ -279,16 +297,28 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     ``upload_local(step)`` uploads this node's part of a step still uploading, which may
     be the part the other nodes' upload waits for (a requeue onto the same node).
     ``exclude`` maps steps a restore found corrupt (block CRC32C) to why: passed over,
-    each as a fallback.
+    each as a fallback. A local step passed over (partial, failing verification, excluded)
+    goes to ``set_aside``: its COMMIT.json must not stay where the job's ``save()`` of
+    that step number would take it for committed and skip writing it.
+    ``allow_older()`` is the job's own opt-in (asked when the wait for a step still
+    uploading runs out): true takes the newest complete older step, loudly.
     """
     policy = policy or StageinPolicy()
     clock = clock or SystemClock()
     local = committed_steps_at(job_fd)
     fallbacks: list[Fallback] = []
 
-    def fall_back(step: int, reason: str) -> None:
+    def fall_back(step: int, reason: str, opt_in: str = "") -> None:
         log.error("stage-in: step does not verify, falling back", step=step, error=reason)
-        fallbacks.append(Fallback(step, reason))
+        fallbacks.append(Fallback(step, reason, opt_in))
+        if _has_marker(job_fd, step):
+            try:
+                set_aside(step, reason)
+            except (CheckpointError, OSError) as exc:
+                raise StageinFailed(
+                    f"checkpoint: stage-in: step {step} was passed over ({reason}) but its "
+                    f"local copy couldn't be set aside ({exc}); a save of step {step} would "
+                    "take it for committed") from None
 
     excluded = dict(exclude or {})
     if s3 is None or uri is None:
@@ -313,6 +343,7 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
         if step not in listing.committed and step in local:
             why = _local_incomplete(job_fd, step, uid)
             if why is None:
+                _say_older(step, fallbacks)
                 return StageinResult(step, "local", "whole", 0, tuple(fallbacks), None)
             if step not in listing.uploading:
                 fall_back(step, f"checkpoint: stage-in: step {step}: {why}, and S3 has neither "
@@ -324,15 +355,25 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
         if step not in listing.committed:
             listing = _wait_for_commit(s3, uri, step, listing, policy, clock)
             if step not in listing.committed:
-                nodes = ", ".join(n.removeprefix(PREFIX).removesuffix(".json")
-                                  for n in listing.uploading.get(step, ()))
                 msg = (f"checkpoint: stage-in: step {step} is committed but still uploading from "
-                       f"node(s) {nodes or '?'} (intent record, no COMMIT.json) after "
-                       f"{policy.intent_wait_s:.0f}s (checkpoint.stagein_intent_wait_s)")
-                if not policy.intent_fallback:
-                    raise StageinFailed(msg)
-                fall_back(step, msg + "; checkpoint.stagein_intent_fallback takes an older step")
-                continue
+                       f"{_never_arrived(s3, uri, step, listing, policy, clock)} (intent record, "
+                       f"no COMMIT.json) after {policy.intent_wait_s:.0f}s "
+                       "(checkpoint.stagein_intent_wait_s)")
+                if policy.intent_fallback:
+                    fall_back(step, msg + "; checkpoint.stagein_intent_fallback takes an older "
+                              "step", "checkpoint.stagein_intent_fallback")
+                    continue
+                if allow_older is not None and allow_older():
+                    log.warning("stage-in: the job opted in to an older step; passing over a "
+                                "step that never finished uploading", step=step,
+                                opt_in=ENV_ALLOW_OLDER, error=msg)
+                    fall_back(step, msg + f"; the job set {ENV_ALLOW_OLDER}, so the newest "
+                              "complete older step is taken", ENV_ALLOW_OLDER)
+                    continue
+                raise StepStillUploading(
+                    msg + f"; if those node(s) are gone, set {ENV_ALLOW_OLDER}=1 in the job's "
+                    "environment to take the newest complete older step after this wait",
+                    step)
         try:
             remote, mode, nbytes = _stage_remote(s3, uri, step, listing.committed[step], job_fd,
                                                  uid, gid, policy, clock)
@@ -348,8 +389,71 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
             continue
         log.info("stage-in: staged step from S3", step=step, uri=str(uri), mode=mode,
                  bytes=nbytes)
+        _say_older(step, fallbacks)
         return StageinResult(step, "s3", mode, nbytes, tuple(fallbacks), remote)
+    _say_older(None, fallbacks)
     return StageinResult(None, "none", "", 0, tuple(fallbacks), None)
+
+
+def _say_older(step: int | None, fallbacks: list[Fallback]) -> None:
+    """One log event naming both steps when an opt-in let stage-in take an older one."""
+    for f in fallbacks:
+        if f.opt_in:
+            log.warning("stage-in: took an OLDER step because of an opt-in", step=step,
+                        passed_over=f.step, opt_in=f.opt_in, reason=f.reason)
+
+
+def _never_arrived(s3: S3, uri: S3Uri, step: int, listing: RunListing, policy: StageinPolicy,
+                   clock: Clock) -> str:
+    """The node(s) of a step still uploading whose ranks' parts are not in S3, from their
+    intent records ("node(s) n7 (ranks [1])"); every announcing node when all parts are
+    there but no COMMIT.json, and ranks no intent covers as such."""
+    intents = listing.uploading.get(step, ())
+    names = [n.removeprefix(PREFIX).removesuffix(".json") for n in intents]
+    plain = f"node(s) {', '.join(names) or '?'}"
+    prefix = uri.join(step_name(step))
+    try:
+        keys = retrying(f"list {uri}/{step_name(step)}",
+                        lambda: s3.list_keys(uri.bucket, prefix + "/"), policy, clock)
+        records = [_read_intent(s3, uri.bucket, f"{prefix}/{n}", policy, clock)
+                   for n in intents]
+    except (CheckpointError, OSError) as exc:  # the error still names the nodes
+        log.warning("stage-in: couldn't read the intent records of a step still uploading",
+                    step=step, error=str(exc))
+        return plain
+    have = {parse_rank(k[len(prefix) + 1:].partition("/")[0]) for k in keys
+            if k.endswith(f"/{MANIFEST}")}
+    world = max((r.world_size for r in records), default=0)
+    missing = sorted(set(range(world)) - have)
+    late = [f"{r.node} (ranks {sorted(set(r.ranks) & set(missing))} never arrived)"
+            for r in records if set(r.ranks) & set(missing)]
+    unowned = sorted(set(missing) - {x for r in records for x in r.ranks})
+    if unowned:
+        late.append(f"no node (ranks {unowned} announced by none)")
+    return f"node(s) {', '.join(late)}" if late else plain
+
+
+def _read_intent(s3: S3, bucket: str, key: str, policy: StageinPolicy, clock: Clock) -> Intent:
+    data = retrying(f"get {key}", lambda: s3.get_bytes(bucket, key, limit=1 << 20), policy,
+                    clock)
+    return Intent.from_json(data, key)
+
+
+def _has_marker(job_fd: int, step: int) -> bool:
+    """Whether the job dir has ``step-N/COMMIT.json`` (whatever it is: never followed)."""
+    try:
+        sfd = open_dir_at(job_fd, step_name(step))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True  # a link or worse where the step dir should be: set it aside too
+    try:
+        os.stat(COMMIT, dir_fd=sfd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(sfd)
 
 
 def _local_incomplete(job_fd: int, step: int, uid: int) -> str | None:

@@ -104,20 +104,39 @@ def create_job_dir(root: str, job_id: int, uid: int, gid: int) -> Path:
     return Path(root) / name
 
 
-def set_aside(root_fd: int, name: str, why: str) -> None:
-    """Move ``name`` (never followed) into the root-only ``.stale/`` dir, under a unique name."""
+def set_aside(root_fd: int, name: str, why: str, *, from_fd: int | None = None,
+              prefix: str = "") -> str:
+    """Move ``name`` (never followed) into the root-only ``.stale/`` dir, under a unique name.
+
+    ``name`` lies in ``from_fd`` (default: the root itself); ``prefix`` says whose it was
+    in the new name. Returns that name (relative to ``.stale/``)."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(STALE, 0o700, dir_fd=root_fd)
     sfd = os.open(STALE, _DIR_FLAGS, dir_fd=root_fd)
+    dest = f"{prefix}{name}.{time.time_ns()}"
     try:
         st = os.fstat(sfd)
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise CheckpointError(f"checkpoint: staging: {STALE} must be a root-only dir")
-        os.rename(name, f"{name}.{time.time_ns()}", src_dir_fd=root_fd, dst_dir_fd=sfd)
+        os.rename(name, dest, src_dir_fd=root_fd if from_fd is None else from_fd,
+                  dst_dir_fd=sfd)
     finally:
         os.close(sfd)
     log.warning("checkpoint: set a staging entry aside under .stale/ for the agent to remove",
-                name=name, reason=why)
+                name=f"{prefix}{name}", moved_to=f"{STALE}/{dest}", reason=why)
+    return dest
+
+
+def set_aside_step(root: str, job_id: int, job_fd: int, sname: str, why: str) -> str:
+    """Move a job's step dir ``sname`` out of its staging dir into ``.stale/`` (a rename):
+    a step stage-in passed over keeps no COMMIT.json where the job could take it for
+    committed."""
+    rfd = _open_root(root)
+    try:
+        return set_aside(rfd, sname, why, from_fd=job_fd,
+                         prefix=f"{job_dir_name(job_id)}.")
+    finally:
+        os.close(rfd)
 
 
 def set_aside_job_dir(root: str, job_id: int, why: str) -> None:

@@ -217,6 +217,10 @@ class Uploader:
     def on_register(self, request: Request, peer: Peer) -> Response:
         rec = self._job(request, peer)
         uri = str_arg(request, "uri", default="")
+        allow_older = request.get("allow_older_step", False)
+        if not isinstance(allow_older, bool):
+            raise RequestError(f"allow_older_step must be true or false, got "
+                               f"{str(allow_older)[:40]!r}")
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
@@ -227,6 +231,17 @@ class Uploader:
                 raise RequestError(f"checkpoint: job {rec['job_id']} already uses {rec['uri']}, "
                                    f"not {run}")
             rec["uri"] = str(run)
+            si = rec["stagein"]
+            if allow_older and not rec.get("allow_older_step"):
+                # The job's own opt-in (SLURM_RESILIENCE_CKPT_ALLOW_OLDER_STEP), read by a
+                # stage-in still waiting when its wait runs out; one that already failed
+                # on that wait runs again (and waits again: the step may have arrived).
+                rec["allow_older_step"] = True
+                log.warning("job opts in to an older step when a step still uploading "
+                            "never completes", job_id=rec["job_id"])
+                if si.get("state") == StageinState.FAILED and \
+                        si.get("still_uploading") is not None:
+                    rec["stagein"] = {"state": StageinState.PENDING}
             self.journal.write(rec)
             if rec["stagein"].get("state") == "pending":
                 self._start_stagein(rec)
@@ -548,6 +563,15 @@ class Uploader:
         st["committed_at"] = time.time()
         self.journal.write(rec)
         log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
+
+    def abandon_step(self, rec: JobRecord, step: int, why: str) -> None:
+        """Stage-in passed over a local step and set it aside: a pending upload of it will
+        never finish (its intent is withdrawn, its objects go); ``.stale/`` is cleaned
+        on the next pass."""
+        self.stale_due = True
+        st = rec["steps"].get(str(step))
+        if st is not None and st.get("state") not in DONE_STATES:
+            self._reject(rec, step, why)
 
     def _reject(self, rec: JobRecord, step: int, why: str,
                 state: StepState = StepState.REJECTED, *, delete_ours: bool = True) -> None:

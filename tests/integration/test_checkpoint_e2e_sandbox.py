@@ -146,9 +146,10 @@ def _blocks(ranges: list[tuple[str, int, int]], sizes: dict[str, FileEntry]) -> 
 
 
 def _check_resume(out: str, world: int, nodes: list[str], files: dict[str, FileEntry]
-                  ) -> list[tuple[str, int, int, int, int]]:
+                  ) -> list[tuple[str, int, int, int, int, int]]:
     """Every rank loaded the step, equal to what was saved; per node: (node, fetched bytes,
-    stage-in bytes, bytes its ranks asked for, bytes of the blocks covering them)."""
+    stage-in bytes, bytes its ranks asked for, bytes of the blocks covering them, bytes of
+    its ranks' share: the tensors they hold once loaded)."""
     ranks = [m.groups() for m in LOADED.finditer(out)]
     assert sorted(int(r[0]) for r in ranks) == list(range(world)), out
     assert all(r[1] == str(world) and r[3] == str(STEP) and r[5] == "True" for r in ranks), out
@@ -160,7 +161,8 @@ def _check_resume(out: str, world: int, nodes: list[str], files: dict[str, FileE
     for node in nodes:
         asked = [(str(p), int(o), int(n)) for r in ranks if r[2] == node
                  for p, o, n in json.loads(r[7])]
-        rows.append((node, *fetched[node], _union(asked), _blocks(asked, files)))
+        share = sum(int(r[4]) for r in ranks if r[2] == node)
+        rows.append((node, *fetched[node], _union(asked), _blocks(asked, files), share))
     return rows
 
 
@@ -189,10 +191,17 @@ def test_save_4_ranks_resume_2_and_8_ranks_on_other_nodes(sandbox: Sandbox,
                             (["node1", "node2", "node3", "node4"], 2)):
         world = len(nodes) * per_node
         out = _job(sandbox, user, wd, uri, nodes, per_node, "load")
-        for node, fetched, staged, share, widened in _check_resume(out, world, nodes, files):
+        for node, fetched, staged, asked, widened, share in _check_resume(out, world, nodes,
+                                                                          files):
             # Block-granular fetches: exactly the blocks the plan touches, never more.
             assert fetched == widened, (node, fetched, widened, out)
+            # The acceptance bound: everything the node pulled from S3 (stage-in's metadata
+            # and manifests, then the fetched blocks) against its ranks' share of the state,
+            # the bytes of the tensors they hold, not against what the reader asked for (a
+            # reader asking too much would pass a bound on its own requests).
+            ratio = (staged + fetched) / share
             figures.append(f"{world} ranks on {len(nodes)} nodes, {node}: stage-in {staged:,d} +"
-                           f" fetched {fetched:,d} bytes for {share:,d} asked "
-                           f"({(staged + fetched) / share:.3f}x)")
+                           f" fetched {fetched:,d} bytes for a share of {share:,d} "
+                           f"({ratio:.3f}x; {asked:,d} asked)")
+            assert ratio <= 1.1, figures[-1]
     print("\n" + "\n".join(figures))

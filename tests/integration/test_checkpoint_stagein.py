@@ -265,6 +265,9 @@ def test_node_replacement_partial_local_step_fetches_only_asked_ranges(
                 "done", 5, "s3", "metadata"), st
         assert [f["step"] for f in st1["fallbacks"]] == [10]  # type: ignore[attr-defined]
         assert "only ranks [0] of 0..3" in st1["fallbacks"][0]["reason"]  # type: ignore[index]
+        # Set aside (into the root-only .stale/): the job's later save(10) must not find
+        # its COMMIT.json and skip the new step 10 as already committed.
+        assert not (job_dir / step10.name).exists()
         n2_dir = w.base / "n2" / "nvme" / "job-101" / step5.name
         assert sorted(p.relative_to(n2_dir).as_posix() for p in n2_dir.rglob("*")
                       if p.is_file()) == [COMMIT, "rank-00000/.metadata",

@@ -85,6 +85,56 @@ def test_corrupt_bytes_are_caught_in_the_same_read_pass(tmp_path: Path,
         mgr.load_latest(_state(0.0))
 
 
+def _flip(step_dir: Path) -> None:
+    f = step_dir / "rank-00000" / "data.distcp"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_a_step_the_restore_passed_over_is_saved_again_not_skipped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The requeued run's restore passes over a corrupt step 10 and resumes from 5; its
+    save(10) sets the corrupt copy aside and writes the new step 10, where it used to
+    skip it as 'already committed' (the corrupt one stayed, the new state was lost)."""
+    first = CheckpointManager(tmp_path)
+    first.save(5, _state(5.0))
+    first.save(10, _state(10.0))
+    first.close()
+    _flip(tmp_path / "step-00000010")
+    rerun = CheckpointManager(tmp_path)
+    resumed = rerun.load_latest(_state(0.0))
+    assert resumed is not None and resumed.step == 5
+    rerun.save(10, _state(11.0))
+    rerun.close()
+    assert "restore found it corrupt" in capsys.readouterr().err
+    got = CheckpointManager(tmp_path).load_latest(_state(0.0))
+    assert got is not None and got.step == 10
+    assert torch.equal(got.state["model"]["w"], torch.full((64, 64), 11.0))
+    assert [p.name.startswith(".passed-over-step-00000010.") for p in tmp_path.iterdir()
+            if p.name.startswith(".")] == [True]
+
+
+def test_save_skips_a_committed_step_only_when_this_run_loaded_or_saved_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'Already committed' skips a save only of a step this run saved or loaded; an earlier
+    run's step that this run did not resume from raises, naming it (never a silent skip)."""
+    first = CheckpointManager(tmp_path)
+    first.save(5, _state(5.0))
+    first.save(5, _state(6.0))
+    first.close()
+    assert "step 5 is already committed (this run loaded or saved it)" in capsys.readouterr().err
+    other = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"step 5 is already committed in .* neither "
+                                              r"loaded nor saved it"):
+        other.save(5, _state(7.0))
+    assert other.load_latest() is not None
+    other.save(5, _state(7.0))
+    other.close()
+    got = CheckpointManager(tmp_path).load_latest()
+    assert got is not None and float(got.state["model"]["w"][0, 0]) == 5.0
+
+
 def test_run_with_uri_but_no_agent_raises_instead_of_using_local_steps(tmp_path: Path) -> None:
     """With a run URI but no reachable agent the run's S3 steps are unknown: load_latest
     raises (naming the agent) rather than silently loading an older local step."""
