@@ -212,7 +212,8 @@ class CheckpointManager:
 
         assert self.agent_socket is not None
         try:
-            extra = {"allow_older_step": True} if self.allow_older_step else {}
+            extra: dict[str, object] = ({"allow_older_step": True} if self.allow_older_step
+                                        else {})
             call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
                  timeout=30.0, **extra)
         except AgentRefused as exc:
