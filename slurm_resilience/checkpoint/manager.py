@@ -212,10 +212,8 @@ class CheckpointManager:
 
         assert self.agent_socket is not None
         try:
-            extra: dict[str, object] = ({"allow_older_step": True} if self.allow_older_step
-                                        else {})
             call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0, **extra)
+                 timeout=30.0, allow_older_step=self.allow_older_step)
         except AgentRefused as exc:
             raise CheckpointError(str(exc)) from None
         except AgentUnavailable as exc:
