@@ -212,9 +212,12 @@ class CheckpointManager:
 
         assert self.agent_socket is not None
         try:
-            extra = {"allow_older_step": True} if self.allow_older_step else {}
-            call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0, **extra)
+            if self.allow_older_step:
+                call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
+                     timeout=30.0, allow_older_step=True)
+            else:
+                call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
+                     timeout=30.0)
         except AgentRefused as exc:
             raise CheckpointError(str(exc)) from None
         except AgentUnavailable as exc:
