@@ -193,6 +193,17 @@ def error_code(exc: BaseException) -> str:
     return ""
 
 
+def _http_status(exc: BaseException) -> str:
+    """" (HTTP 403)" for an S3 error answer whose text does not say its status already
+    (a refused LIST says only its code, e.g. AccessDenied)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return f" (HTTP {status})" if isinstance(status, int) and str(status) not in str(exc) \
+        else ""
+
+
 class S3:
     """A boto3 client with our retries, transfers and checks."""
 
@@ -250,7 +261,8 @@ class S3:
                 return fn()
             except Exception as exc:
                 if not is_transient(exc):
-                    raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}") from exc
+                    raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}"
+                                           f"{_http_status(exc)}") from exc
                 if attempt == s.attempts:
                     raise TransientS3Error(f"checkpoint: s3: couldn't {what} after {attempt} "
                                            f"attempts: {exc}") from exc
