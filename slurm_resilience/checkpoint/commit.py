@@ -10,6 +10,14 @@ A rank's part is written into ``rank-R.tmp/``, each file fsynced, then a manifes
 (paths, sizes, CRC32C) is written and fsynced, the directory renamed to ``rank-R/``
 and the parent fsynced. A committed part or step is never overwritten. The same
 names are used under the run's S3 URI, where COMMIT.json is uploaded last.
+
+Every save of a step has a **save id** (``new_save_id``), decided once by DCP's
+coordinator and handed to every rank with the global plan; it is in every rank's
+manifest and in the commit marker. A step is whole only when every rank's manifest
+carries its marker's save id (``check_save_ids``): a second save of the same step
+number (after a job took an older step past a half-uploaded one) goes to the same S3
+keys, and the ids keep its ranks from being counted with the first save's. Manifests
+and markers written before save ids existed have none (``""``: legacy, one save).
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,7 @@ READ_FORMATS = (1, 2)
 CHECKSUM = "crc32c"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
+_SAVE_ID_RE = re.compile(r"^[0-9a-f]{16}-[A-Za-z0-9._-]{1,100}$")
 
 
 class StepExists(CheckpointError):
@@ -62,6 +73,29 @@ def parse_step(name: str) -> int | None:
 def parse_rank(name: str) -> int | None:
     m = _RANK_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def new_save_id(env: dict[str, str] | None = None) -> str:
+    """A fresh save id: ``<time_ns, 16 hex>-j<job>.r<restart count>.<nonce>``.
+
+    Ids of one step compare in the order the saves started (the time comes first, fixed
+    width), so an agent can tell an earlier save of a step from a later one.
+    """
+    env = dict(os.environ if env is None else env)
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "none"
+    restart = env.get("SLURM_RESTART_COUNT") or "0"
+    job = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:40]
+    restart = re.sub(r"[^0-9]", "", restart)[:10] or "0"
+    return f"{time.time_ns():016x}-j{job}.r{restart}.{secrets.token_hex(4)}"
+
+
+def check_save_id(value: object, where: str) -> str:
+    """A save id read from a manifest, marker or intent record ("" = legacy, none)."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not _SAVE_ID_RE.match(value):
+        raise CheckpointError(f"checkpoint: {where}: save id {str(value)[:60]!r} is not valid")
+    return value
 
 
 def check_relpath(path: str) -> str:
@@ -112,10 +146,13 @@ class Manifest:
     step: int
     rank: int
     files: tuple[FileEntry, ...]
+    save_id: str = ""  # the save this part belongs to ("": written before save ids)
 
     def to_json(self) -> bytes:
-        doc = {"format": FORMAT, "checksum": CHECKSUM, "step": self.step, "rank": self.rank,
-               "files": [f.to_doc() for f in self.files]}
+        doc: dict[str, Any] = {"format": FORMAT, "checksum": CHECKSUM, "step": self.step,
+                               "rank": self.rank, "files": [f.to_doc() for f in self.files]}
+        if self.save_id:
+            doc["save_id"] = self.save_id
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -127,12 +164,13 @@ class Manifest:
                                  f"is not one of {READ_FORMATS}/{CHECKSUM}")
             files = tuple(FileEntry.from_doc(f) for f in doc["files"])
             step, rank = int(doc["step"]), int(doc["rank"])
+            save_id = doc.get("save_id")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"checkpoint: {where}: not a valid manifest: {exc}") from None
         names = [f.path for f in files]
         if len(set(names)) != len(names) or MANIFEST in names:
             raise CheckpointError(f"checkpoint: {where}: duplicate or reserved file names")
-        return cls(step=step, rank=rank, files=files)
+        return cls(step=step, rank=rank, files=files, save_id=check_save_id(save_id, where))
 
     @property
     def total_bytes(self) -> int:
@@ -145,10 +183,14 @@ class CommitMarker:
 
     step: int
     world_size: int
+    save_id: str = ""  # every rank's manifest carries it ("": written before save ids)
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT, "step": self.step,
-                           "world_size": self.world_size}, sort_keys=True).encode()
+        doc: dict[str, Any] = {"format": FORMAT, "step": self.step,
+                               "world_size": self.world_size}
+        if self.save_id:
+            doc["save_id"] = self.save_id
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str = "commit marker") -> CommitMarker:
@@ -156,13 +198,28 @@ class CommitMarker:
             doc = json.loads(data)
             if doc.get("format") not in READ_FORMATS:
                 raise ValueError(f"format {doc.get('format')!r} is not one of {READ_FORMATS}")
-            marker = cls(step=int(doc["step"]), world_size=int(doc["world_size"]))
+            marker = cls(step=int(doc["step"]), world_size=int(doc["world_size"]),
+                         save_id=check_save_id(doc.get("save_id"), where))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"checkpoint: {where}: not a valid commit marker: {exc}"
                                   ) from None
         if marker.world_size < 1:
             raise CheckpointError(f"checkpoint: {where}: world_size {marker.world_size} < 1")
         return marker
+
+
+def check_save_ids(step: int, marker: CommitMarker, manifests: Mapping[int, Manifest],
+                   where: str = "") -> None:
+    """Every given rank's manifest belongs to the marker's save; else an error naming the
+    step and the ranks (a step whose ranks come from two saves of the same step number)."""
+    wrong = {r: m.save_id for r, m in sorted(manifests.items()) if m.save_id != marker.save_id}
+    if wrong:
+        ids = sorted(set(wrong.values()))
+        raise CheckpointError(
+            f"checkpoint: {where or step_name(step)}: step {step} mixes saves: its commit "
+            f"marker is save {marker.save_id or '(legacy, none)'} but the manifests of ranks "
+            f"{sorted(wrong)} are save(s) {', '.join(i or '(legacy, none)' for i in ids)}; "
+            "refusing it")
 
 
 # -- durable writes ----------------------------------------------------------------------------
@@ -292,10 +349,11 @@ def _walk_files(root: Path) -> Iterator[str]:
 
 
 def commit_part(tmp: Path, step: int, rank: int,
-                known: Iterable[FileEntry] = ()) -> Manifest:
+                known: Iterable[FileEntry] = (), save_id: str = "") -> Manifest:
     """fsync and checksum every file in ``tmp``, write the manifest, rename, fsync the parent.
 
-    ``known`` holds entries already checksummed while writing, so they are not re-read.
+    ``known`` holds entries already checksummed while writing, so they are not re-read;
+    ``save_id`` is the save the part belongs to (the manifest records it).
     """
     known_by_path = {k.path: k for k in known}
     entries: list[FileEntry] = []
@@ -317,7 +375,8 @@ def commit_part(tmp: Path, step: int, rank: int,
         entries.append(entry)
     for dirpath, _dirs, _files in os.walk(tmp):
         fsync_dir(dirpath)
-    manifest = Manifest(step=step, rank=rank, files=tuple(entries))
+    manifest = Manifest(step=step, rank=rank, files=tuple(entries),
+                        save_id=check_save_id(save_id, str(tmp)))
     write_durable(tmp / MANIFEST, manifest.to_json())
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():
@@ -327,14 +386,34 @@ def commit_part(tmp: Path, step: int, rank: int,
     return manifest
 
 
-def write_commit_marker(job_dir: Path, step: int, world_size: int) -> None:
-    """The step is complete on this node: all ranks committed (the caller held a barrier)."""
+def write_commit_marker(job_dir: Path, step: int, world_size: int,
+                        save_id: str | None = None) -> None:
+    """The step is complete on this node: all ranks committed (the caller held a barrier).
+
+    ``save_id`` None: the save id of the rank parts committed on this node (they must all
+    agree; a node whose ranks hold parts of different saves raises)."""
     sdir = job_dir / step_name(step)
     sdir.mkdir(mode=0o700, exist_ok=True)
     marker = sdir / COMMIT
     if marker.exists():
         return
-    write_durable(marker, CommitMarker(step, world_size).to_json())
+    if save_id is None:
+        ids = {r: read_manifest(sdir / rank_name(r)).save_id for r in _local_ranks(sdir)}
+        if len(set(ids.values())) > 1:
+            raise CheckpointError(f"checkpoint: commit: {sdir}: this node's rank parts belong "
+                                  f"to different saves ({ids}); not committing the step")
+        save_id = next(iter(ids.values()), "")
+    write_durable(marker, CommitMarker(step, world_size, check_save_id(save_id, str(sdir))
+                                       ).to_json())
+
+
+def _local_ranks(sdir: Path) -> list[int]:
+    out = []
+    for name in os.listdir(sdir):
+        rank = parse_rank(name)
+        if rank is not None and (sdir / name).is_dir() and not (sdir / name).is_symlink():
+            out.append(rank)
+    return sorted(out)
 
 
 def read_manifest(part_dir: Path) -> Manifest:
@@ -386,8 +465,9 @@ def verify_step(job_dir: Path, step: int, ranks: Iterable[int] | None = None) ->
     marker = read_marker(sdir)
     if marker.step != step:
         raise CheckpointError(f"checkpoint: verify: {sdir}: marker says step {marker.step}")
-    for rank in (range(marker.world_size) if ranks is None else ranks):
-        verify_part(sdir / rank_name(rank), step)
+    manifests = {rank: verify_part(sdir / rank_name(rank), step)
+                 for rank in (range(marker.world_size) if ranks is None else ranks)}
+    check_save_ids(step, marker, manifests, str(sdir))
     return marker
 
 

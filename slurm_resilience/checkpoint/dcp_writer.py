@@ -13,13 +13,21 @@ results, i.e. after every other part was renamed into place; so a step with
 COMMIT.json always has ``.metadata`` and every manifest. On other nodes the local
 leader writes its node's COMMIT.json after ``dcp.save`` returned there
 (``CheckpointManager`` does it; see ``CheckpointManager.commit``).
+
+The save id (commit.py) is decided once, by the coordinator in
+``prepare_global_plan``, and reaches every rank in its plan's ``storage_data``: each
+rank's manifest records it, the coordinator's COMMIT.json too, and the other nodes'
+local leaders take it from their ranks' manifests. DCP's plan caching
+(``enable_plan_caching``) hands ranks an earlier save's plan, so it is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,7 @@ from slurm_resilience.checkpoint.commit import (
     StepExists,
     begin_part,
     commit_part,
+    new_save_id,
     part_dirs,
     remove_tree,
     step_name,
@@ -49,6 +58,14 @@ from slurm_resilience.checkpoint.dcp_layout import (
     data_relpath,
 )
 from slurm_resilience.checkpoint.dcp_state import Snapshot, tensor_view
+
+
+@dataclass(frozen=True)
+class SaveTag:
+    """What the coordinator hands every rank in its plan: the step and its save id."""
+
+    step: int
+    save_id: str
 
 
 def done_future(value: Any) -> Future[Any]:
@@ -83,6 +100,7 @@ class StagingWriter(StorageWriter, AsyncStager):
         self._snapshot = snapshot
         self._tmp: Path | None = None
         self._entries: list[FileEntry] = []
+        self.save_id = ""  # this save's id, from the coordinator's global plan
 
     def __getstate__(self) -> dict[str, Any]:
         # The process executor pickles the writer: the staging buffers stay here.
@@ -109,7 +127,7 @@ class StagingWriter(StorageWriter, AsyncStager):
     # -- StorageWriter ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         check_checkpoint_id(self.step_dir, checkpoint_id)
-        self._tmp, self._entries = None, []
+        self._tmp, self._entries, self.save_id = None, [], ""
 
     @property
     def checkpoint_id(self) -> str:
@@ -140,11 +158,23 @@ class StagingWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Coordinator: decide this save's id once; every rank gets it with its plan."""
+        tag = SaveTag(self.step, new_save_id())
+        return [dataclasses.replace(p, storage_data=tag) for p in plans]
+
+    def _save_tag(self, plan: SavePlan) -> str:
+        tag = plan.storage_data
+        if not isinstance(tag, SaveTag) or tag.step != self.step:
+            raise CheckpointError(
+                f"checkpoint: dcp: save of step {self.step}: the plan carries no save id for "
+                f"this step ({tag!r}); DCP's plan caching (enable_plan_caching) is not "
+                "supported with this storage writer")
+        return tag.save_id
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._tmp is None:
             raise CheckpointError("checkpoint: dcp: write_data before set_up_storage_writer")
+        self.save_id = self._save_tag(plan)
         relpath = data_relpath(self.rank)
         out = ChecksummingWriter(self._tmp / DATA_FILE)
         results: list[WriteResult] = []
@@ -157,7 +187,8 @@ class StagingWriter(StorageWriter, AsyncStager):
             entry = out.close(fsync=True)
         self._entries = [entry]
         if not self.is_coordinator:
-            commit_part(self._tmp, self.step, self.rank, known=self._entries)
+            commit_part(self._tmp, self.step, self.rank, known=self._entries,
+                        save_id=self.save_id)
         return done_future(results)
 
     def _write_item(self, out: ChecksummingWriter, relpath: str, item: WriteItem,
@@ -195,5 +226,6 @@ class StagingWriter(StorageWriter, AsyncStager):
             pickle.dump(metadata, meta)
         finally:
             entry = meta.close(fsync=True)
-        commit_part(self._tmp, self.step, self.rank, known=[*self._entries, entry])
-        write_commit_marker(self.job_dir, self.step, len(results))
+        commit_part(self._tmp, self.step, self.rank, known=[*self._entries, entry],
+                    save_id=self.save_id)
+        write_commit_marker(self.job_dir, self.step, len(results), self.save_id)

@@ -94,6 +94,7 @@ class StepDoc(TypedDict, total=False):
     reason: str
     committed_at: float
     staged_in: bool
+    save_id: str  # the save being uploaded (commit.py); "" for steps without one
 
 
 class _FallbackBase(TypedDict):
@@ -201,6 +202,8 @@ def check_step(st: object) -> None:
         _need(st.get(key) is None or _is_num(st[key]), f"{key} is not a number")
     _need(st.get("world_size") is None or _is_int(st["world_size"]),
           "world_size is not an integer")
+    _need(st.get("save_id") is None or isinstance(st["save_id"], str),
+          "save_id is not a string")
 
 
 def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:

@@ -29,6 +29,7 @@ from slurm_resilience.checkpoint.commit import (
     FileEntry,
     committed_steps,
     part_dirs,
+    read_manifest,
     step_name,
     write_commit_marker,
 )
@@ -321,8 +322,11 @@ class CheckpointManager:
 
     def _mark(self, step: int) -> None:
         """dcp.save returned on this rank, so every part is durable: mark this node."""
-        if self.local_leader:
-            write_commit_marker(self.job_dir, step, self.world_size)
+        if self.local_leader and not (self.job_dir / step_name(step) / COMMIT).exists():
+            # The save id the coordinator decided, from this rank's own part (any other
+            # part in the step dir could be left over from an abandoned save).
+            save_id = read_manifest(part_dirs(self.job_dir, step, self.rank)[1]).save_id
+            write_commit_marker(self.job_dir, step, self.world_size, save_id)
         self.last_saved = step
         self._trusted.add(step)
 

@@ -11,6 +11,7 @@ from slurm_resilience.checkpoint.commit import (
     CheckpointError,
     CommitMarker,
     Manifest,
+    check_save_ids,
     file_crc32c,
     parse_rank,
     parse_step,
@@ -96,6 +97,7 @@ def verify_step_at(job_fd: int, step: int, uid: int, need_all: bool = False) -> 
                               f"expected 0..{marker.world_size - 1}")
     if not manifests:
         raise CheckpointError(f"checkpoint: {step_name(step)}: no rank parts on this node")
+    check_save_ids(step, marker, manifests)
     sfd = open_dir_at(job_fd, step_name(step))
     try:
         for rank, m in manifests.items():

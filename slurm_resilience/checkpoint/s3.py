@@ -193,6 +193,17 @@ def error_code(exc: BaseException) -> str:
     return ""
 
 
+def _http_status(exc: BaseException) -> str:
+    """" (HTTP 403)" for an S3 error answer whose text does not say its status already
+    (a refused LIST says only its code, e.g. AccessDenied)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return f" (HTTP {status})" if isinstance(status, int) and str(status) not in str(exc) \
+        else ""
+
+
 class S3:
     """A boto3 client with our retries, transfers and checks."""
 
@@ -250,7 +261,8 @@ class S3:
                 return fn()
             except Exception as exc:
                 if not is_transient(exc):
-                    raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}") from exc
+                    raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}"
+                                           f"{_http_status(exc)}") from exc
                 if attempt == s.attempts:
                     raise TransientS3Error(f"checkpoint: s3: couldn't {what} after {attempt} "
                                            f"attempts: {exc}") from exc
@@ -411,14 +423,17 @@ class S3:
     def upload_fd(self, fd: int, size: int, crc: str, bucket: str, key: str,
                   record: FileDoc, save: Callable[[], None], *,
                   blocks: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
-                  owner: str = "", lock: threading.RLock | None = None) -> None:
+                  owner: str = "", lock: threading.RLock | None = None,
+                  before_write: Callable[[], None] | None = None) -> None:
         """Upload an open file whose manifest says ``size``, ``crc`` (and per-block CRCs).
 
         ``record`` (journal) holds the upload id, part size and finished parts, and
         ``save()`` persists it after each change. Parts go through the shared fair pool
         under ``owner``; ``lock`` (the journal owner's) guards changes to ``record``.
         Raises ContentMismatch (upload aborted) when the bytes read don't match the
-        manifest.
+        manifest. ``before_write()`` runs just before the object is written (the PUT, or
+        the completion of the multipart upload) and may raise to stop it; the multipart
+        upload then stays open, in ``record``, for the caller to abort.
         """
         check = _Checker(key, size, crc, blocks, block_size)
         part = plan_part_size(size, self.settings.part_size, self.settings.max_parts)
@@ -429,6 +444,8 @@ class S3:
             data = os.pread(fd, size, 0) if size else b""
             check.part(0, data)
             check.whole([(crc32c_extend(0, data), len(data))])
+            if before_write is not None:
+                before_write()
             self.pool.submit(owner, lambda: self.put_bytes(bucket, key, data, crc)).result()
             self._verify_head(bucket, key, size, crc)
             return
@@ -510,6 +527,8 @@ class S3:
             parts.clear()
             save()
             raise
+        if before_write is not None:
+            before_write()
         done = []
         for n in sorted(parts, key=int):
             entry = {"PartNumber": int(n), "ETag": parts[n]["etag"]}

@@ -27,6 +27,7 @@ from slurm_resilience.checkpoint.commit import (
     CommitMarker,
     Crc32c,
     Manifest,
+    check_save_ids,
     crc_hex,
     fsync_dir,
     parse_rank,
@@ -71,6 +72,7 @@ def read_remote_step(s3: S3, uri: S3Uri, step: int) -> tuple[CommitMarker, dict[
             raise CheckpointError(f"checkpoint: {uri}/{sname}/{rel}: says step {m.step} "
                                   f"rank {m.rank}")
         manifests[rank] = m
+    check_save_ids(step, marker, manifests, f"{uri}/{sname}")
     return marker, manifests
 
 

@@ -14,10 +14,13 @@ Requests (unix socket, caller known by SO_PEERCRED):
 
 ``tick`` hands one pass over all jobs to a worker thread: upload each committed
 step (files, then rank manifests, then COMMIT.json once every rank's manifest
-is in S3), then apply retention. Jobs are synced side by side (at most
-``MAX_JOB_THREADS`` at once) and their parts share one fair pool, so a huge
-upload does not hold a small one back. A failure inside one job's work is logged
-and marks that job (or that step) failed with the reason; the pass goes on.
+in S3 carries the step's save id), then apply retention. An upload whose save
+is no longer the step's newest in S3 (a later save of the same step number
+exists or committed it) stops before each file and manifest it would write.
+Jobs are synced side by side (at most ``MAX_JOB_THREADS`` at once) and their
+parts share one fair pool, so a huge upload does not hold a small one back. A
+failure inside one job's work is logged and marks that job (or that step) failed
+with the reason; the pass goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
     CheckpointError,
+    CommitMarker,
     Crc32c,
+    Manifest,
+    parse_rank,
     rank_name,
     step_name,
 )
@@ -66,8 +72,10 @@ from slurm_resilience.checkpoint.s3 import (
     S3,
     ContentMismatch,
     PermanentS3Error,
+    S3Error,
     S3Settings,
     TransientS3Error,
+    error_code,
 )
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
@@ -89,6 +97,15 @@ PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 i
 ORPHAN_AGE_S = 24 * 3600.0
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
+
+
+class SaveSuperseded(CheckpointError):
+    """Another save of the step owns it in S3 (committed it, or a newer save is under
+    way): this upload stops before writing anything more."""
+
+
+class CommittedBySave(Exception):
+    """Our own save of the step is already committed in S3 (another node wrote it)."""
 
 
 def s3_settings(cfg: Config) -> S3Settings:
@@ -446,7 +463,8 @@ class Uploader:
                                     job_id=job_id, error=str(exc))
                     for step in committed_steps_at(jfd):
                         st = rec["steps"].get(str(step), {})
-                        if st.get("state") in DONE_STATES:
+                        if st.get("state") in DONE_STATES and not self._new_save(rec, jfd,
+                                                                                   step):
                             continue
                         try:
                             self.upload_step(rec, jfd, uri, step)
@@ -474,6 +492,64 @@ class Uploader:
             if changed:
                 self.journal.write(rec)
 
+    def _new_save(self, rec: JobRecord, jfd: int, step: int) -> bool:
+        """Whether the local step is a new save of a step whose journal entry is finished
+        (rejected or failed for an earlier save, e.g. one stage-in set aside before the
+        job saved the step again): the entry starts over for the new save."""
+        st = rec["steps"].get(str(step), {})
+        if "save_id" not in st or st.get("state") not in (StepState.REJECTED,
+                                                          StepState.FAILED):
+            return False
+        try:
+            marker, _ = read_step(jfd, step, int(rec["uid"]))
+        except (CheckpointError, OSError):
+            return False
+        if marker.save_id == st["save_id"]:
+            return False
+        log.info("a new save of a step whose earlier save was not uploaded; uploading it",
+                 job_id=rec["job_id"], step=step, save_id=marker.save_id,
+                 earlier_save_id=st["save_id"], earlier_state=str(st.get("state")))
+        with self.lock:
+            rec["steps"][str(step)] = {"state": StepState.PENDING, "files": {},
+                                       "since": time.time()}
+            self.journal.write(rec)
+        return True
+
+    def _check_save(self, uri: S3Uri, step: int, save_id: str) -> None:
+        """Raise SaveSuperseded when another save owns ``step`` in S3: its COMMIT.json
+        holds another save id, or a newer save of the step is announced (``SAVE-<id>``);
+        CommittedBySave when our own save is committed there already. Called before
+        every file and manifest an upload writes, so an agent that comes back with an
+        old upload stops before it touches a newer save's keys. Legacy uploads (no save
+        id) keep the older rule (``upload_step``), except that any save with an id is
+        newer than them."""
+        sname = step_name(step)
+        newer = sorted(i for i in intent.saves_of(self.s3, uri, step) if i > save_id)
+        if not save_id:
+            if newer:
+                raise SaveSuperseded(f"{uri}/{sname}: a newer save of step {step} is in S3 "
+                                     f"(save {newer[-1]}); this upload (written before "
+                                     "save ids) stops and is not mixed into it")
+            return
+        commit_key = uri.join(sname, COMMIT)
+        try:
+            body = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
+        except S3Error as exc:
+            if error_code(exc.__cause__ or exc) not in ("NoSuchKey", "404", "NotFound"):
+                raise
+            body = None
+        if body is not None:
+            theirs = CommitMarker.from_json(body, f"{uri}/{sname}/{COMMIT}")
+            if theirs.save_id == save_id:
+                raise CommittedBySave()
+            raise SaveSuperseded(f"{uri}/{sname} is already committed in S3 by another save "
+                                 f"(save {theirs.save_id or '(legacy, none)'}, ours "
+                                 f"{save_id}); this upload stops and is not mixed into it")
+        if newer:
+            raise SaveSuperseded(f"{uri}/{sname}: a newer save of step {step} is under way "
+                                 f"in S3 (save {newer[-1]}, ours {save_id}); this upload "
+                                 "stops and is not mixed into it")
+
     def upload_step(self, rec: JobRecord, jfd: int, uri: S3Uri, step: int) -> None:
         uid = int(rec["uid"])
         sname = step_name(step)
@@ -486,17 +562,50 @@ class Uploader:
         except (CheckpointError, OSError) as exc:
             self._reject(rec, step, f"unreadable commit marker or manifest: {exc}")
             return
+        save_id = marker.save_id
+        stale = {r: m.save_id for r, m in manifests.items() if m.save_id != save_id}
+        if stale:  # left in the step dir by an abandoned save: never uploaded with this one
+            log.warning("rank parts of another save in the local step dir; not uploaded",
+                        job_id=rec["job_id"], step=step, save_id=save_id, stale=stale)
+            manifests = {r: m for r, m in manifests.items() if r not in stale}
+            if not manifests:
+                self._reject(rec, step, f"no rank part of this node belongs to the step's "
+                                        f"save {save_id or '(legacy, none)'} ({stale})")
+                return
+        st["save_id"] = save_id
         st["world_size"] = marker.world_size
         st["bytes"] = sum(f.size for m in manifests.values() for f in m.files)  # the backlog
         commit_key = uri.join(sname, COMMIT)
-        if not any(f.get("done") for f in st["files"].values()) and \
+        if not save_id and not any(f.get("done") for f in st["files"].values()) and \
                 self.s3.head(uri.bucket, commit_key) is not None:
             # Another job of this run committed this step: never mix our files into it.
             self._reject(rec, step, f"{uri}/{sname} is already committed in S3 by another "
                                     "job of this run; ours is not uploaded", StepState.FAILED,
                          delete_ours=False)
             return
-        intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)  # intent.py
+        try:
+            self._check_save(uri, step, save_id)
+            intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)
+            self._upload_parts(rec, jfd, uri, step, manifests)
+        except SaveSuperseded as exc:
+            self._reject(rec, step, str(exc), StepState.FAILED, delete_ours=False,
+                         withdraw=True)
+            return
+        except CommittedBySave:
+            self._committed(rec, step, uri, "committed in S3 by another node of this save")
+            return
+        self._commit(rec, uri, step, marker, manifests)
+
+    def _upload_parts(self, rec: JobRecord, jfd: int, uri: S3Uri, step: int,
+                      manifests: dict[int, Manifest]) -> None:
+        """Every file of this node's ranks, then each rank's manifest, each written only
+        after ``_check_save`` found the step still ours in S3."""
+        uid, sname, st = int(rec["uid"]), step_name(step), rec["steps"][str(step)]
+        save_id = str(st.get("save_id", ""))
+
+        def check() -> None:
+            self._check_save(uri, step, save_id)
+
         sfd = open_dir_at(jfd, sname)
         try:
             for rank, manifest in manifests.items():
@@ -505,6 +614,7 @@ class Uploader:
                     frec = st["files"].setdefault(key, {"done": False})
                     if frec["done"]:
                         continue
+                    check()
                     try:
                         fd = open_owned_file(sfd, f"{rank_name(rank)}/{f.path}", uid)
                     except (CheckpointError, OSError) as exc:
@@ -518,7 +628,7 @@ class Uploader:
                         self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
                                           lambda: self.journal.write(rec), blocks=f.blocks,
                                           block_size=f.block_size, owner=f"job-{rec['job_id']}",
-                                          lock=self.lock)
+                                          lock=self.lock, before_write=check)
                     finally:
                         os.close(fd)
                     frec["done"] = True
@@ -526,23 +636,64 @@ class Uploader:
                 mkey = uri.join(sname, rank_name(rank), MANIFEST)
                 if not st["files"].get(mkey, {}).get("done"):
                     body = read_small(sfd, f"{rank_name(rank)}/{MANIFEST}", uid)
+                    if Manifest.from_json(body, mkey).save_id != save_id:
+                        raise CheckpointError(f"checkpoint: upload: {sname}/{rank_name(rank)}"
+                                              f"/{MANIFEST} changed while uploading")
                     crc = Crc32c()
                     crc.update(body)
+                    check()
                     self.s3.put_bytes(uri.bucket, mkey, body, crc.hexdigest())
                     st["files"][mkey] = {"done": True}
                     self.journal.write(rec)
         finally:
             os.close(sfd)
-        # COMMIT.json goes up last, once every rank (from every node) has its manifest there.
+
+    def _commit(self, rec: JobRecord, uri: S3Uri, step: int, marker: CommitMarker,
+                manifests: dict[int, Manifest]) -> None:
+        """COMMIT.json goes up last, once every rank (from every node) has its manifest in
+        S3 and every one of them carries the marker's save id: a manifest another save of
+        the step left there is never counted (it is overwritten when its rank's node of
+        this save uploads it)."""
+        sname, st = step_name(step), rec["steps"][str(step)]
+        commit_key = uri.join(sname, COMMIT)
         prefix = uri.join(sname) + "/"
         keys = self.s3.list_keys(uri.bucket, prefix)
         have = {r for r in range(marker.world_size)
                 if f"{prefix}{rank_name(r)}/{MANIFEST}" in keys}
+        stale: dict[int, str] = {}
+        if len(have) == marker.world_size and marker.save_id:
+            for r in sorted(have):
+                mkey = f"{prefix}{rank_name(r)}/{MANIFEST}"
+                try:
+                    theirs = Manifest.from_json(self.s3.get_bytes(uri.bucket, mkey), mkey)
+                except CheckpointError as exc:
+                    if isinstance(exc, TransientS3Error):
+                        raise
+                    stale[r] = f"unreadable ({exc})"
+                    continue
+                if theirs.save_id != marker.save_id:
+                    stale[r] = theirs.save_id or "(legacy, none)"
+            if stale:
+                log.warning("manifests of another save of this step are in S3; not counted "
+                            "(each is overwritten when its rank's node of this save uploads)",
+                            job_id=rec["job_id"], step=step, save_id=marker.save_id,
+                            stale_ranks=stale)
+            have -= set(stale)
         if len(have) < marker.world_size:
             st["state"] = StepState.WAITING_PEERS
             self.journal.write(rec)
             log.info("step waits for other nodes' ranks", job_id=rec["job_id"], step=step,
-                     ranks_in_s3=len(have), world_size=marker.world_size)
+                     ranks_in_s3=len(have), world_size=marker.world_size,
+                     save_id=marker.save_id)
+            return
+        try:
+            self._check_save(uri, step, marker.save_id)
+        except SaveSuperseded as exc:
+            self._reject(rec, step, str(exc), StepState.FAILED, delete_ours=False,
+                         withdraw=True)
+            return
+        except CommittedBySave:
+            self._committed(rec, step, uri, "committed in S3 by another node of this save")
             return
         body = marker.to_json()
         crc = Crc32c()
@@ -550,19 +701,43 @@ class Uploader:
         if not self.s3.put_if_absent(uri.bucket, commit_key, body, crc.hexdigest(),
                                      prefix=uri.join() + "/"):
             # Another node of this job got there first (same marker), or another job did.
-            theirs = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
-            if theirs != body:
+            existing = self.s3.get_bytes(uri.bucket, commit_key, limit=1024**2)
+            if existing != body:
                 self._reject(rec, step, f"{uri}/{sname}: a different commit marker is already "
                                     "in S3 (another job of this run)", StepState.FAILED,
                          delete_ours=False)
                 return
             log.info("commit marker already in S3 (another node of the job wrote it)",
                      job_id=rec["job_id"], step=step)
+        self._committed(rec, step, uri, "step committed in S3")
+        self._clean_beyond(uri, step, marker)
+
+    def _committed(self, rec: JobRecord, step: int, uri: S3Uri, what: str) -> None:
+        st = rec["steps"][str(step)]
         st["state"] = StepState.COMMITTED
         st["files"] = {}
         st["committed_at"] = time.time()
         self.journal.write(rec)
-        log.info("step committed in S3", job_id=rec["job_id"], step=step, uri=str(uri))
+        log.info(what, job_id=rec["job_id"], step=step, uri=str(uri),
+                 save_id=st.get("save_id", ""))
+
+    def _clean_beyond(self, uri: S3Uri, step: int, marker: CommitMarker) -> None:
+        """Rank dirs of the step beyond its world size are an earlier save's (a job of
+        another size): nothing reads them; they go, with a log line. Best effort."""
+        prefix = uri.join(step_name(step)) + "/"
+        try:
+            keys = self.s3.list_keys(uri.bucket, prefix)
+            extra = sorted(k for k in keys
+                           if (r := parse_rank(k[len(prefix):].partition("/")[0])) is not None
+                           and r >= marker.world_size)
+            if extra:
+                log.info("removing rank parts an earlier save of the step left beyond its "
+                         "world size", step=step, world_size=marker.world_size,
+                         keys=len(extra), save_id=marker.save_id)
+                self.s3.delete_keys(uri.bucket, extra)
+        except CheckpointError as exc:
+            log.warning("couldn't remove an earlier save's leftover rank parts", step=step,
+                        error=str(exc))
 
     def abandon_step(self, rec: JobRecord, step: int, why: str) -> None:
         """Stage-in passed over a local step and set it aside: a pending upload of it will
@@ -574,7 +749,8 @@ class Uploader:
             self._reject(rec, step, why)
 
     def _reject(self, rec: JobRecord, step: int, why: str,
-                state: StepState = StepState.REJECTED, *, delete_ours: bool = True) -> None:
+                state: StepState = StepState.REJECTED, *, delete_ours: bool = True,
+                withdraw: bool = False) -> None:
         """A step we must not upload (a link, a foreign file, a bad manifest, bytes that
         don't match it) or that S3 refused for good (``FAILED``): never retried. Its
         unfinished uploads are aborted and, with ``delete_ours``, the objects it had
@@ -582,7 +758,7 @@ class Uploader:
         log.error("checkpoint: upload: couldn't upload step; it will not be retried",
                   job_id=rec["job_id"], step=step, state=state.value, reason=why)
         old = rec["steps"].get(str(step), {})
-        if delete_ours:  # a step another job committed keeps its intents
+        if delete_ours or withdraw:  # a step another job committed keeps its intents
             intent.withdraw(self.s3, rec, old, step, self.node)  # intent.py: never waited for
         if rec["uri"]:
             uri = parse_uri(rec["uri"])
@@ -596,6 +772,8 @@ class Uploader:
                     log.warning("couldn't clean up after a step that will not be uploaded",
                                 key=key, error=str(exc))
         rec["steps"][str(step)] = {"state": state, "reason": why}
+        if "save_id" in old:  # a later save of the step number is uploaded anew
+            rec["steps"][str(step)]["save_id"] = old["save_id"]
         self.journal.write(rec)
 
     def _abort_orphans(self, rec: JobRecord, uri: S3Uri) -> None:
