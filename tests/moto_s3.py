@@ -3,7 +3,7 @@
 It speaks HTTP S3 like the sandbox's rclone, and unlike rclone it honours
 ``If-None-Match: *`` on PutObject (412 when the key exists), so the conditional commit
 marker's path runs against it. moto comes with the ``dev`` extra; without it the tests
-that need it (fixtures ``moto_endpoint`` and ``s3`` in conftest.py) skip, which CI
+that need it (fixtures ``moto_endpoint`` and ``s3`` in tests/conftest.py) skip, which CI
 (SLURM_RESILIENCE_REQUIRE_SANDBOX=1) turns into failures.
 """
 
