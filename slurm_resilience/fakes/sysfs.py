@@ -25,6 +25,8 @@ STATES = {"DOWN": "1: DOWN", "INIT": "2: INIT", "ARMED": "3: ARMED", "ACTIVE": "
 PHYS_STATES = {"Sleep": "1: Sleep", "Polling": "2: Polling", "Disabled": "3: Disabled",
                "LinkUp": "5: LinkUp", "LinkErrorRecovery": "6: LinkErrorRecovery"}
 RATE_NDR = "400 Gb/sec (4X NDR)"
+# An NDR link that trained on 2 of its 4 lanes (the kernel prints width and speed).
+RATE_NDR_2X = "200 Gb/sec (2X NDR)"
 RATE_DOWN = "40 Gb/sec (4X QDR)"  # what a down mlx5 port reports, as in the ibstat captures
 
 
@@ -125,3 +127,55 @@ def build_from_ibstat(root: str, text: str) -> list[str]:
                 fields[key] = value.strip()
     flush()
     return names
+
+
+# -- PCIe AER statistics: /sys/bus/pci/devices/<bdf>/aer_dev_{correctable,nonfatal,fatal} -----
+
+# The kernel's names (drivers/pci/pcie/aer.c, aer_correctable_error_string and
+# aer_uncorrectable_error_string), printed ``NAME COUNT`` a line and then the total
+# (Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats).
+AER_CORRECTABLE = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr",
+                   "CorrIntErr", "HeaderOF")
+AER_UNCORRECTABLE = ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt",
+                     "UnxCmplt", "RxOF", "MalfTLP", "ECRC", "UnsupReq", "ACSViol",
+                     "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr",
+                     "PoisonTLPBlocked")
+AER_FILES = {"correctable": ("aer_dev_correctable", AER_CORRECTABLE, "TOTAL_ERR_COR"),
+             "nonfatal": ("aer_dev_nonfatal", AER_UNCORRECTABLE, "TOTAL_ERR_NONFATAL"),
+             "fatal": ("aer_dev_fatal", AER_UNCORRECTABLE, "TOTAL_ERR_FATAL")}
+
+
+def sysfs_bdf(nvml_bus_id: str) -> str:
+    """``00000000:18:00.0`` (NVML) → ``0000:18:00.0`` (the sysfs device name)."""
+    dom, rest = nvml_bus_id.split(":", 1)
+    return f"{int(dom, 16):04x}:{rest.lower()}"
+
+
+def _aer_text(names: tuple[str, ...], total_name: str, counts: dict[str, int]) -> str:
+    lines = [f"{n} {counts.get(n, 0)}" for n in names]
+    lines.append(f"{total_name} {sum(counts.get(n, 0) for n in names)}")
+    return "\n".join(lines)
+
+
+def build_aer(root: str, bdf: str) -> None:
+    """One AER-capable PCIe device with every counter at 0."""
+    for _, (fname, names, total) in AER_FILES.items():
+        _write(os.path.join(root, bdf, fname), _aer_text(names, total, {}))
+
+
+def read_aer_counts(root: str, bdf: str, kind: str) -> dict[str, int]:
+    fname, names, _ = AER_FILES[kind]
+    with open(os.path.join(root, bdf, fname), encoding="ascii") as fh:
+        pairs = (line.split() for line in fh)
+        return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[0] in names}
+
+
+def add_aer(root: str, bdf: str, kind: str, error: str, delta: int) -> int:
+    """``error`` (a kernel name of ``kind``'s table) rises by ``delta``; returns the new total."""
+    fname, names, total = AER_FILES[kind]
+    if error not in names:
+        raise ValueError(f"AER {kind} error {error!r}; valid: {', '.join(names)}")
+    counts = read_aer_counts(root, bdf, kind)
+    counts[error] = counts.get(error, 0) + delta
+    _write(os.path.join(root, bdf, fname), _aer_text(names, total, counts))
+    return sum(counts.values())

@@ -23,6 +23,30 @@ Faults change the node's stand-ins the way the real failure shows up:
   bandwidth, as on a GB200 NVL72 tray whose NVLink switch tray lost links.
 * ``nvme-full`` a sparse file as big as the node's configured disk size
   (``health.nvme.size_limit``, which the sandbox sets) fills the stand-in NVMe.
+* ``pcie-aer:GPU`` one non-fatal uncorrectable PCIe error (a completion timeout,
+  ``CmpltTO``) in the GPU's sysfs AER statistics (``aer_dev_nonfatal``).
+* ``pcie-replay:GPU`` NVML's PCIe replay counter (``NVML_FI_DEV_PCIE_REPLAY_COUNTER``)
+  jumps by 100000: a link retransmitting (judged as a rate between runs).
+* ``gpu-persistence-off:GPU`` persistence mode disabled (``nvidia-smi -pm 0``).
+* ``gpu-vbios:GPU`` the GPU runs another VBIOS than its peers (a board swapped in from
+  spares); fails where ``health.gpu.uniform_vbios`` is ``fail`` (warns by default).
+* ``gpu-driver:VERSION`` the node's driver is VERSION (an image that drifted); fails
+  against ``health.gpu.expected_driver``, which the sandbox sets to ``565.``.
+* ``peermem-unloaded`` ``rmmod nvidia_peermem``: gone from the node's ``/proc/modules``
+  (the sandbox requires it, ``health.gpu.peermem: required``).
+* ``mount-unreachable`` the node's shared filesystem path (``health.mounts.paths``)
+  answers ENOENT, as an autofs path whose server refused the mount does.
+* ``nvme-media-errors`` the NVMe's SMART log counts 7 media errors (as the real
+  failing Samsung 970 EVO capture), read through the ``nvme smart-log`` stand-in.
+* ``nvme-spare-low`` the NVMe's available spare drops to 10%: above the drive's own
+  threshold (5%, so no critical warning) but under the sandbox's floor
+  (``health.nvme.min_available_spare: 20``).
+* ``service-failed:UNIT`` a GPU service unit (nvidia-fabricmanager, nvidia-persistenced)
+  is ``failed``, as ``systemctl is-active`` reports it.
+* ``ib-missing:HCA`` the HCA vanishes from ``/sys/class/infiniband`` (the driver
+  unbound it after a fatal error); caught by the shipped per-GPU-model HCA count.
+* ``ib-downtrained:HCA:PORT`` the port is ACTIVE/LinkUp at ``200 Gb/sec (2X NDR)``
+  (lanes lost); caught by the shipped per-GPU-model minimum rate.
 
 :data:`FAULTS` is a registry: other modules add their own (``nccl-*``) with
 :func:`register`. ``heal`` puts every stand-in back to healthy, as a reboot
@@ -31,12 +55,15 @@ would (a new boot id, so earlier Xids are history).
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slurm_resilience.fakes import kmsg, nvml, sysfs
-from slurm_resilience.sandbox import hardware
+from slurm_resilience.sandbox import hardware, standins
 
 FaultFn = Callable[[hardware.NodeHardware, list[str]], str]
 FAULTS: dict[str, tuple[str, FaultFn]] = {}
@@ -251,6 +278,119 @@ def fabric_unhealthy(hw: hardware.NodeHardware, args: list[str]) -> str:
     return "fabric health UNHEALTHY (degraded bandwidth) on every GPU"
 
 
+def pcie_aer(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+    gpu = _edit_gpu(hw, index, lambda gpu: None)
+    bdf = sysfs.sysfs_bdf(gpu["pci_bus_id"])
+    total = sysfs.add_aer(str(hw.pci), bdf, "nonfatal", "CmpltTO", 1)
+    return f"gpu{index} ({bdf}) PCIe AER non-fatal CmpltTO +1 (TOTAL_ERR_NONFATAL {total})"
+
+
+# Replays a flaky link adds: the rate is judged since the last change of the counter, which
+# in a long-running sandbox may be hours ago (8/min allowed), so the burst is large.
+REPLAY_BURST = 100000
+
+
+def pcie_replay(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        gpu["pcie_replay"] = int(gpu.get("pcie_replay") or 0) + REPLAY_BURST
+
+    gpu = _edit_gpu(hw, index, change)
+    return f"gpu{index} PCIe replay counter now {gpu['pcie_replay']}"
+
+
+def gpu_persistence_off(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        gpu["persistence_mode"] = False
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} persistence mode disabled"
+
+
+# Another H100 VBIOS than default_gpu's 96.00.74.00.01 (an older board from spares).
+OTHER_VBIOS = "96.00.61.00.01"
+
+
+def gpu_vbios(hw: hardware.NodeHardware, args: list[str]) -> str:
+    index = _int(args[0], "GPU")
+
+    def change(gpu: dict[str, Any]) -> None:
+        gpu["vbios"] = OTHER_VBIOS
+
+    _edit_gpu(hw, index, change)
+    return f"gpu{index} VBIOS now {OTHER_VBIOS}"
+
+
+def gpu_driver(hw: hardware.NodeHardware, args: list[str]) -> str:
+    version = args[0]
+    if not version or not all(part.isdigit() for part in version.split(".")):
+        raise FaultError(f"driver VERSION like 550.127.05, got {version!r}")
+    scenario = nvml.read_scenario(str(hw.scenario)) or nvml.default_scenario(hardware.GPUS)
+    scenario["driver_version"] = version
+    nvml.write_scenario(str(hw.scenario), scenario)
+    return f"driver {version} loaded"
+
+
+def peermem_unloaded(hw: hardware.NodeHardware, args: list[str]) -> str:
+    hardware.replace_text(hw.modules, standins.proc_modules(peermem=False))
+    return "nvidia_peermem unloaded (rmmod)"
+
+
+def mount_unreachable(hw: hardware.NodeHardware, args: list[str]) -> str:
+    if hw.shared.is_dir():
+        gone = hw.shared.with_name(f".{hw.shared.name}.gone-{os.getpid()}")
+        os.rename(hw.shared, gone)  # one step: a probe sees the path or ENOENT
+        shutil.rmtree(gone)
+    return f"{hw.shared} unreachable (ENOENT)"
+
+
+def _smart(hw: hardware.NodeHardware, **changes: int) -> dict[str, Any]:
+    log: dict[str, Any] = json.loads(hw.smart_log.read_text())
+    for key, value in changes.items():
+        log[key] = int(log.get(key) or 0) + value if key.endswith("errors") else value
+    hardware.replace_text(hw.smart_log, json.dumps(log, indent=2) + "\n")
+    return log
+
+
+def nvme_media_errors(hw: hardware.NodeHardware, args: list[str]) -> str:
+    log = _smart(hw, media_errors=7)
+    return f"NVMe SMART media_errors now {log['media_errors']}"
+
+
+def nvme_spare_low(hw: hardware.NodeHardware, args: list[str]) -> str:
+    log = _smart(hw, avail_spare=10)
+    return f"NVMe SMART avail_spare {log['avail_spare']}% (drive threshold {log['spare_thresh']}%)"
+
+
+def service_failed(hw: hardware.NodeHardware, args: list[str]) -> str:
+    unit = args[0].removesuffix(".service")
+    if unit not in standins.UNITS:
+        raise FaultError(f"unit must be one of {', '.join(standins.UNITS)}, not {unit!r}")
+    hardware.replace_text(hw.units / unit, "failed\n")
+    return f"{unit}.service failed"
+
+
+def ib_missing(hw: hardware.NodeHardware, args: list[str]) -> str:
+    hca = args[0]
+    if not (hw.sysfs / hca).is_dir():
+        raise FaultError(f"{hw.node} has no {hca}")
+    gone = hw.sysfs.parent / f".{hca}.gone-{os.getpid()}"
+    os.rename(hw.sysfs / hca, gone)  # one step, as the device leaves the class at once
+    shutil.rmtree(gone)
+    return f"{hca} gone from {hw.sysfs}"
+
+
+def ib_downtrained(hw: hardware.NodeHardware, args: list[str]) -> str:
+    hca, port = _port(hw, args)
+    sysfs.set_port(str(hw.sysfs), hca, port, state="ACTIVE", phys_state="LinkUp",
+                   rate=sysfs.RATE_NDR_2X)
+    return f"{hca} port{port} ACTIVE at {sysfs.RATE_NDR_2X}"
+
+
 register("gpu-xid", "gpu-xid:GPU:XID", gpu_xid)
 register("gpu-reset", "gpu-reset:GPU", gpu_reset)
 register("kernel-log", "kernel-log:SIGNAL", kernel_log)
@@ -266,6 +406,18 @@ register("gpu-recovery", "gpu-recovery:GPU", gpu_recovery)
 register("sram-ecc", "sram-ecc:GPU", sram_ecc)
 register("fabric-unhealthy", "fabric-unhealthy", fabric_unhealthy)
 register("hbm-degraded", "hbm-degraded:GPU", hbm_degraded)
+register("pcie-aer", "pcie-aer:GPU", pcie_aer)
+register("pcie-replay", "pcie-replay:GPU", pcie_replay)
+register("gpu-persistence-off", "gpu-persistence-off:GPU", gpu_persistence_off)
+register("gpu-vbios", "gpu-vbios:GPU", gpu_vbios)
+register("gpu-driver", "gpu-driver:VERSION", gpu_driver)
+register("peermem-unloaded", "peermem-unloaded", peermem_unloaded)
+register("mount-unreachable", "mount-unreachable", mount_unreachable)
+register("nvme-media-errors", "nvme-media-errors", nvme_media_errors)
+register("nvme-spare-low", "nvme-spare-low", nvme_spare_low)
+register("service-failed", "service-failed:UNIT", service_failed)
+register("ib-missing", "ib-missing:HCA", ib_missing)
+register("ib-downtrained", "ib-downtrained:HCA:PORT", ib_downtrained)
 
 
 def usages() -> str:

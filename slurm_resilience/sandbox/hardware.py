@@ -1,10 +1,15 @@
 """Stand-in hardware for each sandbox node: 8 GPUs, 8 HCAs, a kernel log and an NVMe.
 
 Per node ``<state>/nodes/<node>/``: ``sys/class/infiniband`` (mlx5_0..7, port 1
-ACTIVE at 400 Gb/sec (4X NDR)), ``kmsg`` (empty, /dev/kmsg record format),
-``boot_id``, and ``nvme/`` (the staging directory, made to look
-``NVME_SIZE`` big through ``health.nvme.size_limit``); and the node's NVML
-scenario ``<state>/scenarios/<node>.json`` (8 healthy H100s).
+ACTIVE at 400 Gb/sec (4X NDR)), ``sys/bus/pci/devices/<bdf>/aer_dev_*`` (each GPU's
+PCIe AER statistics, all 0), ``proc/modules`` (the NVIDIA and RDMA modules,
+nvidia_peermem loaded), ``kmsg`` (empty, /dev/kmsg record format), ``boot_id``,
+``nvme/`` (the staging directory, made to look ``NVME_SIZE`` big through
+``health.nvme.size_limit``), ``nvme-smart-log.json`` (what ``nvme smart-log -o json``
+answers), ``systemd/<unit>`` (each GPU service unit's state), ``shared/`` (the
+shared filesystem the health check probes) and ``bin/`` (stand-ins for ``nvme`` and
+``systemctl``, first on the health check's PATH); and the node's NVML scenario
+``<state>/scenarios/<node>.json`` (8 healthy H100s).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from slurm_resilience.fakes import nvml, sysfs
 from slurm_resilience.log import get_logger
+from slurm_resilience.sandbox import standins
 
 log = get_logger("sandbox")
 
@@ -55,6 +61,30 @@ class NodeHardware:
     def nvme(self) -> Path:
         return self.root / "nvme"
 
+    @property
+    def pci(self) -> Path:
+        return self.root / "sys" / "bus" / "pci" / "devices"
+
+    @property
+    def modules(self) -> Path:
+        return self.root / "proc" / "modules"
+
+    @property
+    def smart_log(self) -> Path:
+        return self.root / "nvme-smart-log.json"
+
+    @property
+    def units(self) -> Path:
+        return self.root / "systemd"
+
+    @property
+    def shared(self) -> Path:
+        return self.root / "shared"
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "bin"
+
 
 def scenario_dir(state_dir: Path) -> Path:
     return Path(state_dir) / "scenarios"
@@ -78,12 +108,23 @@ def reset_node(hw: NodeHardware) -> None:
     fresh = hw.sysfs.with_name(f".{hw.sysfs.name}.new-{uuid.uuid4().hex[:8]}")
     sysfs.build(str(fresh), HCAS)
     swap_in(fresh, hw.sysfs)
-    _replace(hw.kmsg, "")
-    _replace(hw.boot_id, f"{uuid.uuid4()}\n")
+    replace_text(hw.kmsg, "")
+    replace_text(hw.boot_id, f"{uuid.uuid4()}\n")
     hw.nvme.mkdir(parents=True, exist_ok=True)
     fill = hw.nvme / FILL_FILE
     if fill.exists():
         fill.unlink()
+    for bus_id in nvml.H100_BUS_IDS[:GPUS]:
+        sysfs.build_aer(str(hw.pci), sysfs.sysfs_bdf(f"00000000:{bus_id}:00.0"))
+    replace_text(hw.modules, standins.proc_modules(peermem=True))
+    replace_text(hw.smart_log, standins.smart_log_json())
+    for unit in standins.UNITS:
+        replace_text(hw.units / unit, "active\n")
+    hw.shared.mkdir(parents=True, exist_ok=True)
+    for name, script in standins.SCRIPTS.items():
+        path = hw.bin / name
+        if not path.exists() or path.read_text() != script:
+            replace_text(path, script, mode=0o755)
 
 
 FILL_FILE = ".sandbox-nvme-full"
@@ -91,10 +132,12 @@ RENAME_EXCHANGE = 2  # linux/fs.h
 AT_FDCWD = -100
 
 
-def _replace(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str, mode: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
+    if mode is not None:
+        tmp.chmod(mode)
     os.replace(tmp, path)
 
 

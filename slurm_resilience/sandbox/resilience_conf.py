@@ -55,16 +55,28 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "backend": "fake",
             "scenario_dir": f"{state}/scenarios",
             "resume_after_passes": 2,
-            # PCIe AER is read from a per-node directory, never the host's own devices.
+            # PCIe AER and /proc/modules are read from per-node stand-ins, never the host's
+            # own; the node runs the stand-in scenario's driver, needs nvidia_peermem, and
+            # drains on a GPU whose VBIOS differs from its peers'.
             "gpu": {"expected_count": 8,
-                    "pci_sysfs_root": f"{node_root}/sys/bus/pci/devices"},
+                    "pci_sysfs_root": f"{node_root}/sys/bus/pci/devices",
+                    "expected_driver": "565.", "peermem": "required",
+                    "modules_file": f"{node_root}/proc/modules", "uniform_vbios": "fail"},
             "xid": {"source": "file", "path": f"{node_root}/kmsg",
                     "boot_id_file": f"{node_root}/boot_id"},
-            "infiniband": {"sysfs_root": f"{node_root}/sys/class/infiniband",
-                           "expected_hcas": [f"mlx5_{i}" for i in range(8)],
-                           "min_rate_gbps": 400},
+            # No HCA list or rate: the shipped per-GPU-model defaults (8 HCAs at 400 Gb/s
+            # for H100) apply, as at a site that configured none.
+            "infiniband": {"sysfs_root": f"{node_root}/sys/class/infiniband"},
+            # SMART comes from the node's `nvme` stand-in (first on the health check's
+            # PATH, see slurmconf.healthcheck_wrapper); the site's spare floor sits above
+            # the drive's own 5% threshold.
             "nvme": {"path": f"{node_root}/nvme", "size_limit": 100 << 30,
-                     "min_free": 10 << 30, "smart": False, "max_probe_ms": 5000},
+                     "min_free": 10 << 30, "smart": True, "min_available_spare": 20,
+                     "max_probe_ms": 5000},
+            # The node's shared filesystem: a plain directory, not a mount point.
+            "mounts": {"paths": [f"{node_root}/shared"], "require_mountpoint": False},
+            # Answered by the node's `systemctl` stand-in (an HGX node runs Fabric Manager).
+            "services": {"units": ["nvidia-fabricmanager"]},
         },
         "agent": {"socket": f"{node_root}/run/agent.sock"},
         "heartbeat": {

@@ -116,7 +116,9 @@ def healthcheck_wrapper(layout: Layout) -> str:
     slurmd starts HealthCheckProgram with only SLURMD_NODENAME in its environment
     (checked on 22.05), unlike the Prolog and Epilog, which get SLURM_CONF. A site
     keeps the config in /etc/slurm-resilience/, where the hook finds it anyway; the
-    sandbox's config lives beside its own slurm.conf, so the hook is told where.
+    sandbox's config lives beside its own slurm.conf, so the hook is told where. The
+    node's stand-ins for ``nvme`` and ``systemctl`` (``<state>/nodes/<node>/bin``) come
+    first on its PATH, as the real programs would answer on a real node.
     """
     q = shlex.quote
     return (
@@ -126,7 +128,9 @@ def healthcheck_wrapper(layout: Layout) -> str:
         f"SLURM_CONF={q(str(layout.slurm_conf))}\n"
         "# Marks what the healthcheck starts (idle verifiers) for `sandbox down`.\n"
         f"SLURM_RESILIENCE_SANDBOX={q(str(layout.state_dir))}\n"
-        "PATH=/usr/sbin:/usr/bin:/sbin:/bin\n"
+        "# The node's stand-in programs (nvme, systemctl) come first.\n"
+        f"PATH={q(str(layout.nodes_dir))}/\"${{SLURMD_NODENAME:-none}}\"/bin:"
+        "/usr/sbin:/usr/bin:/sbin:/bin\n"
         "export SLURM_CONF SLURM_RESILIENCE_SANDBOX PATH\n"
         f"exec {q(str(layout.hook('healthcheck')))} \"$@\"\n"
     )
