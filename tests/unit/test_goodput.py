@@ -244,6 +244,56 @@ def test_the_hang_report_links_to_goodput() -> None:
     assert "slurm-resilience goodput 7 (on n1)" in text
 
 
+def test_ckpt_status_links_to_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ckpt status` asks the node's agent over its socket (here a stand-in answering as the
+    agent does) and ends with the goodput command for the job on that node; --json prints
+    the agent's answer only."""
+    import argparse
+    import shutil
+    import socket
+    import tempfile
+    import threading
+
+    from slurm_resilience.checkpoint.cli import run_status
+
+    short = tempfile.mkdtemp(prefix="sr-ck-")  # a Unix socket path is at most 107 bytes
+    sock_path = os.path.join(short, "agent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen()
+    asked: list[dict[str, object]] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                asked.append(json.loads(conn.makefile("rb").readline()))
+                conn.sendall(json.dumps({"ok": True, "stagein": "done", "step": 10,
+                                         "source": "local", "mode": "whole", "fallbacks": [],
+                                         "pending": []}).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conf = os.path.join(short, "c.json")
+    with open(conf, "w") as fh:
+        json.dump({"agent": {"socket": sock_path}, "node": {"name": "n1"}}, fh)
+    try:
+        assert run_status(argparse.Namespace(config=conf, node="n2", job_id=7,
+                                             json=False)) == 0
+        text = capsys.readouterr().out
+        assert run_status(argparse.Namespace(config=conf, node="", job_id=7, json=True)) == 0
+        raw = capsys.readouterr().out
+    finally:
+        thread.join(10)
+        server.close()
+        shutil.rmtree(short)
+    assert text.startswith("job 7 on n2: stage-in done: step 10 from local (whole)\n")
+    assert text.endswith("  time lost to restarts and stage-in: "
+                         "slurm-resilience goodput 7 --node n2\n")
+    assert "goodput" not in raw and json.loads(raw)["step"] == 10
+    assert [a["op"] for a in asked] == ["ckpt.status"] * 2 and asked[0]["job_id"] == 7
+
+
 def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> None:
     from slurm_resilience.goodput.ledger import JobTimes, RunTimes, merge
 
