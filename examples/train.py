@@ -21,7 +21,9 @@ Run it under srun, e.g.::
 
 Fault flags (``--crash-at-step``, ``--hang-at-step``) fire only on the first run
 (``SLURM_RESTART_COUNT`` unset or 0) unless ``--fault-every-run`` is given, so a
-requeued job can finish. The last line is ``done step=N resumed_from=M restarts=R``.
+requeued job can finish. The last line is ``done step=N resumed_from=M restarts=R at=T``;
+the ``at=`` stamps (Unix time) let a test check the goodput breakdown against the job's
+own clock.
 """
 
 from __future__ import annotations
@@ -160,15 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(a.checkpoint_seconds)
             heartbeat.checkpointed(step)
             if rank == 0:
-                print(f"checkpoint step={step} loss={loss.item():.4f} stall_ms={stall_ms:.1f}",
-                      flush=True)
+                print(f"checkpoint step={step} loss={loss.item():.4f} stall_ms={stall_ms:.1f} "
+                      f"at={time.time():.3f}", flush=True)
 
     ckpt.close()  # the last save is committed before we report done
     heartbeat.done()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        print(f"done step={a.steps} resumed_from={start} restarts={restarts}", flush=True)
+        print(f"done step={a.steps} resumed_from={start} restarts={restarts} "
+              f"at={time.time():.3f}", flush=True)
     return 0
 
 

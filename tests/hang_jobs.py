@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -59,3 +60,22 @@ def acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | No
                 "requeue", "hold"):
             return r
     return None
+
+
+def job_clock(out: str) -> dict[str, Any]:
+    """The times examples/train.py printed (Unix time, the job's own clock): per run the
+    earliest rank's "running" line (just before its first step), per checkpoint step its
+    time and stall_ms (rank 0, after the save's section), each hang, and the done line."""
+    import re
+
+    clock: dict[str, Any] = {"running": {}, "checkpoints": {}, "hangs": [], "done": None}
+    for m in re.finditer(r"rank \d+ running step=\d+ at=([\d.]+) restarts=(\d+)", out):
+        run, at = int(m.group(2)), float(m.group(1))
+        clock["running"][run] = min(at, clock["running"].get(run, at))
+    for m in re.finditer(r"checkpoint step=(\d+) loss=\S+ stall_ms=([\d.]+) at=([\d.]+)", out):
+        clock["checkpoints"][int(m.group(1))] = (float(m.group(3)), float(m.group(2)) / 1e3)
+    clock["hangs"] = [(int(m.group(1)), float(m.group(2))) for m in
+                      re.finditer(r"rank \d+ hanging at step=(\d+) at=([\d.]+)", out)]
+    done = re.search(r"done step=\d+ resumed_from=\d+ restarts=\d+ at=([\d.]+)", out)
+    clock["done"] = float(done.group(1)) if done else None
+    return clock

@@ -139,7 +139,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=1, sort_keys=True))
     else:
         print("\n".join(format_status(args.job_id, node, answer)))
-        print(f"  time lost to restarts and stage-in: slurm-resilience goodput {args.job_id}")
+        print(f"  time lost to restarts and stage-in: slurm-resilience goodput {args.job_id} "
+              f"--node {node}")
     return 1 if answer.get("stagein") == "failed" else 0
 
 

@@ -88,7 +88,7 @@ def job_breakdown(cfg: config.Config, nodes: list[str], job_id: int, now: float
         notes.append(f"couldn't ask Slurm about the job ({exc}); the last run is taken as "
                      "ended where the agent last saw it")
     b = compute.breakdown(job_id, [r.to_run() for r in job.runs.values()], over, completed)
-    return compute.Breakdown(b.job_id, b.runs, tuple(notes))
+    return compute.Breakdown(b.job_id, b.runs, tuple(notes) + b.notes)
 
 
 def allocation_times(job: JobTimes, runs: list[JobRun]) -> str:
@@ -112,6 +112,8 @@ def to_json(b: compute.Breakdown) -> dict[str, Any]:
     return {"job_id": b.job_id, "allocated_s": round(b.allocated_s, 3),
             "productive_s": round(b.productive_s, 3), "goodput_ratio": round(b.ratio, 4),
             "losses_s": {k: round(v, 3) for k, v in b.losses.items()},
+            "unexplained_s": round(b.unexplained_s, 3),
+            "explained_share": round(b.explained_share, 4),
             "runs": [asdict(r) for r in b.runs], "notes": list(b.notes)}
 
 

@@ -11,10 +11,19 @@ Its losses, in the order they happen:
   the next run (from the last checkpoint to the last progress);
 * ``hung_before_detection``: from the last progress to the detection of the hang;
 * ``restart``: from the detection (or the last progress, for a run that ended without an
-  incident while not done) to the end of the allocation: evidence, decision, requeue.
+  incident while not done) to the end of the allocation: evidence, decision, requeue;
+* ``after_last_step``: a run that ended well, from its last progress to the end of the
+  allocation (the last save's commit, shutdown, epilog).
 
-Productive time is the rest. A run with no failure loses nothing after its first step
-except its checkpoint stalls.
+Productive time is measured on its own, from step times: the steps a run kept (all of them,
+or for a failed run those up to its last checkpoint, not counting the first step, whose
+time is start-up) times the run's median step time. Every category above is an interval of
+the run's timeline, so ``unexplained`` (allocated minus productive minus the losses) is what
+the measurements do not cover: time lost in a way the suite does not measure (slow steps
+outside checkpoints, a stall outside ``section("checkpoint")``), or, when negative, time two
+measurements both claimed. A breakdown accounts for its allocation when ``unexplained`` is
+within 5% of it (:data:`EXPLAINED_MIN`). A run without step times (a ledger written before
+they were recorded) takes the remainder as productive, and its ``unexplained`` is 0.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 CATEGORIES = ("before_first_step", "stagein", "checkpoint_stall", "lost_since_checkpoint",
-              "hung_before_detection", "restart")
+              "hung_before_detection", "restart", "after_last_step")
+EXPLAINED_MIN = 0.95  # productive + losses cover at least this share of the allocation
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,9 @@ class Run:
     checkpoint_stall_s: float = 0.0
     done: bool = False  # the training loop said it finished
     hang: Hang | None = None
+    steps: int | None = None  # steps completed after the first one (None: not recorded)
+    steps_at_checkpoint: int | None = None  # of those, the ones the last checkpoint kept
+    step_time_s: float | None = None  # the run's median step time
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,8 @@ class RunBreakdown:
     allocated_s: float
     productive_s: float
     losses: dict[str, float]
+    unexplained_s: float = 0.0
+    measured: bool = False  # productive_s comes from step times (else it is the remainder)
 
 
 @dataclass(frozen=True)
@@ -79,8 +94,25 @@ class Breakdown:
         return self.productive_s / self.allocated_s if self.allocated_s > 0 else 0.0
 
     @property
+    def unexplained_s(self) -> float:
+        return sum(r.unexplained_s for r in self.runs)
+
+    @property
     def accounted_s(self) -> float:
+        """Productive time and the losses: what the measurements explain."""
         return self.productive_s + sum(self.losses.values())
+
+    @property
+    def explained_share(self) -> float:
+        """1 minus the unexplained share of the allocation (its magnitude: time claimed
+        twice is as unexplained as time claimed by nothing)."""
+        if self.allocated_s <= 0:
+            return 1.0
+        return max(0.0, 1.0 - abs(self.unexplained_s) / self.allocated_s)
+
+    @property
+    def explained(self) -> bool:
+        return self.explained_share >= EXPLAINED_MIN
 
 
 def _clip(t: float, lo: float, hi: float) -> float:
@@ -96,15 +128,15 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
         # No step at all: the whole allocation went to starting up (and stage-in).
         losses["stagein"] = min(r.stagein_s, allocated)
         losses["before_first_step"] = allocated - losses["stagein"]
-        return RunBreakdown(r.run, allocated, 0.0, losses)
+        return RunBreakdown(r.run, allocated, 0.0, losses, 0.0, r.steps is not None)
     first = _clip(r.first_step_at, r.start, r.end)
     losses["stagein"] = min(r.stagein_s, first - r.start)
     losses["before_first_step"] = first - r.start - losses["stagein"]
     failed = r.hang is not None or (ended and not r.done and not ok)
+    last = _clip(r.last_progress_at if r.last_progress_at is not None else first, first, r.end)
     stop = r.end
+    kept = r.steps
     if failed:
-        last = _clip(r.last_progress_at if r.last_progress_at is not None else first, first,
-                     r.end)
         if r.hang is not None:
             last = _clip(min(last, r.hang.started_at), first, r.end)
             detected = _clip(r.hang.detected_at, last, r.end)
@@ -113,12 +145,21 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
         else:
             losses["restart"] = r.end - last
         ckpt = r.last_checkpoint_at
-        ckpt = first if ckpt is None or ckpt < first else min(ckpt, last)
+        if ckpt is None or ckpt < first:
+            ckpt, kept = first, 0  # nothing this run did was kept
+        else:
+            ckpt, kept = min(ckpt, last), r.steps_at_checkpoint
         losses["lost_since_checkpoint"] = last - ckpt
         stop = ckpt
+    elif ended:
+        losses["after_last_step"] = r.end - last
+        stop = last
     losses["checkpoint_stall"] = min(r.checkpoint_stall_s, max(0.0, stop - first))
-    productive = max(0.0, allocated - sum(losses.values()))
-    return RunBreakdown(r.run, allocated, productive, losses)
+    rest = max(0.0, allocated - sum(losses.values()))
+    if kept is None or r.step_time_s is None:
+        return RunBreakdown(r.run, allocated, rest, losses)
+    productive = max(0, kept) * max(0.0, r.step_time_s)
+    return RunBreakdown(r.run, allocated, productive, losses, rest - productive, True)
 
 
 def breakdown(job_id: int, runs: Sequence[Run], last_over: bool, completed: bool = False
@@ -128,7 +169,10 @@ def breakdown(job_id: int, runs: Sequence[Run], last_over: bool, completed: bool
     last = len(ordered) - 1
     out = tuple(run_breakdown(r, last_over or i < last, completed and i == last)
                 for i, r in enumerate(ordered))
-    return Breakdown(job_id, out)
+    guessed = [r.run for r in out if not r.measured and r.allocated_s > 0]
+    notes = (f"no step times recorded for run(s) {', '.join(map(str, guessed))}: their "
+             "productive time is what the losses leave",) if guessed else ()
+    return Breakdown(job_id, out, notes)
 
 
 def render(b: Breakdown) -> str:
@@ -138,8 +182,12 @@ def render(b: Breakdown) -> str:
 
     lines = [f"job {b.job_id}: goodput {b.ratio:.1%} of {b.allocated_s:.1f} s allocated "
              f"over {len(b.runs)} run(s)",
-             line("productive", b.productive_s)]
+             line("productive (step times)", b.productive_s)]
     lines += [line(c.replace("_", " "), s) for c, s in b.losses.items()]
+    lines.append(line("unexplained", b.unexplained_s))
+    lines.append(f"  the measurements explain {b.explained_share:.1%} of the allocated time"
+                 + ("" if b.explained else
+                    f" (under {EXPLAINED_MIN:.0%}: some loss is not measured)"))
     for r in b.runs:
         lost = ", ".join(f"{c.replace('_', ' ')} {s:.1f}s" for c, s in r.losses.items() if s)
         lines.append(f"  run {r.run}: {r.allocated_s:.1f} s allocated, {r.productive_s:.1f} s "

@@ -9,6 +9,12 @@ atomically: on each change that matters, at most every :data:`FLUSH_EVERY_S` oth
 and when the job leaves the node. Bounded: :data:`MAX_RUNS` runs per job; files older than
 the retention are removed by :meth:`Ledger.cleanup`.
 
+Productive time comes from step times (see :mod:`slurm_resilience.goodput.compute`): per run
+the node's lowest rank's beat count, its beat count at the last checkpoint (less the steps it
+had done past the checkpoint's step when the tick saw it), and up to
+:data:`MAX_STEP_SAMPLES` of its latest step times, one per tick (the run's median step time
+is their median).
+
 Resolution: a checkpoint's time is the exit of the ``checkpoint`` section that saved it
 when there is one, else the tick that saw the step change; a checkpoint section shorter
 than one tick is missed from the stall time (it is sampled).
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -33,6 +40,7 @@ log = get_logger("goodput")
 FLUSH_EVERY_S = 30.0
 MAX_RUNS = 64
 MAX_BYTES = 1 << 20
+MAX_STEP_SAMPLES = 64
 CKPT_SECTION = "checkpoint"
 _NAME = re.compile(r"^job-(\d{1,12})\.json$")
 
@@ -53,15 +61,26 @@ class RunTimes:
     stall_reported: bool = False  # checkpoint_stall_s comes from save() itself
     hang_started_at: float | None = None  # from this node's hang report of the run
     hang_detected_at: float | None = None
+    steps_recorded: bool = False  # the fields below were kept for this run
+    beats: int = 0  # the lowest rank's beats
+    beats_at_checkpoint: int | None = None
+    step_times: list[float] = field(default_factory=list)  # its latest step times, one a tick
 
     def to_run(self) -> Run:
         hang = None
         if self.hang_detected_at is not None:
             hang = Hang(self.hang_started_at if self.hang_started_at is not None
                         else self.hang_detected_at, self.hang_detected_at)
+        steps = kept = step_time = None
+        if self.steps_recorded:
+            # The first beat's interval is start-up (before_first_step), not a step.
+            steps = max(0, self.beats - 1)
+            if self.beats_at_checkpoint is not None:
+                kept = max(0, self.beats_at_checkpoint - 1)
+            step_time = statistics.median(self.step_times) if self.step_times else 0.0
         return Run(self.run, self.start, self.end, self.first_step_at, self.last_progress_at,
                    self.last_checkpoint_at, self.stagein_s, self.checkpoint_stall_s, self.done,
-                   hang)
+                   hang, steps, kept, step_time)
 
 
 @dataclass
@@ -111,6 +130,11 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
             m.done = m.done or r.done
             m.hang_started_at = _pick(min, m.hang_started_at, r.hang_started_at)
             m.hang_detected_at = _pick(min, m.hang_detected_at, r.hang_detected_at)
+            if r.steps_recorded and (not m.steps_recorded or r.beats > m.beats):
+                # Ranks step together: the node that saw the most steps tells them.
+                m.steps_recorded, m.beats, m.step_times = True, r.beats, list(r.step_times)
+            if r.beats_at_checkpoint is not None:
+                m.beats_at_checkpoint = max(m.beats_at_checkpoint or 0, r.beats_at_checkpoint)
     return out
 
 
@@ -244,6 +268,13 @@ class Ledger:
         if slots:
             r.last_progress_at = max(v.wall(v.last_progress) for v in slots)
             lead = min(slots, key=lambda v: v.rank)
+            if not r.steps_recorded:
+                r.steps_recorded, changed = True, True
+            if lead.beats != r.beats:
+                if lead.beats > r.beats and lead.beats >= 2 and lead.last_dt > 0:
+                    r.step_times.append(lead.last_dt)
+                    del r.step_times[:-MAX_STEP_SAMPLES]
+                r.beats = lead.beats
             if r.stall_reported:
                 r.in_section_since = None  # save() reports its stalls: no sampling
             ckpt = max(v.ckpt_step for v in slots)
@@ -253,6 +284,8 @@ class Ledger:
                 exited = lead.wall(lead.section_start) if lead.section_start > 0 else 0.0
                 at = exited if not lead.section and r.start <= exited <= now else now
                 r.ckpt_step, r.last_checkpoint_at = ckpt, at
+                # The beats the checkpoint kept: less those past its step by this tick.
+                r.beats_at_checkpoint = max(0, lead.beats - max(0, lead.step - ckpt))
                 changed = True
             done = all(v.flags & S.FLAG_DONE for v in slots)
             if done != r.done:

@@ -233,7 +233,9 @@ class AgentCollector(Collector):
                        "this node so far (slurm-resilience goodput JOBID has the breakdown)",
                        ["job_id"])
         lost = _gauge("job_goodput_lost_seconds", "the job's allocated time on this node "
-                      "lost so far, by kind", ["job_id", "kind"])
+                      "lost so far, by kind; kind=unexplained is what productive time (from "
+                      "step times) and the other kinds leave, negative where they overlap",
+                      ["job_id", "kind"])
         for job_id, job in sorted(dict(ledger.jobs).items()):
             runs = [r.to_run() for r in list(job.runs.values())]
             if not runs:
@@ -244,6 +246,7 @@ class AgentCollector(Collector):
             ratio.add_metric([str(job_id)], b.ratio)
             for kind, seconds in b.losses.items():
                 lost.add_metric([str(job_id), kind], seconds)
+            lost.add_metric([str(job_id), "unexplained"], b.unexplained_s)
         yield ratio
         yield lost
 

@@ -2,10 +2,21 @@
 
 After an injected Xid, a hang and a checkpointed job, PromQL against that server returns the
 drain, incident, goodput and upload-backlog series. The job hung once and resumed; its
-`goodput` over the nodes it ran on accounts for its allocated time, and the losses match
-what was injected: time hung before detection within 1.5 s of the report's figure (the
-ledger samples slots every heartbeat.interval_s = 0.5 s), work lost since the checkpoint at
-most 2 s (one step, 0.1 s plus compute, was done after the checkpoint at step 10).
+`goodput` over the nodes it ran on accounts for at least 95% of its allocated time with
+productive time measured from step times (``explained_share``), and the losses match the
+job's own printed clock (examples/train.py's ``at=`` stamps) and its hang report, to one
+agent tick (heartbeat.interval_s = 0.5 s) plus the stamp's distance from the event:
+
+* lost since checkpoint: from the checkpoint of step 10 to the hang before step 12, 1.0 s;
+* hung before detection: from the printed hang to the report's detection time, 1.5 s;
+* checkpoint stalls: the printed stall_ms of every save the runs kept, 0.5 s in all;
+* stage-in + before the first step of run 1: at most the time from the hang's detection to
+  run 1's "running" line (its allocation starts in between), and more than 0;
+* productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: between 2.8 s
+  and 14 s.
+
+The allocation times come from the agents here (no accounting in this sandbox); the
+accounting sandbox checks the rest against sacct's run times.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hang_jobs import acting, output, reports, submit, wait_for
+from hang_jobs import acting, job_clock, output, reports, submit, wait_for
 
 from slurm_resilience.sandbox import control, faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -130,13 +141,20 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     b = goodput(sandbox, job_id, sorted({n for _, n in runs}))
     print(json.dumps(b, indent=1))
     assert len(b["runs"]) == 2
-    accounted = b["productive_s"] + sum(b["losses_s"].values())
-    assert accounted >= 0.95 * b["allocated_s"]
+    assert b["explained_share"] >= 0.95, (b["unexplained_s"], b["allocated_s"])
     report = acting(reports(sandbox, job_id), 0)
     assert report is not None
-    detect_s = float(report["detected_at"]) - float(report["timings"]["hang_started_at"])
-    assert abs(b["losses_s"]["hung_before_detection"] - detect_s) <= 1.5, (b, detect_s)
-    # Injected: the checkpoint at step 10, the hang before step 12: one step of work lost
-    # (0.1 s of sleep plus compute), seen to within one agent tick.
-    assert 0 <= b["losses_s"]["lost_since_checkpoint"] <= 2.0, b
-    assert b["losses_s"]["restart"] > 0 and b["productive_s"] > 0
+    clock = job_clock(out)
+    print(f"job clock: {clock}")
+    (hang_step, hung_at), = clock["hangs"]
+    assert hang_step == 12
+    detected = float(report["detected_at"])  # type: ignore[arg-type]
+    losses = b["losses_s"]
+    want = {"lost_since_checkpoint": (hung_at - clock["checkpoints"][10][0], 1.0),
+            "hung_before_detection": (detected - hung_at, 1.5),
+            "checkpoint_stall": (sum(s for _, s in clock["checkpoints"].values()), 0.5)}
+    for kind, (known_s, tol) in want.items():
+        assert abs(losses[kind] - known_s) <= tol, (kind, losses[kind], known_s, tol)
+    r1 = b["runs"][1]["losses"]
+    assert 0 < r1["stagein"] + r1["before_first_step"] <= clock["running"][1] - detected, b
+    assert 28 * 0.1 <= b["productive_s"] <= 28 * 0.5, b

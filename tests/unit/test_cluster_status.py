@@ -1,5 +1,7 @@
 """`status --cluster`: the view assembled from agents' metrics and Slurm's records, and the
-scrape of real endpoints (one of them unreachable)."""
+scrape of real endpoints (one of them unreachable): drains, suspects, held jobs, the slow
+node, open incidents, checkpoint backlog per node and the worst goodput among running
+jobs."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ import socket
 import threading
 from pathlib import Path
 
-from agent_state import slot, view
+from agent_state import Uploads, journal_record, slot, view
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from slurm_resilience.config import Config
+from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.metrics import cluster, events
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
@@ -112,3 +115,84 @@ def test_metrics_urls_use_each_nodes_port() -> None:
     assert cluster.metrics_urls(cfg, {"a": "10.0.0.1", "b": "10.0.0.2", "c": "fe80::1"}) == {
         "a": "http://10.0.0.1:9000/metrics", "b": "http://10.0.0.2:9002/metrics",
         "c": "http://[fe80::1]:9000/metrics"}
+
+
+def busy_agent(tmp_path: Path, node: str, goodput: dict[int, int], incidents: list[int],
+               backlog: list[int], stop: threading.Event) -> CollectorRegistry:
+    """One node's agent: per job in ``goodput``, a run from 0 with its first step at
+    40 - N and N steps of 1 s to 40 (goodput N/40); a hang incident being handled (a live
+    handler thread) for each job in ``incidents``; and each job in ``backlog`` with two
+    checkpoint steps not yet in S3 (6 MiB left), the others' steps all committed."""
+    watcher = Watcher()
+    for job in incidents:
+        t = threading.Thread(target=stop.wait, daemon=True)
+        t.start()
+        watcher.threads[job] = t
+    ledger = Ledger(str(tmp_path / node / "goodput"))
+    views = []
+    for job, n in goodput.items():
+        v = view(job, [slot(r, n + 1, 1.0, job) for r in range(2)])
+        object.__setattr__(v.record, "started", 0.0)
+        for s in v.slots:
+            object.__setattr__(s, "last_beat", 40.0)
+        views.append(v)
+    ledger.observe(views, 40.0)
+    uploads = {}
+    for job in goodput:
+        rec = journal_record(job)
+        if job not in backlog:
+            rec["steps"] = {"100": rec["steps"]["100"]}  # committed in S3: nothing waits
+        uploads[job] = rec
+    sources = AgentSources(node=node, events_path=str(tmp_path / f"{node}-ev.json"),
+                           nccl_path="", watcher=watcher, uploader=Uploads(uploads),
+                           ledger=ledger, steps=StepWatch(
+                               lambda: CFG.stragglers, node,
+                               StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6))
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(sources))
+    return reg
+
+
+def test_incidents_backlog_and_worst_goodput_from_real_endpoints(tmp_path: Path) -> None:
+    """Three agents served over HTTP, scraped as `status --cluster` does. Job 31 runs on n1
+    and n3 with a hang incident open on both, goodput 30/40 and 36/40; job 32 runs on n2
+    with goodput 20/40, the worst of the running jobs; job 33 (n2, 4/40) is no longer
+    running, so it is not the worst. n1 has job 31's two steps not yet in S3."""
+    stop = threading.Event()
+    agents = {"n1": busy_agent(tmp_path, "n1", {31: 30}, [31], [31], stop),
+              "n2": busy_agent(tmp_path, "n2", {32: 20, 33: 4}, [], [], stop),
+              "n3": busy_agent(tmp_path, "n3", {31: 36}, [31, -1], [], stop)}
+    servers = {n: start_http_server(0, addr="127.0.0.1", registry=r)[0]
+               for n, r in agents.items()}
+    try:
+        urls = {n: f"http://127.0.0.1:{srv.server_port}/metrics" for n, srv in servers.items()}
+        scrapes = cluster.scrape_all(urls, timeout=10)
+    finally:
+        stop.set()
+        for srv in servers.values():
+            srv.shutdown()
+    assert all(not s.error for s in scrapes), [s.error for s in scrapes]
+    jobs = [JobInfo(31, "train", "alice", 1000, "RUNNING"),
+            JobInfo(32, "train", "bob", 1001, "RUNNING"),
+            JobInfo(33, "train", "bob", 1001, "COMPLETED")]
+    view_ = cluster.assemble([], jobs, scrapes, "SR:", CFG.stragglers)
+
+    # Open incidents: job 31 on both its nodes (n3's thread -1 is not a job's).
+    assert view_.incidents == [cluster.OpenIncident(31, ("n1", "n3"))]
+    # Backlog per node: only n1 has steps waiting (200 and 300: 10 MiB less 4 MiB sent).
+    assert view_.checkpoint_backlog == [cluster.Backlog("n1", 6 << 20, {"31": 2})]
+    # Worst goodput among running jobs: job 32 (job 33's lower ratio is not running; job
+    # 31's is the lower of its two nodes).
+    assert view_.worst_goodput == cluster.Goodput(32, 0.5)
+    got = cluster.assemble([], jobs[:1], scrapes, "SR:", CFG.stragglers).worst_goodput
+    assert got == cluster.Goodput(31, 0.75)
+    assert cluster.assemble([], [], scrapes, "SR:", CFG.stragglers).worst_goodput is None
+
+    text = cluster.render(view_)
+    assert "job 31 on n1,n3" in text
+    assert "worst goodput among running jobs: job 32 50.0% (slurm-resilience goodput 32)" \
+        in text
+    js = view_.to_json()
+    assert js["incidents"] == [{"job_id": 31, "nodes": ("n1", "n3")}]
+    assert js["checkpoint_backlog"][0]["node"] == "n1"
+    assert js["worst_goodput"] == {"job_id": 32, "ratio": 0.5}

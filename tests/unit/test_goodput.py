@@ -2,8 +2,10 @@
 the agent's ledger built from heartbeat slot readings at injected times.
 
 Tolerance: the ledger samples the slots once per agent tick, so checkpoint times and the
-end of a run are known to one tick (here 1 s); each category is checked to 1 s, and the
-accounted time (productive + losses) to 95% of the allocated time or better.
+end of a run are known to one tick (here 1 s); each category is checked to 1 s. Productive
+time comes from step times (steps kept times the median step time), not from what the losses
+leave, so "accounts for 95% of the allocated time" is a real check: the unexplained rest is
+within 5% of the allocation when every loss was measured, and over it when one was not.
 """
 
 from __future__ import annotations
@@ -40,12 +42,71 @@ def test_a_job_that_hung_once_and_resumed_is_split_into_each_loss() -> None:
     assert b.allocated_s == 1900.0
     assert b.losses == {"before_first_step": 30.0 + 60.0, "stagein": 40.0,
                         "checkpoint_stall": 30.0, "lost_since_checkpoint": 200.0,
-                        "hung_before_detection": 60.0, "restart": 40.0}
-    assert b.productive_s == 1900.0 - 460.0
-    assert b.accounted_s == b.allocated_s
-    assert b.ratio == pytest.approx(1440 / 1900)
+                        "hung_before_detection": 60.0, "restart": 40.0,
+                        "after_last_step": 1.0}
+    # No step times in these records: productive is the remainder, and the note says so.
+    assert b.productive_s == 1900.0 - 461.0
+    assert b.accounted_s == b.allocated_s and b.unexplained_s == 0
+    assert b.notes == ("no step times recorded for run(s) 0, 1: their productive time is "
+                       "what the losses leave",)
+    assert b.ratio == pytest.approx(1439 / 1900)
     text = compute.render(b)
-    assert "goodput 75.8% of 1900.0 s" in text and "lost since checkpoint" in text
+    assert "goodput 75.7% of 1900.0 s" in text and "lost since checkpoint" in text
+
+
+def with_steps(runs: list[Run], step_s: float, steps: tuple[int, int],
+               kept: int) -> list[Run]:
+    """The runs of :func:`hung_once_and_resumed` with step records: run 0 kept ``kept``
+    steps at its checkpoint, the runs did ``steps`` steps after their first."""
+    from dataclasses import replace
+
+    r0, r1 = runs
+    return [replace(r0, steps=steps[0], steps_at_checkpoint=kept, step_time_s=step_s),
+            replace(r1, steps=steps[1], steps_at_checkpoint=steps[1], step_time_s=step_s)]
+
+
+def test_productive_time_comes_from_step_times_and_the_rest_is_unexplained() -> None:
+    """Run 0: first step at 30, checkpoint at 500 with 10 s of stalls before it: 460 s of
+    steps kept, 2 s each = 230 steps (steps to 700 were lost). Run 1: first step at 1000,
+    last at 1999, 20 s of stalls: 979 s = 489.5 steps. Every second is then explained."""
+    b = compute.breakdown(7, with_steps(hung_once_and_resumed(), 2.0, (335, 489), 230),
+                          last_over=True, completed=True)
+    assert [r.measured for r in b.runs] == [True, True] and b.notes == ()
+    assert b.productive_s == 2.0 * (230 + 489)
+    assert b.unexplained_s == pytest.approx(1900 - 461 - 1438)
+    assert b.explained and b.explained_share == pytest.approx(1 - 1 / 1900)
+    assert b.ratio == pytest.approx(1438 / 1900)
+    text = compute.render(b)
+    assert "unexplained" in text and "explain 99.9% of the allocated time" in text
+
+    # Steps ran 30% slower than their median in run 1 (say a data loader stall outside
+    # any checkpoint section): 979 s bought 340 steps, not 489. No category measures
+    # that: the rest is unexplained and the breakdown no longer accounts for 95%.
+    slow = compute.breakdown(7, with_steps(hung_once_and_resumed(), 2.0, (335, 340), 230),
+                             last_over=True, completed=True)
+    assert slow.unexplained_s == pytest.approx(1900 - 461 - 2.0 * (230 + 340))
+    assert not slow.explained and "some loss is not measured" in compute.render(slow)
+
+    # Time claimed twice (a step time taken for 3 s, not 2) is unexplained too: negative.
+    over = compute.breakdown(7, with_steps(hung_once_and_resumed(), 3.0, (335, 489), 230),
+                             last_over=True, completed=True)
+    assert over.unexplained_s < 0 and not over.explained
+
+
+def test_a_failed_run_keeps_only_the_steps_of_its_checkpoint() -> None:
+    # Ended, not done, not completed, no incident; 100 steps of 1 s, checkpoint after 60.
+    r = Run(0, 0.0, 200.0, first_step_at=10.0, last_progress_at=110.0,
+            last_checkpoint_at=70.0, steps=100, steps_at_checkpoint=60, step_time_s=1.0)
+    b = compute.breakdown(3, [r], last_over=True)
+    assert b.productive_s == 60.0
+    assert b.losses["lost_since_checkpoint"] == 40 and b.losses["restart"] == 90
+    assert b.unexplained_s == 0
+    # No checkpoint in the run: nothing it did was kept.
+    b = compute.breakdown(3, [Run(0, 0.0, 200.0, first_step_at=10.0, last_progress_at=110.0,
+                                  steps=100, steps_at_checkpoint=None, step_time_s=1.0)],
+                          last_over=True)
+    assert b.productive_s == 0 and b.losses["lost_since_checkpoint"] == 100
+    assert b.unexplained_s == 0
 
 
 def test_a_run_without_steps_and_a_run_that_ended_without_an_incident() -> None:
@@ -73,9 +134,9 @@ def write_report(directory: Path, job_id: int, run: int, started: float, detecte
 
 
 def test_the_ledger_follows_the_slots_and_the_requeue(tmp_path: Path) -> None:
-    """Run 0: prolog at 0, first step at 20, a checkpoint (in section, 8 s) at 300, progress
-    to 400, hung, detected at 460, gone at 480. Run 1: prolog at 600, stage-in 25 s, first
-    step at 650, done at 900."""
+    """Run 0: prolog at 0, first step at 20, steps of 1 s, a checkpoint of step 281 (in
+    section, 8 s) from 300 to 308, progress to 399, hung, detected at 460, gone at 480.
+    Run 1: prolog at 600, stage-in 25 s, first step at 650, done at 900."""
     incidents = tmp_path / "incidents"
     ledger = Ledger(str(tmp_path / "goodput"), str(incidents))
     job = 7
@@ -103,14 +164,14 @@ def test_the_ledger_follows_the_slots_and_the_requeue(tmp_path: Path) -> None:
     while t < 480:
         if t < 20:
             vs = slots(0, 0, t)
+        elif t < 300:
+            vs = slots(0, int(t - 19), t)
+        elif t < 308:  # saving step 281: the loop waits in the section
+            vs = slots(0, 281, 299.0, section="checkpoint", section_start=300.0)
         elif t < 400:
-            step = int(t - 19)
-            ckpt = 280 if t >= 300 else -1
-            in_ckpt = 300 <= t < 308
-            vs = slots(0, step, t, ckpt=ckpt, section="checkpoint" if in_ckpt else "",
-                       section_start=300.0 if in_ckpt else (308.0 if t >= 308 else 0.0))
+            vs = slots(0, int(t - 27), t, ckpt=281, section_start=308.0)
         else:
-            vs = slots(0, 381, 399.0, ckpt=280, section_start=308.0)  # hung: no progress
+            vs = slots(0, 372, 399.0, ckpt=281, section_start=308.0)  # hung: no progress
         tick(t, vs, 0.0)
         t += TICK
     write_report(incidents, job, 0, started=399.0, detected=460.0)
@@ -129,12 +190,15 @@ def test_the_ledger_follows_the_slots_and_the_requeue(tmp_path: Path) -> None:
     b = compute.breakdown(job, [r.to_run() for r in saved.runs.values()], last_over=True,
                           completed=True)
     want = {"before_first_step": 20.0 + 25.0, "stagein": 25.0, "checkpoint_stall": 8.0,
-            "lost_since_checkpoint": 99.0, "hung_before_detection": 61.0, "restart": 19.0}
+            "lost_since_checkpoint": 91.0, "hung_before_detection": 61.0, "restart": 19.0,
+            "after_last_step": 0.0}
     for kind, seconds in want.items():
         assert b.losses[kind] == pytest.approx(seconds, abs=TICK), (kind, b.losses)
     assert b.allocated_s == pytest.approx(479.0 + 300.0, abs=TICK)
-    assert b.accounted_s >= 0.95 * b.allocated_s
-    assert b.productive_s == pytest.approx(779 - 257, abs=3 * TICK)
+    # From step times: 280 steps of 1 s kept by the checkpoint, then 250 in run 1.
+    assert [r.measured for r in b.runs] == [True, True]
+    assert b.productive_s == pytest.approx(280 + 250, abs=TICK)
+    assert abs(b.unexplained_s) <= 3 * TICK and b.explained
 
 
 def test_note_hangs_falls_back_to_the_hung_ranks(tmp_path: Path) -> None:
@@ -180,6 +244,56 @@ def test_the_hang_report_links_to_goodput() -> None:
     assert "slurm-resilience goodput 7 (on n1)" in text
 
 
+def test_ckpt_status_links_to_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ckpt status` asks the node's agent over its socket (here a stand-in answering as the
+    agent does) and ends with the goodput command for the job on that node; --json prints
+    the agent's answer only."""
+    import argparse
+    import shutil
+    import socket
+    import tempfile
+    import threading
+
+    from slurm_resilience.checkpoint.cli import run_status
+
+    short = tempfile.mkdtemp(prefix="sr-ck-")  # a Unix socket path is at most 107 bytes
+    sock_path = os.path.join(short, "agent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen()
+    asked: list[dict[str, object]] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                asked.append(json.loads(conn.makefile("rb").readline()))
+                conn.sendall(json.dumps({"ok": True, "stagein": "done", "step": 10,
+                                         "source": "local", "mode": "whole", "fallbacks": [],
+                                         "pending": []}).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conf = os.path.join(short, "c.json")
+    with open(conf, "w") as fh:
+        json.dump({"agent": {"socket": sock_path}, "node": {"name": "n1"}}, fh)
+    try:
+        assert run_status(argparse.Namespace(config=conf, node="n2", job_id=7,
+                                             json=False)) == 0
+        text = capsys.readouterr().out
+        assert run_status(argparse.Namespace(config=conf, node="", job_id=7, json=True)) == 0
+        raw = capsys.readouterr().out
+    finally:
+        thread.join(10)
+        server.close()
+        shutil.rmtree(short)
+    assert text.startswith("job 7 on n2: stage-in done: step 10 from local (whole)\n")
+    assert text.endswith("  time lost to restarts and stage-in: "
+                         "slurm-resilience goodput 7 --node n2\n")
+    assert "goodput" not in raw and json.loads(raw)["step"] == 10
+    assert [a["op"] for a in asked] == ["ckpt.status"] * 2 and asked[0]["job_id"] == 7
+
+
 def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> None:
     from slurm_resilience.goodput.ledger import JobTimes, RunTimes, merge
 
@@ -195,6 +309,15 @@ def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> Non
         10.0, 101.0, 19.0, 91.0, 3.0)
     assert (r0.hang_started_at, r0.hang_detected_at) == (90.0, 95.0)
     assert merge([]) is None
+    # Step records: the node that saw the most steps tells them.
+    a.runs[0].steps_recorded, a.runs[0].beats, a.runs[0].step_times = True, 50, [1.0, 1.2]
+    a.runs[0].beats_at_checkpoint = 40
+    b.runs[0].steps_recorded, b.runs[0].beats, b.runs[0].step_times = True, 52, [1.1]
+    m = merge([a, b])
+    assert m is not None
+    run = m.runs[0].to_run()
+    assert (run.steps, run.steps_at_checkpoint, run.step_time_s) == (51, 39, 1.1)
+    assert m.runs[1].to_run().steps is None  # not recorded: productive is the remainder
 
 
 def test_allocation_times_come_from_slurm_accounting_when_it_has_them() -> None:

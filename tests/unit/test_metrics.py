@@ -274,10 +274,11 @@ def test_goodput_ratio_and_losses_per_running_job(tmp_path: Path) -> None:
     registry, _, _, sources = collector_for(tmp_path)
     ledger = Ledger(str(tmp_path / "goodput"))
     sources.ledger = ledger
-    v = view(5, [slot(r, 1, 1.0, 5) for r in range(2)])
+    # First step at 10, 30 steps of 1 s since: productive 30 s of 40 (from step times).
+    v = view(5, [slot(r, 31, 1.0, 5) for r in range(2)])
     object.__setattr__(v.record, "started", 0.0)
     for s in v.slots:
-        object.__setattr__(s, "last_beat", 10.0)
+        object.__setattr__(s, "last_beat", 40.0)
         object.__setattr__(s, "created", 9.0)
     ledger.observe([v], 40.0)
     text = generate_latest(registry).decode()
@@ -286,6 +287,8 @@ def test_goodput_ratio_and_losses_per_running_job(tmp_path: Path) -> None:
     assert got[("slurm_resilience_job_goodput_ratio", (("job_id", "5"),))] == 0.75
     assert got[("slurm_resilience_job_goodput_lost_seconds",
                 (("job_id", "5"), ("kind", "before_first_step")))] == 10.0
+    assert got[("slurm_resilience_job_goodput_lost_seconds",
+                (("job_id", "5"), ("kind", "unexplained")))] == 0.0
     ledger.observe([], 41.0)
     assert "job_goodput_ratio{" not in generate_latest(registry).decode()
 
