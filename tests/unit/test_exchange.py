@@ -3,6 +3,7 @@ forged, replayed or misaddressed messages, and users' own credentials, are refus
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import secrets
@@ -217,6 +218,47 @@ def test_agent_credentials_bound_to_receiver_and_nonce(munge_socket: str) -> Non
     finally:
         for a in agents.values():
             a.close()
+
+
+def test_services_add_kinds_of_their_own_and_a_side_exchange_refuses_hang_pieces(
+        munge_socket: str) -> None:
+    """A kind a service registered (straggler summaries) reaches its handler only after the
+    same munge and binding checks; its handler's refusal is the answer; a kind nobody
+    registered is refused; an exchange made for other services only (rendezvous: directory)
+    refuses hang pieces; send() falls back to the next target."""
+    nodes = ["b", "c1", "c2"]
+    cfg = _cfg(nodes)
+    b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket),
+                          hang=False)
+    c1 = NetworkRendezvous(cfg, "c1", credentials=MungeCredentials(socket=munge_socket))
+    creds = MungeCredentials(socket=munge_socket)
+    got: list[Message] = []
+    try:
+        named = Message(Kind.NAMED, 8, 0, "c1", "b", "b", tuple(nodes), {"b": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(named.to_payload())) == \
+            "refused: no service here takes named messages"
+        b.on(Kind.STEPS, lambda m: got.append(m) or ("" if m.job_id == 8 else "steps: no"))
+        with pytest.raises(ValueError):
+            b.on(Kind.PIECES, lambda m: "")
+        steps = Message(Kind.STEPS, 8, 0, "c1", "b", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(steps.to_payload())) == "ok"
+        other = Message(Kind.STEPS, 9, 0, "c1", "b", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(other.to_payload())) == \
+            "refused: steps: no"
+        to_c2 = Message(Kind.STEPS, 8, 0, "c1", "c2", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(to_c2.to_payload())) == \
+            "refused: addressed to c2, this is b"
+        assert [m.pieces for m in got] == [{"c1": b'{"m": 1}'}] * 2
+        hang = Message(Kind.PIECES, 8, 0, "c1", "b", "b", tuple(nodes), {"c1": _piece("c1")})
+        assert _send_raw(cfg.port_of("b"), creds.encode(hang.to_payload())) == \
+            "refused: hang pieces go through the shared directory here"
+        # c2 has no agent: send() gives up on it and hands the message to b.
+        c1.cfg = dataclasses.replace(cfg, send_timeout_s=1.0)
+        assert c1.send(steps, ["c2", "b"]) == "b"
+        assert len(got) == 3 and got[-1].sender == "c1" and got[-1].receiver == "b"
+    finally:
+        b.close()
+        c1.close()
 
 
 def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> None:
