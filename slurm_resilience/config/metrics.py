@@ -40,8 +40,9 @@ class MetricsSection:
 
 @dataclass(frozen=True)
 class StragglerSection:
-    """Naming ranks (in the agent) and nodes (in ``status --cluster``) persistently slower
-    than the rest of their job, from heartbeat step times."""
+    """Naming ranks (each node's agent, among the node's ranks) and nodes (the job's first
+    node's agent, among the job's nodes) persistently slower than the rest of their job,
+    from heartbeat step times."""
 
     window_steps: int = setting(
         100, min=10, max=10000, help="recent step times kept per rank; medians are over these")
@@ -66,11 +67,21 @@ class StragglerSection:
              "within its hourly budgets) once it was named a straggler in this many different "
              "jobs, of at least 2 different users, within record_window_s; 0: never, only "
              "report; 1 is refused (one job is its owner's word only)")
+    node_interval_s: float = setting(
+        30.0, min=0, max=3600,
+        help="how often each agent sends its summary of each multi-node job (median step "
+             "time, steps, ranks) towards the job's judging agent (its first node), over the "
+             "agents' exchange (heartbeat.exchange; its own listener on that port in "
+             "rendezvous directory mode, none in mode none), and the judge judges the job's "
+             "nodes; a node is named after persist_evaluations such judgements; 0: nodes are "
+             "not judged")
     record_window_s: float = setting(
         7 * 86400.0, min=3600, max=365 * 86400,
         help="how long this node remembers the jobs it was a straggler in")
 
     def validate(self) -> None:
+        if 0 < self.node_interval_s < 1:
+            raise ValueError("node_interval_s must be 0 (off) or at least 1 s")
         if self.suspect_after_jobs == 1:
             raise ValueError("suspect_after_jobs=1 would let one job's owner take the node out "
                              "of service; use 0 (off) or at least 2 (jobs of 2 or more users)")

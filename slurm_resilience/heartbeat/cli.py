@@ -51,8 +51,10 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         errors.append(f"incidents: {exc.filename}: permission denied (root only)")
     try:
         result["stragglers"] = stragglers(cfg, node, time.time())
+        result["stragglers_judged"] = stragglers(cfg, node, time.time(), judged=True)
     except PermissionError as exc:
         result["stragglers"] = []
+        result["stragglers_judged"] = []
         errors.append(f"stragglers: {exc.filename}: permission denied (root only)")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
@@ -63,22 +65,39 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
     return result
 
 
-def stragglers(cfg: config.Config, node: str, now: float) -> list[dict[str, Any]]:
-    """The jobs this node was named a straggler in, within the record window."""
+def stragglers(cfg: config.Config, node: str, now: float, *, judged: bool = False
+               ) -> list[dict[str, Any]]:
+    """The jobs this node (ranks of it, or the whole node) was named a straggler in, within
+    the record window; ``judged``: the nodes this node named as its jobs' judging agent."""
     import os
 
-    from slurm_resilience.stragglers.record import FILENAME, StragglerRecord, recent
+    from slurm_resilience.stragglers.record import (
+        FILENAME,
+        JUDGED_FILENAME,
+        StragglerRecord,
+        recent,
+    )
 
-    record = StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node), FILENAME))
-    return [{"job_id": e.job_id, "ranks": list(e.ranks), "slowdown": round(e.slowdown, 3),
-             "at": e.at} for e in recent(record.load(), now, cfg.stragglers.record_window_s)]
+    record = StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node),
+                                          JUDGED_FILENAME if judged else FILENAME))
+    return [{"job_id": e.job_id, "ranks": list(e.ranks), "node": e.node,
+             "slowdown": round(e.slowdown, 3), "at": e.at}
+            for e in recent(record.load(), now, cfg.stragglers.record_window_s)]
 
 
-def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float) -> str:
-    head = (f"straggler ranks on {node} within {window_s / 3600:g}h ({len(rows)} jobs)"
-            + (": recurring" if len(rows) > 1 else "") + ":\n")
-    return head + "".join(f"  job {r['job_id']}: ranks {r['ranks']} {r['slowdown']:+.0%} "
-                          f"slower than the job's median\n" for r in rows)
+def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float,
+                      judged: list[dict[str, Any]] | None = None) -> str:
+    jobs = len({r["job_id"] for r in rows})
+    head = (f"stragglers on {node} within {window_s / 3600:g}h ({jobs} jobs)"
+            + (": recurring" if jobs > 1 else "") + ":\n")
+    lines = [f"  job {r['job_id']}: the whole node {r['slowdown']:+.0%} slower than the "
+             f"job's other nodes\n" if r.get("node") else
+             f"  job {r['job_id']}: ranks {r['ranks']} {r['slowdown']:+.0%} slower than the "
+             f"job's median\n" for r in rows]
+    if judged:
+        lines.append(f"straggler nodes {node} named as its jobs' judge ({len(judged)}):\n")
+        lines += [f"  job {r['job_id']}: {r['node']} {r['slowdown']:+.0%}\n" for r in judged]
+    return head + "".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(st.render(result))
         sys.stdout.write(render_stragglers(node, result["stragglers"],
-                                           cfg.stragglers.record_window_s))
+                                           cfg.stragglers.record_window_s,
+                                           result.get("stragglers_judged")))
         if "uploads" in result:
             from slurm_resilience.checkpoint import upload_status
 

@@ -74,6 +74,7 @@ class StatusDoc(TypedDict, total=False):
     errors: list[str]
     uploads: UploadReport
     stragglers: list[dict[str, Any]]
+    stragglers_judged: list[dict[str, Any]]
 
 
 def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[DrainRow]:

@@ -72,6 +72,8 @@ class HangWatcher:
         self._own_rdv = rendezvous is None  # a reload may rebuild only what we made
         self.rdv = (rendezvous if rendezvous is not None
                     else RV.make(cfg, node, adapter.node_addresses))
+        # Outside network mode: an exchange for other services' messages only (exchange()).
+        self._side_exchange: Any = None
         # Set by close(): retry waits end at once and incidents are left for the next start.
         self.stopping = threading.Event()
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
@@ -96,10 +98,41 @@ class HangWatcher:
         if not self._own_rdv or (before.rendezvous, before.rendezvous_dir, before.exchange) == \
                 (hb.rendezvous, hb.rendezvous_dir, hb.exchange):
             return
+        self._close_side_exchange()  # its port may be the network rendezvous's now
         old, self.rdv = self.rdv, RV.make(self.cfg, self.node, self.adapter.node_addresses)
         self.runner.rdv = self.rdv
         old.close()
         log.info("heartbeat: rendezvous rebuilt after a reload", mode=hb.rendezvous)
+
+    def exchange(self) -> Any:
+        """The agents' network exchange other services add message kinds to (straggler
+        nodes): the hang rendezvous itself in network mode; in directory mode one of its own
+        on the same port and munge settings, refusing hang pieces, made on first use; None
+        in mode none (the site runs no exchange between agents)."""
+        from slurm_resilience.heartbeat import exchange
+
+        if isinstance(self.rdv, exchange.NetworkRendezvous):
+            return self.rdv
+        hb = self.cfg.heartbeat
+        if hb.rendezvous != "directory" or not self._own_rdv:
+            return None
+        if self._side_exchange is None:
+            try:
+                self._side_exchange = exchange.from_config(
+                    hb.exchange, self.node, self.adapter.node_addresses, hang=False)
+            except OSError as exc:
+                log.error("heartbeat: exchange: couldn't listen; other agents' straggler "
+                          "summaries won't reach this one", port=hb.exchange.port_of(self.node),
+                          error=str(exc))
+                self._side_exchange = exchange.from_config(
+                    hb.exchange, self.node, self.adapter.node_addresses, listen=False,
+                    hang=False)
+        return self._side_exchange
+
+    def _close_side_exchange(self) -> None:
+        if self._side_exchange is not None:
+            self._side_exchange.close()
+            self._side_exchange = None
 
     # -- the tick --------------------------------------------------------------------------------
 
@@ -259,6 +292,7 @@ class HangWatcher:
         Nothing is lost by leaving sooner: claimed plans are persisted step by step and a
         requeue is never repeated (see store and actions), so the next start resumes."""
         self.stopping.set()
+        self._close_side_exchange()
         self.wait(CLOSE_GRACE_S)
 
 

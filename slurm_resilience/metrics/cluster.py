@@ -5,10 +5,11 @@ Gather: Slurm's node list (drains, suspects) and job list (jobs we hold), the ag
 addresses from Slurm (NodeAddr) through the adapter, and one bounded, parallel scrape of
 each agent's endpoint. Decide (pure, :func:`assemble`): drained and suspect nodes with
 their reasons, open incidents, held jobs, checkpoint backlog per node, the worst goodput
-among running jobs, straggler ranks and recurring straggler nodes the agents report, and
-straggler nodes judged across each job's nodes from their step-time medians
-(:func:`~slurm_resilience.stragglers.detect.judge_medians`, the agents' thresholds). An
-agent that can't be scraped is listed as an error, never left out.
+among running jobs, and the stragglers the agents name: nodes named by their jobs' judging
+agents (each named node reports ``job_straggler_node_slowdown_ratio``; the judgement, with
+its persistence, is the agents', :mod:`slurm_resilience.stragglers.nodes`), straggler ranks
+and recurring straggler nodes. An agent that can't be scraped is listed as an error, never
+left out.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.heartbeat import policy
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
-from slurm_resilience.stragglers.detect import judge_medians
 
 P = "slurm_resilience_"
 MAX_SCRAPE_BYTES = 16 << 20
@@ -180,7 +180,6 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
     running = {j.job_id for j in jobs if j.state == "RUNNING"}
     incidents: dict[int, list[str]] = defaultdict(list)
     goodput: dict[int, float] = {}
-    medians: dict[int, dict[str, float]] = defaultdict(dict)
     for s in scrapes:
         if s.error:
             view.errors.append(f"{s.node}: couldn't read {s.url}: {s.error}")
@@ -204,18 +203,14 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
         for _, v in _values(s, "node_straggler_recent_jobs"):
             if v:
                 view.recurring_stragglers.append(Recurring(s.node, int(v)))
-        samples = {int(lb["job_id"]): v for lb, v in _values(s, "job_step_time_samples")}
-        for labels, v in _values(s, "job_step_time_p50_seconds"):
+        p50 = {int(lb["job_id"]): v for lb, v in _values(s, "job_step_time_p50_seconds")}
+        for labels, v in _values(s, "job_straggler_node_slowdown_ratio"):
             job = int(labels["job_id"])
-            if samples.get(job, 0) >= stragglers.min_steps:
-                medians[job][s.node] = v
+            mine = p50.get(job, 0.0)
+            view.straggler_nodes.append(SlowNode(job, s.node, round(mine, 4),
+                                                 round(mine / (1 + v), 4), round(v, 3)))
     view.incidents = [OpenIncident(k, tuple(sorted(v))) for k, v in sorted(incidents.items())]
-    for job, per_node in sorted(medians.items()):
-        verdict = judge_medians(per_node, stragglers)
-        ref = verdict.reference_s
-        view.straggler_nodes += [SlowNode(job, node, round(per_node[node], 4), round(ref, 4),
-                                          round(per_node[node] / ref - 1, 3))
-                                 for node in sorted(verdict.slow)]
+    view.straggler_nodes.sort(key=lambda n: (n.job_id, n.node))
     if goodput:
         job, ratio = min(goodput.items(), key=lambda kv: kv[1])
         view.worst_goodput = Goodput(job, round(ratio, 4))

@@ -31,6 +31,7 @@ from slurm_resilience.metrics import events
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
+from slurm_resilience.stragglers.record import jobs_of
 
 log = get_logger("metrics")
 
@@ -60,6 +61,7 @@ class AgentSources:
     watcher: Any = None  # heartbeat.watcher.HangWatcher
     uploader: Any = None  # checkpoint.uploader.Uploader
     steps: StepWatch | None = None
+    nodes: Any = None  # stragglers.nodeexchange.NodeExchange
     ledger: Ledger | None = None
     saves: SaveBook | None = None
     agent: Any = None  # agent.daemon.Agent (server stats, tick failures)
@@ -221,11 +223,25 @@ class AgentCollector(Collector):
         yield p50
         yield p95
         yield slow
+        g = _gauge("job_straggler_node_slowdown_ratio", "while the job's judging agent names "
+                   "this node a straggler (persistently slower than the job's other nodes): "
+                   "its median step time over the job's, minus one", ["job_id"])
+        with steps.lock:
+            named_here = sorted(steps.named_node.items())
+        for job_id, v in named_here:
+            g.add_metric([str(job_id)], round(v.slowdown, 4))
+        yield g
+        if self.s.nodes is not None:
+            g = _gauge("job_straggler_nodes", "nodes of the job named stragglers by this node, "
+                       "the job's judging agent (its first node)", ["job_id"])
+            for job_id, named in sorted(self.s.nodes.judged_now().items()):
+                g.add_metric([str(job_id)], len(named))
+            yield g
         if self.s.ledger is not None:
             yield from self._goodput(self.s.ledger)
-        g = _gauge("node_straggler_recent_jobs", "jobs in which this node was named a "
-                   "straggler within stragglers.record_window_s")
-        g.add_metric([], len(steps.recent_jobs()))
+        g = _gauge("node_straggler_recent_jobs", "jobs in which this node (ranks of it, or "
+                   "the whole node) was named a straggler within stragglers.record_window_s")
+        g.add_metric([], jobs_of(steps.recent_jobs()))
         yield g
 
     def _goodput(self, ledger: Ledger) -> Iterator[Metric]:

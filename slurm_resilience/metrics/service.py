@@ -30,7 +30,14 @@ from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.stragglers.jobsteps import StepWatch
-from slurm_resilience.stragglers.record import FILENAME, Entry, StragglerRecord, suspicion
+from slurm_resilience.stragglers.nodeexchange import NodeExchange
+from slurm_resilience.stragglers.record import (
+    FILENAME,
+    JUDGED_FILENAME,
+    Entry,
+    StragglerRecord,
+    suspicion,
+)
 
 log = get_logger("metrics")
 
@@ -71,6 +78,11 @@ class MetricsService:
                                                             FILENAME)),
                                wall, self._on_named)
         state = node_path(cfg.node.state_dir, node)
+        # Straggler nodes: this node's summaries to each job's judge, and judging where
+        # this node is a job's first node (over the agents' exchange, see tick()).
+        self.nodes = NodeExchange(lambda: self.live_cfg.stragglers, node,
+                                  judged=StragglerRecord(os.path.join(state, JUDGED_FILENAME)),
+                                  wall=wall)
         incidents = node_path(cfg.heartbeat.incident_dir, node) if cfg.heartbeat.incident_dir \
             else os.path.join(state, "incidents")
         self.ledger = Ledger(os.path.join(state, "goodput"), incidents)
@@ -80,7 +92,8 @@ class MetricsService:
             node=node, events_path=adapter.events_path or events.path_for(cfg.node.state_dir,
                                                                           node),
             nccl_path=nccl_path(cfg.node.state_dir, node), watcher=self.watcher,
-            uploader=services.get("checkpoint"), steps=self.steps, ledger=self.ledger,
+            uploader=services.get("checkpoint"), steps=self.steps, nodes=self.nodes,
+            ledger=self.ledger,
             saves=self.saves,
             agent=agent,
             services=tuple(sorted([*services, self.name])))
@@ -105,6 +118,7 @@ class MetricsService:
                 self.serve_error = f"couldn't listen on {host}:{port}: {exc}"
                 log.error("metrics: no HTTP endpoint", error=self.serve_error)
         self._suspecting: threading.Thread | None = None
+        self._nodes_on: bool | None = None
 
     @property
     def live_cfg(self) -> Config:
@@ -119,6 +133,7 @@ class MetricsService:
             with self.watcher.lock:
                 views = list(self.watcher.jobs.values())
             self.steps.observe(views)
+            self._node_stragglers()
             stalls = {j: (s.run, s.total_stall_s) for j, s in self.saves.snapshot().items()}
             self.ledger.observe(views, time.time(), self._stagein_seconds(), stalls)
         self.saves.keep_only(self._jobs_here())
@@ -179,8 +194,29 @@ class MetricsService:
 
     # -- stragglers --------------------------------------------------------------------------
 
+    def _node_stragglers(self) -> None:
+        """Summaries to each job's judge, judging here where this is a job's first node, and
+        this node named by a judge recorded like a rank naming (the same suspect path)."""
+        exchange = getattr(self.watcher, "exchange", None)
+        transport = exchange() if exchange is not None and \
+            self.live_cfg.stragglers.node_interval_s else None
+        if (transport is not None) is not self._nodes_on:
+            self._nodes_on = transport is not None
+            if transport is None:
+                log.info("stragglers: straggler nodes are not judged (stragglers."
+                         "node_interval_s 0, or heartbeat.rendezvous none: no exchange "
+                         "between agents); straggler ranks still are")
+            else:
+                log.info("stragglers: straggler nodes judged over the agents' exchange",
+                         interval_s=self.live_cfg.stragglers.node_interval_s)
+        self.nodes.attach(transport)
+        for verdict in self.nodes.tick(self.steps.local_jobs()):
+            self.steps.node_named(verdict)
+
     def _on_named(self, job_id: int, kept: list[Entry]) -> None:
-        events.count(self.sources.events_path, events.STRAGGLER, "step_time")
+        node_level = bool(kept) and kept[-1].job_id == job_id and bool(kept[-1].node)
+        events.count(self.sources.events_path, events.STRAGGLER,
+                     "node_step_time" if node_level else "step_time")
         cfg = self.live_cfg
         need = cfg.stragglers.suspect_after_jobs
         if not need:
@@ -270,7 +306,10 @@ class MetricsService:
         return {"node": self.node, "url": self.url, "serve_error": self.serve_error,
                 "jobs": [s.__dict__ for s in self.steps.snapshot()],
                 "recent": [{"at": e.at, "job_id": e.job_id, "ranks": e.ranks,
-                            "slowdown": e.slowdown} for e in self.steps.recent_jobs()]}
+                            "slowdown": e.slowdown, "whole_node": bool(e.node)}
+                           for e in self.steps.recent_jobs()],
+                "judged": [{"at": e.at, "job_id": e.job_id, "node": e.node,
+                            "slowdown": e.slowdown} for e in self.nodes.judged_recent()]}
 
     def handlers(self) -> dict[str, Handler]:
         return {"metrics.stragglers": self.handle_stragglers,

@@ -109,6 +109,9 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
                 "fanout": 2,
             },
         },
+        # Straggler nodes judged within seconds (summaries every 2 s over the exchange, which
+        # in rendezvous: directory is a listener of its own on the ports above).
+        "stragglers": {"node_interval_s": 2.0},
         # Every agent is on 127.0.0.1: each serves /metrics on a port of its own.
         "metrics": {"listen_address": "127.0.0.1",
                     "ports": {n: layout.metrics_port(i)

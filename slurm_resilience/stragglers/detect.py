@@ -45,9 +45,36 @@ def judge(windows: Mapping[M, Sequence[float]], cfg: StragglerSection) -> Judgem
                           if len(w) >= cfg.min_steps}, cfg)
 
 
+@dataclass(frozen=True)
+class Summary:
+    """A member's median step time taken elsewhere, over a window of ``steps`` steps: what a
+    node's agent sends its job's judging agent (:mod:`.nodes`)."""
+
+    median_s: float
+    steps: int
+
+
+def judge_summaries(summaries: Mapping[M, Summary], cfg: StragglerSection) -> Judgement[M]:
+    """:func:`judge` over medians taken elsewhere: members with fewer than ``min_steps``
+    steps in their window (or no step time) are not judged."""
+    return judge_medians({m: s.median_s for m, s in summaries.items()
+                          if s.steps >= cfg.min_steps and s.median_s > 0}, cfg)
+
+
+def advance(streak: Mapping[M, int], slow: frozenset[M]) -> dict[M, int]:
+    """The run of consecutive slow judgements after one more judgement: a member not slow
+    now starts again from zero."""
+    return {m: streak.get(m, 0) + 1 for m in slow}
+
+
+def persisted(streak: Mapping[M, int], cfg: StragglerSection) -> frozenset[M]:
+    """Members slow in at least ``persist_evaluations`` consecutive judgements: named."""
+    return frozenset(m for m, n in streak.items() if n >= cfg.persist_evaluations)
+
+
 def judge_medians(medians: Mapping[M, float], cfg: StragglerSection) -> Judgement[M]:
     """The same judgement over members' medians taken elsewhere (each over a window of at
-    least ``min_steps``): ``status --cluster`` judges nodes from their agents' metrics."""
+    least ``min_steps``)."""
     if len(medians) < MIN_MEMBERS:
         return Judgement(0.0, 0.0, medians, frozenset())
     ref = statistics.median(medians.values())
@@ -83,11 +110,11 @@ class Tracker(Generic[M]):
     def evaluate(self) -> Judgement[M]:
         """Judge now and advance every member's streak (call once per new step)."""
         j = judge(self.windows, self.cfg)
-        self.streak = {m: self.streak.get(m, 0) + 1 for m in j.slow}
+        self.streak = advance(self.streak, j.slow)
         self.last = j
         return j
 
     @property
     def named(self) -> frozenset[M]:
         """Members slow in at least ``persist_evaluations`` consecutive judgements."""
-        return frozenset(m for m, n in self.streak.items() if n >= self.cfg.persist_evaluations)
+        return persisted(self.streak, self.cfg)

@@ -20,9 +20,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from slurm_resilience.config.metrics import StragglerSection
+from slurm_resilience.heartbeat.jobrecord import JobRecord
 from slurm_resilience.heartbeat.localpiece import JobView
 from slurm_resilience.log import get_logger
 from slurm_resilience.stragglers.detect import Tracker
+from slurm_resilience.stragglers.nodeexchange import LocalJob
+from slurm_resilience.stragglers.nodes import NodeSummary, Verdict
 from slurm_resilience.stragglers.record import Entry, StragglerRecord, recent
 
 log = get_logger("stragglers")
@@ -53,6 +56,7 @@ class _Job:
     tracker: Tracker[int]
     seen: dict[int, int]  # rank -> last step counted
     named: frozenset[int] = frozenset()
+    record: JobRecord | None = None
 
 
 class StepWatch:
@@ -67,6 +71,8 @@ class StepWatch:
         self.wall = wall
         self.on_named = on_named
         self.jobs: dict[int, _Job] = {}
+        # Jobs in which the job's judging agent named this whole node (for the metrics).
+        self.named_node: dict[int, Verdict] = {}
         self.lock = threading.Lock()
 
     def observe(self, views: Iterable[JobView]) -> None:
@@ -78,6 +84,7 @@ class StepWatch:
             job = self.jobs.get(job_id)
             if job is None or job.tracker.cfg != cfg:
                 job = _Job(Tracker(cfg), {})
+            job.record = view.record
             new_step = False
             for v in view.slots:
                 if v.step > job.seen.get(v.rank, -1) and v.beats > 0:
@@ -96,6 +103,8 @@ class StepWatch:
         with self.lock:
             for gone in set(self.jobs) - present:
                 del self.jobs[gone]
+            for gone in set(self.named_node) - present:
+                del self.named_node[gone]
 
     def _named(self, job_id: int, job: _Job, user: str) -> None:
         j = job.tracker.last
@@ -116,6 +125,49 @@ class StepWatch:
             return
         if self.on_named is not None:
             self.on_named(job_id, kept)
+
+    def local_jobs(self) -> list[LocalJob]:
+        """Each job's summary on this node, for the job's judging agent (node stragglers):
+        the median of its ranks' windows, the longest window, its ranks, its latest step."""
+        with self.lock:
+            jobs = list(self.jobs.items())
+        now = self.wall()
+        out = []
+        for job_id, job in sorted(jobs):
+            if job.record is None:
+                continue
+            windows = list(job.tracker.windows.values())
+            samples = [t for w in windows for t in w]
+            summary = NodeSummary(self.node, quantile(samples, 0.5),
+                                  max((len(w) for w in windows), default=0), len(job.seen),
+                                  max(job.seen.values(), default=0), now) if samples else None
+            out.append(LocalJob(job_id, job.record.user, job.record.nodes, summary))
+        return out
+
+    def node_named(self, v: Verdict) -> None:
+        """The job's judging agent named this whole node: record it like ranks (the same
+        record, metric, ``status`` line and suspect action), once per job."""
+        with self.lock:
+            job = self.jobs.get(v.job_id)
+            if job is None or job.record is None:
+                return
+            first = v.job_id not in self.named_node
+            self.named_node[v.job_id] = v
+        if not first:
+            return
+        log.warning("straggler node: this node named slower than the rest of its job",
+                    job_id=v.job_id, judge=v.judge, slowdown=round(v.slowdown, 3),
+                    median_s=round(v.median_s, 4), reference_s=round(v.reference_s, 4))
+        now = self.wall()
+        try:
+            kept = self.record.add(Entry(now, v.job_id, (), v.slowdown, job.record.user,
+                                         node=self.node), now, self.cfg().record_window_s)
+        except OSError as exc:
+            log.warning("stragglers: couldn't update the node's record", path=self.record.path,
+                        error=str(exc))
+            return
+        if self.on_named is not None:
+            self.on_named(v.job_id, kept)
 
     def snapshot(self) -> list[JobSteps]:
         with self.lock:

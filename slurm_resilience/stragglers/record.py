@@ -19,6 +19,8 @@ from slurm_resilience.log import get_logger
 log = get_logger("stragglers")
 
 FILENAME = "stragglers.json"
+# A judging agent's record of the nodes it named in the jobs it judged (node field set).
+JUDGED_FILENAME = "stragglers-judged.json"
 MAX_ENTRIES = 256
 MAX_BYTES = 1 << 20
 MIN_USERS = 2
@@ -33,6 +35,9 @@ class Entry:
     user: str = ""  # the job's owner ("": unknown, e.g. a record from an older version)
     # Already counted towards a suspect drain of this node: never counted again.
     suspected: bool = False
+    # A node named as a whole against the job's other nodes (by the job's judging agent):
+    # this node in its own record, the named node in a judge's record; "" for ranks.
+    node: str = ""
 
 
 class StragglerRecord:
@@ -52,21 +57,24 @@ class StragglerRecord:
                 raw = json.loads(fh.read(MAX_BYTES))
             return [Entry(float(e["at"]), int(e["job_id"]), tuple(int(r) for r in e["ranks"]),
                           float(e["slowdown"]), str(e.get("user", "")),
-                          bool(e.get("suspected", False))) for e in raw]
+                          bool(e.get("suspected", False)), str(e.get("node", "")))
+                    for e in raw]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("stragglers: record unreadable; starting afresh", path=self.path,
                         error=str(exc))
             return []
 
     def add(self, entry: Entry, now: float, window_s: float) -> list[Entry]:
-        """Add one naming (one per job: a job already in the record is updated), drop what is
-        older than ``window_s``; returns the entries kept. A job already counted towards a
-        suspect drain stays counted, so naming more of its ranks never counts it again."""
+        """Add one naming (one per job and node: a job's ranks, or a job's whole node, already
+        in the record is updated), drop what is older than ``window_s``; returns the entries
+        kept. A job already counted towards a suspect drain stays counted, so naming more of
+        its ranks (or the whole node) never counts it again."""
         with self.lock:
             loaded = self.load()
             if any(e.job_id == entry.job_id and e.suspected for e in loaded):
                 entry = replace(entry, suspected=True)
-            kept = [e for e in loaded if now - e.at < window_s and e.job_id != entry.job_id]
+            kept = [e for e in loaded if now - e.at < window_s
+                    and (e.job_id, e.node) != (entry.job_id, entry.node)]
             kept = [*kept, entry][-MAX_ENTRIES:]
             self._write(kept)
         return kept
@@ -87,12 +95,17 @@ class StragglerRecord:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump([{"at": e.at, "job_id": e.job_id, "ranks": list(e.ranks),
                         "slowdown": round(e.slowdown, 4), "user": e.user,
-                        "suspected": e.suspected} for e in kept], fh)
+                        "suspected": e.suspected, "node": e.node} for e in kept], fh)
         os.replace(tmp, self.path)
 
 
 def recent(entries: list[Entry], now: float, window_s: float) -> list[Entry]:
     return [e for e in entries if now - e.at < window_s]
+
+
+def jobs_of(entries: list[Entry]) -> int:
+    """Distinct jobs (a job may have its ranks and its whole node named)."""
+    return len({e.job_id for e in entries})
 
 
 def suspicion(entries: list[Entry], need: int) -> list[Entry]:

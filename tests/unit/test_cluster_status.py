@@ -18,6 +18,7 @@ from slurm_resilience.metrics import cluster, events
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 from slurm_resilience.stragglers.jobsteps import StepWatch
+from slurm_resilience.stragglers.nodes import Verdict
 from slurm_resilience.stragglers.record import StragglerRecord
 from slurm_resilience.stragglers.synthetic import steps
 
@@ -32,7 +33,8 @@ class Watcher:
 
 
 def agent_registry(tmp_path: Path, node: str, slowdown: float) -> CollectorRegistry:
-    """One node's agent with job 21 (2 ranks here) running at its own speed."""
+    """One node's agent with job 21 (2 ranks here) running at its own speed; a slowed node
+    was named by the job's judging agent (n1), as it tells the named node's agent."""
     watcher = Watcher()
     watch = StepWatch(lambda: CFG.stragglers, node,
                       StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6)
@@ -40,6 +42,9 @@ def agent_registry(tmp_path: Path, node: str, slowdown: float) -> CollectorRegis
         v = view(21, [slot(r, i + 1, x * (1 + slowdown), 21) for r, x in enumerate(row)])
         watcher.jobs[21] = v
         watch.observe([v])
+    if slowdown:
+        mine = watch.snapshot()[0].p50_s
+        watch.node_named(Verdict(21, node, "n1", mine, mine / (1 + slowdown)))
     sources = AgentSources(node=node, events_path=str(tmp_path / f"{node}-ev.json"),
                            nccl_path="", watcher=watcher, steps=watch)
     reg = CollectorRegistry(auto_describe=False)
@@ -67,7 +72,8 @@ def test_the_view_names_drains_suspects_held_jobs_and_the_slow_node(tmp_path: Pa
     assert [d.node for d in view_.suspects] == ["n2"]
     assert [j.job_id for j in view_.held_jobs] == [9]
     assert [s.node for s in view_.straggler_nodes] == ["n4"]
-    assert view_.straggler_nodes[0].slowdown > 0.2
+    assert view_.straggler_nodes[0].slowdown == 0.3
+    assert [r.node for r in view_.recurring_stragglers] == ["n4"]
     assert (view_.agents_scraped, view_.agents_total) == (4, 5)
     assert view_.errors == ["n5: couldn't read http://x/n5: URLError: refused"]
     assert view_.to_json()["drained"][0]["node"] == "n1"

@@ -3,6 +3,7 @@ forged, replayed or misaddressed messages, and users' own credentials, are refus
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import secrets
@@ -219,6 +220,47 @@ def test_agent_credentials_bound_to_receiver_and_nonce(munge_socket: str) -> Non
             a.close()
 
 
+def test_services_add_kinds_of_their_own_and_a_side_exchange_refuses_hang_pieces(
+        munge_socket: str) -> None:
+    """A kind a service registered (straggler summaries) reaches its handler only after the
+    same munge and binding checks; its handler's refusal is the answer; a kind nobody
+    registered is refused; an exchange made for other services only (rendezvous: directory)
+    refuses hang pieces; send() falls back to the next target."""
+    nodes = ["b", "c1", "c2"]
+    cfg = _cfg(nodes)
+    b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket),
+                          hang=False)
+    c1 = NetworkRendezvous(cfg, "c1", credentials=MungeCredentials(socket=munge_socket))
+    creds = MungeCredentials(socket=munge_socket)
+    got: list[Message] = []
+    try:
+        named = Message(Kind.NAMED, 8, 0, "c1", "b", "b", tuple(nodes), {"b": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(named.to_payload())) == \
+            "refused: no service here takes named messages"
+        b.on(Kind.STEPS, lambda m: got.append(m) or ("" if m.job_id == 8 else "steps: no"))
+        with pytest.raises(ValueError):
+            b.on(Kind.PIECES, lambda m: "")
+        steps = Message(Kind.STEPS, 8, 0, "c1", "b", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(steps.to_payload())) == "ok"
+        other = Message(Kind.STEPS, 9, 0, "c1", "b", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(other.to_payload())) == \
+            "refused: steps: no"
+        to_c2 = Message(Kind.STEPS, 8, 0, "c1", "c2", "b", tuple(nodes), {"c1": b'{"m": 1}'})
+        assert _send_raw(cfg.port_of("b"), creds.encode(to_c2.to_payload())) == \
+            "refused: addressed to c2, this is b"
+        assert [m.pieces for m in got] == [{"c1": b'{"m": 1}'}] * 2
+        hang = Message(Kind.PIECES, 8, 0, "c1", "b", "b", tuple(nodes), {"c1": _piece("c1")})
+        assert _send_raw(cfg.port_of("b"), creds.encode(hang.to_payload())) == \
+            "refused: hang pieces go through the shared directory here"
+        # c2 has no agent: send() gives up on it and hands the message to b.
+        c1.cfg = dataclasses.replace(cfg, send_timeout_s=1.0)
+        assert c1.send(steps, ["c2", "b"]) == "b"
+        assert len(got) == 3 and got[-1].sender == "c1" and got[-1].receiver == "b"
+    finally:
+        b.close()
+        c1.close()
+
+
 def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> None:
     """Connections past the per-peer cap are closed unread, an oversized frame is refused,
     and idle connections are cut at their deadline, so the listener is free again."""
@@ -313,3 +355,85 @@ def test_listener_pauses_instead_of_spinning_when_out_of_descriptors() -> None:
         child.wait()
     assert 0 < int(accepted) < 64 and 1 <= int(paused) <= 40
     assert float(longest) >= 0.4
+
+
+def test_straggler_nodes_are_judged_by_the_jobs_first_node_and_told_over_the_exchange(
+        munge_socket: str, tmp_path: Path) -> None:
+    """Five agents of one job (fan-out 2: n0 <- n1, n2; n1 <- n3, n4), with n3's ranks all
+    30% slower: each agent's step watch summarises the job, the summaries fan in to n0 (the
+    job's first node) through n1, n0 names n3 after persist_evaluations judgements and tells
+    n3's agent, which records the job as a whole-node naming (the record behind
+    node_straggler_recent_jobs, status and the suspect action). Clocks are injected; the
+    network is real (loopback, munge)."""
+    from agent_state import slot
+
+    from slurm_resilience.config.heartbeat import HeartbeatSection
+    from slurm_resilience.config.metrics import StragglerSection
+    from slurm_resilience.heartbeat import detect, jobrecord
+    from slurm_resilience.heartbeat.localpiece import JobView
+    from slurm_resilience.stragglers.jobsteps import StepWatch
+    from slurm_resilience.stragglers.nodeexchange import NodeExchange
+    from slurm_resilience.stragglers.record import StragglerRecord
+    from slurm_resilience.stragglers.synthetic import steps
+
+    nodes = ["n0", "n1", "n2", "n3", "n4"]
+    cfg = _cfg(nodes, fanout=2)
+    scfg = StragglerSection(window_steps=20, min_steps=10, persist_evaluations=3,
+                            node_interval_s=1.0)
+    wall, mono = [1_800_000_000.0], [0.0]
+    rdv = {n: NetworkRendezvous(cfg, n, credentials=MungeCredentials(socket=munge_socket),
+                                hang=False) for n in nodes}
+    named: dict[str, list[int]] = {n: [] for n in nodes}
+    watch = {n: StepWatch(lambda: scfg, n, StragglerRecord(str(tmp_path / n / "s.json")),
+                          lambda: wall[0], lambda j, kept, n=n: named[n].append(j))
+             for n in nodes}
+    ex = {n: NodeExchange(lambda: scfg, n, judged=StragglerRecord(str(tmp_path / n / "j.json")),
+                          wall=lambda: wall[0], monotonic=lambda: mono[0]) for n in nodes}
+    rec = jobrecord.JobRecord(job_id=31, uid=1000, gid=1000, user="alice", started=0.0,
+                              nodes=tuple(nodes))
+    rows = steps(len(nodes) * 4, 200, 5)
+    try:
+        for n in nodes:
+            ex[n].attach(rdv[n])
+        step = 0
+        for _round in range(8):
+            for _ in range(10):
+                row = next(rows)
+                step += 1
+                for i, n in enumerate(nodes):
+                    slots = [slot(r, step, row[i * 4 + r] * (1.3 if n == "n3" else 1), 31)
+                             for r in range(4)]
+                    watch[n].observe([JobView(rec, slots, detect.judge(
+                        31, slots, 0.0, HeartbeatSection(),
+                        alive={s.rank: True for s in slots}))])
+            wall[0] += 1.0
+            mono[0] += 1.0
+            for n in reversed(nodes):  # leaves first; each send lands before its parent ticks
+                for verdict in ex[n].tick(watch[n].local_jobs()):
+                    watch[n].node_named(verdict)
+                for t in list(ex[n].sending.values()):
+                    t.join(30)
+        assert ex["n0"].judged_now() == {31: frozenset({"n3"})}
+        assert set(rdv["n0"].senders) == {"n1", "n2"}  # fan-in: only its children
+        assert set(rdv["n1"].senders) <= {"n3", "n4", "n0"}
+        assert named == {"n0": [], "n1": [], "n2": [], "n3": [31], "n4": []}
+        [entry] = watch["n3"].record.load()
+        assert (entry.job_id, entry.node, entry.user) == (31, "n3", "alice")
+        assert 0.2 < entry.slowdown < 0.4
+        assert 31 in watch["n3"].named_node
+        assert [(e.job_id, e.node) for e in ex["n0"].judged_recent()] == [(31, "n3")]
+        # A summary for the job with another node list is refused (and so is any job that
+        # has no slots on the receiver).
+        creds = MungeCredentials(socket=munge_socket)
+        wrong = Message(Kind.STEPS, 31, 0, "n1", "n0", "n0", ("n0", "n1", "n2"),
+                        {"n1": b'{"m":1,"n":20,"r":4,"s":1,"t":1}'})
+        assert _send_raw(cfg.port_of("n0"), creds.encode(wrong.to_payload())) == \
+            "refused: steps: nodes or judge of job 31 differ from this node's record of the job"
+        # Only the job's judge may name a node.
+        fake = Message(Kind.NAMED, 31, 0, "n1", "n4", "n0", tuple(nodes),
+                       {"n4": b'{"m":2,"ref":1}'})
+        assert _send_raw(cfg.port_of("n4"), creds.encode(fake.to_payload())) == \
+            "refused: named: n1 is not job 31's judge"
+    finally:
+        for r in rdv.values():
+            r.close()

@@ -244,3 +244,37 @@ def test_a_record_from_before_users_were_kept_still_loads(tmp_path: Path) -> Non
 def test_one_job_is_refused_as_a_threshold() -> None:
     with pytest.raises(ConfigError, match=re.escape("suspect_after_jobs=1")):
         load_text(Config, json.dumps({"stragglers": {"suspect_after_jobs": 1}}), "test")
+
+
+def test_whole_node_namings_take_the_same_suspect_path_once_per_job(tmp_path: Path) -> None:
+    """The job's judging agent named this whole node (no slow rank among its own): the
+    verdict is recorded beside rank namings, a job named both ways counts once, and three
+    jobs of two users drain the node through the same suspect path."""
+    from slurm_resilience.metrics import events
+    from slurm_resilience.stragglers.nodes import Verdict
+
+    ctl = Ctl({NODE: ("IDLE", "")})
+    svc = service(tmp_path, ctl, [NOW])
+
+    def whole_node(job_id: int, user: str, slow_rank: int | None = None) -> None:
+        rows = list(steps(8, 40, job_id))
+        for i, row in enumerate(rows):
+            svc.steps.observe([job_view(job_id, user, i + 1, row, slow_rank)])
+        svc.steps.node_named(Verdict(job_id, NODE, "n0", 1.3, 1.0))
+        svc.steps.node_named(Verdict(job_id, NODE, "n0", 1.4, 1.0))  # again: recorded once
+        svc.steps.observe([])
+        if svc._suspecting is not None:
+            svc._suspecting.join(60)
+
+    whole_node(21, "alice", slow_rank=6)  # its ranks and the whole node: one job
+    whole_node(22, "bob")
+    assert ctl.drains == []
+    assert sorted({(e.job_id, e.node) for e in svc.steps.record.load()}) == [
+        (21, ""), (21, NODE), (22, NODE)]
+    whole_node(23, "alice")
+    assert len(ctl.drains) == 1 and "straggler in 3 jobs of 2 users" in ctl.drains[0]
+    counters = events.read(svc.sources.events_path)["counters"]
+    assert counters == {"straggler|step_time": 1, "straggler|node_step_time": 3}
+    status = svc.handle_stragglers({}, None)  # type: ignore[arg-type]
+    assert [(r["job_id"], r["whole_node"]) for r in status["recent"]] == [
+        (21, False), (21, True), (22, True), (23, True)]

@@ -132,7 +132,7 @@ def test_quantile_is_nearest_rank() -> None:
 def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
     from slurm_resilience.config import Config, load_text
     from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
-    from slurm_resilience.stragglers.record import FILENAME, Entry
+    from slurm_resilience.stragglers.record import FILENAME, JUDGED_FILENAME, Entry
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")
     record = StragglerRecord(str(tmp_path / "n1" / FILENAME))
@@ -143,3 +143,13 @@ def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
     text = render_stragglers("n1", rows, CFG.record_window_s)
     assert "(2 jobs): recurring" in text and "job 6: ranks [3, 4] +40% slower" in text
     assert stragglers(cfg, "n2", 300.0) == []
+    # The job's judge named the whole node in job 6 too: still 2 jobs, one more line; and
+    # the nodes a judge named are listed on the judge.
+    record.add(Entry(250.0, 6, (), 0.3, node="n1"), 250.0, CFG.record_window_s)
+    judged = StragglerRecord(str(tmp_path / "n1" / JUDGED_FILENAME))
+    judged.add(Entry(260.0, 9, (), 0.35, node="n7"), 260.0, CFG.record_window_s)
+    text = render_stragglers("n1", stragglers(cfg, "n1", 300.0), CFG.record_window_s,
+                             stragglers(cfg, "n1", 300.0, judged=True))
+    assert "(2 jobs): recurring" in text
+    assert "job 6: the whole node +30% slower than the job's other nodes" in text
+    assert "job 9: n7 +35%" in text

@@ -49,6 +49,9 @@ MAX_ANNOUNCED = 4096
 PAYLOAD_TIME_SLACK_S = 2.0
 
 Resolver = Callable[[Sequence[str]], dict[str, str]]
+# A service's handler of its own message kind: "" accepts, anything else is the refusal.
+KindHandler = Callable[[Message], str]
+HANG_KINDS = frozenset({Kind.PIECES, Kind.COLLECT})
 
 
 @dataclass
@@ -104,8 +107,12 @@ class NetworkRendezvous:
 
     def __init__(self, cfg: ExchangeSection, node: str, *, credentials: Credentials,
                  resolver: Resolver | None = None, listen: bool = True,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, hang: bool = True):
         self.cfg = cfg
+        # Hang pieces are accepted only where this is the hang watcher's rendezvous; other
+        # services add kinds of their own (:meth:`on`).
+        self.hang = hang
+        self.handlers: dict[Kind, KindHandler] = {}
         self.node = node
         self.credentials = credentials
         self.addresses = AddressBook(cfg, resolver)
@@ -189,6 +196,33 @@ class NetworkRendezvous:
             for nonce in [n for n, exp in self.nonces.items() if exp < now]:
                 del self.nonces[nonce]
         return len(old)
+
+    def on(self, kind: Kind, handler: KindHandler) -> None:
+        """Accept messages of ``kind`` (authenticated and bound like every message) and hand
+        them to ``handler``, on the connection's thread: it must be quick."""
+        if kind in HANG_KINDS:
+            raise ValueError(f"{kind.value} messages belong to the hang exchange")
+        with self.lock:
+            self.handlers[kind] = handler
+
+    def send(self, msg: Message, targets: Sequence[str]) -> str:
+        """Deliver ``msg`` (its pieces split over messages below the size limit) to the first
+        of ``targets`` that accepts it, each batch within ``send_timeout_s``; blocks, so call
+        it from a thread of your own. Returns the node that took the last batch, or ""."""
+        deadline = time.monotonic() + self.cfg.send_timeout_s
+        took = ""
+        for batch in self._batches(msg.pieces) if msg.pieces else [{}]:
+            took = ""
+            for i, target in enumerate(targets):
+                share = (deadline - time.monotonic()) / (len(targets) - i)
+                one = Message(msg.kind, msg.job_id, msg.run, self.node, target, msg.batch_host,
+                              msg.nodes, batch)
+                if self._send(target, one, time.monotonic() + max(share, 0.05)):
+                    took = target
+                    break
+            if not took:
+                return ""
+        return took
 
     def close(self) -> None:
         self.closing.set()
@@ -363,6 +397,19 @@ class NetworkRendezvous:
         why = self._check_binding(msg, decoded.encode_time)
         if why:
             return self._refuse(why, peer)
+        if msg.kind not in HANG_KINDS:
+            with self.lock:
+                handler = self.handlers.get(msg.kind)
+            if handler is None:
+                return self._refuse(f"no service here takes {msg.kind.value} messages", peer)
+            why = handler(msg)
+            if why:
+                return self._refuse(why, peer)
+            with self.lock:
+                self.senders[msg.sender] += 1
+            return "ok"
+        if not self.hang:
+            return self._refuse("hang pieces go through the shared directory here", peer)
         try:
             st = self._run(msg.job_id, msg.run, msg.batch_host, msg.nodes)
         except MessageError as exc:
@@ -408,9 +455,11 @@ class NetworkRendezvous:
 
 
 def from_config(cfg: ExchangeSection, node: str, resolver: Resolver | None = None,
-                *, listen: bool = True) -> NetworkRendezvous:
-    """The agent's exchange with Debian's munge CLI."""
+                *, listen: bool = True, hang: bool = True) -> NetworkRendezvous:
+    """The agent's exchange with Debian's munge CLI (``hang=False``: for other services'
+    message kinds only, where hang pieces go through a shared directory)."""
     creds = MungeCredentials(socket=cfg.munge_socket, munge=cfg.munge, unmunge=cfg.unmunge,
                              restrict_uid=cfg.agent_uid, ttl_s=cfg.credential_ttl_s,
                              timeout_s=cfg.io_timeout_s)
-    return NetworkRendezvous(cfg, node, credentials=creds, resolver=resolver, listen=listen)
+    return NetworkRendezvous(cfg, node, credentials=creds, resolver=resolver, listen=listen,
+                             hang=hang)

@@ -30,6 +30,10 @@ class Kind(str, Enum):
 
     PIECES = "pieces"  # per-node pieces of a run, travelling up the tree
     COLLECT = "collect"  # the batch host asks the run's nodes for their pieces (down the tree)
+    # Straggler nodes (slurm_resilience.stragglers.nodeexchange): nodes' step-time summaries
+    # travelling up the job's tree to its judge, and the judge telling a node it was named.
+    STEPS = "steps"
+    NAMED = "named"
 
 
 class MessageError(ValueError):
