@@ -4,7 +4,8 @@ The captures in tests/fixtures/slurm/<version>/ were recorded by .ci/capture-slu
 on 22.05 (bookworm), 24.11 (trixie) and 26.05 (sid): a job whose name, comment and
 command line carry forged ``Key=value`` text, a pending exclusive job asking for one
 switch, and a drained node. 23.02-schema/ is built from the v0.0.39 schema's field names
-(no 23.02 to run here)."""
+(no 23.02 to run here). <version>/data_parser/<vX>/ hold the same records in every data_parser
+version that Slurm still speaks (v0.0.40-v0.0.45)."""
 
 from __future__ import annotations
 
@@ -214,3 +215,44 @@ def test_json_errors_are_reported_not_hidden() -> None:
         parse_jobs_json(json.dumps({"jobs": [], "errors": [{"error": "Invalid job id"}]}))
     with pytest.raises(ValueError, match="does not parse"):
         parse_jobs_json("JobId=1 JobName=x")
+
+
+# Every data_parser version a captured Slurm still speaks (--json=vX), recorded in one run
+# per Slurm version: (slurm version, data_parser version).
+DATA_PARSERS = sorted((d.parent.parent.name, d.name)
+                      for d in SLURM.glob("*/data_parser/v0.0.*") if d.is_dir())
+
+
+def test_every_data_parser_version_from_v0038_to_v0045_is_read() -> None:
+    """v0.0.38 (22.05), v0.0.40-v0.0.45 (24.11 and 26.05) are real captures; v0.0.39 has
+    no Debian Slurm to run and is the hand-written 23.02 schema."""
+    real = {dp for _, dp in DATA_PARSERS} | set(DATA_PARSER.values())
+    assert real == {f"v0.0.{n}" for n in (38, 40, 41, 42, 43, 44, 45)}
+
+
+@pytest.mark.parametrize(("version", "dp"), DATA_PARSERS)
+def test_each_data_parser_version_reads_the_same_jobs_and_nodes(version: str, dp: str) -> None:
+    """The spoof job, the pending exclusive job and the hand-drained node read alike in every
+    data_parser version; scontrol's record of the spoof job matches squeue's."""
+    base = SLURM / version / "data_parser" / dp
+    text = (base / "squeue.json").read_text()
+    assert data_parser(text) == dp
+    jobs = {j.job_id: j for j in parse_jobs_json(text)}
+    spoof, pending = jobs[1], jobs[2]
+    assert spoof.name == "spoof UserId=root(0) StdOut=/tmp/spoofed-name"
+    assert spoof.comment == "StdOut=/tmp/spoofed-comment WorkDir=/tmp/spoofed"
+    assert spoof.std_out.endswith("/slurm-1.out") and "%" not in spoof.std_out
+    assert not spoof.std_out.startswith("/tmp/spoofed")
+    assert (spoof.work_dir, spoof.user, spoof.uid, spoof.state) == ("/tmp", "root", 0, "RUNNING")
+    assert spoof.nodes == ("node1",) and spoof.num_nodes == 1
+    assert pending.state == "PENDING" and pending.std_out == "/dev/null"
+    shown, = parse_jobs_json((base / "show_job.json").read_text())
+    assert (shown.job_id, shown.name, shown.comment, shown.std_out, shown.work_dir,
+            shown.state, shown.nodes) == (1, spoof.name, spoof.comment, spoof.std_out,
+                                          spoof.work_dir, spoof.state, spoof.nodes)
+    nodes = {n.name: n for n in parse_nodes_json((base / "show_node.json").read_text())}
+    assert set(nodes) == {"node1", "node2"}
+    drained = nodes["node2"]
+    assert drained.drained and drained.reason == "capture: drained by hand"
+    assert drained.reason_user == "root" and drained.features == ("leaf01",)
+    assert not nodes["node1"].drained and nodes["node1"].cpus == 2
