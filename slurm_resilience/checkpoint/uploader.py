@@ -586,7 +586,7 @@ class Uploader:
         try:
             self._check_save(uri, step, save_id)
             intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)
-            self._upload_parts(rec, jfd, uri, step, manifests)
+            uploaded = self._upload_parts(rec, jfd, uri, step, manifests)
         except SaveSuperseded as exc:
             self._reject(rec, step, str(exc), StepState.FAILED, delete_ours=False,
                          withdraw=True)
@@ -594,12 +594,14 @@ class Uploader:
         except CommittedBySave:
             self._committed(rec, step, uri, "committed in S3 by another node of this save")
             return
-        self._commit(rec, uri, step, marker, manifests)
+        if uploaded:
+            self._commit(rec, uri, step, marker, manifests)
 
     def _upload_parts(self, rec: JobRecord, jfd: int, uri: S3Uri, step: int,
-                      manifests: dict[int, Manifest]) -> None:
+                      manifests: dict[int, Manifest]) -> bool:
         """Every file of this node's ranks, then each rank's manifest, each written only
-        after ``_check_save`` found the step still ours in S3."""
+        after ``_check_save`` found the step still ours in S3. False when the step was
+        rejected on the way (it must not be committed)."""
         uid, sname, st = int(rec["uid"]), step_name(step), rec["steps"][str(step)]
         save_id = str(st.get("save_id", ""))
 
@@ -619,12 +621,12 @@ class Uploader:
                         fd = open_owned_file(sfd, f"{rank_name(rank)}/{f.path}", uid)
                     except (CheckpointError, OSError) as exc:
                         self._reject(rec, step, f"{rank_name(rank)}/{f.path}: {exc}")
-                        return
+                        return False
                     try:
                         if os.fstat(fd).st_size != f.size:
                             self._reject(rec, step, f"{rank_name(rank)}/{f.path}: size "
                                          f"{os.fstat(fd).st_size}, manifest says {f.size}")
-                            return
+                            return False
                         self.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, frec,
                                           lambda: self.journal.write(rec), blocks=f.blocks,
                                           block_size=f.block_size, owner=f"job-{rec['job_id']}",
@@ -647,6 +649,7 @@ class Uploader:
                     self.journal.write(rec)
         finally:
             os.close(sfd)
+        return True
 
     def _commit(self, rec: JobRecord, uri: S3Uri, step: int, marker: CommitMarker,
                 manifests: dict[int, Manifest]) -> None:

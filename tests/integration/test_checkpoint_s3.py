@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
@@ -278,7 +279,10 @@ def test_planted_symlinks_are_not_uploaded_nor_followed(env: tuple[Endpoint, Pat
     run = ep.dir / "ckpt/root/links"
     uploaded = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
     assert "step-00000001/COMMIT.json" in uploaded
-    assert not any("etc" in u or u.startswith("step-00000002") for u in uploaded)
+    # step 2 was announced (its SAVE- and INTENT- records) but nothing of it was uploaded
+    announced = re.compile(r"step-00000002/(SAVE-[^/]+|INTENT-[^/]+)$")
+    assert not any("etc" in u or (u.startswith("step-00000002") and not announced.match(u))
+                   for u in uploaded), sorted(uploaded)
     rec = up.jobs[51]["steps"]["2"]
     assert rec["state"] == "rejected" and "symlink" in rec["reason"]
 
