@@ -126,9 +126,17 @@ def check_goodput(box: Sandbox, job_id: int, b: dict[str, Any], out: str) -> Non
     assert b["explained_share"] >= 0.95, (b["unexplained_s"], b["allocated_s"])
 
 
+# The hold reasons sacct may record for ``scontrol requeuehold`` (22.05 records the user's).
+HELD = ("JobHeldUser", "JobHeldAdmin")
+
+
 def check_hold_in_sacct(box: Sandbox, user: str) -> None:
     """A job that hangs on every run is requeued, then held (the hang cap of 1, or its
-    checkpoint not advancing); sacct shows the requeued runs and the held job."""
+    checkpoint not advancing); sacct shows the requeued runs and the held job.
+
+    Seen on 22.05: the runs before are REQUEUED rows (our AdminComment on them), and the
+    held job is a PENDING row with Reason JobHeldUser (``scontrol requeuehold``'s hold) and
+    priority 0, with an empty AdminComment: the hold's text is read from scontrol."""
     box.update_resilience_config({"heartbeat": {"max_requeues": 1}})
     work = box.user_dir(user, "acct-hold")
     job_id = submit(box, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
@@ -148,7 +156,7 @@ def check_hold_in_sacct(box: Sandbox, user: str) -> None:
 
         def held_row() -> list[list[str]] | None:
             r = rows()
-            return r if r and r[-1][1] == "PENDING" and r[-1][2] == "JobHeldAdmin" else None
+            return r if r and r[-1][1] == "PENDING" and r[-1][2] in HELD else None
 
         got = cast(list[list[str]], wait_for(held_row, 60, "the held job in sacct"))
         print(f"sacct: job {job_id}: {got}")
