@@ -31,12 +31,30 @@ def _exchange_log(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
     return out
 
 
+def _modes(sandbox: Sandbox) -> dict[str, str]:
+    """Each node's rendezvous mode as its agent last rebuilt it (none logged: the sandbox's
+    directory mode it started with)."""
+    path = sandbox.state_dir / "log" / "slurm-resilience.jsonl"
+    modes = {node: "directory" for node in sandbox.nodes}
+    for line in path.read_text(errors="replace").splitlines():
+        if "rendezvous rebuilt after a reload" in line:
+            event = json.loads(line)
+            modes[str(event.get("node"))] = str(event.get("mode"))
+    return modes
+
+
 def _network_mode(sandbox: Sandbox) -> None:
     """Switch the sandbox's agents from the shared directory to the network exchange, and
-    wait until every agent's listener accepts connections (they reload on their next tick)."""
+    wait until every agent has rebuilt its rendezvous in network mode (they reload on their
+    next tick; the previous test's reset may have put them back in directory mode) and its
+    listener accepts connections. A connection alone proves nothing: in directory mode the
+    agents listen on the same port for straggler summaries."""
     sandbox.update_resilience_config({"heartbeat": {"rendezvous": "network",
                                                     "rendezvous_dir": None}})
     deadline = time.monotonic() + 60
+    while any(mode != "network" for mode in _modes(sandbox).values()):
+        assert time.monotonic() < deadline, f"agents never switched: {_modes(sandbox)}"
+        time.sleep(0.2)
     for i in range(1, len(sandbox.nodes) + 1):
         while True:
             try:
