@@ -587,12 +587,8 @@ class Uploader:
             self._check_save(uri, step, save_id)
             intent.announce(self.s3, uri, rec, st, marker, sorted(manifests), self.node)
             uploaded = self._upload_parts(rec, jfd, uri, step, manifests)
-        except SaveSuperseded as exc:
-            self._reject(rec, step, str(exc), StepState.FAILED, delete_ours=False,
-                         withdraw=True)
-            return
-        except CommittedBySave:
-            self._committed(rec, step, uri, "committed in S3 by another node of this save")
+        except (SaveSuperseded, CommittedBySave) as exc:
+            self._settle_not_ours(rec, step, uri, exc)
             return
         if uploaded:
             self._commit(rec, uri, step, marker, manifests)
@@ -691,12 +687,8 @@ class Uploader:
             return
         try:
             self._check_save(uri, step, marker.save_id)
-        except SaveSuperseded as exc:
-            self._reject(rec, step, str(exc), StepState.FAILED, delete_ours=False,
-                         withdraw=True)
-            return
-        except CommittedBySave:
-            self._committed(rec, step, uri, "committed in S3 by another node of this save")
+        except (SaveSuperseded, CommittedBySave) as exc:
+            self._settle_not_ours(rec, step, uri, exc)
             return
         body = marker.to_json()
         crc = Crc32c()
@@ -714,6 +706,16 @@ class Uploader:
                      job_id=rec["job_id"], step=step)
         self._committed(rec, step, uri, "step committed in S3")
         self._clean_beyond(uri, step, marker)
+
+    def _settle_not_ours(self, rec: JobRecord, step: int, uri: S3Uri,
+                         found: SaveSuperseded | CommittedBySave) -> None:
+        """What ``_check_save`` found ends this upload: another save owns the step (failed,
+        nothing of it deleted: the keys are shared), or this save is committed already."""
+        if isinstance(found, CommittedBySave):
+            self._committed(rec, step, uri, "committed in S3 by another node of this save")
+        else:
+            self._reject(rec, step, str(found), StepState.FAILED, delete_ours=False,
+                         withdraw=True)
 
     def _committed(self, rec: JobRecord, step: int, uri: S3Uri, what: str) -> None:
         st = rec["steps"][str(step)]
