@@ -11,6 +11,7 @@ cannot start (not root, Slurm or munge missing) its tests are skipped, unless
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pwd
 import random
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -273,3 +275,13 @@ def events(tmp_path: Path) -> Iterator[Path]:
     log.configure(mode="json", level="info", file=str(f))
     yield f
     log.reset()
+
+
+def logged(path: Path) -> list[dict[str, Any]]:
+    """Every JSON event the log wrote to ``path``."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def events_saying(path: Path, text: str) -> list[dict[str, Any]]:
+    """The events whose message holds ``text``."""
+    return [e for e in logged(path) if text in str(e["event"])]

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from slurm_resilience.sandbox.handle import Sandbox
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -32,18 +35,18 @@ def output(workdir: Path, job_id: int) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def wait_for(pred: object, timeout: float, what: str, poll: float = 0.5) -> object:
+def wait_for(pred: Callable[[], T], timeout: float, what: str, poll: float = 0.5) -> T:
     """Poll ``pred`` until it is truthy (a wait for real daemons, not a time bound)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = pred()  # type: ignore[operator]
+        value = pred()
         if value:
             return value
         time.sleep(poll)
     raise TimeoutError(f"{what} not seen within {timeout:g}s")
 
 
-def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, object]]:
+def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
     out = []
     for node in sandbox.nodes:
         d = sandbox.node_dir(node) / "state" / "incidents"

@@ -8,17 +8,16 @@ Jobs are submitted by unprivileged test users. Figures are printed; run with ``-
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+from hang_jobs import output, reports, wait_for
 
 from slurm_resilience.heartbeat import actions, policy
 from slurm_resilience.sandbox import control, daemons
@@ -27,7 +26,6 @@ from slurm_resilience.sandbox.handle import Sandbox
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
-T = TypeVar("T")
 SEED = int(os.environ.get("SLURM_RESILIENCE_FAULT_SEED", "1313"))
 
 # Two ranks through the public heartbeat API; rank 1 one step behind; progress claimed on
@@ -48,16 +46,6 @@ time.sleep(3600)
 """
 
 
-def _wait_for(pred: Callable[[], T], timeout: float, what: str, poll: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"{what} not seen within {timeout:g}s")
-
-
 def _deadlocked_job(sandbox: Sandbox, user: str, name: str, *, requeue: bool = True) -> tuple[
         int, Path]:
     work = sandbox.user_dir(user, name)
@@ -71,31 +59,17 @@ def _deadlocked_job(sandbox: Sandbox, user: str, name: str, *, requeue: bool = T
     return job_id, work
 
 
-def _output(work: Path, job_id: int) -> str:
-    path = work / f"slurm-{job_id}.out"
-    return path.read_text() if path.exists() else ""
-
-
 def _rank_node(work: Path, job_id: int, rank: int, run: int) -> str:
     def find() -> str:
-        for line in _output(work, job_id).splitlines():
+        for line in output(work, job_id).splitlines():
             if line.startswith(f"rank {rank} deadlocked run={run} "):
                 return line.split("node=")[1].split()[0]
         return ""
-    return _wait_for(find, 90, f"rank {rank} of run {run} deadlocking")
-
-
-def _reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
-    out = []
-    for node in sandbox.nodes:
-        d = sandbox.node_dir(node) / "state" / "incidents"
-        for f in sorted(d.glob(f"hang-job{job_id}-*.json")) if d.exists() else []:
-            out.append(json.loads(f.read_text()))
-    return out
+    return wait_for(find, 90, f"rank {rank} of run {run} deadlocking")
 
 
 def _decided(sandbox: Sandbox, job_id: int, run: int) -> dict[str, Any] | None:
-    for r in _reports(sandbox, job_id):
+    for r in reports(sandbox, job_id):
         # Finished (the copy written before acting has no action time yet).
         if r.get("restart") == run and "action_at" in r["timings"]:
             return r
@@ -128,7 +102,7 @@ def _restart_agents(sandbox: Sandbox, sig: int | None = None) -> None:
         pid = extra.daemon.pid()
         if sig is not None and pid is not None:
             os.kill(pid, sig)
-            _wait_for(functools.partial(_gone, extra.daemon), 20, f"end of {extra.daemon.name}",
+            wait_for(functools.partial(_gone, extra.daemon), 20, f"end of {extra.daemon.name}",
                       poll=0.05)
         daemons.stop(extra.daemon)
         daemons.spawn(extra.argv, log_file=sandbox.layout.log_dir / f"{extra.daemon.name}.log",
@@ -137,7 +111,7 @@ def _restart_agents(sandbox: Sandbox, sig: int | None = None) -> None:
 
 def _back_in_service(sandbox: Sandbox, node: str, since: float, timeout: float = 120) -> float:
     """Seconds from ``since`` (wall) until ``node`` is no longer drained."""
-    _wait_for(lambda: not sandbox.adapter().show_node(node).drained, timeout,
+    wait_for(lambda: not sandbox.adapter().show_node(node).drained, timeout,
               f"{node} back in service", poll=0.25)
     return time.time() - since
 
@@ -152,19 +126,19 @@ def test_deadlocked_job_drains_nothing_suspect_returns_job_held_at_cap(
     owner, other = test_users
     job_id, work = _deadlocked_job(sandbox, owner, "deadlock")
     suspect = _rank_node(work, job_id, 1, 0)
-    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the run-0 decision")
+    report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the run-0 decision")
     assert report["decision"]["action"] == "requeue", report["decision"]
     assert report["decision"]["nodes"] == [{"node": suspect, "verdict": "suspect", "reason":
                                             report["decision"]["nodes"][0]["reason"]}]
     assert report["decision"]["ckpt_step"] == -1  # the slot's 100 is not a root-side fact
     decided_at = float(report["timings"]["action_at"])
     back_s = _back_in_service(sandbox, suspect, decided_at)
-    held = _wait_for(lambda: (lambda j: j if j.state == "PENDING" and "held after" in
+    held = wait_for(lambda: (lambda j: j if j.state == "PENDING" and "held after" in
                               j.admin_comment else None)(sandbox.job(job_id)), 120,
                      "the job held at the cap")
     assert "held after 1 hang requeues (cap 1)" in held.admin_comment, held
     assert suspect in held.exc_nodes
-    second = _wait_for(lambda: _decided(sandbox, job_id, 1), 30, "the run-1 decision")
+    second = wait_for(lambda: _decided(sandbox, job_id, 1), 30, "the run-1 decision")
     assert second["decision"]["action"] == "hold"
     for call in second["decision"]["nodes"]:
         _back_in_service(sandbox, call["node"], time.time())
@@ -190,14 +164,14 @@ def test_no_requeue_job_is_left_or_cancelled_and_drains_nothing(
     no node is drained or suspected for it."""
     user = test_users[0]
     job_id, _ = _deadlocked_job(sandbox, user, "norequeue-leave", requeue=False)
-    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
     assert report["decision"]["action"] == "leave"
     assert [c["verdict"] for c in report["decision"]["nodes"]] == ["spare"]
     assert sandbox.job(job_id).state == "RUNNING" and _drained(sandbox) == []
     sandbox.run(["scancel", str(job_id)])
     sandbox.update_resilience_config({"heartbeat": {"no_requeue_policy": "cancel"}})
     job_id, _ = _deadlocked_job(sandbox, user, "norequeue-cancel", requeue=False)
-    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
     assert report["decision"]["action"] == "cancel"
     assert sandbox.wait_job(job_id, timeout=30).state == "CANCELLED"
     assert _drained(sandbox) == []
@@ -214,8 +188,8 @@ def test_failed_loopback_verification_drains_the_suspect_with_measured_vs_expect
     suspect = _rank_node(work, job_id, 1, 0)
     try:
         print(faults.inject(sandbox.layout.state_dir, suspect, "nccl-wrong:1"))
-        _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
-        node = _wait_for(lambda: (lambda n: n if "verification failed" in n.reason else None)(
+        wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+        node = wait_for(lambda: (lambda n: n if "verification failed" in n.reason else None)(
             sandbox.adapter().show_node(suspect)), 120, "the failed verification")
         assert node.drained and node.reason.startswith(f"SR: hang job {job_id} user {user} ")
         assert "loopback test: nccl allreduce wrong result on rank1" in node.reason, node.reason
@@ -242,7 +216,7 @@ def test_the_budget_stops_drains_past_its_limit_and_says_so(
     user = test_users[0]
     job_id, work = _deadlocked_job(sandbox, user, "budget")
     suspect = _rank_node(work, job_id, 1, 0)
-    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
+    report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
     assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [
         (suspect, "spare")]
     assert "hang budget spent (1 of 1 nodes per hour" in report["decision"]["budget"]
@@ -275,11 +249,11 @@ def test_requeue_happens_exactly_once_when_slurmctld_is_away_for_20s(
                               env=control.daemon_env(sandbox.layout),
                               log_file=sandbox.layout.log_dir / "slurmctld.out")
     away_s = time.monotonic() - stopped
-    report = _wait_for(lambda: _decided(sandbox, job_id, 0), 120, "the decision")
-    job = _wait_for(lambda: (lambda j: j if j.restarts >= 1 else None)(sandbox.job(job_id)),
+    report = wait_for(lambda: _decided(sandbox, job_id, 0), 120, "the decision")
+    job = wait_for(lambda: (lambda j: j if j.restarts >= 1 else None)(sandbox.job(job_id)),
                     60, "the requeue")
     sandbox.run(["scancel", str(job_id)])
-    acting = [r for r in _reports(sandbox, job_id)
+    acting = [r for r in reports(sandbox, job_id)
               if r["restart"] == 0 and r["decision"]["action"] in ("requeue", "hold")]
     assert len(acting) == 1 and report["decision"]["action"] == "requeue"
     assert "[sr-hang n=1 " in job.admin_comment and job.restarts == 1, job

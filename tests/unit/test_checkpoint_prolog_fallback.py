@@ -4,15 +4,13 @@ log names the cause."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import events_saying
 
-from slurm_resilience import log
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.checkpoint import steps
 from slurm_resilience.config import Config, load_text
@@ -50,19 +48,6 @@ def _ctx(cfg: Config) -> HookContext:
                        user="nobody")
 
 
-@pytest.fixture
-def events(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "events.jsonl"
-    log.configure(mode="json", level="info", file=str(path))
-    yield path
-    log.reset()
-
-
-def _said(path: Path) -> list[dict[str, object]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if "couldn't tell the agent about the job" in str(e["event"])]
-
-
 def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
         tmp_path: Path, events: Path) -> None:
     """No socket at all: the first try fails, nothing is waited for, the job's staging dir
@@ -71,7 +56,7 @@ def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
     assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
     assert clock.slept == []
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
-    said = _said(events)
+    said = events_saying(events, "couldn't tell the agent about the job")
     assert len(said) == 1 and said[0]["level"] == "warning"
     assert "agent.sock" in str(said[0]["error"]) and "No such file" in str(said[0]["error"])
 
@@ -95,7 +80,7 @@ def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
     assert sum(clock.slept) == pytest.approx(TIMEOUT_S)  # the last pause ends at the deadline
     assert max(clock.slept) <= 0.5
     assert server.stats.busy == len(clock.slept) + 1 and server.stats.admitted == 0
-    said = _said(events)
+    said = events_saying(events, "couldn't tell the agent about the job")
     assert len(said) == 1 and "busy" in str(said[0]["error"])
     assert said[0]["waited_limit_s"] == TIMEOUT_S
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()

@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON_SYS
+from conftest import PYTHON_SYS, events_saying
 
-from slurm_resilience import log
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.heartbeat import jobfs, steps
 from slurm_resilience.heartbeat.stale import StaleSweeper
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.proc import CommandError
+from slurm_resilience.sandbox import sweep
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks, real mounts")
 
@@ -49,24 +49,10 @@ def _ctx(cfg: Config, kind: str, job: int, user: str) -> HookContext:
                        uid=pw.pw_uid, gid=pw.pw_gid, user=user)
 
 
-def _mounts_under(path: Path) -> list[str]:
-    with open("/proc/self/mountinfo") as fh:
-        return [line.split()[4] for line in fh if line.split()[4].startswith(str(path))]
-
-
-@pytest.fixture
-def events(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "events.jsonl"
-    log.configure(mode="json", level="info", file=str(path))
-    yield path
-    log.reset()
-    for point in reversed(_mounts_under(tmp_path)):  # a failed test leaves no mount behind
-        subprocess.run(["umount", "--lazy", point], check=False, timeout=10)
-
-
-def _said(path: Path, text: str) -> list[dict[str, object]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if text in str(e["event"])]
+@pytest.fixture(autouse=True)
+def _no_mount_left(tmp_path: Path) -> Iterator[None]:
+    yield
+    sweep.unmount_under(tmp_path)  # a failed test leaves no mount behind
 
 
 # What a job writes, as its own user, through the directory fd it inherits: as many files as
@@ -105,7 +91,7 @@ def test_a_job_cannot_write_past_its_tmpfs_and_the_epilog_unmounts_it(
     run = tmp_path / "run" / "n1"
     assert steps.prolog_run_dir(_ctx(cfg, "prolog", 61, user)) == []
     job = run / "job-61"
-    assert _mounts_under(tmp_path) == [str(job)]
+    assert sweep.mounts_under(tmp_path) == [str(job)]
     st = os.stat(job)
     assert (st.st_uid, st.st_mode & 0o777) == (pwd.getpwnam(user).pw_uid, 0o700)
     jfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
@@ -120,10 +106,10 @@ def test_a_job_cannot_write_past_its_tmpfs_and_the_epilog_unmounts_it(
     assert wrote["bytes_errno"] == 28 and wrote["bytes"] <= 1 << 20  # ENOSPC: out of size
     # A requeue of the same id: the earlier mount is detached and set aside, one mount left.
     assert steps.prolog_run_dir(_ctx(cfg, "prolog", 61, user)) == []
-    assert _mounts_under(tmp_path) == [str(job)]
+    assert sweep.mounts_under(tmp_path) == [str(job)]
     assert len(os.listdir(run / ".stale")) == 1
     assert steps.epilog_run_dir(_ctx(cfg, "epilog", 61, user)) == []
-    assert _mounts_under(tmp_path) == [] and not job.exists()
+    assert sweep.mounts_under(tmp_path) == [] and not job.exists()
 
 
 def test_a_mount_that_fails_gives_a_plain_dir_and_says_why(tmp_path: Path,
@@ -141,8 +127,8 @@ def test_a_mount_that_fails_gives_a_plain_dir_and_says_why(tmp_path: Path,
     job = tmp_path / "run" / "n1" / "job-62"
     st = os.lstat(job)
     assert (st.st_uid, st.st_mode & 0o777) == (54321, 0o700)
-    assert st.st_dev == os.stat(job.parent).st_dev and _mounts_under(tmp_path) == []
-    said = _said(events, "couldn't mount a size-limited tmpfs")
+    assert st.st_dev == os.stat(job.parent).st_dev and sweep.mounts_under(tmp_path) == []
+    said = events_saying(events, "couldn't mount a size-limited tmpfs")
     assert said and "permission denied" in str(said[0]["error"]) and said[0]["level"] == "error"
 
 
@@ -162,7 +148,7 @@ def test_epilog_hands_a_run_dir_too_big_for_its_budget_to_the_agent(tmp_path: Pa
     assert steps.epilog_run_dir(dataclasses.replace(ctx, kind="epilog"), clock=Ticks()) == []
     assert not (run / "job-63").exists() and not (run / "jobs" / "63.json").exists()
     assert len(os.listdir(run / ".stale")) == 1
-    said = _said(events, "handed to the agent")
+    said = events_saying(events, "handed to the agent")
     assert said and "time budget" in str(said[0]["removal"])
     sweeper = StaleSweeper(cfg, "n1", max_entries=50)
     passes = 0
@@ -190,7 +176,7 @@ def test_another_users_leftover_under_a_reused_job_id_is_set_aside_never_a_drain
     assert os.listdir(run / "job-64") == []
     (aside,) = os.listdir(run / ".stale")
     assert sorted(os.listdir(run / ".stale" / aside)) == ["etc", "slot-0"]
-    said = _said(events, "set a leftover job run directory aside")
+    said = events_saying(events, "set a leftover job run directory aside")
     assert said and said[0]["owner_uid"] == pwd.getpwnam(first).pw_uid
     StaleSweeper(cfg, "n1").sweep()
     assert os.listdir(run / ".stale") == [] and os.stat("/etc") == etc

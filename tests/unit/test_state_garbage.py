@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import logged
 
 from slurm_resilience import config, log
 from slurm_resilience.config import Config
@@ -73,18 +74,6 @@ def load(tmp_path: Path) -> Config:
             "nvme": {"path": f"{root}/nvme", "size_limit": 100 << 30, "min_free": 10 << 30,
                      "smart": False}}}))
     return config.load(str(path))
-
-
-@pytest.fixture
-def events(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "events.jsonl"
-    log.configure(mode="json", level="info", file=str(path))
-    yield path
-    log.reset()
-
-
-def logged(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture
