@@ -1,12 +1,41 @@
-"""Load ``/etc/slurm-resilience/config.yaml`` (or ``--config`` / ``$SLURM_RESILIENCE_CONFIG``)."""
+"""Load ``/etc/slurm-resilience/config.yaml`` (or ``--config`` / ``$SLURM_RESILIENCE_CONFIG``).
+
+Finding the file needs only ``os``; the schema and the YAML loader are imported on first
+use of :func:`load` or of their names, so a hook that the hook server runs (see
+``hooks/endpoint.py``) never pays for them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from slurm_resilience.config.loader import ByteSize, ConfigError, load_text, setting, to_dict
-from slurm_resilience.config.schema import DEFAULT_PATH, ENV_VAR, Config
+if TYPE_CHECKING:
+    from slurm_resilience.config.loader import (
+        ByteSize,
+        ConfigError,
+        load_text,
+        setting,
+        to_dict,
+    )
+    from slurm_resilience.config.schema import Config
+
+DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
+ENV_VAR = "SLURM_RESILIENCE_CONFIG"
+
+_LAZY = {"ByteSize": "loader", "ConfigError": "loader", "load_text": "loader",
+         "setting": "loader", "to_dict": "loader", "Config": "schema"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_PATH", "ENV_VAR", "ByteSize", "Config", "ConfigError", "job_config_path", "load",
@@ -66,6 +95,9 @@ def job_config_path(env: Mapping[str, str]) -> str | None:
 
 def load(path: str | None = None) -> Config:
     """Load and validate the configuration; a missing default file means all defaults."""
+    from slurm_resilience.config.loader import ConfigError, load_text
+    from slurm_resilience.config.schema import Config
+
     source, named = locate(path)
     try:
         with open(source, encoding="utf-8") as fh:

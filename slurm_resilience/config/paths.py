@@ -8,7 +8,6 @@ its own stand-in NVMe.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 
 
@@ -19,7 +18,7 @@ def node_name(configured: str = "", env: Mapping[str, str] | None = None) -> str
     The agent runs without SLURMD_NODENAME, so a name set in the config must win for
     hooks too, or ``{node}`` paths (the agent's socket) would differ between them."""
     env = os.environ if env is None else env
-    return configured or env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    return configured or env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
 
 
 def node_path(template: str, node: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from slurm_resilience.config import DEFAULT_PATH, ENV_VAR  # noqa: F401 - kept importable
 from slurm_resilience.config.agent import AgentSection
 from slurm_resilience.config.checkpoint import CheckpointSection
 from slurm_resilience.config.health import HealthSection
@@ -19,9 +20,6 @@ from slurm_resilience.config.loader import ByteSize, setting
 from slurm_resilience.config.metrics import MetricsSection, StragglerSection
 from slurm_resilience.config.nccl import NcclSection
 from slurm_resilience.config.topology import TopologySection
-
-DEFAULT_PATH = "/etc/slurm-resilience/config.yaml"
-ENV_VAR = "SLURM_RESILIENCE_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -108,6 +106,11 @@ class HooksSection:
         help="a bug or crash in a hook step, or a hook past its limit: fail-open logs it and "
              "lets the job run; fail-closed drains the node with an SR: reason",
     )
+    server: Literal["service", "agent", "off"] = setting(
+        "service", help="who runs the hook server that hooks hand their work to (tens of ms "
+                        "instead of a few hundred): service (slurm-resilience-hooks.service), "
+                        "agent (the node agent starts it: nodes without systemd), off; a hook "
+                        "that finds none, or is refused, runs in its own process and logs why")
     watchdog_grace_s: float = setting(
         10.0, min=1, max=120,
         help="after a hook's limit, how long its watchdog may spend draining with our reason "
