@@ -4,6 +4,7 @@ returning a Service (or None when the service is disabled by config). One line e
 from __future__ import annotations
 
 SERVICES: list[str] = [
+    "slurm_resilience.hooks.supervisor:factory",  # first: hooks are fast from the start
     "slurm_resilience.heartbeat.watcher:factory",
     "slurm_resilience.heartbeat.stale:factory",  # removes job run dirs set aside by hooks
     "slurm_resilience.checkpoint.uploader:factory",

@@ -49,7 +49,7 @@ def timeout_for(cfg: Config, kind: HookKind) -> float:
             "healthcheck": h.healthcheck_timeout_s}[kind]
 
 
-def overrun(ctx: HookContext, limit_s: float) -> int:
+def overrun(ctx: HookContext, limit_s: float, what: str = "") -> int:
     """What a hook past its limit does before it exits; returns the exit status.
 
     Never Slurm's own "Prolog error"/"Epilog error" drain, which nothing resumes:
@@ -61,15 +61,16 @@ def overrun(ctx: HookContext, limit_s: float) -> int:
     h = ctx.cfg.hooks
     step = ctx.notes.get("step", "?")
     logger = log.get_logger("hooks", hook=ctx.kind)
-    logger.error(f"hooks: {ctx.kind}: couldn't finish within {limit_s:g}s", step=step,
-                 policy=h.on_internal_error)
+    message = what or f"couldn't finish within {limit_s:g}s"
+    logger.error(f"hooks: {ctx.kind}: {message}", step=step, policy=h.on_internal_error)
     if h.on_internal_error == "fail-open":
         return EXIT_OK
     adapter = ctx.adapter
     adapter.timeout = min(adapter.timeout, h.watchdog_grace_s / 2)  # show node + update
-    what = f"{ctx.kind} over its {limit_s:g}s limit in {step.rsplit(':', 1)[-1]}"
+    reason = (f"{ctx.kind} worker lost" if what else
+              f"{ctx.kind} over its {limit_s:g}s limit in {step.rsplit(':', 1)[-1]}")
     try:
-        adapter.drain(ctx.node, reasons.compose(adapter.prefix, ["hooks"], what))
+        adapter.drain(ctx.node, reasons.compose(adapter.prefix, ["hooks"], reason))
     except ForeignDrain as exc:
         logger.warning("node already drained by someone else", error=str(exc))
     except SlurmError as exc:
@@ -167,20 +168,37 @@ def act(ctx: HookContext, problems: list[Problem]) -> None:
         logger.error("couldn't drain node", reason=reason, error=str(exc))
 
 
-def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] | None = None
-         ) -> int:
-    env = dict(os.environ if env is None else env)
-    try:
-        cfg = config.load(config_path(env))
-    except ConfigError as exc:
-        # Bad config must be loud but must not take the cluster down: say so and let jobs run.
-        print(f"slurm-resilience {kind}: {exc}", file=sys.stderr)
-        return EXIT_OK if kind != "healthcheck" else EXIT_FAIL
+def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None
+           ) -> HookContext | int:
+    """Config, context and logging of one hook run; an exit status when the config is bad."""
+    if cfg is None:
+        try:
+            cfg = config.load(config_path(env))
+        except ConfigError as exc:
+            # Bad config must be loud but must not take the cluster down: say so, let jobs run.
+            print(f"slurm-resilience {kind}: {exc}", file=sys.stderr)
+            return EXIT_OK if kind != "healthcheck" else EXIT_FAIL
     ctx = HookContext.from_env(kind, cfg, env)
     log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
                   use_syslog=cfg.logging.syslog, node=ctx.node, job_id=ctx.job_id)
+    return ctx
+
+
+def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] | None = None,
+         *, cfg: Config | None = None, exit: Callable[[int], object] = os._exit,
+         in_process_because: str = "") -> int:
+    """Run one hook. ``cfg``: the configuration already loaded (the hook server's);
+    ``exit``: how the watchdog ends the process; ``in_process_because``: why the hook
+    server did not run this hook (logged, so a node without one is seen)."""
+    env = dict(os.environ if env is None else env)
+    ctx = _setup(kind, env, cfg)
+    if isinstance(ctx, int):
+        return ctx
+    cfg = ctx.cfg
     logger = log.get_logger("hooks", hook=kind)
-    timer = Watchdog(ctx, timeout_for(cfg, kind)).start()
+    if in_process_because:
+        logger.info("hook runs in its own process", why=in_process_because)
+    timer = Watchdog(ctx, timeout_for(cfg, kind), exit=exit).start()
     started = time.monotonic()
     try:
         problems = run_steps(ctx, STEPS[kind])
@@ -194,3 +212,15 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
         return EXIT_FAIL if kind == "prolog" and any(p.drain for p in problems) else EXIT_OK
     logger.info("hook ok", seconds=seconds, job_options=ctx.job_options() or None)
     return EXIT_OK
+
+
+def worker_lost(kind: HookKind, env: Mapping[str, str], why: str) -> int:
+    """The hook server's worker ended without an exit status (killed, say): its steps may
+    have acted, so the hook is not run again. Said in the log and on stderr, then the
+    failure policy decides, as for a hook past its limit."""
+    print(f"slurm-resilience {kind}: {why}", file=sys.stderr)
+    ctx = _setup(kind, env, None)
+    if isinstance(ctx, int):
+        return ctx
+    ctx.notes["step"] = "hook server worker"
+    return overrun(ctx, timeout_for(ctx.cfg, kind), what=why)

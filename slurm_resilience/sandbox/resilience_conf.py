@@ -79,6 +79,8 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "services": {"units": ["nvidia-fabricmanager"]},
         },
         "agent": {"socket": f"{node_root}/run/agent.sock"},
+        # No systemd here: each node's agent runs its hook server.
+        "hooks": {"server": "agent"},
         "heartbeat": {
             # Short timeouts so hang tests take seconds; cap = 60 - 10 s below "NCCL".
             "step_timeout_s": 6.0,
