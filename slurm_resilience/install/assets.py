@@ -17,6 +17,7 @@ SHARE = Path("share") / "slurm-resilience"
 HOOKS = ("prolog", "epilog", "healthcheck")
 SPANK_SOURCES = ("slurm_resilience_spank.c", "Makefile", "exports.map")
 UNIT = "slurm-resilience-agent.service"
+HOOKS_UNIT = "slurm-resilience-hooks.service"  # the hook server (hooks.server: service)
 EXAMPLE_CONFIG = "config.example.yaml"
 JOB_SUBMIT = "job_submit.lua"
 
@@ -47,7 +48,7 @@ class Assets:
     def missing(self) -> list[Path]:
         wanted = ([self.hooks / h for h in (*HOOKS, JOB_SUBMIT)]
                   + [self.spank / s for s in SPANK_SOURCES]
-                  + [self.conf / UNIT, self.conf / EXAMPLE_CONFIG])
+                  + [self.conf / UNIT, self.conf / HOOKS_UNIT, self.conf / EXAMPLE_CONFIG])
         return [p for p in wanted if not p.is_file()]
 
 

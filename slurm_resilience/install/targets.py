@@ -9,8 +9,8 @@ from slurm_resilience.install import assets, spank
 from slurm_resilience.install.files import Change, ensure_line, place
 from slurm_resilience.proc import Runner
 
-# The unit as shipped names the default prefix; other prefixes get their own ExecStart.
-_DEFAULT_EXEC = "/opt/slurm-resilience/bin/slurm-resilience"
+# The units as shipped name the default prefix; other prefixes get their own ExecStart.
+_DEFAULT_BIN = "/opt/slurm-resilience/bin/"
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,14 @@ def _example_config(src: assets.Assets, paths: Paths) -> Change:
 
 
 def node(src: assets.Assets, paths: Paths) -> list[Change]:
-    """Hook wrappers (Prolog=, Epilog=, HealthCheckProgram=), the agent's unit, the example."""
+    """Hook wrappers (Prolog=, Epilog=, HealthCheckProgram=), the agent's and the hook
+    server's units, the example."""
     out = [place(paths.hooks_dir / h, (src.hooks / h).read_bytes(), 0o755, "hook wrapper")
            for h in assets.HOOKS]
     if paths.systemd_dir is not None:
-        unit = (src.conf / assets.UNIT).read_text()
-        unit = unit.replace(_DEFAULT_EXEC, str(paths.prefix / "bin" / "slurm-resilience"))
-        out.append(place(paths.systemd_dir / assets.UNIT, unit.encode(), 0o644, "node agent"))
+        for name, what in ((assets.UNIT, "node agent"), (assets.HOOKS_UNIT, "hook server")):
+            unit = (src.conf / name).read_text().replace(_DEFAULT_BIN, f"{paths.prefix}/bin/")
+            out.append(place(paths.systemd_dir / name, unit.encode(), 0o644, what))
     out.append(_example_config(src, paths))
     return out
 

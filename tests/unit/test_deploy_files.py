@@ -40,6 +40,27 @@ def test_systemd_unit_runs_the_agent() -> None:
         assert "Unknown key" not in out.stderr and "Invalid" not in out.stderr, out.stderr
 
 
+def test_systemd_unit_runs_the_hook_server_in_the_hooks_mount_namespace() -> None:
+    """The hook server's unit runs the package's server, restarts it, and sandboxes none of
+    the mounts: its workers act for slurmd's hooks, in slurmd's mount namespace (the server
+    refuses hooks from another one)."""
+    path = REPO / "conf" / "slurm-resilience-hooks.service"
+    text = path.read_text()
+    assert "ExecStart=/opt/slurm-resilience/bin/python3 -I -m slurm_resilience.hooks.server\n" \
+        in text
+    assert "Environment=SLURM_CONF=/etc/slurm/slurm.conf" in text
+    assert "Restart=always" in text and "Before=slurmd.service" in text
+    settings = [line.split("=", 1)[0] for line in text.splitlines() if "=" in line
+                and not line.startswith("#")]
+    for private in ("PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateMounts",
+                    "ReadOnlyPaths", "TemporaryFileSystem", "MountFlags"):
+        assert private not in settings
+    if shutil.which("systemd-analyze"):
+        out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)],
+                             capture_output=True, text=True, check=False)
+        assert "Unknown key" not in out.stderr and "Invalid" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("hook", ["prolog", "epilog", "healthcheck"])
 def test_hook_wrappers_are_executable_posix_sh(hook: str) -> None:
     """Each hook wrapper is executable, parses as POSIX sh, and runs the package with -I."""

@@ -24,7 +24,7 @@ from slurm_resilience.proc import Runner
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = {f"hooks/{h}" for h in (*assets.HOOKS, assets.JOB_SUBMIT)} | {
     f"spank/{s}" for s in assets.SPANK_SOURCES} | {
-    f"conf/{assets.UNIT}", f"conf/{assets.EXAMPLE_CONFIG}"}
+    f"conf/{assets.UNIT}", f"conf/{assets.HOOKS_UNIT}", f"conf/{assets.EXAMPLE_CONFIG}"}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,8 @@ def test_install_node_from_the_wheel_alone_then_nothing_changes(venv: Path,
         assert path.read_bytes() == (REPO / "hooks" / hook).read_bytes()
     unit = (tmp_path / "systemd" / assets.UNIT).read_text()
     assert f"ExecStart={venv}/bin/slurm-resilience agent\n" in unit
+    hooks_unit = (tmp_path / "systemd" / assets.HOOKS_UNIT).read_text()
+    assert f"ExecStart={venv}/bin/python3 -I -m slurm_resilience.hooks.server\n" in hooks_unit
     assert (tmp_path / "etc" / assets.EXAMPLE_CONFIG).is_file()
 
     second = json.loads(_run(venv, *args, cwd=tmp_path).stdout)
