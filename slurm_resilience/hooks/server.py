@@ -43,6 +43,9 @@ from slurm_resilience.config.paths import node_name
 from slurm_resilience.hooks import endpoint, runner, steps
 
 REQUEST_TIMEOUT_S = 2.0
+# How often the package's files are looked at for an upgrade (stat of ~200 files: a few
+# ms, too much for every hook); a hook within this long of an upgrade runs the old code.
+CODE_CHECK_S = 2.0
 MAX_WORKERS = 64
 POLL_S = 0.5
 _UCRED = struct.Struct("3i")
@@ -166,11 +169,13 @@ class HookServer:
     workers: dict[int, socket.socket] = field(default_factory=dict)
     stopping: bool = False
     package_dir: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code_check_s: float = CODE_CHECK_S
 
     def __post_init__(self) -> None:
         self.real_config = os.path.realpath(self.config_path)
         self.configs = ConfigCache(self.config_path)
         self.signature = code_signature(self.package_dir)
+        self._code_checked = time.monotonic()
         self.mount_ns = _mount_ns("self")
         self.listener: socket.socket | None = None
         self._inode = 0
@@ -333,13 +338,20 @@ class HookServer:
     def _admit(self, request: Request, peer_pid: int, fds: list[int]) -> None:
         if len(fds) != 3:
             raise Refused(f"expected the hook's 3 standard streams, got {len(fds)} fds")
-        if code_signature(self.package_dir) != self.signature:
+        if self.code_changed():
             self.stopping = True
             raise Refused("stale: the package changed on disk since the server started")
         if _mount_ns(str(peer_pid)) != self.mount_ns:
             raise Refused("the hook is in another mount namespace than the server")
         if len(self.workers) >= self.max_workers:
             raise Refused(f"busy: {len(self.workers)} hooks running")
+
+    def code_changed(self) -> bool:
+        now = time.monotonic()
+        if now - self._code_checked < self.code_check_s:
+            return False
+        self._code_checked = now
+        return code_signature(self.package_dir) != self.signature
 
 
 def _mount_ns(pid: str) -> int | None:

@@ -243,7 +243,7 @@ def _server(tmp_path: Path, **kw: object) -> server.HookServer:
 
 
 def test_an_upgrade_makes_the_server_step_aside(tmp_path: Path) -> None:
-    srv = _server(tmp_path)
+    srv = _server(tmp_path, code_check_s=0.0)
     req = server.parse_request(_request())
     srv._admit(req, os.getpid(), [0, 1, 2])
     (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
