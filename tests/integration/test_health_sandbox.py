@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -97,6 +98,24 @@ def test_healthy_prolog_is_silent_and_jobs_run(box: Sandbox) -> None:
     job = box.sbatch("srun true\n", args=["-N2"])
     assert box.wait_job(job, timeout=60).state == "COMPLETED"
     assert not [n.name for n in box.adapter().list_nodes() if n.drained]
+
+
+def test_each_nodes_hook_server_runs_its_hooks(box: Sandbox) -> None:
+    """slurmd's prolog and epilog are handed to the node's hook server (its agent runs
+    one): the job's hooks log their end and none ran in its own process."""
+    job = box.sbatch("srun true\n", args=["-N2"])
+    assert box.wait_job(job, timeout=60).state == "COMPLETED"
+    log = box.state_dir / "log" / "slurm-resilience.jsonl"
+    deadline = time.monotonic() + 30
+    while True:
+        mine = [e for e in map(json.loads, log.read_text().splitlines())
+                if e.get("job_id") == job and e.get("component") == "hooks"]
+        done = {(e["node"], e["hook"]) for e in mine if e["event"] == "hook ok"}
+        if len(done) == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {h for _, h in done} == {"prolog", "epilog"} and len(done) == 4, mine
+    assert not [e for e in mine if "own process" in e["event"]], mine
 
 
 def test_jobs_held_by_our_failed_prolog_are_released_without_nohold(sandbox_factory: Any
