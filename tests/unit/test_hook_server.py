@@ -21,7 +21,7 @@ import yaml
 from slurm_resilience.hooks import client, endpoint, server, supervisor
 from slurm_resilience.sandbox import faults, hardware, resilience_conf
 from slurm_resilience.sandbox.layout import Layout
-from tests.conftest import events_saying, logged
+from conftest import events_saying, logged
 
 NODE = "node1"
 PYTHON = sys.executable
