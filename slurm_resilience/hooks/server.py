@@ -3,18 +3,21 @@ process that has already loaded the configuration and every step's modules.
 
 Most of a hook's time in its own process goes to starting Python, importing the
 configuration schema and the checks, and parsing the YAML; the checks themselves take a
-few tens of milliseconds. The agent keeps one server per node (``hooks.server``), and a
-hook (``hooks/client.py``) hands it its environment and its stdin, stdout and stderr;
-a forked worker runs exactly what the hook would have run (``runner.main``), writing to
-the hook's own streams, and answers the exit status.
+few tens of milliseconds. Each node runs one server (``slurm-resilience-hooks.service``,
+or the agent starts it: ``hooks.server``), and a hook (``hooks/client.py``) hands it its
+environment and its stdin, stdout and stderr; a forked worker runs exactly what the hook
+would have run (``runner.main``), writing to the hook's own streams, and sends the exit
+status itself, so a server that stops meanwhile loses nothing; the server reports a
+worker killed before it could.
 
 Only root connects: the socket sits in a 0700 root directory and every peer's uid is
 checked (SO_PEERCRED). A worker runs in the server's mount namespace, so a hook from
 another one (a unit with private mounts, say) is refused and runs itself: a job's run-dir
 tmpfs must be mounted where the job sees it. The server is single-threaded, so forking
 is safe; it bounds the workers it runs at once, the time and size of a request, and
-stops when its agent is gone or its own code changed on disk (an upgrade), answering
-``stale`` so the hook runs in its own process until the agent starts a new server.
+stops when the agent that started it is gone or its own code changed on disk (an
+upgrade), answering ``stale`` so the hook runs in its own process until a new server
+is started (systemd's ``Restart=``, or the agent).
 """
 
 from __future__ import annotations
@@ -252,19 +255,16 @@ class HookServer:
             signal.signal(signal.SIGCHLD, previous)
             sel.close()
             self.close()
-            # Hooks still running report to their clients without us: give them the end.
-            deadline = time.monotonic() + 5.0
-            while self.workers and time.monotonic() < deadline:
-                self.reap()
-                time.sleep(0.05)
+            # Workers still running tell their hooks the status themselves.
             for conn in self.workers.values():
-                _answer(conn, "lost: the hook server stopped before the worker ended")
                 conn.close()
+            self.workers.clear()
             os.close(wake_r)
             os.close(wake_w)
 
     def reap(self) -> None:
-        """Tell each ended worker's hook its exit status (a killed worker: ``lost``)."""
+        """Tell each ended worker's hook its exit status, which the worker normally sent
+        already (the hook reads the first); a killed worker could not: ``lost``."""
         while self.workers:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -315,8 +315,7 @@ class HookServer:
         worker = os.fork()
         if worker == 0:
             os.close(go_w)
-            conn.close()  # never held by the worker, so nothing it starts keeps the hook waiting
-            _work(go_r, fds, request, cfg, self._child_fds())  # never returns
+            _work(go_r, conn, fds, request, cfg, self._child_fds())  # never returns
         os.close(go_r)
         _close_fds(fds)
         # "started" only once the hook has heard it: a hook that gave up runs itself, and
@@ -395,12 +394,21 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _work(go: int, fds: list[int], request: Request, cfg: Config | None,
+def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: Config | None,
           server_fds: list[int]) -> None:
     """The forked worker: wait for the server's go, become the hook (its streams,
-    directory, umask, environment) and run it; the exit status is the hook's. Never
+    directory, umask, environment), run it and send its status, which is also the
+    worker's exit status (the server reports that if the worker dies first). Never
     returns."""
     code = 1
+
+    def finish(status: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        _answer(conn, f"rc {status}")
+        os._exit(status)
+
     try:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
@@ -409,6 +417,7 @@ def _work(go: int, fds: list[int], request: Request, cfg: Config | None,
         if os.read(go, 1) != b"g":
             os._exit(0)  # the hook gave up waiting and runs itself
         os.close(go)
+        conn.settimeout(REQUEST_TIMEOUT_S)  # bounds the status write, not the hook
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         _close_fds([fd for fd in fds if fd > 2])
@@ -421,15 +430,12 @@ def _work(go: int, fds: list[int], request: Request, cfg: Config | None,
         os.environ.update(request.env)
         sys.argv = ["slurm_resilience.hooks", request.kind, *request.argv]
         code = runner.main(request.kind, request.argv, request.env,  # type: ignore[arg-type]
-                           cfg=cfg)
+                           cfg=cfg, exit=finish)
     except BaseException:  # noqa: BLE001 - as an uncaught exception ends a hook: status 1
         with contextlib.suppress(Exception):
             traceback.print_exc()
         code = 1
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    finish(code)
 
 
 def main(argv: list[str] | None = None) -> int:
