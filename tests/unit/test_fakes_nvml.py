@@ -184,14 +184,26 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
         tmp_path: Path) -> None:
     """The collector against the stand-in with scenario_from_nvml_raw(nvml-raw.json) gives
     the snapshot the same collector took of the real H200 (nvml-snapshot.json)."""
-    fake.write_scenario(str(tmp_path / "vm.json"),
-                        fake.scenario_from_nvml_raw(_capture("nvml-raw.json")))
+    raw = _capture("nvml-raw.json")
+    fake.write_scenario(str(tmp_path / "vm.json"), fake.scenario_from_nvml_raw(raw))
     modules, pci = _capture_node(tmp_path)
     got = collector.collect("fake", str(tmp_path), "vm", modules, pci).to_json()
     want = _capture("nvml-snapshot.json")
-    # The only field the capture can't carry: which module answered (pynvml there).
+    # What the capture can't carry: which module answered (pynvml there), and what the
+    # collector reads since it was taken: the PCIe error totals from NVML where sysfs has
+    # no AER (this VM), whose answers nvml-raw.json holds; with them "pcie_aer" is no
+    # longer unsupported.
     assert (got.pop("backend"), want.pop("backend")) == ("fake", "nvml")
+    for real, gpu in zip(raw["gpus"], want["gpus"], strict=True):
+        fields = real["field_values"]
+        gpu["pcie_aer"] = {key: fields[f"NVML_FI_DEV_PCIE_COUNT_{name}"]["value"]["uiVal"]
+                           for key, name in (("correctable", "CORRECTABLE_ERRORS"),
+                                             ("nonfatal", "NON_FATAL_ERROR"),
+                                             ("fatal", "FATAL_ERROR"))}
+        gpu["pcie_aer_source"] = "nvml"
+        gpu["unsupported"].remove("pcie_aer")
     assert got == want
+    assert got["gpus"][0]["pcie_aer"] == {"correctable": 0, "nonfatal": 0, "fatal": 0}
 
 
 def _plain(value: Any) -> Any:
