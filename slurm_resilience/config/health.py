@@ -80,11 +80,13 @@ class GpuCheckSection:
         help="NVLink error totals (all links) and the rise tolerated between two runs")
     pci_sysfs_root: str = setting(
         "/sys/bus/pci/devices", help="where each GPU's PCIe AER counters are read "
-                                     "(<bdf>/aer_dev_*); may hold {node}; empty: not read")
+                                     "(<bdf>/aer_dev_*); may hold {node}; empty: not read. "
+                                     "Where sysfs has none, NVML's counters are used")
     max_pcie_aer_delta: dict[str, int] = setting(
         default_factory=lambda: {"fatal": 0, "nonfatal": 0, "correctable": 100},
-        help="PCIe AER totals of a GPU (correctable, nonfatal, fatal) and the rise "
-             "tolerated between two runs")
+        help="PCIe error totals of a GPU (correctable, nonfatal, fatal: sysfs AER, else "
+             "NVML's NVML_FI_DEV_PCIE_COUNT_{CORRECTABLE_ERRORS,NON_FATAL_ERROR,FATAL_ERROR}) "
+             "and the rise tolerated between two runs; {}: not checked")
     max_pcie_replays_per_min: float = setting(
         8.0, min=0, help="PCIe replay counter rise per minute between runs that fails "
                          "(DCGM's default PCIe replay rate limit)")

@@ -13,9 +13,16 @@ YAML) file per node, ``<scenario_dir>/<node>.json``::
 
 ``retired_pages: null`` stands for a GPU without page retirement (Ampere and
 later answer NOT_SUPPORTED, as the real H100 captures show ``N/A``). A missing
-scenario file behaves like a node without the NVIDIA driver.
-:func:`scenario_from_nvidia_smi` builds a scenario from real ``nvidia-smi -q``
-output, which is how the stand-in is checked against reality.
+scenario file behaves like a node without the NVIDIA driver. Field values
+(nvmlDeviceGetFieldValues) come from a GPU's own keys (``nvlink_errors``,
+``pcie_replay``, ``recovery_action``, ``pcie_counters``) or, for any other field,
+from ``fields``: ``{"NVML_FI_DEV_MEMORY_TEMP": {"value": 37, "type": 1}}`` or
+``{"error": "NOT_SUPPORTED"}``.
+
+The stand-in is checked against reality two ways: :func:`scenario_from_nvidia_smi`
+builds a scenario from real ``nvidia-smi -q`` output, and
+:func:`scenario_from_nvml_raw` from a raw NVML capture (``nvml-raw.json`` from
+``.ci/capture-gpu-outputs``: every call's answer or NVMLError code).
 """
 
 from __future__ import annotations
@@ -107,6 +114,34 @@ NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL = 52
 NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL = 59
 NVML_FI_DEV_PCIE_REPLAY_COUNTER = 94
 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_FI_DEV_RETIRED_SBE = 29
+NVML_FI_DEV_RETIRED_DBE = 30
+NVML_FI_DEV_RETIRED_PENDING = 31
+NVML_FI_DEV_RETIRED_PENDING_SBE = 92
+NVML_FI_DEV_RETIRED_PENDING_DBE = 93
+NVML_FI_DEV_MEMORY_TEMP = 82
+NVML_FI_DEV_NVLINK_LINK_COUNT = 91
+NVML_FI_DEV_REMAPPED_COR = 142
+NVML_FI_DEV_REMAPPED_UNC = 143
+NVML_FI_DEV_REMAPPED_PENDING = 144
+NVML_FI_DEV_REMAPPED_FAILURE = 145
+NVML_FI_DEV_REMAPPED_ROWS_COR_INACTIVE = 301
+NVML_FI_DEV_REMAPPED_ROWS_UNC_INACTIVE = 302
+# PCIe counters of the GPU's own link (R470+); ``pcie_counters`` in a scenario, keyed by
+# the name after NVML_FI_DEV_PCIE_COUNT_, lower case.
+NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS = 173
+NVML_FI_DEV_PCIE_COUNT_NAKS_RECEIVED = 174
+NVML_FI_DEV_PCIE_COUNT_RECEIVER_ERROR = 175
+NVML_FI_DEV_PCIE_COUNT_BAD_TLP = 176
+NVML_FI_DEV_PCIE_COUNT_NAKS_SENT = 177
+NVML_FI_DEV_PCIE_COUNT_BAD_DLLP = 178
+NVML_FI_DEV_PCIE_COUNT_NON_FATAL_ERROR = 179
+NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR = 180
+NVML_FI_DEV_PCIE_COUNT_UNSUPPORTED_REQ = 181
+NVML_FI_DEV_PCIE_COUNT_LCRC_ERROR = 182
+NVML_FI_DEV_PCIE_COUNT_LANE_ERROR = 183
+NVML_FI_DEV_PCIE_COUNT_TX_BYTES = 197
+NVML_FI_DEV_PCIE_COUNT_RX_BYTES = 198
 NVML_VALUE_TYPE_DOUBLE = 0
 NVML_VALUE_TYPE_UNSIGNED_INT = 1
 NVML_VALUE_TYPE_UNSIGNED_LONG = 2
@@ -131,6 +166,27 @@ nvmlClocksThrottleReasonHwThermalSlowdown = 0x0000000000000040
 nvmlClocksThrottleReasonHwPowerBrakeSlowdown = 0x0000000000000080
 nvmlClocksThrottleReasonDisplayClockSetting = 0x0000000000000100
 nvmlClocksThrottleReasonNone = 0x0000000000000000
+
+_NVLINK_TOTALS = {NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "crc_flit",
+                  NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: "crc_data",
+                  NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: "replay",
+                  NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: "recovery"}
+_PCIE_COUNT = "NVML_FI_DEV_PCIE_COUNT_"
+
+
+def _field_names() -> dict[int, str]:
+    return {v: k for k, v in globals().items()
+            if k.startswith("NVML_FI_DEV_") and isinstance(v, int)}
+
+
+FIELD_NAMES = _field_names()
+# Fields answered from a scenario's own keys; any other is answered as the scenario's
+# ``fields`` records it (by pynvml name), else NOT_SUPPORTED.
+MODELLED_FIELDS = frozenset({
+    *_NVLINK_TOTALS, NVML_FI_DEV_NVLINK_LINK_COUNT, NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
+    *(i for i, n in FIELD_NAMES.items() if n.startswith(_PCIE_COUNT))})
+
 
 _ERROR_STRINGS = {
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
@@ -248,10 +304,15 @@ class _MemoryV2:
 
 @dataclass(frozen=True)
 class _PciInfo:
-    busId: bytes
+    """nvmlPciInfo_t's fields (pynvml returns bytes for the two bus id strings)."""
+
+    busIdLegacy: bytes
+    domain: int
     bus: int
     device: int
-    domain: int
+    pciDeviceId: int
+    pciSubSystemId: int
+    busId: bytes
 
 
 @dataclass(frozen=True)
@@ -273,6 +334,10 @@ class _Handle:
 
 
 # -- scenarios ---------------------------------------------------------------------------------
+
+# The NVML_FI_DEV_PCIE_COUNT_* names, as a scenario's ``pcie_counters`` keys them.
+PCIE_COUNTERS = tuple(sorted(n.removeprefix(_PCIE_COUNT).lower() for n in FIELD_NAMES.values()
+                             if n.startswith(_PCIE_COUNT)))
 
 # PCI bus ids of the 8 GPUs in the real healthy 8x H100 capture.
 H100_BUS_IDS = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
@@ -304,6 +369,10 @@ def default_gpu(index: int) -> dict[str, Any]:
         "nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0},
         "pcie_replay": 0,
         "recovery_action": NVML_GPU_RECOVERY_ACTION_NONE,
+        # NVML_FI_DEV_PCIE_COUNT_<NAME> by name in lower case; a missing one (or null for
+        # all) answers NOT_SUPPORTED. A healthy idle GPU may show nonzero lane and TLP
+        # counts (the real H200 capture did); these are a quiet baseline.
+        "pcie_counters": dict.fromkeys(PCIE_COUNTERS, 0),
         # nvmlDeviceGetSramEccErrorStatus; null: NOT_SUPPORTED.
         "sram_ecc": {"aggregate_unc_parity": 0, "aggregate_unc_secded": 0,
                      "aggregate_cor": 0, "volatile_cor": 0, "threshold_exceeded": False},
@@ -430,9 +499,15 @@ def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
 
 
 def nvmlDeviceGetPciInfo(handle: _Handle) -> _PciInfo:
-    bus_id = _gpu(handle, "nvmlDeviceGetPciInfo")["pci_bus_id"]
+    gpu = _gpu(handle, "nvmlDeviceGetPciInfo")
+    bus_id = str(gpu["pci_bus_id"])
     dom, bus, rest = bus_id.split(":")
-    return _PciInfo(bus_id.encode(), int(bus, 16), int(rest.split(".")[0], 16), int(dom, 16))
+    # The legacy id has a 4-digit domain: 00000000:18:00.0 -> 0000:18:00.0.
+    legacy = f"{int(dom, 16):04X}:{bus}:{rest}"
+    return _PciInfo(busIdLegacy=legacy.encode(), domain=int(dom, 16), bus=int(bus, 16),
+                    device=int(rest.split(".")[0], 16),
+                    pciDeviceId=int(gpu.get("pci_device_id") or 0),
+                    pciSubSystemId=int(gpu.get("pci_subsystem_id") or 0), busId=bus_id.encode())
 
 
 def nvmlDeviceGetName(handle: _Handle) -> str:
@@ -558,27 +633,43 @@ def nvmlDeviceGetPersistenceMode(handle: _Handle) -> int:
 
 
 def _field(gpu: dict[str, Any], field_id: int) -> tuple[int, int, int]:
-    """(return code, value type, value) of one field on this GPU."""
-    ull = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+    """(return code, value type, value) of one field on this GPU. The value types are
+    those the real H200 (driver 580) answered: unsigned int for the PCIe counters, the
+    replay counter, the link count and the recovery action."""
+    ui, ull = NVML_VALUE_TYPE_UNSIGNED_INT, NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+    name = FIELD_NAMES.get(field_id, "")
+    recorded = (gpu.get("fields") or {}).get(name)
+    if recorded is not None:  # {"value": 16, "type": 1} or {"error": "NOT_SUPPORTED"}
+        kind = int(recorded.get("type", ull))
+        if recorded.get("error"):
+            return error_code(str(recorded["error"])), kind, 0
+        return NVML_SUCCESS, kind, int(recorded["value"])
     links = gpu.get("nvlink_errors")
-    by_link = {NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "crc_flit",
-               NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: "crc_data",
-               NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: "replay",
-               NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: "recovery"}
-    if field_id in by_link:
-        if not links or not gpu.get("nvlinks") or links.get(by_link[field_id]) is None:
+    if field_id in _NVLINK_TOTALS:
+        key = _NVLINK_TOTALS[field_id]
+        if not links or not gpu.get("nvlinks") or links.get(key) is None:
             return NVML_ERROR_NOT_SUPPORTED, ull, 0
-        return NVML_SUCCESS, ull, int(links[by_link[field_id]])
+        return NVML_SUCCESS, ull, int(links[key])
+    if field_id == NVML_FI_DEV_NVLINK_LINK_COUNT:
+        count = int(gpu.get("nvlinks", 0))
+        return (NVML_SUCCESS, ui, count) if count else (NVML_ERROR_NOT_SUPPORTED, ui, 0)
     if field_id == NVML_FI_DEV_PCIE_REPLAY_COUNTER:
-        value = gpu.get("pcie_replay")
-        return (NVML_ERROR_NOT_SUPPORTED, ull, 0) if value is None else (NVML_SUCCESS, ull, value)
+        replays = gpu.get("pcie_replay")
+        if replays is None:
+            return NVML_ERROR_NOT_SUPPORTED, ui, 0
+        return NVML_SUCCESS, ui, int(replays)
     if field_id == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
         action = gpu.get("recovery_action")
         # Drivers that don't know the field answer NOT_SUPPORTED in its nvmlReturn (the
         # real captures show it from R565's nvidia-smi on; earlier ones have no line).
         if action is None:
-            return NVML_ERROR_NOT_SUPPORTED, NVML_VALUE_TYPE_UNSIGNED_INT, 0
-        return NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT, int(action)
+            return NVML_ERROR_NOT_SUPPORTED, ui, 0
+        return NVML_SUCCESS, ui, int(action)
+    if name.startswith(_PCIE_COUNT):
+        counted = (gpu.get("pcie_counters") or {}).get(name.removeprefix(_PCIE_COUNT).lower())
+        if counted is None:
+            return NVML_ERROR_NOT_SUPPORTED, ui, 0
+        return NVML_SUCCESS, ui, int(counted)
     return NVML_ERROR_NOT_SUPPORTED, ull, 0
 
 
@@ -591,11 +682,25 @@ def nvmlDeviceGetFieldValues(handle: _Handle, fieldIds: list[int]) -> Any:
         values[i].fieldId = field_id
         values[i].nvmlReturn = code
         values[i].valueType = kind
-        if kind == NVML_VALUE_TYPE_UNSIGNED_INT:
+        if kind == NVML_VALUE_TYPE_DOUBLE:
+            values[i].value.dVal = float(value)
+        elif kind == NVML_VALUE_TYPE_UNSIGNED_INT:
             values[i].value.uiVal = value
         else:
             values[i].value.ullVal = value
     return values
+
+
+# nvmlDeviceGetSramEccErrorStatus: scenario key -> c_nvmlEccSramErrorStatus_v1_t field.
+_SRAM_KEYS = {"aggregate_unc_parity": "aggregateUncParity",
+              "aggregate_unc_secded": "aggregateUncSecDed", "aggregate_cor": "aggregateCor",
+              "volatile_unc_parity": "volatileUncParity",
+              "volatile_unc_secded": "volatileUncSecDed", "volatile_cor": "volatileCor",
+              "aggregate_unc_bucket_l2": "aggregateUncBucketL2",
+              "aggregate_unc_bucket_sm": "aggregateUncBucketSm",
+              "aggregate_unc_bucket_pcie": "aggregateUncBucketPcie",
+              "aggregate_unc_bucket_mcu": "aggregateUncBucketMcu",
+              "aggregate_unc_bucket_other": "aggregateUncBucketOther"}
 
 
 def nvmlDeviceGetSramEccErrorStatus(handle: _Handle, status: Any) -> int:
@@ -603,10 +708,8 @@ def nvmlDeviceGetSramEccErrorStatus(handle: _Handle, status: Any) -> int:
     if sram is None:
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     obj = status._obj if hasattr(status, "_obj") else status
-    obj.aggregateUncParity = int(sram.get("aggregate_unc_parity", 0))
-    obj.aggregateUncSecDed = int(sram.get("aggregate_unc_secded", 0))
-    obj.aggregateCor = int(sram.get("aggregate_cor", 0))
-    obj.volatileCor = int(sram.get("volatile_cor", 0))
+    for key, attr in _SRAM_KEYS.items():
+        setattr(obj, attr, int(sram.get(key, 0)))
     obj.bThresholdExceeded = int(bool(sram.get("threshold_exceeded")))
     return NVML_SUCCESS
 
@@ -805,3 +908,162 @@ def scenario_from_nvidia_smi(text: str) -> dict[str, Any]:
     gpus = [_gpu_from_smi(bus, _tree(lines)) for bus, lines in blocks]
     return {"driver_version": driver, "init_error": None, "hang": None,
             "gpus": copy.deepcopy(gpus)}
+
+
+# -- building scenarios from a raw NVML capture (.ci/capture-gpu-outputs) ----------------------
+
+_CODE_NAMES = {v: k.removeprefix("NVML_ERROR_") for k, v in globals().items()
+               if k.startswith("NVML_ERROR_") and isinstance(v, int)}
+
+
+def _raw_error(entry: Any) -> str | None:
+    """The NVML error name of a recorded answer; None for a value. A function the capture's
+    pynvml lacked, or a Python exception, reads as FUNCTION_NOT_FOUND / UNKNOWN."""
+    if not isinstance(entry, dict):
+        return "UNKNOWN"
+    if "error" in entry:
+        return _CODE_NAMES.get(entry["error"]) or str(entry.get("error_name") or "UNKNOWN")
+    if entry.get("missing_in_pynvml"):
+        return "FUNCTION_NOT_FOUND"
+    if "exception" in entry:
+        return "UNKNOWN"
+    return None
+
+
+def _raw_field_value(answer: dict[str, Any]) -> int:
+    kind, value = int(answer.get("valueType", 0)), answer.get("value") or {}
+    key = {NVML_VALUE_TYPE_DOUBLE: "dVal", NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+           NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+           NVML_VALUE_TYPE_SIGNED_INT: "siVal"}.get(kind, "ullVal")
+    return int(value.get(key, 0))
+
+
+def _gpu_from_raw(g: dict[str, Any]) -> dict[str, Any]:
+    """One GPU of nvml-raw.json as a scenario GPU. A call that answered NOT_SUPPORTED sets
+    its key to null where the stand-in has one for it; any other error the stand-in can't
+    derive is kept in ``errors`` under the function's name (which answers it for every
+    argument of that function)."""
+    errors: dict[str, str] = {}
+    lost = False
+
+    def get(key: str, function: str = "", none_ok: bool = True) -> Any:
+        nonlocal lost
+        entry = g.get(key, {"missing_in_pynvml": True})
+        err = _raw_error(entry)
+        if err is None:
+            return entry["value"]
+        if err == "GPU_IS_LOST":
+            lost = True
+        elif not (none_ok and err in ("NOT_SUPPORTED", "FUNCTION_NOT_FOUND")):
+            errors.setdefault(function or key, err)
+        return None
+
+    pci = get("nvmlDeviceGetPciInfo", none_ok=False) or {}
+    ecc = {f"{counter}_{kind}": get(f"nvmlDeviceGetTotalEccErrors_{kind}_{counter}",
+                                    "nvmlDeviceGetTotalEccErrors")
+           for kind in ("uncorrected", "corrected") for counter in ("volatile", "aggregate")}
+    sbe = get("nvmlDeviceGetRetiredPages_sbe", "nvmlDeviceGetRetiredPages")
+    dbe = get("nvmlDeviceGetRetiredPages_dbe", "nvmlDeviceGetRetiredPages")
+    pending = get("nvmlDeviceGetRetiredPagesPendingStatus")
+    remap = get("nvmlDeviceGetRemappedRows")
+    v1 = get("nvmlDeviceGetMemoryInfo", none_ok=False) or {}
+    v2_entry = g.get("nvmlDeviceGetMemoryInfo_v2", {"missing_in_pynvml": True})
+    v2 = get("nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo")
+    links: list[bool] = []
+    for link in g.get("nvlink", []):
+        state = link.get("state", {})
+        if _raw_error(state) is not None:
+            if _raw_error(state) not in ("NOT_SUPPORTED", "INVALID_ARGUMENT"):
+                errors.setdefault("nvmlDeviceGetNvLinkState", str(_raw_error(state)))
+            break  # past the last link, as NVML says
+        links.append(bool(state["value"]))
+    fields: dict[str, Any] = {}
+    modelled: dict[str, tuple[str | None, int]] = {}
+    recorded = g.get("field_values", {"missing_in_pynvml": True})
+    if _raw_error(recorded) is not None:  # the call itself failed
+        errors.setdefault("nvmlDeviceGetFieldValues", str(_raw_error(recorded)))
+        recorded = {}
+    for name, answer in recorded.items():
+        code = int(answer["nvmlReturn"])
+        err = None if code == NVML_SUCCESS else _CODE_NAMES.get(code, "UNKNOWN")
+        value = _raw_field_value(answer) if err is None else 0
+        field_id = globals().get(name)
+        if field_id in MODELLED_FIELDS and err in (None, "NOT_SUPPORTED"):
+            modelled[name] = (err, value)
+        else:  # answered as recorded (also a modelled field's other errors)
+            fields[name] = ({"error": err} if err else {"value": value}) | {
+                "type": int(answer.get("valueType", 0))}
+
+    def field(name: str) -> int | None:
+        err, value = modelled.get(name, ("NOT_SUPPORTED", 0))
+        return None if err else value
+
+    nvlink = {key: field(FIELD_NAMES[fid]) for fid, key in _NVLINK_TOTALS.items()}
+    counters = {FIELD_NAMES[fid].removeprefix(_PCIE_COUNT).lower(): field(FIELD_NAMES[fid])
+                for fid in sorted(MODELLED_FIELDS) if FIELD_NAMES[fid].startswith(_PCIE_COUNT)}
+    sram = get("nvmlDeviceGetSramEccErrorStatus")
+    fabric_v = get("nvmlDeviceGetGpuFabricInfoV")
+    fabric_v1 = get("nvmlDeviceGetGpuFabricInfo")
+    fabric = fabric_v or fabric_v1
+    procs = get("nvmlDeviceGetComputeRunningProcesses", none_ok=False)
+    persistence = get("nvmlDeviceGetPersistenceMode")
+    gpu: dict[str, Any] = {
+        "name": get("nvmlDeviceGetName", none_ok=False),
+        "uuid": get("nvmlDeviceGetUUID", none_ok=False),
+        "pci_bus_id": pci.get("busId"),
+        "pci_device_id": pci.get("pciDeviceId"),
+        "pci_subsystem_id": pci.get("pciSubSystemId"),
+        "ecc": None if all(v is None for v in ecc.values()) else
+        {k: v or 0 for k, v in ecc.items()},
+        "retired_pages": None if sbe is None or dbe is None else
+        {"sbe": list(sbe), "dbe": list(dbe), "pending": bool(pending)},
+        "remapped_rows": None if remap is None else
+        {"correctable": remap[0], "uncorrectable": remap[1], "pending": bool(remap[2]),
+         "failure": bool(remap[3])},
+        "throttle_reasons": get("nvmlDeviceGetCurrentClocksThrottleReasons", none_ok=False),
+        "temperature_c": get("nvmlDeviceGetTemperature_gpu", "nvmlDeviceGetTemperature",
+                             none_ok=False),
+        "pcie": {key: get(f"nvmlDeviceGet{fn}PcieLink{what}") for key, fn, what in (
+            ("gen", "Curr", "Generation"), ("gen_max", "Max", "Generation"),
+            ("width", "Curr", "Width"), ("width_max", "Max", "Width"))},
+        "nvlinks": len(links),
+        "nvlinks_down": [i for i, up in enumerate(links) if not up],
+        "memory": {"total": int(v1.get("total") or (v2 or {}).get("total") or 0),
+                   "used": int((v2 or v1).get("used") or 0),
+                   "reserved": int((v2 or {}).get("reserved") or 0)},
+        "vbios": get("nvmlDeviceGetVbiosVersion"),
+        "persistence_mode": None if persistence is None else bool(persistence),
+        "nvlink_errors": None if all(v is None for v in nvlink.values()) else nvlink,
+        "pcie_replay": field("NVML_FI_DEV_PCIE_REPLAY_COUNTER"),
+        "recovery_action": field("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"),
+        "pcie_counters": {k: v for k, v in counters.items() if v is not None} or None,
+        "fields": fields,
+        "sram_ecc": None if sram is None else
+        {key: int(sram.get(attr, 0)) for key, attr in _SRAM_KEYS.items()} |
+        {"threshold_exceeded": bool(sram.get("bThresholdExceeded"))},
+        "processes": [{"pid": int(p["pid"]), "used_bytes": p.get("usedGpuMemory")}
+                      for p in procs or []],
+        "fabric": None if fabric is None else
+        {"state": int(fabric.get("state", 0)), "status": int(fabric.get("status", 0)),
+         "health_mask": int(fabric.get("healthMask", 0)),
+         "health_summary": int(fabric.get("healthSummary", 0))},
+        "lost": False,
+        "errors": errors,
+    }
+    if v2 is None and _raw_error(v2_entry) in ("FUNCTION_NOT_FOUND", "NOT_SUPPORTED"):
+        gpu["memory"]["v2"] = False
+    if fabric_v is None and fabric_v1 is not None:
+        errors.setdefault("nvmlDeviceGetGpuFabricInfoV",
+                          str(_raw_error(g.get("nvmlDeviceGetGpuFabricInfoV"))))
+    gpu["lost"] = lost
+    return gpu
+
+
+def scenario_from_nvml_raw(doc: dict[str, Any]) -> dict[str, Any]:
+    """A scenario answering as the GPUs of a raw NVML capture (``nvml-raw.json`` from
+    ``.ci/capture-gpu-outputs``) did, NOT_SUPPORTED calls included."""
+    system = doc.get("system", {})
+    return {"driver_version": (system.get("nvmlSystemGetDriverVersion") or {}).get("value"),
+            "init_error": _raw_error(doc.get("init", {"value": None})),
+            "hang": None,
+            "gpus": [_gpu_from_raw(g) for g in doc.get("gpus", [])]}

@@ -109,6 +109,8 @@ def judge(attempt: Attempt, threshold: NcclThreshold | None, variant: str) -> Ju
     busbw = {m.size: m.busbw for m in ms}
     if not ms:
         return Judgement("fail", "crashed", f"{what} test failed: no rank reported a time")
+    if len(attempt.ranks) == 1:
+        return _single_rank(ms, threshold, what)
     if threshold is None:
         top = max(ms, key=lambda m: m.size)
         return Judgement("pass", "no-threshold",
@@ -117,6 +119,21 @@ def judge(attempt: Attempt, threshold: NcclThreshold | None, variant: str) -> Ju
     cmp = bandwidth.compare(ms, threshold, variant)
     return Judgement("pass" if cmp.ok else "fail", "ok" if cmp.ok else "slow", cmp.reason, busbw,
                      threshold.min_busbw_gbps)
+
+
+def _single_rank(ms: Sequence[bandwidth.Measurement], threshold: NcclThreshold | None,
+                 what: str) -> Judgement:
+    """One rank (a one-GPU node): its all_reduce result was checked element by element,
+    but there is no GPU-to-GPU path to time. Bus bandwidth is 0 by definition (2(n-1)/n),
+    so no bandwidth is recorded or compared: the pass is for correctness only."""
+    sizes = sorted(m.size for m in ms)
+    at = bandwidth.fmt_size(sizes[0]) if len(sizes) == 1 else \
+        f"{bandwidth.fmt_size(sizes[0])} to {bandwidth.fmt_size(sizes[-1])}"
+    ignored = f"; the {threshold.gpus}x{threshold.model} threshold is not applied" \
+        if threshold is not None else ""
+    return Judgement("pass", "single-rank",
+                     f"{what} allreduce on 1 GPU: result correct at {at}; bandwidth not "
+                     f"measurable with one rank (no GPU-to-GPU path){ignored}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import ctypes
+import dataclasses
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +153,183 @@ def test_missing_scenario_is_a_node_without_driver(tmp_path: Path) -> None:
     """No scenario file: nvmlInit fails with DRIVER_NOT_LOADED, as on a GPU-less node."""
     snap = collector.collect("fake", str(tmp_path), "nobody")
     assert snap.no_driver is True and "DRIVER_NOT_LOADED" in (snap.error or "")
+
+
+# -- the real H200 capture (.ci/capture-gpu-outputs; tests/fixtures/SOURCES.md section 11) --
+
+H200 = REAL_FIXTURES / "gpu-capture" / "h200-1gpu-vm_drv580.159.04"
+
+
+def _capture(name: str) -> Any:
+    return json.loads((H200 / name).read_text())
+
+
+def _capture_node(tmp_path: Path) -> tuple[str, str]:
+    """/proc/modules and the GPU's sysfs directory as facts.json recorded them (the files
+    it could read; on that VM no aer_dev_* file), for the collector's modules_file and
+    pci_root."""
+    facts = _capture("facts.json")
+    modules = tmp_path / "modules"
+    modules.write_text("".join(f"{line}\n" for line in facts["nvidia_modules"]))
+    pci = tmp_path / "pci"
+    for bdf, files in facts["pci_nvidia"].items():
+        (pci / bdf).mkdir(parents=True)
+        for name, text in files.items():
+            if not text.startswith("unreadable:"):
+                (pci / bdf / name).write_text(text)
+    return str(modules), str(pci)
+
+
+def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
+        tmp_path: Path) -> None:
+    """The collector against the stand-in with scenario_from_nvml_raw(nvml-raw.json) gives
+    the snapshot the same collector took of the real H200 (nvml-snapshot.json)."""
+    raw = _capture("nvml-raw.json")
+    fake.write_scenario(str(tmp_path / "vm.json"), fake.scenario_from_nvml_raw(raw))
+    modules, pci = _capture_node(tmp_path)
+    got = collector.collect("fake", str(tmp_path), "vm", modules, pci).to_json()
+    want = _capture("nvml-snapshot.json")
+    # What the capture can't carry: which module answered (pynvml there), and what the
+    # collector reads since it was taken: the PCIe error totals from NVML where sysfs has
+    # no AER (this VM), whose answers nvml-raw.json holds; with them "pcie_aer" is no
+    # longer unsupported.
+    assert (got.pop("backend"), want.pop("backend")) == ("fake", "nvml")
+    for real, gpu in zip(raw["gpus"], want["gpus"], strict=True):
+        fields = real["field_values"]
+        gpu["pcie_aer"] = {key: fields[f"NVML_FI_DEV_PCIE_COUNT_{name}"]["value"]["uiVal"]
+                           for key, name in (("correctable", "CORRECTABLE_ERRORS"),
+                                             ("nonfatal", "NON_FATAL_ERROR"),
+                                             ("fatal", "FATAL_ERROR"))}
+        gpu["pcie_aer_source"] = "nvml"
+        gpu["unsupported"].remove("pcie_aer")
+    assert got == want
+    assert got["gpus"][0]["pcie_aer"] == {"correctable": 0, "nonfatal": 0, "fatal": 0}
+
+
+def _plain(value: Any) -> Any:
+    """A stand-in answer in the capture's JSON shapes (ctypes, dataclasses, bytes)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, ctypes.Structure | ctypes.Union):
+        return {name: _plain(getattr(value, name)) for name, *_ in value._fields_}
+    if isinstance(value, ctypes.Array | list | tuple):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    return value
+
+
+def _answer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        return {"value": _plain(fn(*args, **kwargs))}
+    except fake.NVMLError as exc:
+        return {"error": exc.value}
+
+
+def _same(real: dict[str, Any], ours: dict[str, Any], what: str) -> None:
+    """The same NVML return code and, for a value, the same value (a structure: each of
+    the capture's fields; clusterUuid is left out: zeros on this GPU, and recorded with
+    80 entries in fabric info v1 by the capture's nvidia-ml-py 13.610.43 where nvml.h
+    has NVML_GPU_FABRIC_UUID_LEN 16)."""
+    assert real.get("error", 0) == ours.get("error", 0), what
+    if "value" not in real:
+        return
+    want, got = real["value"], ours["value"]
+    if isinstance(want, dict):
+        want = {k: v for k, v in want.items() if k != "clusterUuid"}
+        got = {k: got[k] for k in want if k in got}
+    assert got == want, what
+
+
+def test_stand_in_answers_every_collector_call_as_the_real_h200(tmp_path: Path) -> None:
+    """Each NVML call of nvml-raw.json that the collector makes, made of the stand-in
+    loaded with scenario_from_nvml_raw: the same NVMLError code (NOT_SUPPORTED for retired
+    pages and every NVLink state on this SKU, INVALID_ARGUMENT past the last GPU) or the
+    same value; each field value the same nvmlReturn and, where it answered, the same
+    type and value."""
+    _answers_as_recorded(tmp_path, _capture("nvml-raw.json"))
+
+
+def test_raw_capture_errors_other_than_not_supported_are_answered_alike(
+        tmp_path: Path) -> None:
+    """A capture where calls failed otherwise (TIMEOUT, a field's own UNKNOWN, a VBIOS
+    NOT_SUPPORTED) gives a scenario answering those codes too."""
+    raw = _capture("nvml-raw.json")
+    gpu = raw["gpus"][0]
+    gpu["nvmlDeviceGetTemperature_gpu"] = {"error": 10, "error_name": "TIMEOUT"}
+    gpu["nvmlDeviceGetVbiosVersion"] = {"error": 3, "error_name": "NOT_SUPPORTED"}
+    gpu["field_values"]["NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"]["nvmlReturn"] = 999
+    scenario = _answers_as_recorded(tmp_path, raw)
+    assert scenario["gpus"][0]["errors"] == {"nvmlDeviceGetTemperature": "TIMEOUT"}
+
+
+def _answers_as_recorded(tmp_path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    scenario = fake.scenario_from_nvml_raw(raw)
+    fake.write_scenario(str(tmp_path / "vm.json"), scenario)
+    fake.use_scenario(str(tmp_path / "vm.json"))
+    unc, cor = fake.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, fake.NVML_MEMORY_ERROR_TYPE_CORRECTED
+    vol, agg = fake.NVML_VOLATILE_ECC, fake.NVML_AGGREGATE_ECC
+    calls: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {
+        name: (name, (), {}) for name in (
+            "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo",
+            "nvmlDeviceGetVbiosVersion", "nvmlDeviceGetPersistenceMode",
+            "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows",
+            "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetCurrPcieLinkGeneration",
+            "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
+            "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetMemoryInfo")}
+    calls |= {
+        "nvmlDeviceGetMemoryInfo_v2": ("nvmlDeviceGetMemoryInfo", (),
+                                       {"version": fake.nvmlMemory_v2}),
+        "nvmlDeviceGetTemperature_gpu": ("nvmlDeviceGetTemperature",
+                                         (fake.NVML_TEMPERATURE_GPU,), {}),
+        "nvmlDeviceGetRetiredPages_sbe": (
+            "nvmlDeviceGetRetiredPages",
+            (fake.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,), {}),
+        "nvmlDeviceGetRetiredPages_dbe": (
+            "nvmlDeviceGetRetiredPages", (fake.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,),
+            {}),
+        **{f"nvmlDeviceGetTotalEccErrors_{e}_{c}": ("nvmlDeviceGetTotalEccErrors", (et, ct), {})
+           for e, et in (("uncorrected", unc), ("corrected", cor))
+           for c, ct in (("volatile", vol), ("aggregate", agg))},
+    }
+    structs = {"nvmlDeviceGetSramEccErrorStatus": fake.c_nvmlEccSramErrorStatus_v1_t,
+               "nvmlDeviceGetGpuFabricInfoV": fake.c_nvmlGpuFabricInfo_v3_t,
+               "nvmlDeviceGetGpuFabricInfo": fake.c_nvmlGpuFabricInfo_t}
+    # Every call the collector makes is compared here.
+    tree = ast.parse(inspect.getsource(collector))
+    made = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and node.attr.startswith(("nvmlDevice", "nvmlSystem", "nvmlInit", "nvmlShutdown"))}
+    compared = {fn for fn, _, _ in calls.values()} | set(structs) | {
+        "nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
+        "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetFieldValues"}
+    assert made <= compared, made - compared
+
+    _same(raw["init"], _answer(fake.nvmlInit), "nvmlInit")
+    for fn in ("nvmlSystemGetDriverVersion", "nvmlDeviceGetCount"):
+        _same(raw["system"][fn], _answer(getattr(fake, fn)), fn)
+    count = raw["system"]["nvmlDeviceGetCount"]["value"]
+    _same(raw["handle_past_last"], _answer(fake.nvmlDeviceGetHandleByIndex, count), "past last")
+    for index, real in enumerate(raw["gpus"]):
+        h = fake.nvmlDeviceGetHandleByIndex(index)
+        for key, (fn, args, kwargs) in calls.items():
+            _same(real[key], _answer(getattr(fake, fn), h, *args, **kwargs), key)
+        for fn, kind in structs.items():
+            status = kind()
+            got = _answer(getattr(fake, fn), h, ctypes.byref(status))
+            _same(real[fn], {"value": _plain(status)} if "value" in got else got, fn)
+        assert len(real["nvlink"]) == fake.NVML_NVLINK_MAX_LINKS + 1
+        for link, answers in enumerate(real["nvlink"]):
+            _same(answers["state"], _answer(fake.nvmlDeviceGetNvLinkState, h, link),
+                  f"nvlink {link}")
+        names = list(real["field_values"])
+        values = fake.nvmlDeviceGetFieldValues(h, [getattr(fake, n) for n in names])
+        assert set(collector._FIELDS.values()) <= set(names)  # those the collector asks
+        for name, ours in zip(names, values, strict=True):
+            want = real["field_values"][name]
+            assert ours.nvmlReturn == want["nvmlReturn"], name
+            if want["nvmlReturn"] == fake.NVML_SUCCESS:
+                assert ours.valueType == want["valueType"], name
+                assert _plain(ours.value) == want["value"], name
+    _same(raw["shutdown"], _answer(fake.nvmlShutdown), "nvmlShutdown")
+    return scenario

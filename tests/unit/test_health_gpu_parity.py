@@ -3,6 +3,7 @@ the NVML stand-in (scenario → collector → check), the way real NVML would an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -215,20 +216,90 @@ def _aer(root: Path, bdf: str, cor: int, nonfatal: int, fatal: int) -> None:
 
 
 def test_pcie_aer_counters_fail_on_their_rise(tmp_path: Path) -> None:
-    """A GPU's AER fatal/nonfatal totals rising between runs fail; a device without AER
-    files is named unsupported."""
+    """A GPU's AER fatal/nonfatal totals rising between runs fail; sysfs is preferred to
+    NVML's counters where both answer; a device with neither is named unsupported."""
     scen = fake.default_scenario(2)
+    scen["gpus"][1]["pcie_counters"] = None  # nor NVML_FI_DEV_PCIE_COUNT_* either
     pci = tmp_path / "pci"
     _aer(pci, "0000:18:00.0", 5, 0, 0)  # gpu0 (bus 18); gpu1 (2a) has no AER files
     fake.write_scenario(str(tmp_path / "n1.json"), scen)
     snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
     assert snap.gpus[0].pcie_aer == {"correctable": 5, "nonfatal": 0, "fatal": 0}
+    assert snap.gpus[0].pcie_aer_source == "sysfs"  # NVML's 0s are not taken
     assert snap.gpus[1].pcie_aer is None and "pcie_aer" in snap.gpus[1].unsupported
     _, state = judge(snap, now=0)
     _aer(pci, "0000:18:00.0", 50, 1, 0)
     snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
     assert fails(judge(snap, state=state, now=60)[0]) == [
         "gpu0 PCIe AER nonfatal +1 (expected <=0)"]
+    for kept in state["gpus"].values():  # state from before NVML was a source: sysfs
+        assert kept["counters"].pop("pcie_aer_source") in ("sysfs", None)
+    assert fails(judge(snap, state=state, now=60)[0]) == [
+        "gpu0 PCIe AER nonfatal +1 (expected <=0)"]
+
+
+H200 = REAL_FIXTURES / "gpu-capture" / "h200-1gpu-vm_drv580.159.04"
+
+
+def h200_node(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """The real H200 VM: its NVML answers (nvml-raw.json) and a sysfs device directory
+    without aer_dev_* files, as facts.json recorded it."""
+    scen = fake.scenario_from_nvml_raw(json.loads((H200 / "nvml-raw.json").read_text()))
+    pci = tmp_path / "pci"
+    (pci / "0000:00:06.0").mkdir(parents=True)
+    return scen, pci
+
+
+def collect_h200(tmp_path: Path, scen: dict[str, Any], pci: Path) -> NvmlSnapshot:
+    fake.write_scenario(str(tmp_path / "vm.json"), scen)
+    return collector.collect("fake", str(tmp_path), "vm", "", str(pci))
+
+
+def test_pcie_errors_from_nvml_fail_on_their_rise_where_sysfs_has_no_aer(
+        tmp_path: Path) -> None:
+    """Without sysfs AER (the H200 VM) the PCIe error totals are NVML's
+    NVML_FI_DEV_PCIE_COUNT_{CORRECTABLE_ERRORS,NON_FATAL_ERROR,FATAL_ERROR}, judged by their
+    rise like sysfs AER; the snapshot says which source it used."""
+    scen, pci = h200_node(tmp_path)
+    snap = collect_h200(tmp_path, scen, pci)
+    g = snap.gpus[0]
+    assert (g.pcie_aer, g.pcie_aer_source) == ({"correctable": 0, "nonfatal": 0, "fatal": 0},
+                                               "nvml")
+    assert "pcie_aer" not in g.unsupported
+    _, state = judge(snap, now=0)
+    counters = scen["gpus"][0]["pcie_counters"]
+    counters["non_fatal_error"] += 1
+    counters["correctable_errors"] += 101
+    findings, state = judge(collect_h200(tmp_path, scen, pci), state=state, now=60)
+    assert fails(findings) == [
+        "gpu0 PCIe correctable errors +101 (NVML counter; expected <=100)",
+        "gpu0 PCIe nonfatal errors +1 (NVML counter; expected <=0)"]
+    counters["fatal_error"] += 1
+    findings, _ = judge(collect_h200(tmp_path, scen, pci), state=state, now=120)
+    assert fails(findings) == ["gpu0 PCIe fatal errors +1 (NVML counter; expected <=0)"]
+
+
+def test_captured_pcie_counters_of_a_healthy_gpu_stay_quiet(tmp_path: Path) -> None:
+    """The real H200's counters as captured (lane errors, bad TLPs, NAKs and receiver
+    errors above 0 on a healthy idle GPU; correctable/non-fatal/fatal 0) pass on the first
+    run and on the next; the lane/TLP/NAK counters are never judged, so their rise passes
+    too. A change of source (sysfs AER appearing) is a new baseline, not a rise."""
+    scen, pci = h200_node(tmp_path)
+    counters = scen["gpus"][0]["pcie_counters"]
+    assert counters["lane_error"] > 0 and counters["bad_tlp"] > 0
+    findings, state = judge(collect_h200(tmp_path, scen, pci), now=0)
+    assert not fails(findings)
+    assert not [f for f in findings if f.subject == "support" and "pcie_aer" in f.message]
+    findings, state = judge(collect_h200(tmp_path, scen, pci), state=state, now=60)
+    assert not fails(findings)
+    for name in ("lane_error", "bad_tlp", "naks_sent", "receiver_error"):
+        counters[name] += 1000
+    findings, state = judge(collect_h200(tmp_path, scen, pci), state=state, now=120)
+    assert not fails(findings)
+    _aer(pci, "0000:00:06.0", 500, 3, 1)  # sysfs AER now: other counts, no rise yet
+    snap = collect_h200(tmp_path, scen, pci)
+    assert snap.gpus[0].pcie_aer_source == "sysfs"
+    assert not fails(judge(snap, state=state, now=180)[0])
 
 
 def test_degrading_memory_fails_on_its_corrected_error_rate(tmp_path: Path) -> None:

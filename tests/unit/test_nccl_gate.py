@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
+
+from conftest import REAL_FIXTURES
 
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.config.nccl import NcclSection, NcclThreshold
@@ -65,6 +68,38 @@ def test_no_threshold_checks_the_sum_and_reports_the_rate() -> None:
     j = gate.judge(attempt(), None, "intra-node")
     assert j.verdict == "pass" and j.kind == "no-threshold"
     assert "no threshold configured" in j.reason
+
+
+def real_one_gpu_attempt() -> Attempt:
+    """The attempt of the real one-GPU run (NCCL 2.28.9 on one H200; SOURCES.md section
+    11): its rank's report as nccl-test.json recorded it."""
+    run = json.loads((REAL_FIXTURES / "gpu-capture" / "h200-1gpu-vm_drv580.159.04" /
+                      "nccl-test.json").read_text())
+    recorded = json.loads(run["stdout"])["variants"][0]["attempts"][0]
+    ranks = tuple(RankOutcome(int(r.pop("rank")), r.pop("returncode"), r)
+                  for r in recorded["ranks"])
+    return Attempt(recorded["status"], recorded["detail"], recorded["seconds"], ranks)
+
+
+def test_one_rank_passes_on_correctness_and_claims_no_bandwidth() -> None:
+    """With one rank (the real one-GPU H200 run) bus bandwidth is 0 by definition: the
+    verdict passes on the checked result alone, with its own kind, says that bandwidth
+    can't be measured, and records and prints no GB/s, even where a threshold for one GPU
+    is configured."""
+    one = real_one_gpu_attempt()
+    assert len(one.ranks) == 1 and one.ranks[0].report["device_name"] == "NVIDIA H200"
+    j = gate.judge(one, None, "intra-node")
+    assert (j.verdict, j.kind, j.busbw, j.expected_gbps) == ("pass", "single-rank", {}, None)
+    assert j.reason == ("nccl allreduce on 1 GPU: result correct at 256MiB to 4GiB; "
+                        "bandwidth not measurable with one rank (no GPU-to-GPU path)")
+    h200 = NcclThreshold("H200", 1, 300.0, 4 << 30)  # type: ignore[arg-type]
+    j = gate.judge(one, h200, "intra-node")
+    assert (j.verdict, j.kind) == ("pass", "single-rank") and "GB/s" not in j.reason
+    assert j.reason.endswith("; the 1xH200 threshold is not applied")
+    doc = gate.VariantResult("intra-node", j, (one,)).to_json()
+    assert doc["busbw_gbps"] == {} and doc["kind"] == "single-rank"
+    wrong = Attempt("wrong", "gpu0", 1.0, one.ranks)
+    assert gate.judge(wrong, None, "intra-node").reason == "nccl allreduce wrong result on gpu0"
 
 
 def fake_launch(statuses: list[str]) -> tuple[gate.Launch, list[LaunchSpec]]:

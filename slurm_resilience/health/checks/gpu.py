@@ -160,7 +160,8 @@ def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, An
 
 def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, Any],
               now: float) -> list[Finding]:
-    """NVLink error totals and PCIe replays, as rises since the previous run."""
+    """NVLink error totals, PCIe error totals and replays, corrected ECC, as rises since
+    the previous run."""
     out: list[Finding] = []
     links = dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {}
     before_links: dict[str, int] = prev.get("nvlink", {})
@@ -172,11 +173,16 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
             out.append(fail(NAME, subject, f"{subject} NVLink {name} errors +{value - before} "
                                            f"(expected <={limit})"))
     aer, before_aer = gpu.pcie_aer or {}, prev.get("pcie_aer") or {}
+    source = _aer_source(gpu.pcie_aer, gpu.pcie_aer_source)
+    if source != _aer_source(prev.get("pcie_aer"), prev.get("pcie_aer_source")):
+        before_aer = {}  # sysfs and NVML count differently: a new baseline, not a rise
     for name, limit in sorted(cfg.max_pcie_aer_delta.items()):
         value, was = aer.get(name), before_aer.get(name)
         if value is not None and was is not None and value >= was and value - was > limit:
-            out.append(fail(NAME, subject, f"{subject} PCIe AER {name} +{value - was} "
-                                           f"(expected <={limit})"))
+            text = (f"PCIe AER {name} +{value - was} (expected <={limit})"
+                    if source == "sysfs" else
+                    f"PCIe {name} errors +{value - was} (NVML counter; expected <={limit})")
+            out.append(fail(NAME, subject, f"{subject} {text}"))
     cor, was_cor, then = gpu.ecc_aggregate_corrected, prev.get("ecc_cor"), prev.get("t")
     if cor is not None and isinstance(was_cor, int) and isinstance(then, (int, float)) \
             and now > then and cor >= was_cor:
@@ -196,14 +202,23 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
     return out
 
 
+def _aer_source(totals: Any, source: Any) -> str | None:
+    """Where PCIe error totals came from. State (or a record) from before NVML could be
+    the source names none, and its totals were sysfs AER."""
+    return str(source) if source else ("sysfs" if totals else None)
+
+
 def _baseline(gpu: GpuRecord, now: float, prev: dict[str, Any]) -> dict[str, Any]:
     """Counter values to compare the next run with. Unchanged counters keep the old
     baseline and its time: rates then span longer, and a quiet run writes no state."""
     values = {"nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
               "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
+              "pcie_aer_source": _aer_source(gpu.pcie_aer, gpu.pcie_aer_source),
               "ecc_cor": gpu.ecc_aggregate_corrected,
               "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
-    if prev.get("t") is not None and all(prev.get(k) == v for k, v in values.items()):
+    was = {**prev, "pcie_aer_source": _aer_source(prev.get("pcie_aer"),
+                                                  prev.get("pcie_aer_source"))}
+    if prev.get("t") is not None and all(was.get(k) == v for k, v in values.items()):
         return prev
     return {"t": now, **values}
 

@@ -172,7 +172,15 @@ _FIELDS = {
     "nvlink_replay": "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
     "nvlink_recovery": "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
     "pcie_replay": "NVML_FI_DEV_PCIE_REPLAY_COUNTER",
+    # The GPU's PCIe error counters: the AER totals where sysfs has none (a VM, a kernel
+    # without AER statistics). Only these three: the lane, TLP and NAK counters are not
+    # zero on a healthy GPU (the real H200 capture) and are not judged.
+    "pcie_correctable": "NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS",
+    "pcie_nonfatal": "NVML_FI_DEV_PCIE_COUNT_NON_FATAL_ERROR",
+    "pcie_fatal": "NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR",
 }
+_NVML_AER = {"correctable": "pcie_correctable", "nonfatal": "pcie_nonfatal",
+             "fatal": "pcie_fatal"}
 
 
 def _field_value(nv: ModuleType, v: Any) -> int:
@@ -213,6 +221,9 @@ def _fields(nv: ModuleType, g: _Gpu) -> None:
     links = NvlinkErrors(got.get("nvlink_crc_flit"), got.get("nvlink_crc_data"),
                          got.get("nvlink_replay"), got.get("nvlink_recovery"))
     rec.nvlink_errors = links if links.items() else None
+    if all(name in got for name in _NVML_AER.values()):
+        rec.pcie_aer = {key: got[name] for key, name in _NVML_AER.items()}
+        rec.pcie_aer_source = "nvml"  # until collect() finds sysfs AER, which it prefers
 
 
 def _sram(nv: ModuleType, g: _Gpu) -> SramEcc | None:
@@ -309,7 +320,8 @@ def read_aer(pci_root: str, bus_id: str) -> dict[str, int] | None:
 def collect(backend: str, scenario_dir: str, node: str, modules_file: str = "",
             pci_root: str = "") -> NvmlSnapshot:
     """One snapshot of every GPU the driver lists (and, given ``modules_file``, whether
-    nvidia_peermem is loaded; given ``pci_root``, each GPU's PCIe AER totals)."""
+    nvidia_peermem is loaded). Each GPU's PCIe error totals come from sysfs AER under
+    ``pci_root`` when it has them, else from NVML's counters (read with the other fields)."""
     snap = NvmlSnapshot(backend=backend, peermem_loaded=_peermem(modules_file))
     try:
         nv = load_module(backend, scenario_dir, node)
@@ -328,10 +340,11 @@ def collect(backend: str, scenario_dir: str, node: str, modules_file: str = "",
         snap.count = count
         snap.gpus = [_read_gpu(nv, i) for i in range(count)]
         for g in snap.gpus:
-            if pci_root and g.pci_bus_id:
-                g.pcie_aer = read_aer(pci_root, g.pci_bus_id)
-                if g.pcie_aer is None:
-                    g.unsupported.append("pcie_aer")
+            sysfs = read_aer(pci_root, g.pci_bus_id) if pci_root and g.pci_bus_id else None
+            if sysfs is not None:
+                g.pcie_aer, g.pcie_aer_source = sysfs, "sysfs"
+            elif g.pcie_aer is None and not g.lost:
+                g.unsupported.append("pcie_aer")  # neither sysfs nor NVML has them
     except nv.NVMLError as exc:
         snap.error = f"couldn't list GPUs: {_error_name(nv, exc)}"
     finally:

@@ -101,8 +101,11 @@ class GpuRecord:
     fabric: Fabric | None = None
     recovery_action: int | None = None
     sram_ecc: SramEcc | None = None
-    # PCIe AER totals from sysfs (aer_dev_{correctable,nonfatal,fatal} TOTAL_ERR_*).
+    # PCIe error totals {correctable, nonfatal, fatal}: sysfs AER (aer_dev_* TOTAL_ERR_*)
+    # where the kernel has it, else NVML's NVML_FI_DEV_PCIE_COUNT_{CORRECTABLE_ERRORS,
+    # NON_FATAL_ERROR,FATAL_ERROR}; pcie_aer_source says which ("sysfs", "nvml").
     pcie_aer: dict[str, int] | None = None
+    pcie_aer_source: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GpuRecord:
@@ -129,7 +132,8 @@ class GpuRecord:
             memory_reserved_bytes=d.get("memory_reserved_bytes"),
             fabric=opt("fabric", Fabric), recovery_action=d.get("recovery_action"),
             sram_ecc=opt("sram_ecc", SramEcc),
-            pcie_aer=None if d.get("pcie_aer") is None else dict(d["pcie_aer"]))
+            pcie_aer=None if d.get("pcie_aer") is None else dict(d["pcie_aer"]),
+            pcie_aer_source=d.get("pcie_aer_source"))
 
 
 @dataclass
