@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import events_saying, logged
 
 from slurm_resilience.hooks import client, endpoint, server, supervisor
 from slurm_resilience.sandbox import faults, hardware, resilience_conf
 from slurm_resilience.sandbox.layout import Layout
-from conftest import events_saying, logged
 
 NODE = "node1"
 PYTHON = sys.executable
