@@ -59,3 +59,23 @@ def test_the_guard_sees_each_other_way() -> None:
                  'REPO = Path(__file__).resolve().parents[3]'):
         assert OTHER_WAYS.search(line), line
     assert not OTHER_WAYS.search("from conftest import REAL_FIXTURES\nimport testsuite\n")
+
+
+# A duration measured by the test and compared with a limit: timing belongs in benchmarks/.
+# (A wait loop's ``assert time.monotonic() < deadline`` bounds the test, not the code.)
+WALL_CLOCK_BOUND = re.compile(
+    r"^\s*assert\b[^\n#]*(?:\b(?:elapsed|duration|wall_s)\b[^\n#]*<"
+    r"|time\.(?:monotonic|perf_counter|time)\(\)\s*-\s*\w+[^\n#]*<)", re.M)
+
+
+def test_no_test_asserts_a_wall_clock_bound() -> None:
+    """Performance is measured in benchmarks against a same-run reference, never asserted
+    by a test (a loaded CI machine would make it flaky)."""
+    offenders = [f"{path.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}"
+                 for path in TESTS.rglob("*.py") if path != Path(__file__)
+                 for text in [path.read_text()] for m in WALL_CLOCK_BOUND.finditer(text)]
+    assert offenders == []
+    for line in ("    assert elapsed < 0.5", "assert time.monotonic() - start < 2.0",
+                 "    assert report.duration <= 1.0"):
+        assert WALL_CLOCK_BOUND.search(line), line
+    assert not WALL_CLOCK_BOUND.search("        assert time.monotonic() < deadline, 'x'")
