@@ -293,7 +293,7 @@ def _maybe_start_idle_diag(ctx: HookContext, logger: Any) -> None:
         logger.warning("health: couldn't read node state for idle diagnostics",
                        error=str(exc))
         return
-    owner = lifetime.find_owner()
+    owner = lifetime.find_owner(ctx.hook_pid)
     # Detached, as the NCCL idle verifier: slurmd's limit on this run never cuts it short.
     proc = subprocess.Popen(
         idle_diag.argv(ctx.node, owner.arg() if owner else None, job_config_path(ctx.env)),

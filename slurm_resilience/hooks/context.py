@@ -73,6 +73,10 @@ class HookContext:
     uid: int | None = None
     gid: int | None = None
     user: str = ""
+    # The process slurmd started for this hook: this one, or the hook that handed its work
+    # to the hook server (whose worker runs elsewhere in the process tree). What the hook
+    # starts must not outlive the slurmd above *that* process.
+    hook_pid: int = field(default_factory=os.getpid)
     _adapter: SlurmAdapter | None = field(default=None, repr=False)
     notes: HookNotes = field(default_factory=lambda: HookNotes())
     _refused: set[str] = field(default_factory=set, repr=False)  # logged once per hook run
@@ -122,7 +126,7 @@ class HookContext:
 
     @classmethod
     def from_env(cls, kind: HookKind, cfg: Config, env: Mapping[str, str] | None = None,
-                 node: str = "") -> HookContext:
+                 node: str = "", hook_pid: int | None = None) -> HookContext:
         """Read the variables slurmd sets for Prolog/Epilog/HealthCheckProgram."""
         env = dict(os.environ if env is None else env)
         from slurm_resilience.config.paths import node_name
@@ -147,4 +151,5 @@ class HookContext:
             uid=uid,
             gid=_int("SLURM_JOB_GID"),
             user=user,
+            hook_pid=os.getpid() if hook_pid is None else hook_pid,
         )

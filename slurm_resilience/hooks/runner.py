@@ -168,8 +168,8 @@ def act(ctx: HookContext, problems: list[Problem]) -> None:
         logger.error("couldn't drain node", reason=reason, error=str(exc))
 
 
-def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None
-           ) -> HookContext | int:
+def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None,
+           hook_pid: int | None = None) -> HookContext | int:
     """Config, context and logging of one hook run; an exit status when the config is bad."""
     if cfg is None:
         try:
@@ -178,7 +178,7 @@ def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None
             # Bad config must be loud but must not take the cluster down: say so, let jobs run.
             print(f"slurm-resilience {kind}: {exc}", file=sys.stderr)
             return EXIT_OK if kind != "healthcheck" else EXIT_FAIL
-    ctx = HookContext.from_env(kind, cfg, env)
+    ctx = HookContext.from_env(kind, cfg, env, hook_pid=hook_pid)
     log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
                   use_syslog=cfg.logging.syslog, node=ctx.node, job_id=ctx.job_id)
     return ctx
@@ -186,12 +186,13 @@ def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None
 
 def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] | None = None,
          *, cfg: Config | None = None, exit: Callable[[int], object] = os._exit,
-         in_process_because: str = "") -> int:
+         in_process_because: str = "", hook_pid: int | None = None) -> int:
     """Run one hook. ``cfg``: the configuration already loaded (the hook server's);
     ``exit``: how the watchdog ends the process; ``in_process_because``: why the hook
-    server did not run this hook (logged, so a node without one is seen)."""
+    server did not run this hook (logged, so a node without one is seen); ``hook_pid``:
+    the process slurmd started, when it is not this one (the hook server's worker)."""
     env = dict(os.environ if env is None else env)
-    ctx = _setup(kind, env, cfg)
+    ctx = _setup(kind, env, cfg, hook_pid)
     if isinstance(ctx, int):
         return ctx
     cfg = ctx.cfg

@@ -315,7 +315,7 @@ class HookServer:
         worker = os.fork()
         if worker == 0:
             os.close(go_w)
-            _work(go_r, conn, fds, request, cfg, self._child_fds())  # never returns
+            _work(go_r, conn, fds, request, cfg, self._child_fds(), pid)  # never returns
         os.close(go_r)
         _close_fds(fds)
         # "started" only once the hook has heard it: a hook that gave up runs itself, and
@@ -395,7 +395,7 @@ def _close_fds(fds: list[int]) -> None:
 
 
 def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: Config | None,
-          server_fds: list[int]) -> None:
+          server_fds: list[int], hook_pid: int) -> None:
     """The forked worker: wait for the server's go, become the hook (its streams,
     directory, umask, environment), run it and send its status, which is also the
     worker's exit status (the server reports that if the worker dies first). Never
@@ -430,7 +430,7 @@ def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: C
         os.environ.update(request.env)
         sys.argv = ["slurm_resilience.hooks", request.kind, *request.argv]
         code = runner.main(request.kind, request.argv, request.env,  # type: ignore[arg-type]
-                           cfg=cfg, exit=finish)
+                           cfg=cfg, exit=finish, hook_pid=hook_pid)
     except BaseException:  # noqa: BLE001 - as an uncaught exception ends a hook: status 1
         with contextlib.suppress(Exception):
             traceback.print_exc()

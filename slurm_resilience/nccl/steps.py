@@ -225,8 +225,9 @@ def verifier_argv(ctx: HookContext, owner: lifetime.Owner | None = None) -> list
 def start_idle_verification(ctx: HookContext) -> int:
     """Start the verifier detached (own session, no inherited pipes), so the health
     run returns at once and slurmd's limit on it never cuts the test short; it is
-    told which slurmd it must not outlive."""
-    owner = lifetime.find_owner()
+    told which slurmd it must not outlive: the one above the hook slurmd started, which
+    is not this process's parent when the hook server runs the health check."""
+    owner = lifetime.find_owner(ctx.hook_pid)
     if owner is None:
         log.warning("nccl: no slurmd or agent above this health run; the idle verifier "
                     "is bounded by its test's deadline only")
