@@ -100,7 +100,8 @@ def run(kind: str, argv: list[str], env: Mapping[str, str], config_path: str | N
         buf = bytearray()
         first = _read_line(sock, buf)
         if first != "started":
-            return Outcome(None, f"hook server refused: {first or 'closed the connection'}")
+            why = (first or "").removeprefix("refused: ") or "it closed the connection"
+            return Outcome(None, f"hook server refused: {why}")
         sock.settimeout(None)  # the worker's own watchdog bounds the hook
         last = _read_line(sock, buf)
         if last and last.startswith("rc ") and last[3:].isdigit():

@@ -57,6 +57,7 @@ def overrun(ctx: HookContext, limit_s: float, what: str = "") -> int:
     reason through the adapter, each call bounded by the watchdog's grace, and the prolog
     then exits 1 so the job is requeued (Slurm keeps a reason already set). When that
     drain can't be confirmed the hook exits 0 rather than leave Slurm's reason behind.
+    ``what``: another cause than the limit (the hook server's worker lost), said instead.
     """
     h = ctx.cfg.hooks
     step = ctx.notes.get("step", "?")

@@ -118,6 +118,23 @@ def test_worker_writes_to_the_hooks_own_stderr(node: Node, served: object,
     assert "slurm-resilience prolog:" in done.stderr and "prolog_timeout_s" in done.stderr
 
 
+def test_a_hook_from_another_mount_namespace_runs_itself_and_says_why(
+        node: Node, served: object) -> None:
+    """As a hook inside a unit with private mounts would be: the server refuses it (its
+    run-dir tmpfs would be mounted where the job can't see it), nothing ran there, and
+    the hook is told why, so it runs in its own process."""
+    code = ("from slurm_resilience.hooks import client\n"
+            f"o = client.run('prolog', [], {node.env!r}, {str(node.config)!r}, {NODE!r}, "
+            f"{str(node.sockets)!r})\n"
+            "print(o.rc, o.started, o.why)\n")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", PYTHON, "-c",
+                           code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("None False hook server refused: the hook is in another "
+                                  "mount namespace"), done.stdout
+    assert not events_saying(node.events, "hook ok")
+
+
 def test_without_a_server_the_hook_runs_itself_and_says_why(node: Node) -> None:
     out = _run(node)
     assert out.rc is None and "no hook server at" in out.why
