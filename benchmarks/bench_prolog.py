@@ -13,7 +13,7 @@ show its own share.
 Goal, for the served prolog: p50 <= 150 ms (aim: 100 ms) and p99 <= 1 s on the 2-core
 reference machine. Run::
 
-    .venv/bin/python benchmarks/bench_prolog.py [--runs 50]
+    .venv/bin/python benchmarks/bench_prolog.py [--runs 50] [--prefix /opt/slurm-resilience]
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def _unmounted_at_end(tmp: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hook_server(cfg_path: Path) -> Iterator[None]:
-    """The node's hook server, as the agent starts it; stopped at the end."""
+def hook_server(cfg_path: Path, python: Path) -> Iterator[None]:
+    """The node's hook server, as its unit starts it; stopped at the end."""
     real = os.path.realpath(cfg_path)
     sock = endpoint.socket_path(real, NODE)
-    proc = subprocess.Popen([str(PYTHON), "-I", "-m", "slurm_resilience.hooks.server",
+    proc = subprocess.Popen([str(python), "-I", "-m", "slurm_resilience.hooks.server",
                              "--config", str(cfg_path), "--node", NODE])
     try:
         deadline = time.monotonic() + 60
@@ -97,8 +97,14 @@ def hook_server(cfg_path: Path) -> Iterator[None]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=50, help="runs of each series")
+    parser.add_argument("--prefix", type=Path, default=None,
+                        help="measure the hooks and Python of an installed wheel (a virtualenv "
+                             "set up with `slurm-resilience install node --prefix PREFIX`) "
+                             "instead of this checkout's .venv")
     args = parser.parse_args()
+    python = args.prefix / "bin" / "python3" if args.prefix else PYTHON
+    prolog_hook = str((args.prefix or REPO) / "hooks" / "prolog")
     with tempfile.TemporaryDirectory(prefix="bench-prolog-") as tmp, _unmounted_at_end(tmp):
         layout = Layout(state_dir=Path(tmp), nodes=1, leaves=1)
         hardware.prepare_node_hardware(layout.state_dir, [NODE])
@@ -119,10 +125,10 @@ def main() -> int:
             "SLURM_JOB_NODELIST": NODE,
             "SLURM_JOB_PARTITION": "batch",
         }
-        reference = series(lambda: timed([str(PYTHON), "-c", "pass"], env), args.runs)
-        with hook_server(cfg_path):
-            prolog = series(lambda: timed([str(REPO / "hooks" / "prolog")], env), args.runs)
-        own = series(lambda: timed([str(REPO / "hooks" / "prolog")], env), args.runs)
+        reference = series(lambda: timed([str(python), "-c", "pass"], env), args.runs)
+        with hook_server(cfg_path, python):
+            prolog = series(lambda: timed([prolog_hook], env), args.runs)
+        own = series(lambda: timed([prolog_hook], env), args.runs)
         gate_runs = []
         for _ in range(args.runs):
             start = time.perf_counter()
@@ -132,10 +138,11 @@ def main() -> int:
         in_process = summarise(gate_runs)
         checks = sorted({f.check for f in report.findings})
         subjects = len(report.findings)
-    ref_cpu = statistics.median(CPU[str(PYTHON)]) * 1e3
-    prolog_cpu = statistics.median(CPU[str(REPO / "hooks" / "prolog")][:args.runs]) * 1e3
+    ref_cpu = statistics.median(CPU[str(python)]) * 1e3
+    prolog_cpu = statistics.median(CPU[prolog_hook][:args.runs]) * 1e3
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} on {os.cpu_count()} CPUs (wall times suffer when it is high)")
+    print(f"hooks and Python of {args.prefix or REPO / '.venv'}")
     print(f"python3 -c pass          {reference.ms()}  cpu p50 {ref_cpu:.1f} ms  (reference)")
     print(f"hooks/prolog (served)    {prolog.ms()}  cpu p50 {prolog_cpu:.1f} ms (client) "
           f"{prolog.p50 / reference.p50:4.1f}x reference p50")
