@@ -20,6 +20,7 @@ import yaml
 from conftest import events_saying, logged
 
 from slurm_resilience.hooks import client, endpoint, server, supervisor
+from slurm_resilience.procstat import read_proc
 from slurm_resilience.sandbox import faults, hardware, resilience_conf
 from slurm_resilience.sandbox.layout import Layout
 
@@ -194,17 +195,16 @@ def test_a_killed_worker_is_reported_not_rerun(node: Node, served: subprocess.Po
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
+    procs = (read_proc(int(p)) for p in os.listdir("/proc") if p.isdigit())
+    return [p.pid for p in procs if p is not None and p.ppid == pid]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
 
 
 def test_server_ends_with_its_agent(node: Node) -> None:
@@ -222,11 +222,9 @@ def test_server_ends_with_its_agent(node: Node) -> None:
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 20
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
+    while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert _state(pid) in ("", "Z"), "the server outlived its agent"
     assert not os.path.exists(node.socket())
 
 
