@@ -36,7 +36,6 @@ from timing import series, summarise
 
 from slurm_resilience import config
 from slurm_resilience.health import gate
-from slurm_resilience.hooks import endpoint
 from slurm_resilience.sandbox import hardware, resilience_conf
 from slurm_resilience.sandbox.layout import Layout
 
@@ -79,16 +78,15 @@ def _unmounted_at_end(tmp: str) -> Iterator[None]:
 @contextlib.contextmanager
 def hook_server(cfg_path: Path, python: Path) -> Iterator[None]:
     """The node's hook server, as its unit starts it; stopped at the end."""
-    real = os.path.realpath(cfg_path)
-    sock = endpoint.socket_path(real, NODE)
+    r, w = os.pipe()
     proc = subprocess.Popen([str(python), "-I", "-m", "slurm_resilience.hooks.server",
-                             "--config", str(cfg_path), "--node", NODE])
+                             "--config", str(cfg_path), "--node", NODE, "--ready-fd", str(w)],
+                            pass_fds=(w,))
+    os.close(w)
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"hook server did not listen at {sock}")
-            time.sleep(0.05)
+        with os.fdopen(r) as ready:
+            if ready.readline() != "ready\n":
+                raise SystemExit(f"hook server did not listen (exit {proc.poll()})")
         yield
     finally:
         proc.terminate()

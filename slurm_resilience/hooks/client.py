@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Mapping
 
+from slurm_resilience.config import DEFAULT_PATH
 from slurm_resilience.hooks import endpoint
 
 CONNECT_TIMEOUT_S = 1.0
@@ -65,8 +66,6 @@ def _read_line(sock: socket.socket, buf: bytearray) -> str | None:
 
 def run(kind: str, argv: list[str], env: Mapping[str, str], config_path: str | None,
         node: str, directory: str = endpoint.SOCKET_DIR) -> Outcome:
-    from slurm_resilience.config import DEFAULT_PATH
-
     real = endpoint.config_key(config_path, DEFAULT_PATH)
     try:
         path = endpoint.socket_path(real, node, directory)

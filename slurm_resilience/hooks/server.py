@@ -148,17 +148,16 @@ class ConfigCache:
     path: str
     key: tuple[int, ...] | None = None
     cfg: Config | None = None
-    error: str = ""
 
     def get(self) -> Config | None:
         key = _stat_key(self.path)
         if key is None or key != self.key:
             try:
-                self.cfg, self.error = config.load(self.path), ""
+                self.cfg = config.load(self.path)
             except ConfigError as exc:
                 # The worker loads it again and reports the error as the hook would.
-                self.cfg, self.error = None, str(exc)
-                logger.error("hook server: configuration unreadable", error=self.error)
+                self.cfg = None
+                logger.error("hook server: configuration unreadable", error=str(exc))
             self.key = key
         return self.cfg
 
@@ -173,10 +172,12 @@ class HookServer:
     stopping: bool = False
     package_dir: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code_check_s: float = CODE_CHECK_S
+    configs: ConfigCache | None = None
 
     def __post_init__(self) -> None:
         self.real_config = os.path.realpath(self.config_path)
-        self.configs = ConfigCache(self.config_path)
+        if self.configs is None:
+            self.configs = ConfigCache(self.config_path)
         self.signature = code_signature(self.package_dir)
         self._code_checked = time.monotonic()
         self.mount_ns = _mount_ns("self")
@@ -310,6 +311,7 @@ class HookServer:
             _close_fds(fds)
             conn.close()
             return
+        assert self.configs is not None
         cfg = self.configs.get() if request.config == self.real_config else None
         go_r, go_w = os.pipe()
         worker = os.fork()
@@ -449,14 +451,16 @@ def main(argv: list[str] | None = None) -> int:
                                               "from the config, then the short host name)")
     p.add_argument("--socket-dir", default=endpoint.SOCKET_DIR,
                    help="root-only directory of the servers' sockets (tests)")
+    p.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="write 'ready' to this inherited fd once listening, then close it "
+                        "(a supervisor or test waits on it instead of polling)")
     args = p.parse_args(argv)
     path, _ = config.resolve_path(args.config)
     configs = ConfigCache(path)
     cfg = configs.get()
     node = node_name(args.node or (cfg.node.name if cfg is not None else ""))
     server = HookServer(endpoint.socket_path(os.path.realpath(path), node, args.socket_dir),
-                        path, parent_pid=os.getppid())
-    server.configs = configs
+                        path, parent_pid=os.getppid(), configs=configs)
     if cfg is not None:
         log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
                       use_syslog=cfg.logging.syslog, node=node)
@@ -475,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logger.info("hook server listening", socket=server.socket_path, config=path,
                 not_imported=failed or None)
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"ready\n")
+        os.close(args.ready_fd)
     server.serve(lambda: bool(stop["now"]))
     logger.info("hook server stopped", workers_running=len(server.workers))
     return 0

@@ -62,15 +62,19 @@ def node(tmp_path: Path) -> Node:
     return Node(layout.state_dir, cfg, tmp_path / "socks", events, env)
 
 
-def _start(node: Node, parent: bool = False) -> subprocess.Popen[bytes]:
-    argv = [PYTHON, "-I", "-m", "slurm_resilience.hooks.server", "--config", str(node.config),
-            "--node", NODE, "--socket-dir", str(node.sockets)]
-    proc = subprocess.Popen(argv)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(node.socket()):
-        assert proc.poll() is None, f"hook server exited {proc.returncode}"
-        assert time.monotonic() < deadline, "hook server did not listen"
-        time.sleep(0.05)
+def _server_argv(node: Node, ready_fd: int) -> list[str]:
+    return [PYTHON, "-I", "-m", "slurm_resilience.hooks.server", "--config", str(node.config),
+            "--node", NODE, "--socket-dir", str(node.sockets), "--ready-fd", str(ready_fd)]
+
+
+def _start(node: Node) -> subprocess.Popen[bytes]:
+    """The server, once it listens (it says so on a pipe; a server that dies closes it)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen(_server_argv(node, w), pass_fds=(w,))
+    os.close(w)
+    with os.fdopen(r) as ready:
+        line = ready.readline()
+    assert line == "ready\n", f"hook server did not listen (exit {proc.poll()})"
     return proc
 
 
@@ -175,6 +179,7 @@ def test_a_killed_worker_is_reported_not_rerun(node: Node, served: subprocess.Po
 
     t = threading.Thread(target=lambda: result.setdefault("out", _run(node)))
     t.start()
+    # No event marks the fork from out here: look for the worker among the server's children.
     workers: list[int] = []
     deadline = time.monotonic() + 30
     while not workers and time.monotonic() < deadline:
@@ -210,20 +215,19 @@ def _state(pid: int) -> str:
 def test_server_ends_with_its_agent(node: Node) -> None:
     """Started by a parent that then dies (an agent SIGKILLed): the server notices, stops
     and takes its socket with it."""
-    code = (f"import subprocess,sys,time\np=subprocess.Popen([{PYTHON!r},'-I','-m',"
-            f"'slurm_resilience.hooks.server','--config',{str(node.config)!r},'--node',"
-            f"{NODE!r},'--socket-dir',{str(node.sockets)!r}])\nprint(p.pid, flush=True)\n"
-            f"import os\nwhile not os.path.exists({node.socket()!r}): time.sleep(0.05)\n"
-            "print('up', flush=True)\ntime.sleep(300)\n")
+    # The stand-in agent starts the server on its own stdout (our pipe), waits until it
+    # listens, then sits until killed; our pipe's end then comes with the server's end.
+    code = ("import os,signal,subprocess\nr,w=os.pipe()\n"
+            f"p=subprocess.Popen({_server_argv(node, -1)[:-1]!r}+[str(w)],pass_fds=(w,))\n"
+            "os.close(w)\nassert os.fdopen(r).readline()=='ready\\n'\n"
+            "print(p.pid, flush=True)\nsignal.pause()\n")
     parent = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
-    assert parent.stdout.readline().strip() == "up"
+    assert os.path.exists(node.socket())
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 20
-    while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert parent.stdout.read() == ""  # EOF: the server, which held the pipe, has ended
     assert _state(pid) in ("", "Z"), "the server outlived its agent"
     assert not os.path.exists(node.socket())
 
@@ -277,12 +281,12 @@ def test_a_full_server_refuses_and_the_hook_runs_itself(tmp_path: Path) -> None:
 
 def test_a_hook_in_another_mount_namespace_is_refused(tmp_path: Path) -> None:
     """Its run-dir tmpfs would be mounted where the job can't see it."""
-    other = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+    # It says "in" from inside the new namespace, then becomes the process we name.
+    other = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                              "echo in; exec sleep 60"], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 10
-        while server._mount_ns(str(other.pid)) == server._mount_ns("self"):
-            assert time.monotonic() < deadline, "unshare did not take effect"
-            time.sleep(0.02)
+        assert other.stdout is not None and other.stdout.readline() == "in\n"
+        assert server._mount_ns(str(other.pid)) != server._mount_ns("self")
         with pytest.raises(server.Refused, match="mount namespace"):
             _server(tmp_path)._admit(server.parse_request(_request()), other.pid, [0, 1, 2])
     finally:
