@@ -3,7 +3,8 @@
 ``up`` writes the configuration, then starts munged, slurmctld, one
 ``slurmd -N nodeX`` per node and the extra daemons (the S3 endpoint and, once
 the agent exists, one node agent per node), and waits until every node is
-IDLE; a daemon that fails is named with the end of its log (SandboxError).
+IDLE and its agent's hook server listens (so the first job's hooks are served, as on a
+site); a daemon that fails is named with the end of its log (SandboxError).
 ``down`` cancels the jobs, stops the daemons named by the pid files in the state
 directory, then every other process of the sandbox (:mod:`.sweep`), and
 removes nothing.
@@ -375,6 +376,7 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
         for stage in STAGES:
             stage.start(layout, env)
         _wait_idle(layout, wait_s - (time.monotonic() - start))
+        _wait_hook_servers(layout, wait_s - (time.monotonic() - start))
     except Exception:
         try:
             down(layout)
@@ -507,6 +509,22 @@ def _check_started(layout: Layout, started: list[Daemon]) -> None:
     for daemon in started:
         if daemons.exited(daemon):
             raise failed(daemon.name, "exited while starting", _daemon_logs(layout, daemon))
+
+
+def _wait_hook_servers(layout: Layout, wait_s: float) -> None:
+    """Wait until each node agent's hook server listens (``hooks.server: agent`` here)."""
+    from slurm_resilience.hooks import endpoint
+
+    if not agent_extras(layout):
+        return
+    real = os.path.realpath(layout.resilience_conf)
+    deadline = time.monotonic() + max(wait_s, 10.0)
+    for node in layout.node_names:
+        if not daemons.wait_for(Path(endpoint.socket_path(real, node)),
+                                deadline - time.monotonic()):
+            agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
+            raise failed(agent.name, "its hook server did not listen",
+                         _daemon_logs(layout, agent))
 
 
 def _wait_idle(layout: Layout, wait_s: float) -> None:
