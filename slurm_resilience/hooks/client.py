@@ -3,8 +3,10 @@ process that has the configuration and every step's modules loaded already.
 
 ``run`` answers the hook's exit status, or None with the reason the hook must run in its
 own process instead (no server, a refusal, a server that is not root's). Nothing runs
-twice: once the server has said ``started``, the worker's status is the hook's, and a
-worker that vanishes without one is reported, never re-run (its steps may have acted).
+twice: the worker runs only after this side's ``go``, which is sent once, after
+``started``; from then on the worker's status is the hook's, and a worker that vanishes
+without one is reported, never re-run (its steps may have acted). A hook that gave up
+waiting sent no ``go``, so its worker never runs.
 Imports are stdlib only: this is the part every job's prolog pays for.
 """
 
@@ -101,10 +103,16 @@ def run(kind: str, argv: list[str], env: Mapping[str, str], config_path: str | N
         if first != "started":
             why = (first or "").removeprefix("refused: ") or "it closed the connection"
             return Outcome(None, f"hook server refused: {why}")
+        try:
+            sock.sendall(endpoint.GO)
+        except OSError as exc:  # not delivered, so the worker never runs
+            return Outcome(None, f"hook server's worker went before the hook's go: {exc}")
         sock.settimeout(None)  # the worker's own watchdog bounds the hook
         last = _read_line(sock, buf)
         if last and last.startswith("rc ") and last[3:].isdigit():
             return Outcome(int(last[3:]), "", started=True)
+        if last and last.startswith("abandoned: "):  # our go came too late: nothing ran
+            return Outcome(None, f"hook server's worker {last}")
         return Outcome(LOST, f"the hook server's worker ended without an exit status "
                              f"({last or 'connection closed'})", started=True)
     except OSError as exc:

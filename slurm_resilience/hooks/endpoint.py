@@ -7,9 +7,12 @@ node's name. Everything here is stdlib and cheap to import.
 
 Protocol, on a unix stream socket: the hook sends one frame (4-byte big-endian length,
 then a JSON object ``{"v", "kind", "argv", "env", "cwd", "umask", "config"}``) with its
-stdin, stdout and stderr attached (SCM_RIGHTS); the server answers lines: ``started``
-once a worker runs the hook, then ``rc N`` when it ends. Any other first line is a
-refusal (``busy``, ``stale``, ``refused: WHY``) and the hook runs in its own process.
+stdin, stdout and stderr attached (SCM_RIGHTS); the server answers ``started`` once a
+worker is ready to run the hook. The hook then commits with ``go``: the worker runs only
+after reading it, so a hook that gave up waiting (and runs itself) never has its steps run
+a second time. The worker answers ``rc N`` when the hook ends, or ``abandoned: WHY`` when
+no ``go`` came in time (nothing ran). Any other first line is a refusal (``busy``,
+``stale``, ``refused: WHY``) and the hook runs in its own process.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import zlib
 
 # Root-only directory (0700) for the servers' sockets: under /run, like the agent's.
 SOCKET_DIR = "/run/slurm-resilience/hooks"
-VERSION = 1
+VERSION = 2
+GO = b"go\n"
+# How long a worker waits for the hook's go: the hook sends it as soon as it reads
+# ``started``, so only a hook that already gave up (or is stuck) takes longer.
+GO_TIMEOUT_S = 5.0
 KINDS = ("prolog", "epilog", "healthcheck")
 MAX_REQUEST_BYTES = 256 * 1024  # slurmd's hook environment is a few KiB
 HEADER_BYTES = 4

@@ -173,6 +173,7 @@ class HookServer:
     package_dir: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code_check_s: float = CODE_CHECK_S
     configs: ConfigCache | None = None
+    go_timeout_s: float = endpoint.GO_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.real_config = os.path.realpath(self.config_path)
@@ -317,11 +318,12 @@ class HookServer:
         worker = os.fork()
         if worker == 0:
             os.close(go_w)
-            _work(go_r, conn, fds, request, cfg, self._child_fds(), pid)  # never returns
+            _work(go_r, conn, fds, request, cfg, self._child_fds(), pid,  # never returns
+                  self.go_timeout_s)
         os.close(go_r)
         _close_fds(fds)
-        # "started" only once the hook has heard it: a hook that gave up runs itself, and
-        # the worker then never runs (never both).
+        # A hook that gave up before "started" runs itself and this worker never runs; one
+        # that gives up after it sends no go, and the worker never runs either.
         started = _answer(conn, "started")
         os.write(go_w, b"g" if started else b"x")
         os.close(go_w)
@@ -383,8 +385,10 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def _answer(conn: socket.socket, line: str) -> bool:
+    """Send a line; False when the hook is gone (never SIGPIPE, which a worker takes as
+    a hook would)."""
     try:
-        conn.sendall(line.encode("utf-8", "replace")[:4000] + b"\n")
+        conn.sendall(line.encode("utf-8", "replace")[:4000] + b"\n", socket.MSG_NOSIGNAL)
         return True
     except OSError:
         return False
@@ -396,8 +400,31 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
+def _await_go(conn: socket.socket, timeout_s: float) -> str:
+    """The hook's commitment to be served; empty when it came, else why not."""
+    deadline = time.monotonic() + timeout_s
+    got = b""
+    try:
+        while len(got) < len(endpoint.GO) and time.monotonic() < deadline:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = conn.recv(len(endpoint.GO) - len(got))
+            if not chunk:
+                return "the hook closed the connection before its go (it gave up waiting)"
+            got += chunk
+    except TimeoutError:
+        pass
+    except OSError as exc:
+        return f"reading the hook's go: {exc}"
+    if got == endpoint.GO:
+        return ""
+    if len(got) < len(endpoint.GO):
+        return f"no go from the hook within {timeout_s:g}s"
+    return f"expected go from the hook, got {got!r}"
+
+
 def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: Config | None,
-          server_fds: list[int], hook_pid: int) -> None:
+          server_fds: list[int], hook_pid: int,
+          go_timeout_s: float = endpoint.GO_TIMEOUT_S) -> None:
     """The forked worker: wait for the server's go, become the hook (its streams,
     directory, umask, environment), run it and send its status, which is also the
     worker's exit status (the server reports that if the worker dies first). Never
@@ -419,6 +446,14 @@ def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: C
         if os.read(go, 1) != b"g":
             os._exit(0)  # the hook gave up waiting and runs itself
         os.close(go)
+        why = _await_go(conn, go_timeout_s)
+        if why:
+            # The hook runs itself (or is gone): nothing ran here, and it is told so if it
+            # is still listening.
+            _answer(conn, f"abandoned: {why}")
+            logger.info("hook server: worker ends without running the hook", why=why,
+                        kind=request.kind, hook_pid=hook_pid)
+            os._exit(0)
         conn.settimeout(REQUEST_TIMEOUT_S)  # bounds the status write, not the hook
         for target, fd in enumerate(fds):
             os.dup2(fd, target)

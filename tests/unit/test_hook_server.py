@@ -9,8 +9,10 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,8 +178,6 @@ def test_a_killed_worker_is_reported_not_rerun(node: Node, served: subprocess.Po
     doc["hang"] = {"function": "nvmlDeviceGetCount", "seconds": 10}
     scenario.write_text(json.dumps(doc))
     result: dict[str, client.Outcome] = {}
-    import threading
-
     t = threading.Thread(target=lambda: result.setdefault("out", _run(node)))
     t.start()
     # No event marks the fork from out here: look for the worker among the server's children.
@@ -239,6 +239,84 @@ def test_server_ends_with_its_agent(node: Node) -> None:
     finally:
         os.close(server_gone)
     assert not os.path.exists(node.socket())
+
+
+def _hand_over(node: Node) -> socket.socket:
+    """A hook's first half, by hand: the request and streams sent, ``started`` read."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(node.socket())
+    request = json.dumps({"v": endpoint.VERSION, "kind": "prolog", "argv": [],
+                          "env": node.env, "cwd": "/", "umask": 0o022,
+                          "config": os.path.realpath(node.config)}).encode()
+    with open(os.devnull, "r+b") as null:
+        fds = [null.fileno()] * 3
+        payload = endpoint.frame(request)
+        sent = socket.send_fds(sock, [payload], fds)
+        sock.sendall(payload[sent:])
+    assert sock.recv(64) == b"started\n"
+    return sock
+
+
+def test_a_hook_that_gives_up_after_started_is_never_run_by_its_worker(
+        node: Node, served: object) -> None:
+    """The hook's wait ran out just as the server said ``started``: it runs itself and
+    sends no go, so the worker must not run the steps too."""
+    _hand_over(node).close()
+    deadline = time.monotonic() + 60
+    while not events_saying(node.events, "without running the hook"):
+        assert time.monotonic() < deadline, "the worker never said it ended"
+        time.sleep(0.05)
+    said = events_saying(node.events, "without running the hook")[0]
+    assert "gave up waiting" in said["why"]
+    assert not events_saying(node.events, "hook ok")
+    assert _run(node).rc == 0  # the server serves the next hook as usual
+    assert len(events_saying(node.events, "hook ok")) == 1
+
+
+def test_the_worker_waits_only_for_an_exact_go() -> None:
+    for sent, says in [(b"go\n", ""), (b"", "no go from the hook within 0.05s"),
+                       (b"no\n", "expected go"), (None, "closed the connection")]:
+        hook, worker = socket.socketpair()
+        if sent is None:
+            hook.close()
+        else:
+            hook.sendall(sent)
+        why = server._await_go(worker, 0.05)
+        assert says in why if says else why == "", (sent, why)
+        worker.close()
+        if sent is not None:
+            hook.close()
+
+
+def test_a_late_go_is_answered_abandoned_and_the_hook_runs_itself(tmp_path: Path) -> None:
+    """A worker that stopped waiting says so; the hook knows nothing ran and runs itself
+    (a stand-in server on the socket's path: the real one's wait is 5 s)."""
+    sockets = tmp_path / "socks"
+    sockets.mkdir(mode=0o700)
+    cfg = tmp_path / "c.yaml"
+    path = endpoint.socket_path(os.path.realpath(cfg), NODE, str(sockets))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    heard: list[bytes] = []
+
+    def stand_in() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            socket.recv_fds(conn, 65536, 3)
+            conn.sendall(b"started\n")
+            heard.append(conn.recv(16))
+            conn.sendall(b"abandoned: no go from the hook within 5s\n")
+
+    t = threading.Thread(target=stand_in)
+    t.start()
+    out = client.run("prolog", [], {"A": "b"}, str(cfg), NODE, str(sockets))
+    t.join(30)
+    listener.close()
+    assert heard == [endpoint.GO]
+    assert (out.rc, out.started) == (None, False)
+    assert "abandoned: no go from the hook within 5s" in out.why
 
 
 # -- the server's decisions, without a process ------------------------------------------
