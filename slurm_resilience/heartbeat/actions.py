@@ -170,23 +170,41 @@ _UNREACHABLE = re.compile(r"unable to contact|connection refused|connect failure
                           r"zero bytes|try again", re.IGNORECASE)
 
 
+# Writers of one node's Comment (agents handling different incidents, an operator) race:
+# scontrol has no compare-and-set, so each writer reads back its own entry and merges again.
+RECORD_TRIES = 3
+
+
 def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
     """Note in ``node``'s Comment that hang handling took it out with ``reason``, so the
     hourly budgets keep counting it after a resume (see :mod:`takeouts`). Only a drain Slurm
     shows now is recorded: one left alone (another's drain) takes nothing out. Recording is
-    idempotent (a resumed plan repeats it harmlessly). SlurmError while Slurm is unreachable
-    is raised (retried); a refusal is reported and the plan goes on: the take-out then
-    counts only while the node stays out."""
+    idempotent (a resumed plan repeats it harmlessly) and read back: a concurrent writer
+    that replaced the Comment between our read and write is merged with again, up to
+    ``RECORD_TRIES`` writes. SlurmError while Slurm is unreachable is raised (retried); a
+    refusal is reported and the plan goes on: the take-out then counts only while the node
+    stays out."""
     parsed = T.parse_reason(reason)
     if parsed is None:
         return f"no take-out of {node} recorded: {reason!r} is not a hang reason"
+    entry = T.TakeOut.of(parsed)
+    writes = 0
     try:
-        info = adapter.show_node(node)
-        if not (info.drained or info.down) or T.parse_reason(info.reason) != parsed:
-            return f"no take-out of {node} recorded: it is not out for this incident"
-        merged = T.merge_comment(info.comment, T.TakeOut.of(parsed))
-        if merged != info.comment:
+        while True:
+            info = adapter.show_node(node)
+            if not (info.drained or info.down) or T.parse_reason(info.reason) != parsed:
+                return f"no take-out of {node} recorded: it is not out for this incident"
+            merged = T.merge_comment(info.comment, entry)
+            if merged == info.comment:
+                break
+            if writes == RECORD_TRIES:
+                log.error("heartbeat: budget: the node's Comment was replaced under every "
+                          "write; take-out not recorded", node=node, writes=writes)
+                return (f"couldn't record the take-out of {node}: its Comment was replaced "
+                        f"by another writer after each of {writes} writes; the hourly budget "
+                        "counts it only while it stays out")
             adapter.set_node_comment(node, merged)
+            writes += 1
     except SlurmError as exc:
         if isinstance(exc, (SlurmTimeout, NodeNotFound)) or _UNREACHABLE.search(
                 exc.slurm_message):
@@ -195,6 +213,9 @@ def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
                   node=node, error=str(exc))
         return (f"couldn't record the take-out of {node} in its Comment ({exc.slurm_message}): "
                 "the hourly budget counts it only while it stays out")
+    if writes > 1:
+        log.warning("heartbeat: budget: the node's Comment changed under our write; merged "
+                    "again", node=node, writes=writes)
     return f"recorded the take-out of {node} in its Comment"
 
 

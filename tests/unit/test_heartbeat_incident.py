@@ -241,6 +241,37 @@ def test_a_take_out_is_recorded_only_for_a_drain_slurm_shows(tmp_path: Path) -> 
         actions.record_takeout(SlurmAdapter(runner=away), "node1", reason)
 
 
+def test_a_take_out_record_replaced_by_another_writer_is_merged_again() -> None:
+    """No compare-and-set in scontrol: another incident's agent (or an operator) may write
+    the same node's Comment between our read and write. The record is read back, merged
+    again, and says so when it never sticks."""
+    reason = policy.suspect_reason(42, "alice", NOW, "rank 1 stalled first")
+    theirs = takeouts.TakeOut("bob", 7, int(NOW) - 60)
+    for overwrites, recorded in ((1, True), (actions.RECORD_TRIES, False)):
+        slurm = SlurmStandIn(node_reason="SR: " + reason)
+        real, left = slurm.run, [overwrites]
+
+        def run(argv: Sequence[str], real=real, left=left, slurm=slurm,  # type: ignore[no-untyped-def]
+                **kw: object) -> Completed:
+            done = real(argv, **kw)  # type: ignore[arg-type]
+            if any(a.startswith("Comment=") for a in argv) and left[0] > 0:
+                # The other writer read before our write and writes after it.
+                left[0] -= 1
+                slurm.node_comment = takeouts.merge_comment("ops: fan swap", theirs)
+            return done
+
+        slurm.run = run  # type: ignore[method-assign]
+        note = actions.record_takeout(SlurmAdapter(runner=slurm), "node1", reason)
+        ours = takeouts.TakeOut("alice", 42, int(NOW))
+        if recorded:
+            assert note.startswith("recorded"), note
+            assert set(takeouts.parse_comment(slurm.node_comment)) == {ours, theirs}
+            assert "ops: fan swap" in slurm.node_comment  # the operator's text is kept
+        else:
+            assert "replaced by another writer after each of 3 writes" in note, note
+            assert ours not in takeouts.parse_comment(slurm.node_comment)
+
+
 def _refuse_comment(slurm: SlurmStandIn, message: str) -> object:
     real = slurm.run
 
