@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,40 @@ def test_old_agent_stops_when_a_newer_save_of_the_step_is_under_way(
     assert st["state"] == StepState.FAILED
     assert "newer save of step 10 is under way" in st["reason"], st
     assert sorted(s3.list_keys("ckpt", f"{RUN}/")) == [_key(f"SAVE-{new}")]
+
+
+def test_a_resave_of_a_step_whose_earlier_save_failed_is_uploaded_anew(
+        tmp_path: Path, s3: S3, events: Path) -> None:
+    """Job 7 saves step 10 (save A) while another save X of step 10 had announced itself:
+    A's upload fails for good, naming X. X never commits (its job died); job 7 then saves
+    step 10 again (save B, newer than X). The failed journal entry does not hide B: the
+    step starts over and commits with B in every manifest and the marker."""
+    up, job = _agent(tmp_path / "n1", "n1", s3, 7)
+    first = new_save_id({"SLURM_JOB_ID": "7"})
+    other = new_save_id({"SLURM_JOB_ID": "6"})
+    s3.client.put_object(Bucket="ckpt", Key=_key(f"SAVE-{other}"), Body=b"")
+    _node_step(job, STEP, [0], 1, first, b"first")
+    up.run_pass()
+    st = up.jobs[7]["steps"][str(STEP)]
+    assert (st["state"], st["save_id"]) == (StepState.FAILED, first), st
+    up.run_pass()  # a failed save is never retried
+    assert up.jobs[7]["steps"][str(STEP)]["state"] == StepState.FAILED
+    assert s3.head("ckpt", _key(COMMIT)) is None
+
+    again = new_save_id({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})
+    assert again > other > first
+    shutil.rmtree(job / step_name(STEP))  # the job's own re-save replaces the local step
+    _node_step(job, STEP, [0], 1, again, b"again")
+    up.run_pass()
+    st = up.jobs[7]["steps"][str(STEP)]
+    assert st["state"] == StepState.COMMITTED, st
+    marker, manifests = read_remote_step(s3, URI, STEP)
+    assert marker.save_id == again and {r: m.save_id for r, m in manifests.items()} == {
+        0: again}
+    assert _get(s3, f"{rank_name(0)}/data.bin") == b"again-rank0"
+    said = [json.loads(x) for x in events.read_text().splitlines()
+            if "earlier save was not uploaded" in x]
+    assert [(e["save_id"], e["earlier_save_id"]) for e in said] == [(again, first)]
 
 
 def test_verify_and_stage_in_refuse_a_step_whose_manifests_mix_saves(
