@@ -53,5 +53,17 @@ def socket_path(config_real: str, node: str, directory: str = SOCKET_DIR) -> str
     return path
 
 
+def nodes_serving(config_real: str, directory: str = SOCKET_DIR) -> list[str]:
+    """The node names of the sockets in ``directory`` for this configuration file: where
+    a hook found none under its own name, a server under another says the hook and the
+    server disagree on the node's name."""
+    suffix = f".{zlib.crc32(config_real.encode('utf-8', 'surrogateescape')):08x}.sock"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n.removesuffix(suffix) for n in names if n.endswith(suffix))
+
+
 def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER_BYTES, "big") + payload

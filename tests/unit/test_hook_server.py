@@ -145,14 +145,45 @@ def test_a_hook_from_another_mount_namespace_runs_itself_and_says_why(
 
 def test_without_a_server_the_hook_runs_itself_and_says_why(node: Node) -> None:
     out = _run(node)
-    assert out.rc is None and "no hook server at" in out.why
+    assert out.rc is None and "no hook server at" in out.why and not out.misconfigured
     env = {**node.env}
     done = subprocess.run([PYTHON, "-I", "-m", "slurm_resilience.hooks", "prolog"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     said = events_saying(node.events, "hook runs in its own process")
-    assert said and "hook server" in said[0]["why"]
+    assert said and "hook server" in said[0]["why"] and said[0]["level"] == "info"
     assert events_saying(node.events, "hook ok")
+
+
+def test_a_server_under_another_node_name_is_named_loudly(node: Node) -> None:
+    """The hook's SLURMD_NODENAME and the server's node name disagree: every hook on the
+    node would run in its own process, so the hook says which names disagree, as a
+    warning, not as the routine "no server"."""
+    argv = _server_argv(node, -1)
+    argv[argv.index("--node") + 1] = "node1-ib"
+    r, w = os.pipe()
+    proc = subprocess.Popen([*argv[:-1], str(w)], pass_fds=(w,))
+    os.close(w)
+    try:
+        with os.fdopen(r) as ready:
+            assert ready.readline() == "ready\n"
+        out = _run(node)
+        assert (out.rc, out.misconfigured) == (None, True)
+        assert "as node 'node1-ib'" in out.why and "'node1'" in out.why
+        # What hooks/__main__ does with it, against this test's socket directory.
+        code = ("import sys\nfrom slurm_resilience.hooks import client, runner\n"
+                f"o = client.run('prolog', [], {node.env!r}, {str(node.config)!r}, {NODE!r}, "
+                f"{str(node.sockets)!r})\n"
+                "sys.exit(runner.main('prolog', [], in_process_because=o.why, "
+                "in_process_misconfigured=o.misconfigured))\n")
+        done = subprocess.run([PYTHON, "-c", code], env=node.env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        said = events_saying(node.events, "hook runs in its own process")
+        assert said and said[0]["level"] == "warning" and "disagree" in said[0]["why"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_only_root_reaches_the_socket(node: Node, served: object,
