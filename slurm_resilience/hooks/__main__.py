@@ -24,5 +24,4 @@ from slurm_resilience.hooks import runner  # noqa: E402 - only when the server d
 
 if _outcome.rc == client.LOST:
     sys.exit(runner.worker_lost(_kind, _env, _outcome.why))  # type: ignore[arg-type]
-sys.exit(runner.main(_kind, _argv, in_process_because=_outcome.why,  # type: ignore[arg-type]
-                     in_process_misconfigured=_outcome.misconfigured))
+sys.exit(runner.main(_kind, _argv, in_process_because=_outcome.why))  # type: ignore[arg-type]

@@ -33,15 +33,12 @@ LOST = -1
 class Outcome:
     """What the server did with the hook: ``rc`` when it ran it, else ``why`` not."""
 
-    __slots__ = ("misconfigured", "rc", "started", "why")
+    __slots__ = ("rc", "started", "why")
 
-    def __init__(self, rc: int | None, why: str, started: bool = False,
-                 misconfigured: bool = False):
+    def __init__(self, rc: int | None, why: str, started: bool = False):
         self.rc = rc
         self.why = why
         self.started = started
-        # Not a server that is down or busy: the node's setup keeps every hook from it.
-        self.misconfigured = misconfigured
 
 
 def _std_fds() -> list[int]:
@@ -82,12 +79,15 @@ def run(kind: str, argv: list[str], env: Mapping[str, str], config_path: str | N
         try:
             sock.connect(path)
         except FileNotFoundError:
+            # A server under another name may be this node's (the names disagree) or
+            # another slurmd's on the same host (a sandbox): name them, claim neither.
             others = [n for n in endpoint.nodes_serving(real, directory) if n != node[:48]]
             if others:
-                return Outcome(None, f"no hook server at {path}, but one for the same "
-                                     f"configuration as node {others[0]!r}: the hook's node "
-                                     f"name is {node!r} (SLURMD_NODENAME and the server's "
-                                     "--node or node.name disagree)", misconfigured=True)
+                return Outcome(None, f"no hook server at {path}; this configuration's "
+                                     f"servers here listen as node {', '.join(others[:4])}: "
+                                     f"if this node is one of them, the hook's node name "
+                                     f"{node!r} (SLURMD_NODENAME) and the server's (--node "
+                                     "or node.name) disagree")
             return Outcome(None, f"no hook server at {path}")
         except OSError as exc:
             return Outcome(None, f"hook server at {path}: {exc.strerror or exc}")

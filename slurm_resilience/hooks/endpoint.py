@@ -46,18 +46,21 @@ def socket_path(config_real: str, node: str, directory: str = SOCKET_DIR) -> str
     caught by the server, which serves only its own file."""
     if "/" in node or node in ("", ".", ".."):
         raise ValueError(f"node name {node!r} cannot be used in a path")
-    crc = zlib.crc32(config_real.encode("utf-8", "surrogateescape"))
-    path = os.path.join(directory, f"{node[:48]}.{crc:08x}.sock")
+    path = os.path.join(directory, f"{node[:48]}{_suffix(config_real)}")
     if len(path.encode()) > _MAX_PATH:
         raise ValueError(f"hook server socket path too long: {path}")
     return path
+
+
+def _suffix(config_real: str) -> str:
+    return f".{zlib.crc32(config_real.encode('utf-8', 'surrogateescape')):08x}.sock"
 
 
 def nodes_serving(config_real: str, directory: str = SOCKET_DIR) -> list[str]:
     """The node names of the sockets in ``directory`` for this configuration file: where
     a hook found none under its own name, a server under another says the hook and the
     server disagree on the node's name."""
-    suffix = f".{zlib.crc32(config_real.encode('utf-8', 'surrogateescape')):08x}.sock"
+    suffix = _suffix(config_real)
     try:
         names = os.listdir(directory)
     except OSError:

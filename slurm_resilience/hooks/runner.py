@@ -187,12 +187,10 @@ def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None,
 
 def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] | None = None,
          *, cfg: Config | None = None, exit: Callable[[int], object] = os._exit,
-         in_process_because: str = "", hook_pid: int | None = None,
-         in_process_misconfigured: bool = False) -> int:
+         in_process_because: str = "", hook_pid: int | None = None) -> int:
     """Run one hook. ``cfg``: the configuration already loaded (the hook server's);
     ``exit``: how the watchdog ends the process; ``in_process_because``: why the hook
-    server did not run this hook (logged, so a node without one is seen; a warning when
-    ``in_process_misconfigured``: no hook on the node will be served); ``hook_pid``:
+    server did not run this hook (logged, so a node without one is seen); ``hook_pid``:
     the process slurmd started, when it is not this one (the hook server's worker)."""
     env = dict(os.environ if env is None else env)
     ctx = _setup(kind, env, cfg, hook_pid)
@@ -201,8 +199,7 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
     cfg = ctx.cfg
     logger = log.get_logger("hooks", hook=kind)
     if in_process_because:
-        (logger.warning if in_process_misconfigured else logger.info)(
-            "hook runs in its own process", why=in_process_because)
+        logger.info("hook runs in its own process", why=in_process_because)
     timer = Watchdog(ctx, timeout_for(cfg, kind), exit=exit).start()
     started = time.monotonic()
     try:

@@ -448,11 +448,11 @@ def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: C
         os.close(go)
         why = _await_go(conn, go_timeout_s)
         if why:
-            # The hook runs itself (or is gone): nothing ran here, and it is told so if it
-            # is still listening.
-            _answer(conn, f"abandoned: {why}")
+            # The hook runs itself (or is gone): nothing ran here, and it is told so (after
+            # the log line) if it is still listening.
             logger.info("hook server: worker ends without running the hook", why=why,
                         kind=request.kind, hook_pid=hook_pid)
+            _answer(conn, f"abandoned: {why}")
             os._exit(0)
         conn.settimeout(REQUEST_TIMEOUT_S)  # bounds the status write, not the hook
         for target, fd in enumerate(fds):

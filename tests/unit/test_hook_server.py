@@ -145,7 +145,7 @@ def test_a_hook_from_another_mount_namespace_runs_itself_and_says_why(
 
 def test_without_a_server_the_hook_runs_itself_and_says_why(node: Node) -> None:
     out = _run(node)
-    assert out.rc is None and "no hook server at" in out.why and not out.misconfigured
+    assert out.rc is None and "no hook server at" in out.why and "disagree" not in out.why
     env = {**node.env}
     done = subprocess.run([PYTHON, "-I", "-m", "slurm_resilience.hooks", "prolog"], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -155,10 +155,10 @@ def test_without_a_server_the_hook_runs_itself_and_says_why(node: Node) -> None:
     assert events_saying(node.events, "hook ok")
 
 
-def test_a_server_under_another_node_name_is_named_loudly(node: Node) -> None:
+def test_a_server_under_another_node_name_is_named(node: Node) -> None:
     """The hook's SLURMD_NODENAME and the server's node name disagree: every hook on the
-    node would run in its own process, so the hook says which names disagree, as a
-    warning, not as the routine "no server"."""
+    node would run in its own process. The hook names the servers it does see for its
+    configuration (which on a host of several slurmds may be other nodes' own)."""
     argv = _server_argv(node, -1)
     argv[argv.index("--node") + 1] = "node1-ib"
     r, w = os.pipe()
@@ -168,19 +168,9 @@ def test_a_server_under_another_node_name_is_named_loudly(node: Node) -> None:
         with os.fdopen(r) as ready:
             assert ready.readline() == "ready\n"
         out = _run(node)
-        assert (out.rc, out.misconfigured) == (None, True)
-        assert "as node 'node1-ib'" in out.why and "'node1'" in out.why
-        # What hooks/__main__ does with it, against this test's socket directory.
-        code = ("import sys\nfrom slurm_resilience.hooks import client, runner\n"
-                f"o = client.run('prolog', [], {node.env!r}, {str(node.config)!r}, {NODE!r}, "
-                f"{str(node.sockets)!r})\n"
-                "sys.exit(runner.main('prolog', [], in_process_because=o.why, "
-                "in_process_misconfigured=o.misconfigured))\n")
-        done = subprocess.run([PYTHON, "-c", code], env=node.env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        said = events_saying(node.events, "hook runs in its own process")
-        assert said and said[0]["level"] == "warning" and "disagree" in said[0]["why"]
+        assert out.rc is None
+        assert "servers here listen as node node1-ib" in out.why
+        assert "node name 'node1' (SLURMD_NODENAME)" in out.why and "disagree" in out.why
     finally:
         proc.terminate()
         proc.wait(10)
@@ -293,11 +283,10 @@ def test_a_hook_that_gives_up_after_started_is_never_run_by_its_worker(
         node: Node, served: object) -> None:
     """The hook's wait ran out just as the server said ``started``: it runs itself and
     sends no go, so the worker must not run the steps too."""
-    _hand_over(node).close()
-    deadline = time.monotonic() + 60
-    while not events_saying(node.events, "without running the hook"):
-        assert time.monotonic() < deadline, "the worker never said it ended"
-        time.sleep(0.05)
+    sock = _hand_over(node)
+    sock.shutdown(socket.SHUT_WR)  # gone, as far as the worker can tell; we still hear it
+    with sock:
+        assert sock.recv(4096).startswith(b"abandoned: the hook closed the connection")
     said = events_saying(node.events, "without running the hook")[0]
     assert "gave up waiting" in said["why"]
     assert not events_saying(node.events, "hook ok")
