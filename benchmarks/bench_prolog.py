@@ -134,7 +134,7 @@ def main() -> int:
             cfg_path = Path(tmp) / "slurm-resilience.yaml"
             cfg_path.write_text(yaml.safe_dump(sections))
             hardware_said = "stand-ins: 8 GPUs, 8 HCAs"
-        cfg = config.load(str(cfg_path))
+        cfg = site_cfg or config.load(str(cfg_path))
         env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "SLURM_RESILIENCE_CONFIG": str(cfg_path),

@@ -423,8 +423,7 @@ def _await_go(conn: socket.socket, timeout_s: float) -> str:
 
 
 def _work(go: int, conn: socket.socket, fds: list[int], request: Request, cfg: Config | None,
-          server_fds: list[int], hook_pid: int,
-          go_timeout_s: float = endpoint.GO_TIMEOUT_S) -> None:
+          server_fds: list[int], hook_pid: int, go_timeout_s: float) -> None:
     """The forked worker: wait for the server's go, become the hook (its streams,
     directory, umask, environment), run it and send its status, which is also the
     worker's exit status (the server reports that if the worker dies first). Never
