@@ -117,6 +117,20 @@ def start_sleeper(env: dict[str, str], **popen: object) -> subprocess.Popen[byte
     return proc  # type: ignore[no-any-return]
 
 
+def as_user(user: str | int) -> dict[str, Any]:
+    """Keyword arguments for ``subprocess.run``/``Popen`` that run the child as ``user`` with
+    its uid, its primary gid and its supplementary groups.
+
+    ``user=`` alone changes the uid only: the child keeps root's gid 0 and root's groups, so
+    group bits decide what it may open (a 0700 checkout's parents hide ``.venv`` from it) and
+    it is not the unprivileged user the test means. Every test that starts a process as a
+    user goes through here (test_self_contained guards it).
+    """
+    pw = pwd.getpwnam(user) if isinstance(user, str) else pwd.getpwuid(user)
+    return {"user": pw.pw_uid, "group": pw.pw_gid,
+            "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid)}
+
+
 def make_traversable(path: Path) -> None:
     """Give others +x on ``path``'s ancestors that lack it.
 

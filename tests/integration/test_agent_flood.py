@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import as_user
 
 from slurm_resilience.agent import client
 from slurm_resilience.agent.server import AgentServer
@@ -78,13 +79,13 @@ def test_a_flood_from_one_user_does_not_shut_out_another(
     flooder, other = test_users
     threads = threading.active_count()
     floods = [subprocess.Popen([SYSTEM_PYTHON, "-c", FLOOD, agent.path, "1000"],
-                               user=flooder, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               **as_user(flooder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True) for _ in range(3)]
     try:
         for proc in floods:
             assert proc.stdout is not None
             assert int(proc.stdout.readline()) > 0  # its connections are open (or refused)
-        ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], user=other,
+        ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], **as_user(other),
                              capture_output=True, text=True, timeout=60, check=True)
         assert json.loads(ask.stdout) == {"ok": True, "uid": pwd.getpwnam(other).pw_uid}
         assert client.call(agent.path, "whoami", timeout=30) == {"ok": True, "uid": 0}
@@ -102,7 +103,7 @@ def test_a_flooders_slots_come_back_when_it_goes(agent: AgentServer,
                                                  test_users: tuple[str, ...]) -> None:
     """Once the flooder is gone its slots are free again: the same user is served."""
     flooder, _ = test_users
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", FLOOD, agent.path, "200"], user=flooder,
+    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", FLOOD, agent.path, "200"], **as_user(flooder),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and int(proc.stdout.readline()) > 0
     proc.kill()
@@ -112,6 +113,6 @@ def test_a_flooders_slots_come_back_when_it_goes(agent: AgentServer,
         if agent.connections() == 0:
             break
         done.wait(0.01)
-    ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], user=flooder,
+    ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], **as_user(flooder),
                          capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(ask.stdout)["ok"]

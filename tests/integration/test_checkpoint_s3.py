@@ -23,7 +23,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
-from conftest import free_port, rclone
+from conftest import as_user, free_port, rclone
 
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.agent_ranges import batches
@@ -581,7 +581,7 @@ def _plant_deep_tree(user: str, job_dir: Path, depth: int) -> None:
         os.symlink("/etc/passwd", "passwd", dir_fd=fd)
     """)
     try:
-        subprocess.run([sys.executable, "-c", script], user=user, pass_fds=(fd,), check=True,
+        subprocess.run([sys.executable, "-c", script], **as_user(user), pass_fds=(fd,), check=True,
                        cwd="/", timeout=120)
     finally:
         os.close(fd)

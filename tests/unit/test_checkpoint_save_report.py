@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from agent_state import samples, slot, view
+from conftest import as_user
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience.agent.server import AgentServer
@@ -144,8 +145,8 @@ def test_an_unprivileged_user_reports_only_for_their_own_job(
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
-        out = subprocess.run(["/usr/bin/python3", "-c", REPORTER, srv.path], user=pw.pw_uid,
-                             group=pw.pw_gid, capture_output=True, text=True, timeout=60,
+        out = subprocess.run(["/usr/bin/python3", "-c", REPORTER, srv.path], **as_user(pw.pw_uid),
+                             capture_output=True, text=True, timeout=60,
                              env={"PATH": "/usr/bin:/bin"}, check=True).stdout
     finally:
         srv.shutdown()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_sleeper
+from conftest import as_user, start_sleeper
 
 from slurm_resilience.heartbeat import evidence, safefs
 from slurm_resilience.heartbeat.slot import SlotView
@@ -59,7 +59,7 @@ def _as_user(user: str, code: str, *args: str) -> None:
     """Run Python ``code`` as ``user`` (what a hostile job would do on the node)."""
     pw = pwd.getpwnam(user)
     subprocess.run(["/usr/bin/python3", "-c", code, *args],
-                   user=pw.pw_uid, group=pw.pw_gid, check=True, timeout=30)
+                   **as_user(pw.pw_uid), check=True, timeout=30)
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_flight_recorder_dump_in_a_root_dir_is_never_opened(
     pw = pwd.getpwnam(test_users[0])
     env = {"PATH": "/usr/bin:/bin", evidence.NCCL_PIPE_ENV: f"{mine}/pipe",
            evidence.NCCL_FILE_ENV: f"{secret}/dev"}
-    job = start_sleeper(env, user=pw.pw_uid, group=pw.pw_gid)
+    job = start_sleeper(env, **as_user(pw.pw_uid))
     # PyTorch's side of the pipe, open before the trigger (a FIFO without a reader refuses
     # a non-blocking writer).
     reader = os.open(mine / "pipe0.pipe", os.O_RDONLY | os.O_NONBLOCK)

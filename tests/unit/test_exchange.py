@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import as_user
 
 from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
@@ -184,7 +185,7 @@ def test_user_forged_and_replayed_messages_are_refused(
         pw = pwd.getpwnam(test_users[0])
         out = subprocess.run(["/usr/bin/python3", "-c", FORGER, munge_socket,
                               str(cfg.port_of("b")), "5", str(stolen)],
-                             user=pw.pw_uid, group=pw.pw_gid, capture_output=True, text=True,
+                             **as_user(pw.pw_uid), capture_output=True, text=True,
                              timeout=30, env={"PATH": "/usr/bin:/bin"}, check=True).stdout
         shutil.rmtree(stolen.parent)
         assert f"forged: refused: credential of uid {pw.pw_uid}, not an agent's" in out, out

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_traversable
+from conftest import REPO, as_user, make_traversable
 
 from slurm_resilience import heartbeat
 from slurm_resilience.config.heartbeat import HeartbeatSection
@@ -265,7 +265,7 @@ def test_a_run_dir_the_job_cannot_write_turns_hang_detection_off_not_training(
             "assert heartbeat.init(dict(SLURM_JOB_ID='43', SLURM_PROCID='0',"
             f" SLURM_RESILIENCE_RUN_DIR={str(tmp_path)!r})) is None\n"
             "heartbeat.beat(1); print('trained on')\n")
-    out = subprocess.run([sys.executable, "-c", code], user=pw.pw_uid, group=pw.pw_gid,
+    out = subprocess.run([sys.executable, "-c", code], **as_user(pw.pw_uid),
                          capture_output=True, text=True, cwd="/", check=False,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr

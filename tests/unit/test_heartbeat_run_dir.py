@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON_SYS, events_saying
+from conftest import PYTHON_SYS, as_user, events_saying
 
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.heartbeat import jobfs, steps
@@ -96,7 +96,7 @@ def test_a_job_cannot_write_past_its_tmpfs_and_the_epilog_unmounts_it(
     assert (st.st_uid, st.st_mode & 0o777) == (pwd.getpwnam(user).pw_uid, 0o700)
     jfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        done = subprocess.run([PYTHON_SYS, "-I", "-c", _FILL, str(jfd)], user=user,
+        done = subprocess.run([PYTHON_SYS, "-I", "-c", _FILL, str(jfd)], **as_user(user),
                               pass_fds=(jfd,), capture_output=True, text=True, timeout=120,
                               check=True)
     finally:

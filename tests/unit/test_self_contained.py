@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import pwd
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 
-from conftest import REAL_FIXTURES, REPO
+from conftest import PYTHON_SYS, REAL_FIXTURES, REPO, as_user, make_traversable
 
 TESTS = REPO / "tests"
 
@@ -79,3 +84,67 @@ def test_no_test_asserts_a_wall_clock_bound() -> None:
                  "    assert report.duration <= 1.0"):
         assert WALL_CLOCK_BOUND.search(line), line
     assert not WALL_CLOCK_BOUND.search("        assert time.monotonic() < deadline, 'x'")
+
+
+# What starts a child process directly; ``sandbox.run(..., user=)`` goes through runuser,
+# which sets the groups itself.
+_SPAWNERS = {"run", "Popen", "check_output", "check_call", "call"}
+_IDENTITY = {"user", "group", "extra_groups"}
+
+
+def _spawns_as_user_by_hand(node: ast.Call) -> bool:
+    func = node.func
+    direct = (isinstance(func, ast.Attribute) and func.attr in _SPAWNERS
+              and isinstance(func.value, ast.Name) and func.value.id == "subprocess")
+    direct = direct or (isinstance(func, ast.Name) and func.id == "start_sleeper")
+    return direct and any(k.arg in _IDENTITY for k in node.keywords)
+
+
+def test_every_process_started_as_a_user_goes_through_as_user() -> None:
+    """No test passes ``user=``/``group=`` to subprocess by hand: ``user=`` alone keeps
+    root's gid and groups, so the child is not the unprivileged user it claims to be."""
+    offenders = [f"{path.relative_to(REPO)}:{node.lineno}"
+                 for path in TESTS.rglob("*.py") if path != Path(__file__)
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and _spawns_as_user_by_hand(node)]
+    assert offenders == []
+    for line in ("subprocess.run(['id'], user=1000)", "start_sleeper({}, group=5)",
+                 "subprocess.Popen(['id'], user='u', extra_groups=[])"):
+        call = ast.parse(line).body[0].value  # type: ignore[attr-defined]
+        assert _spawns_as_user_by_hand(call), line
+    assert not _spawns_as_user_by_hand(
+        ast.parse("sandbox.run(['id'], user='u')").body[0].value)  # type: ignore[attr-defined]
+
+
+_IDENTITY_PROBE = """
+import os, sys
+print(os.getuid(), os.getgid(), sorted(set(os.getgroups())))
+print(open(sys.argv[1]).read())
+"""
+
+
+def test_as_user_gives_the_users_gid_and_groups_under_a_private_parent(
+        test_users: tuple[str, ...]) -> None:
+    """A child started through as_user has the user's uid, gid and groups (no group root),
+    so it reads a file below a 0700 directory made traversable, as a test job under a 0700
+    home does."""
+    user = test_users[0]
+    pw = pwd.getpwnam(user)
+    top = Path(tempfile.mkdtemp(prefix="sr-private-"))
+    try:
+        top.chmod(0o700)
+        inner = top / "checkout"
+        inner.mkdir(mode=0o755)
+        (inner / "data").write_text("readable")
+        (inner / "data").chmod(0o644)
+        make_traversable(inner)
+        out = subprocess.run([PYTHON_SYS, "-I", "-c", _IDENTITY_PROBE, str(inner / "data")],
+                             capture_output=True, text=True, timeout=60, check=True,
+                             cwd="/", **as_user(user)).stdout.splitlines()
+    finally:
+        for p in sorted(top.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+        top.rmdir()
+    groups = sorted(set(os.getgrouplist(user, pw.pw_gid)))
+    assert out == [f"{pw.pw_uid} {pw.pw_gid} {groups}", "readable"]
+    assert 0 not in groups
