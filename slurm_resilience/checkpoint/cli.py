@@ -19,18 +19,21 @@ def register(sub: Any) -> None:
     p = sub.add_parser("ckpt", help="list, verify or download a run's checkpoints in S3")
     csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
     ls = csub.add_parser("ls", help="list complete steps (COMMIT.json present) and their size")
-    ls.add_argument("uri")
+    ls.add_argument("uri", help="the run URI, s3://BUCKET/PREFIX")
     ls.set_defaults(func=_guarded(run_ls))
     ver = csub.add_parser("verify", help="download and check every file of a step "
                                          "(default: the newest) against its manifest")
-    ver.add_argument("uri")
-    ver.add_argument("--step", type=int, default=None)
+    ver.add_argument("uri", help="the run URI, s3://BUCKET/PREFIX")
+    ver.add_argument("--step", type=int, default=None,
+                     help="the step to verify (default: the newest complete step)")
     ver.add_argument("--all", action="store_true", help="verify every complete step")
     ver.set_defaults(func=_guarded(run_verify))
     pull = csub.add_parser("pull", help="download the newest verified step into a directory")
-    pull.add_argument("uri")
-    pull.add_argument("dest")
-    pull.add_argument("--step", type=int, default=None)
+    pull.add_argument("uri", help="the run URI, s3://BUCKET/PREFIX")
+    pull.add_argument("dest", help="the directory to download the step into "
+                      "(its step-NNNNNNNN directory is created there)")
+    pull.add_argument("--step", type=int, default=None,
+                      help="the step to download (default: the newest verified step)")
     pull.set_defaults(func=_guarded(run_pull))
     st = csub.add_parser("status", help="a job's stage-in (step, source, fallbacks, error), "
                                         "fetches and pending uploads, from this node's agent")

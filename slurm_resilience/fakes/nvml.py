@@ -352,6 +352,8 @@ def default_gpu(index: int) -> dict[str, Any]:
     return {
         "name": "NVIDIA H100 80GB HBM3",
         "uuid": f"GPU-5a3e0d6c-0000-4000-8000-{index:012x}",
+        # 13 digits, as the capture's "Serial Number" (1650124031592, ...).
+        "serial": f"16501240{31592 + index:05d}",
         "pci_bus_id": f"00000000:{bus}:00.0",
         "ecc": {"volatile_uncorrected": 0, "aggregate_uncorrected": 0},
         "retired_pages": None,
@@ -516,6 +518,13 @@ def nvmlDeviceGetName(handle: _Handle) -> str:
 
 def nvmlDeviceGetUUID(handle: _Handle) -> str:
     return str(_gpu(handle, "nvmlDeviceGetUUID")["uuid"])
+
+
+def nvmlDeviceGetSerial(handle: _Handle) -> str:
+    serial = _gpu(handle, "nvmlDeviceGetSerial").get("serial")
+    if serial is None:  # consumer boards: NVML_ERROR_NOT_SUPPORTED
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return str(serial)
 
 
 def nvmlDeviceGetTotalEccErrors(handle: _Handle, errorType: int, counterType: int
@@ -847,6 +856,8 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
     gpu: dict[str, Any] = {
         "name": block.get("Product Name"),
         "uuid": block.get("GPU UUID"),
+        "serial": None if block.get("Serial Number") in (None, "N/A")
+        else block.get("Serial Number"),
         "pci_bus_id": bus_id,
         "ecc": {"volatile_uncorrected": _ecc_uncorrected(ecc.get("Volatile")) or 0,
                 "aggregate_uncorrected": _ecc_uncorrected(ecc.get("Aggregate")) or 0,
@@ -1010,6 +1021,7 @@ def _gpu_from_raw(g: dict[str, Any]) -> dict[str, Any]:
     gpu: dict[str, Any] = {
         "name": get("nvmlDeviceGetName", none_ok=False),
         "uuid": get("nvmlDeviceGetUUID", none_ok=False),
+        "serial": get("nvmlDeviceGetSerial"),
         "pci_bus_id": pci.get("busId"),
         "pci_device_id": pci.get("pciDeviceId"),
         "pci_subsystem_id": pci.get("pciSubSystemId"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,13 @@ class Finding:
     severity: Severity
     message: str
     data: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def reason(self) -> str:
+        """The message, with the GPU's PCI address and serial when the finding is about one
+        (``gpu3 XID 79 ... [0000:5D:00.0 sn 1650124031595]``): what an RMA desk acts on."""
+        named = describe_identity(self.data, with_index=False)
+        return f"{self.message} [{named}]" if named else self.message
 
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "subject": self.subject, "severity": self.severity.label,
@@ -71,3 +81,37 @@ def human_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{n}B"
+
+
+def describe_identity(d: dict[str, Any], with_index: bool = True) -> str:
+    """``gpu5 0000:9A:00.0 sn 1650124031597`` from an identity record; empty without one."""
+    parts = [f"gpu{d['index']}"] if with_index and isinstance(d.get("index"), int) else []
+    if d.get("pci_bus_id"):
+        parts.append(short_bus_id(str(d["pci_bus_id"])))
+    if d.get("serial"):
+        parts.append(f"sn {d['serial']}")
+    return " ".join(parts) if (d.get("pci_bus_id") or d.get("serial")) else ""
+
+
+def short_bus_id(bus_id: str) -> str:
+    """NVML's 8-digit domain as lspci shows it: ``00000000:9A:00.0`` → ``0000:9A:00.0``."""
+    dom, sep, rest = bus_id.partition(":")
+    return f"{int(dom, 16):04X}:{rest}" if sep and len(dom) == 8 else bus_id
+
+
+_GPU_SUBJECT = re.compile(r"gpu(\d+)")
+
+
+def with_gpu_identity(findings: list[Finding], identities: Mapping[int, Mapping[str, Any]]
+                      ) -> list[Finding]:
+    """Each finding about ``gpuN`` carries that GPU's PCI address and serial in its data
+    (the event and ``status`` show them, the drain reason ends with them)."""
+    out = []
+    for f in findings:
+        m = _GPU_SUBJECT.fullmatch(f.subject)
+        ident = identities.get(int(m.group(1))) if m else None
+        if ident and f.severity is not Severity.OK and "pci_bus_id" not in f.data:
+            f = dataclasses.replace(f, data={**f.data, "pci_bus_id": ident.get("pci_bus_id"),
+                                             "serial": ident.get("serial")})
+        out.append(f)
+    return out

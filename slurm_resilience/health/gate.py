@@ -49,6 +49,7 @@ from slurm_resilience.health.findings import (
     fail,
     unknown,
     warn,
+    with_gpu_identity,
 )
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
@@ -238,6 +239,17 @@ def _gpu_map(store: StateStore, snap: NvmlSnapshot | None) -> dict[str, int]:
     if merged != known:
         store.save_or_say("gpu_map", {"by_pci": merged})
     return merged
+
+
+def _identities(snap: NvmlSnapshot | None, known: dict[str, int]) -> dict[int, dict[str, Any]]:
+    """GPU index → PCI address and serial; a GPU NVML no longer lists keeps the address it
+    had (its serial is not known then)."""
+    out: dict[int, dict[str, Any]] = {i: {"pci_bus_id": bus, "serial": None}
+                                      for bus, i in known.items()}
+    for g in snap.gpus if snap else []:
+        if g.pci_bus_id or g.serial:
+            out[g.index] = {"pci_bus_id": g.pci_bus_id, "serial": g.serial}
+    return out
 
 
 def _gpus_ok(snap: NvmlSnapshot | None, known: dict[str, int]) -> dict[str, bool] | None:
@@ -437,6 +449,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
         if lock_fd >= 0:
             os.close(lock_fd)
     seconds["total"] = time.monotonic() - started
+    findings = with_gpu_identity(findings, _identities(gpu_snap, gpu_by_pci))
     policies: dict[str, str] = {name: sections[name].on_unknown for name in CHECKS}
     findings.sort(key=lambda f: (-int(f.severity), _REASON_ORDER.index(f.check), f.subject))
     return GateReport(kind, node, decide(findings, policies), seconds)

@@ -124,7 +124,7 @@ def _problems(ctx: HookContext, report: Any) -> list[Problem]:
     blocking = report.verdict.blocking
     logger.warning("health gate failed", reason=report.verdict.reason(), findings=notable,
                    seconds=report.seconds)
-    problems = [Problem(STEP, blocking[0].message, more=len(blocking) - 1)]
+    problems = [Problem(STEP, blocking[0].reason, more=len(blocking) - 1)]
     _bookkeeping(ctx, "record that the node was drained", lambda: _remember(ctx), None)
     return problems
 

@@ -21,7 +21,7 @@ class Verdict:
         if not self.blocking:
             return ""
         rest = len(self.blocking) - 1
-        return self.blocking[0].message + (f" (+{rest} more)" if rest else "")
+        return self.blocking[0].reason + (f" (+{rest} more)" if rest else "")
 
 
 def decide(findings: list[Finding], policies: Mapping[str, str]) -> Verdict:

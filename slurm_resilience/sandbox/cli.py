@@ -46,12 +46,12 @@ def register(sub: Any) -> None:
     inj = ssub.add_parser("inject", help="break a node's stand-in hardware: "
                                          + faults.usages())
     common(inj)
-    inj.add_argument("node")
+    inj.add_argument("node", help="the sandbox node to break (node1, node2, ...)")
     inj.add_argument("fault", help=faults.usages())
     inj.set_defaults(func=lambda a: _faults(faults.inject, a.state_dir, a.node, a.fault))
     heal = ssub.add_parser("heal", help="make a node's stand-in hardware healthy again")
     common(heal)
-    heal.add_argument("node")
+    heal.add_argument("node", help="the sandbox node to repair (node1, node2, ...)")
     heal.set_defaults(func=lambda a: _faults(faults.heal, a.state_dir, a.node))
 
 

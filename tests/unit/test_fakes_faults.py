@@ -165,7 +165,8 @@ def test_hw_slowdown_drains_as_a_rate_over_the_window(node: tuple[Path, config.C
     faults.inject(state, "node1", "gpu-throttle:5:hw_slowdown")
     runs = cfg.health.gpu.throttle_fail_runs
     assert [_reason(cfg) for _ in range(runs - 1)] == [""] * (runs - 1)
-    assert _reason(cfg) == f"gpu5 HW slowdown in {runs} runs within 60min (expected <{runs})"
+    assert _reason(cfg) == (f"gpu5 HW slowdown in {runs} runs within 60min (expected <{runs}) "
+                            f"[0000:AB:00.0 sn 1650124031597]")
 
 
 def test_parity_faults_change_the_stand_ins_as_the_hardware_would(

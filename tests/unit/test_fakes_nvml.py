@@ -192,7 +192,7 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
     # What the capture can't carry: which module answered (pynvml there), and what the
     # collector reads since it was taken: the PCIe error totals from NVML where sysfs has
     # no AER (this VM), whose answers nvml-raw.json holds; with them "pcie_aer" is no
-    # longer unsupported.
+    # longer unsupported; and the board serial (nvmlDeviceGetSerial, also in nvml-raw.json).
     assert (got.pop("backend"), want.pop("backend")) == ("fake", "nvml")
     for real, gpu in zip(raw["gpus"], want["gpus"], strict=True):
         fields = real["field_values"]
@@ -202,6 +202,7 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
                                              ("fatal", "FATAL_ERROR"))}
         gpu["pcie_aer_source"] = "nvml"
         gpu["unsupported"].remove("pcie_aer")
+        gpu["serial"] = real["nvmlDeviceGetSerial"]["value"]
     assert got == want
     assert got["gpus"][0]["pcie_aer"] == {"correctable": 0, "nonfatal": 0, "fatal": 0}
 
@@ -271,7 +272,8 @@ def _answers_as_recorded(tmp_path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     vol, agg = fake.NVML_VOLATILE_ECC, fake.NVML_AGGREGATE_ECC
     calls: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {
         name: (name, (), {}) for name in (
-            "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo",
+            "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetSerial",
+            "nvmlDeviceGetPciInfo",
             "nvmlDeviceGetVbiosVersion", "nvmlDeviceGetPersistenceMode",
             "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows",
             "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetCurrPcieLinkGeneration",

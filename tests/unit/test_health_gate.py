@@ -74,7 +74,8 @@ def test_healthy_stand_ins_pass_every_check(node: Path) -> None:
 @pytest.mark.parametrize(("fault", "reason"), [
     ("gpu-xid:3:79", "gpu3 lost (NVML GPU_IS_LOST; expected present)"),
     ("gpu-ecc:2", "gpu2 1 uncorrectable ECC errors (expected <=0)"),
-    ("gpu-missing:5", "7 GPUs visible (expected 8)"),
+    # The GPU gone is named by the index, address and serial it had.
+    ("gpu-missing:5", "7 GPUs visible (expected 8; gone: gpu5 0000:AB:00.0 sn 1650124031597)"),
     ("gpu-throttle:1:hw_thermal", "gpu1 HW thermal slowdown (expected none)"),
     ("gpu-remap-pending:6", "gpu6 row remap pending (reset the GPU)"),
     ("ib-down:mlx5_2:1", "mlx5_2 port1 DOWN (expected ACTIVE 400Gb/s)"),
@@ -329,3 +330,19 @@ def test_gpu_service_units_must_be_active(node: Path, monkeypatch: pytest.Monkey
     report = gate.run(cfg, NODE, "healthcheck")
     assert blocking(report) == ["nvidia-fabricmanager failed (expected active)"]
     assert not [f for f in gate.run(cfg, NODE, "prolog").findings if f.check == "services"]
+
+
+def test_gpu_findings_carry_the_gpus_pci_address_and_serial(node: Path) -> None:
+    """A finding about gpuN carries that GPU's PCI address and board serial in its data (the
+    event) and at the end of the drain reason: what an RMA desk needs to pull the board."""
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")  # baselines
+    faults.inject(node, NODE, "gpu-ecc:3")
+    report = gate.run(cfg, NODE, "prolog")
+    found = [f for f in report.verdict.blocking if f.subject == "gpu3"]
+    assert found
+    for f in found:
+        assert (f.data["pci_bus_id"], f.data["serial"]) == ("00000000:5D:00.0", "1650124031595")
+    first = report.verdict.blocking[0]
+    assert report.verdict.reason().startswith(
+        f"{first.message} [0000:5D:00.0 sn 1650124031595]")

@@ -17,6 +17,7 @@ from slurm_resilience.health.collectors.nvml_types import GpuRecord, NvmlSnapsho
 from slurm_resilience.health.findings import (
     CheckResult,
     Finding,
+    describe_identity,
     fail,
     human_size,
     ok,
@@ -340,8 +341,6 @@ def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
         return CheckResult([unknown(NAME, "nvml", f"nvml: {snap.error}")], state)
     findings: list[Finding] = []
     count = snap.count or 0
-    if want is not None and count < want:
-        findings.append(fail(NAME, "count", f"{count} GPUs visible (expected {want})"))
     prev: dict[str, Any] = state.get("gpus", {})
     legacy: dict[str, int] = state.get("sw_thermal_streak", {})
     keep: dict[str, Any] = {}
@@ -349,8 +348,20 @@ def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
         key = gpu.uuid or str(gpu.index)
         before = dict(prev.get(key, {}))
         before.setdefault("streak", legacy.get(str(gpu.index), 0))
-        found, keep[key] = _one_gpu(gpu, cfg, kind, before, job_gpus, now)
+        found, kept = _one_gpu(gpu, cfg, kind, before, job_gpus, now)
+        keep[key] = {**kept, **gpu.identity()} if kept else kept
         findings.extend(found)
+    if want is not None and count < want:
+        # The GPUs seen before and gone now, named as an RMA desk needs them; remembered
+        # while the count stays short, so every later run still names them.
+        gone = {k: v for k, v in prev.items() if k not in keep and isinstance(v, dict)
+                and isinstance(v.get("index"), int)}
+        keep.update(gone)
+        named = "; ".join(describe_identity(v) for _, v in sorted(
+            gone.items(), key=lambda kv: kv[1]["index"]))
+        findings.append(fail(NAME, "count", f"{count} GPUs visible (expected {want}"
+                                            + (f"; gone: {named})" if named else ")"),
+                             gone=[dict(v) for v in gone.values()]))
     findings.extend(_consistency(snap, cfg))
     if cfg.peermem == "required" and snap.gpus and snap.peermem_loaded is not True:
         shown = "not loaded" if snap.peermem_loaded is False else "unknown (modules unreadable)"

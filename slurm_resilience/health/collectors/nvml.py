@@ -103,6 +103,8 @@ def _read_gpu(nv: ModuleType, index: int) -> GpuRecord:
     record.name = _text(name) if name is not None else None
     uuid = g.get("uuid", nv.nvmlDeviceGetUUID)
     record.uuid = _text(uuid) if uuid is not None else None
+    serial = g.get("serial", nv.nvmlDeviceGetSerial)
+    record.serial = _text(serial) if serial is not None else None
     vbios = g.get("vbios", nv.nvmlDeviceGetVbiosVersion)
     record.vbios = _text(vbios) if vbios is not None else None
     persistence = g.get("persistence_mode", nv.nvmlDeviceGetPersistenceMode)

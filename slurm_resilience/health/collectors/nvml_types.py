@@ -80,6 +80,7 @@ class GpuRecord:
     pci_bus_id: str | None = None
     name: str | None = None
     uuid: str | None = None
+    serial: str | None = None  # the board serial an RMA names
     vbios: str | None = None
     persistence_mode: bool | None = None
     ecc_volatile_uncorrected: int | None = None
@@ -107,6 +108,10 @@ class GpuRecord:
     pcie_aer: dict[str, int] | None = None
     pcie_aer_source: str | None = None
 
+    def identity(self) -> dict[str, Any]:
+        """What names this physical GPU beyond its index: PCI address and board serial."""
+        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "serial": self.serial}
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GpuRecord:
         def opt(key: str, kind: Any) -> Any:
@@ -117,7 +122,7 @@ class GpuRecord:
         return cls(
             index=int(d["index"]), lost=bool(d.get("lost")), errors=dict(d.get("errors", {})),
             unsupported=list(d.get("unsupported", [])), pci_bus_id=d.get("pci_bus_id"),
-            name=d.get("name"), uuid=d.get("uuid"), vbios=d.get("vbios"),
+            name=d.get("name"), uuid=d.get("uuid"), serial=d.get("serial"), vbios=d.get("vbios"),
             persistence_mode=d.get("persistence_mode"),
             ecc_volatile_uncorrected=d.get("ecc_volatile_uncorrected"),
             ecc_aggregate_uncorrected=d.get("ecc_aggregate_uncorrected"),
