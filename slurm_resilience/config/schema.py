@@ -34,6 +34,11 @@ class SlurmSection:
     reason_prefix: str = setting(
         "SR:", help="prefix of every drain reason we set; we only resume nodes whose reason has it"
     )
+    reason_owners: Literal["first", "last"] = setting(
+        "first", help="where a drain reason names the steps that set it: first "
+        "('SR: health: gpu3 XID 79 ...') or last ('SR: gpu3 XID 79 ... [by health]', so the "
+        "finding reads in sinfo -R's default 20 characters); both are always recognised"
+    )
     conf: str = setting("", help="SLURM_CONF to use; empty: Slurm's own default")
 
     def validate(self) -> None:

@@ -71,7 +71,8 @@ def overrun(ctx: HookContext, limit_s: float, what: str = "") -> int:
     reason = (f"{ctx.kind} worker lost" if what else
               f"{ctx.kind} over its {limit_s:g}s limit in {step.rsplit(':', 1)[-1]}")
     try:
-        adapter.drain(ctx.node, reasons.compose(adapter.prefix, ["hooks"], reason))
+        adapter.drain(ctx.node, reasons.compose(adapter.prefix, ["hooks"], reason,
+                                                owners_last=adapter.owners_last))
     except ForeignDrain as exc:
         logger.warning("node already drained by someone else", error=str(exc))
     except SlurmError as exc:
@@ -147,11 +148,12 @@ def run_steps(ctx: HookContext, specs: list[str]) -> list[Problem]:
     return problems
 
 
-def drain_reason(prefix: str, to_drain: list[Problem]) -> str:
+def drain_reason(prefix: str, to_drain: list[Problem], owners_last: bool = False) -> str:
     """Who found something, the first finding (the most specific) and a count of the rest:
     short, and recognisable by its structure however it is cut (see slurm.reasons)."""
     more = len(to_drain) - 1 + sum(p.more for p in to_drain)
-    return reasons.compose(prefix, [p.step for p in to_drain], to_drain[0].reason, more)
+    return reasons.compose(prefix, [p.step for p in to_drain], to_drain[0].reason, more,
+                           owners_last=owners_last)
 
 
 def act(ctx: HookContext, problems: list[Problem]) -> None:
@@ -160,7 +162,7 @@ def act(ctx: HookContext, problems: list[Problem]) -> None:
     to_drain = [p for p in problems if p.drain]
     if not to_drain:
         return
-    reason = drain_reason(ctx.adapter.prefix, to_drain)
+    reason = drain_reason(ctx.adapter.prefix, to_drain, ctx.adapter.owners_last)
     try:
         ctx.adapter.drain(ctx.node, reason)
     except ForeignDrain as exc:

@@ -180,10 +180,18 @@ def gpu_remap_pending(hw: hardware.NodeHardware, args: list[str]) -> str:
     return f"gpu{index} row remap pending (Xid 63)"
 
 
+def _hcas(hw: hardware.NodeHardware) -> str:
+    """The node's HCAs with their ports, for an error that lists the valid names."""
+    found = sorted(p.name for p in hw.sysfs.iterdir() if p.is_dir()) if hw.sysfs.is_dir() else []
+    ports = {h: sorted(p.name for p in (hw.sysfs / h / "ports").iterdir())
+             if (hw.sysfs / h / "ports").is_dir() else [] for h in found}
+    return ", ".join(f"{h} (ports {','.join(ports[h])})" for h in found) or "none"
+
+
 def _port(hw: hardware.NodeHardware, args: list[str]) -> tuple[str, int]:
     hca, port = args[0], _int(args[1], "PORT")
     if not (hw.sysfs / hca / "ports" / str(port)).is_dir():
-        raise FaultError(f"{hw.node} has no {hca} port {port}")
+        raise FaultError(f"{hw.node} has no {hca} port {port}; valid: {_hcas(hw)}")
     return hca, port
 
 
@@ -377,7 +385,7 @@ def service_failed(hw: hardware.NodeHardware, args: list[str]) -> str:
 def ib_missing(hw: hardware.NodeHardware, args: list[str]) -> str:
     hca = args[0]
     if not (hw.sysfs / hca).is_dir():
-        raise FaultError(f"{hw.node} has no {hca}")
+        raise FaultError(f"{hw.node} has no {hca}; valid: {_hcas(hw)}")
     gone = hw.sysfs.parent / f".{hca}.gone-{os.getpid()}"
     os.rename(hw.sysfs / hca, gone)  # one step, as the device leaves the class at once
     shutil.rmtree(gone)
@@ -432,16 +440,22 @@ def inject(state_dir: Path, node: str, fault: str) -> str:
     usage, fn = FAULTS[name]
     if len(args) != usage.count(":"):
         raise FaultError(f"fault {fault!r}: expected {usage}")
-    hw = hardware.locate(state_dir, node)
-    if not hw.root.is_dir():
-        raise FaultError(f"no sandbox node {node!r} in {state_dir}")
+    hw = _node(state_dir, node)
     return f"{node}: {fn(hw, args)}"
 
 
-def heal(state_dir: Path, node: str) -> str:
+def _node(state_dir: Path, node: str) -> hardware.NodeHardware:
     hw = hardware.locate(state_dir, node)
     if not hw.root.is_dir():
-        raise FaultError(f"no sandbox node {node!r} in {state_dir}")
+        known = sorted(p.name for p in hw.root.parent.iterdir()) if hw.root.parent.is_dir() \
+            else []
+        raise FaultError(f"no sandbox node {node!r} in {state_dir}; valid: "
+                         f"{', '.join(known) or 'none (is the sandbox up?)'}")
+    return hw
+
+
+def heal(state_dir: Path, node: str) -> str:
+    hw = _node(state_dir, node)
     hardware.reset_node(hw)
     for healer in HEALERS:
         healer(hw)

@@ -81,6 +81,7 @@ class SlurmAdapter:
         runner: RunnerLike | None = None,
         timeout: float = 10.0,
         reason_prefix: str = "SR:",
+        reason_owners_last: bool = False,
         bin_dir: str = "",
         slurm_conf: str = "",
         slurm_version: tuple[int, int] | None = None,
@@ -90,6 +91,7 @@ class SlurmAdapter:
         self._version = slurm_version
         self.timeout = timeout
         self.prefix = reason_prefix
+        self.owners_last = reason_owners_last  # the layout of reasons we compose
         self.bin_dir = bin_dir
         self.env: dict[str, str] | None = None
         # The node's metrics events file (metrics.events); set by whoever knows the node.
@@ -347,5 +349,6 @@ def from_config(cfg: object) -> SlurmAdapter:
 
     assert isinstance(cfg, Config)
     s = cfg.slurm
-    return SlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix, bin_dir=s.bin_dir,
+    return SlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix,
+                        reason_owners_last=s.reason_owners == "last", bin_dir=s.bin_dir,
                         slurm_conf=s.conf)

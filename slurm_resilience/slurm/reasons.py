@@ -4,6 +4,11 @@ A reason we set reads ``<prefix> <owners>: <first finding>`` with `` (+N more)``
 was found: ``SR: health: gpu3 XID 79 (GPU fell off the bus) 12:01:07 (+2 more)``. The owners
 (the steps that found something, ``health``, ``nccl``...) sit right after the prefix, so
 whoever resumes knows whose drain it is however Slurm or we shortened the end.
+
+``sinfo -R`` shows 20 characters by default, and ``SR: health: `` takes 12 of them. A site
+that reads reasons there puts the owners last (``slurm.reason_owners: last``):
+``SR: gpu3 XID 79 (GPU fell off the bus) 12:01:07 (+2 more) [by health]``. Both layouts are
+always recognised, so changing the setting never orphans a drain set before.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 # Slurm keeps reasons short in sinfo's default width; longer ones are still stored.
 MAX_REASON = 200
 _OWNER = re.compile(r"[a-z][a-z0-9_-]{0,23}")
+# The owners-last layout's tail: `` [by health,nccl]``.
+_OWNERS_LAST = re.compile(r" \[by ([a-z][a-z0-9_,-]{0,99})\]$")
 _ELLIPSIS = "..."
 
 
@@ -38,12 +45,17 @@ class OwnReason:
 
 
 def compose(prefix: str, owners: Iterable[str], first: str, more: int = 0,
-            limit: int = MAX_REASON) -> str:
-    """``<prefix> <owners>: <first> (+more more)``, within ``limit`` characters: the first
-    finding is shortened, never the owners or the count."""
+            limit: int = MAX_REASON, owners_last: bool = False) -> str:
+    """``<prefix> <owners>: <first> (+more more)`` (or ``<prefix> <first> (+more more)
+    [by <owners>]``), within ``limit`` characters: the first finding is shortened, never the
+    owners or the count."""
     tags = sorted({owner_of(o) for o in owners}) or ["hooks"]
-    head = f"{prefix} {','.join(tags)}: "
-    tail = f" (+{more} more)" if more > 0 else ""
+    if owners_last:
+        head = f"{prefix} "
+        tail = (f" (+{more} more)" if more > 0 else "") + f" [by {','.join(tags)}]"
+    else:
+        head = f"{prefix} {','.join(tags)}: "
+        tail = f" (+{more} more)" if more > 0 else ""
     text = clean_reason(first).removeprefix(head)
     room = max(limit - len(head) - len(tail), len(_ELLIPSIS) + 1)
     if len(text) > room:
@@ -56,6 +68,11 @@ def parse(reason: str, prefix: str) -> OwnReason | None:
     from before reasons carried their owners."""
     if not reason.startswith(prefix):
         return None
+    last = _OWNERS_LAST.search(reason)
+    if last is not None:
+        names = last.group(1).split(",")
+        if all(_OWNER.fullmatch(n) for n in names):
+            return OwnReason(frozenset(names), reason[len(prefix):last.start()].strip())
     owners, sep, text = reason[len(prefix):].lstrip().partition(": ")
     names = owners.split(",")
     if not sep or not all(_OWNER.fullmatch(n) for n in names):

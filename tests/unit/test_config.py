@@ -30,7 +30,7 @@ def test_typo_key_names_key_line_and_valid_keys() -> None:
     msg = str(err.value)
     assert msg.startswith("config: site.yaml:3: slurm.timout_s: unknown key")
     assert "did you mean 'timeout_s'" in msg
-    assert "valid keys: backend, bin_dir, conf, reason_prefix, timeout_s" in msg
+    assert "valid keys: backend, bin_dir, conf, reason_owners, reason_prefix, timeout_s" in msg
 
 
 def test_unknown_top_level_section() -> None:

@@ -58,6 +58,20 @@ def test_bad_fault_names_and_arguments_are_explained(state: Path) -> None:
         faults.inject(state, "node9", "nvme-full")
 
 
+def test_a_bad_hca_or_node_lists_the_valid_names(state: Path) -> None:
+    """An HCA, port or node that isn't there is answered with the ones that are, as an
+    operator typing 'ib-down:0:1' needs to see 'mlx5_0 (ports 1)'."""
+    with pytest.raises(faults.FaultError, match=r"no 0 port 1; valid: mlx5_0 \(ports 1\), "
+                                                r"mlx5_1 \(ports 1\)"):
+        faults.inject(state, "node2", "ib-down:0:1")
+    with pytest.raises(faults.FaultError, match=r"has no mlx5_9; valid: mlx5_0 .*mlx5_7"):
+        faults.inject(state, "node1", "ib-missing:mlx5_9")
+    with pytest.raises(faults.FaultError, match=r"no sandbox node 'node9'.*; valid: node1, node2"):
+        faults.inject(state, "node9", "nvme-full")
+    with pytest.raises(faults.FaultError, match="valid: node1, node2"):
+        faults.heal(state, "node9")
+
+
 def test_registry_accepts_other_modules_faults(state: Path) -> None:
     """Another module can register its own fault kind and healer."""
     healed: list[str] = []

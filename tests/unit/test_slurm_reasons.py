@@ -46,3 +46,22 @@ def test_owned_by_needs_the_owner_alone_or_a_remembered_legacy_reason() -> None:
     legacy = "SR: nccl allreduce wrong result on rank1"
     assert reasons.owned_by(legacy, "SR:", "nccl", ["nccl allreduce wrong result on rank1"])
     assert not reasons.owned_by(legacy, "SR:", "nccl")
+
+
+def test_owners_last_keeps_the_finding_in_sinfos_default_width() -> None:
+    """With the owners last, sinfo -R's 20 characters show the finding; parse and owned_by
+    recognise that layout and the other alike, so changing the setting orphans no drain."""
+    text = reasons.compose("SR:", ["nccl", "health"], "gpu3 XID 79 (GPU fell off the bus)", 2,
+                           owners_last=True)
+    assert text == "SR: gpu3 XID 79 (GPU fell off the bus) (+2 more) [by health,nccl]"
+    assert text[:20] == "SR: gpu3 XID 79 (GPU"
+    own = reasons.parse(text, "SR:")
+    assert own is not None and own.owners == {"health", "nccl"}
+    assert own.text == "gpu3 XID 79 (GPU fell off the bus) (+2 more)"
+    alone = reasons.compose("SR:", ["health"], "mount: /scratch unreachable", owners_last=True)
+    assert reasons.owned_by(alone, "SR:", "health")
+    assert not reasons.owned_by(alone, "SR:", "mount")
+    assert reasons.owned_by(reasons.compose("SR:", ["health"], "x"), "SR:", "health")
+    long = reasons.compose("SR:", ["health"], "y" * 500, 3, owners_last=True)
+    assert len(long) == reasons.MAX_REASON and long.endswith("y... (+3 more) [by health]")
+    assert reasons.parse("SR: maintenance [by admin team]", "SR:") is None
