@@ -206,7 +206,7 @@ class IncidentRunner:
         return policy.decide(job.job_id, run=job.restarts, user=job.user,
                              requeue_allowed=job.requeue, admin_comment=job.admin_comment,
                              ckpt_step=ckpt.step, mode=mode, cfg=hb, calls=calls,
-                             budget_note=note)
+                             budget_note=note, required=job.req_nodes)
 
     def resume(self, progress: Progress) -> None:
         """Finish acting on an incident a previous life of the agent claimed."""

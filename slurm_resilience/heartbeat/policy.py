@@ -47,6 +47,10 @@ def accumulated_reason(jobs: Sequence[tuple[int, str]], now: float, window_s: fl
             f"{len({u for _, u in jobs})} users' jobs within {window_s / 3600:g}h")
 
 
+# A suspect the site keeps in service (suspect_drain off): the requeued job still avoids it.
+AVOID_ONLY = " (suspect_drain off)"
+
+
 @dataclass(frozen=True)
 class Budget:
     """Take-outs by hang handling within the last hour, cluster-wide and per user (by
@@ -102,7 +106,7 @@ def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, no
     held: list[str] = []
     for node, verdict, reason in wanted:
         if verdict is NodeVerdict.SUSPECT and not cfg.suspect_drain:
-            calls.append(NodeCall(node, NodeVerdict.SPARE, reason + " (suspect_drain off)"))
+            calls.append(NodeCall(node, NodeVerdict.SPARE, reason + AVOID_ONLY))
             continue
         fresh = node not in budget.nodes
         if fresh and (total + 1 > cfg.budget_per_hour or mine + 1 > cfg.budget_per_user_per_hour):
@@ -121,10 +125,28 @@ def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, no
     return tuple(calls), note
 
 
+def exclusion(calls: Sequence[NodeCall], required: Iterable[str] = ()
+              ) -> tuple[tuple[str, ...], str]:
+    """The nodes a requeued job avoids, and a note on those it can't.
+
+    A node taken out as a suspect is avoided (verification may return it before the job
+    starts again), and so is a suspect the site keeps in service (suspect_drain off). A node
+    the budget held back is not: it was not taken out, and nothing about it justifies
+    keeping the job away. A node the job asked for by name (``-w``) is never excluded: the
+    job could not start again (Slurm leaves it PENDING with BadConstraints)."""
+    avoided = {c.node for c in calls if c.verdict is NodeVerdict.SUSPECT
+               or (c.verdict is NodeVerdict.SPARE and c.reason.endswith(AVOID_ONLY))}
+    named = sorted(avoided & set(required))
+    note = (f"the job asked for {','.join(named)} by name: requeued without excluding "
+            f"{'it' if len(named) == 1 else 'them'}") if named else ""
+    return tuple(sorted(avoided - set(named))), note
+
+
 def decide(job_id: int, *, run: int, user: str, requeue_allowed: bool, admin_comment: str,
            ckpt_step: int, mode: str, cfg: HeartbeatSection, calls: Sequence[NodeCall],
-           budget_note: str) -> Decision:
-    """The job's fate and the nodes' calls, as one decision."""
+           budget_note: str, required: Iterable[str] = ()) -> Decision:
+    """The job's fate and the nodes' calls, as one decision. ``required``: the nodes the job
+    asked for by name."""
     job = R.decide(job_id, restarts=run, admin_comment=admin_comment, ckpt_step=ckpt_step,
                    mode=mode, cfg=cfg)
     action = Action(job.action)
@@ -139,8 +161,9 @@ def decide(job_id: int, *, run: int, user: str, requeue_allowed: bool, admin_com
     if not acting:
         calls = [c if c.verdict is NodeVerdict.SPARE else
                  NodeCall(c.node, NodeVerdict.SPARE, c.reason) for c in calls]
-    exclude = tuple(sorted(c.node for c in calls if c.verdict is not NodeVerdict.DRAIN)) \
-        if acting else ()
+    exclude, named = exclusion(calls, required) if acting else ((), "")
+    if named:
+        reason = f"{reason}; {named}"
     return Decision(action, reason, job.ledger.token(), ckpt_step, tuple(calls), exclude,
                     budget_note)
 

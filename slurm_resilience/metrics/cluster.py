@@ -109,6 +109,18 @@ class HeldJob:
 
 
 @dataclass(frozen=True)
+class ConstrainedJob:
+    """A pending job the suite requeued with nodes excluded; ``stranded`` when Slurm says
+    it can never start so (BadConstraints)."""
+
+    job_id: int
+    user: str
+    excluded: tuple[str, ...]
+    reason: str
+    stranded: bool
+
+
+@dataclass(frozen=True)
 class Backlog:
     node: str
     bytes: int
@@ -149,6 +161,7 @@ class ClusterView:
     suspects: list[NodeRow] = field(default_factory=list)
     incidents: list[OpenIncident] = field(default_factory=list)
     held_jobs: list[HeldJob] = field(default_factory=list)
+    constrained_jobs: list[ConstrainedJob] = field(default_factory=list)
     checkpoint_backlog: list[Backlog] = field(default_factory=list)
     worst_goodput: Goodput | None = None
     straggler_nodes: list[SlowNode] = field(default_factory=list)
@@ -177,6 +190,10 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
         if R.parse_ledger(j.admin_comment) is not None and j.state == "PENDING" \
                 and "held" in j.reason.lower():
             view.held_jobs.append(HeldJob(j.job_id, j.user, j.reason, j.admin_comment))
+        if R.parse_ledger(j.admin_comment) is not None and j.state == "PENDING" \
+                and j.exc_nodes:
+            view.constrained_jobs.append(ConstrainedJob(
+                j.job_id, j.user, j.exc_nodes, j.reason, j.reason == "BadConstraints"))
     running = {j.job_id for j in jobs if j.state == "RUNNING"}
     incidents: dict[int, list[str]] = defaultdict(list)
     goodput: dict[int, float] = {}
@@ -231,6 +248,10 @@ def render(view: ClusterView) -> str:
                                     for i in view.incidents])
     section("jobs held by the suite", [f"job {j.job_id} ({j.user}): {j.admin_comment}"
                                        for j in view.held_jobs])
+    section("jobs pending with nodes the suite excluded", [
+        f"job {c.job_id} ({c.user}): excludes {','.join(c.excluded)}, pending ({c.reason})"
+        + (f": it can never start so; clear with scontrol update JobId={c.job_id} "
+           f"ExcNodeList=" if c.stranded else "") for c in view.constrained_jobs])
     section("checkpoint upload backlog", [f"{b.node:<14} {b.bytes:>14,d} bytes  steps by job "
                                           f"{b.steps}" for b in view.checkpoint_backlog])
     w = view.worst_goodput

@@ -15,8 +15,9 @@ from typing import Any
 
 import hostlist
 
-# A key starts a new field only after a space and when it looks like Slurm's CamelCase keys.
-_KEY = re.compile(r"(?:^|\s)([A-Z][A-Za-z0-9_]*(?:/[A-Za-z0-9_]+)?)=")
+# A key starts a new field only after a space and when it looks like Slurm's CamelCase keys,
+# which may join parts with "/" (CPUs/Task) or ":" (AllocNode:Sid, ReqB:S:C:T).
+_KEY = re.compile(r"(?:^|\s)([A-Z][A-Za-z0-9_]*(?:[/:][A-Za-z0-9_*]+)*)=")
 # Slurm appends "[user@time]" to a node reason.
 _REASON_TAIL = re.compile(r"\s*\[([^\]@\s]+)@([^\]\s]+)\]\s*$")
 # Fields whose values may contain spaces and are printed last-ish: parsed greedily.
@@ -154,6 +155,8 @@ class JobInfo:
     admin_comment: str = ""
     partition: str = ""
     exc_nodes: tuple[str, ...] = ()
+    # The nodes the job asked for by name (-w/--nodelist).
+    req_nodes: tuple[str, ...] = ()
     work_dir: str = ""
     std_out: str = ""
     num_nodes: int = 0
@@ -279,6 +282,7 @@ def parse_job(line: str) -> JobInfo:
         admin_comment=_none(f.get("AdminComment", "")),
         partition=_none(f.get("Partition", "")),
         exc_nodes=tuple(expand_hostlist(f.get("ExcNodeList", ""))),
+        req_nodes=tuple(expand_hostlist(f.get("ReqNodeList", ""))),
         work_dir=_none(f.get("WorkDir", "")),
         std_out=_none(f.get("StdOut", "")),
         num_nodes=int(num) if num.isdigit() else 0,

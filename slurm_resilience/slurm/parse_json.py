@@ -145,6 +145,7 @@ def job_from_json(j: Mapping[str, Any]) -> JobInfo:
         admin_comment=_text(j.get("admin_comment")),
         partition=_text(j.get("partition")),
         exc_nodes=tuple(expand_hostlist(_text(j.get("excluded_nodes")))),
+        req_nodes=tuple(expand_hostlist(_text(j.get("required_nodes")))),
         work_dir=_text(j.get("current_working_directory")),
         std_out=_std_out(j),
         num_nodes=_number(j.get("node_count")),

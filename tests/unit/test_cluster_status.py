@@ -92,6 +92,25 @@ def test_held_jobs_come_from_our_ledger_only() -> None:
     assert [j.job_id for j in held] == [9]
 
 
+def test_jobs_pending_with_our_exclusions_are_listed_and_stranded_ones_flagged() -> None:
+    """status --cluster lists the jobs the suite requeued with nodes excluded, and says how
+    to free one Slurm can never start so (BadConstraints)."""
+    from slurm_resilience.heartbeat import requeue as R
+
+    ledger = R.Ledger(requeues=1, ckpt_step=10, restart=1).token()
+    jobs = [JobInfo(11, "t", "bob", 1001, "PENDING", reason="Priority", admin_comment=ledger,
+                    exc_nodes=("node2",)),
+            JobInfo(12, "t", "amy", 1002, "PENDING", reason="BadConstraints",
+                    admin_comment=ledger, exc_nodes=("node2",)),
+            JobInfo(13, "t", "eve", 1003, "PENDING", reason="Priority", exc_nodes=("node2",))]
+    view_ = cluster.assemble([], jobs, [], "SR:", CFG.stragglers)
+    assert [(c.job_id, c.stranded) for c in view_.constrained_jobs] == [(11, False), (12, True)]
+    text = cluster.render(view_)
+    assert "job 12 (amy): excludes node2, pending (BadConstraints): it can never start so; " \
+           "clear with scontrol update JobId=12 ExcNodeList=" in text
+    assert "job 13" not in text
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

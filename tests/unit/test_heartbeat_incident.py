@@ -162,6 +162,38 @@ def test_past_the_budget_nodes_are_reported_not_taken_out() -> None:
     assert "hang budget spent" in note and "1 of 1 for user alice" in note and "n2" in note
 
 
+def test_a_node_held_back_by_the_budget_is_not_excluded_from_the_job() -> None:
+    """A suspect the budget kept in service is not taken out, so the requeued job is not
+    kept away from it either (plain requeue, no ExcNodeList)."""
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    used = policy.Budget(1, {"alice": 1}, frozenset({"n9"}))
+    calls, note = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
+                                    now=NOW, budget=used, cfg=HB)
+    d = policy.decide(42, run=0, user="alice", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=HB, calls=calls, budget_note=note)
+    assert d.action is Action.REQUEUE and d.exclude == ()
+    assert [s.kind for s in policy.plan(42, d, "", drain=True)] == [StepKind.COMMENT,
+                                                                    StepKind.REQUEUE]
+    off = replace(HB, suspect_drain=False)
+    calls, _ = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
+                                 now=NOW, budget=policy.Budget(0, {}, frozenset()), cfg=off)
+    d = policy.decide(42, run=0, user="alice", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=off, calls=calls, budget_note="")
+    assert d.exclude == ("n2",)  # the site's choice: kept in service, avoided by the job
+
+
+def test_a_node_the_job_asked_for_by_name_is_never_excluded() -> None:
+    """A job submitted with -w naming its suspect is requeued without the exclusion (it
+    could never start again) and the decision says so."""
+    call = NodeCall("n2", NodeVerdict.SUSPECT, "suspect ...")
+    d = policy.decide(42, run=0, user="alice", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=HB, calls=[call], budget_note="",
+                      required=("n1", "n2"))
+    assert d.action is Action.REQUEUE and d.exclude == ()
+    assert "the job asked for n2 by name: requeued without excluding it" in d.reason
+    assert StepKind.EXCLUDE not in [s.kind for s in policy.plan(42, d, "", drain=True)]
+
+
 def _up(name: str, comment: str) -> NodeInfo:
     return NodeInfo(name, "IDLE", frozenset(), "", comment=comment)
 

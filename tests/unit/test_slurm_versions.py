@@ -256,3 +256,15 @@ def test_each_data_parser_version_reads_the_same_jobs_and_nodes(version: str, dp
     assert drained.drained and drained.reason == "capture: drained by hand"
     assert drained.reason_user == "root" and drained.features == ("leaf01",)
     assert not nodes["node1"].drained and nodes["node1"].cpus == 2
+
+
+@pytest.mark.parametrize("version", ["22.05.8", "24.11.5", "26.05.5"])
+def test_keys_with_a_colon_are_keys_in_every_versions_text_record(version: str) -> None:
+    """AllocNode:Sid, ReqB:S:C:T and NtasksPerN:B:S:C are fields of their own, so the
+    Partition before them reads 'debug', not 'debug AllocNode:Sid=localhost:20315'."""
+    job = parse_job(_read(version, "show_job_exclusive_o.txt").splitlines()[0])
+    assert job.partition == "debug"
+    assert job.raw["AllocNode:Sid"] == "localhost:20315"
+    assert job.raw["ReqB:S:C:T"] == "0:0:*:*"
+    assert job.raw["NtasksPerN:B:S:C"] == "0:0:*:*"
+    assert job.req_nodes == ()
