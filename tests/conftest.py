@@ -15,12 +15,14 @@ import json
 import os
 import pwd
 import random
+import secrets
 import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -299,3 +301,30 @@ def logged(path: Path) -> list[dict[str, Any]]:
 def events_saying(path: Path, text: str) -> list[dict[str, Any]]:
     """The events whose message holds ``text``."""
     return [e for e in logged(path) if text in str(e["event"])]
+
+
+@pytest.fixture(scope="session")
+def munge_socket() -> Iterator[str]:
+    """A private munged with a fresh key, in a directory every user can reach."""
+    munged = shutil.which("munged", path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if os.geteuid() != 0 or munged is None:
+        _unavailable("a private munged needs root and the munge package")
+    assert munged is not None
+    d = Path(tempfile.mkdtemp(prefix="sr-munge-", dir="/tmp"))
+    d.chmod(0o755)
+    key = d / "munge.key"
+    key.write_bytes(secrets.token_bytes(1024))
+    key.chmod(0o400)
+    sock = d / "munge.socket"
+    proc = subprocess.Popen([munged, "--foreground", "--force", f"--socket={sock}",
+                             f"--key-file={key}", f"--seed-file={d / 'seed'}",
+                             f"--log-file={d / 'log'}", f"--pid-file={d / 'pid'}"],
+                            stdin=subprocess.DEVNULL)
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    yield str(sock)
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(d)

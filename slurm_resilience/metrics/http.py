@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -60,15 +61,18 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
 
 def serve(addr: str, port: int, registry: CollectorRegistry,
-          max_connections: int = MAX_CONNECTIONS) -> BoundedServer:
-    """Listen and serve on a daemon thread; ``shutdown()`` and ``server_close()`` stop it."""
+          max_connections: int = MAX_CONNECTIONS,
+          wrap: Callable[[Any], Any] | None = None) -> BoundedServer:
+    """Listen and serve on a daemon thread; ``shutdown()`` and ``server_close()`` stop it.
+    ``wrap``: a WSGI app around the Prometheus one (the agents' questions, see queries)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
     class Server(BoundedServer):
         address_family = family
 
     Server.max_connections = max_connections
-    httpd = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=_Quiet)
+    app = make_wsgi_app(registry)
+    httpd = make_server(addr, port, wrap(app) if wrap else app, Server, handler_class=_Quiet)
     assert isinstance(httpd, BoundedServer)
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd

@@ -110,7 +110,8 @@ class MetricsService:
         if serve and port:
             host = f"[{m.listen_address}]" if ":" in m.listen_address else m.listen_address
             try:
-                self.server = http.serve(m.listen_address, port, self.registry)
+                self.server = http.serve(m.listen_address, port, self.registry,
+                                         wrap=self._queries)
                 self.url = f"http://{host}:{port}/metrics"
                 log.info("metrics: serving", url=self.url)
             except OSError as exc:
@@ -119,6 +120,15 @@ class MetricsService:
                 log.error("metrics: no HTTP endpoint", error=self.serve_error)
         self._suspecting: threading.Thread | None = None
         self._nodes_on: bool | None = None
+
+    def _queries(self, metrics_app: Any) -> Any:
+        """The endpoint also answers a login node's questions about a job (queries)."""
+        from slurm_resilience.heartbeat.exchange.credentials import for_queries
+        from slurm_resilience.metrics import answers
+        from slurm_resilience.queries.server import QueryApp
+
+        return QueryApp(self.node, for_queries(self.cfg.heartbeat.exchange),
+                        answers.handlers(self.cfg, self.node), metrics_app)
 
     @property
     def live_cfg(self) -> Config:

@@ -287,7 +287,8 @@ class SlurmAdapter:
         """Every run of the job from Slurm accounting (``sacct --duplicates``), oldest first;
         raises SlurmError where accounting is not configured."""
         out = self._run("job runs", ["sacct", "-j", _check_job_id(job_id), "--duplicates",
-                                     "-X", "-n", "-P", "-o", "JobID,State,Start,End"])
+                                     "-X", "-n", "-P", "-o",
+                                     "JobID,State,Start,End,NodeList"])
         return parse_sacct_runs(out.stdout)
 
     def requeue(self, job_id: int | str) -> None:

@@ -306,6 +306,7 @@ class JobRun:
     state: str
     start: float | None  # Unix time; None while unknown
     end: float | None
+    nodes: tuple[str, ...] = ()  # the run's allocation; () where sacct gave none
 
 
 def _sacct_time(text: str) -> float | None:
@@ -321,12 +322,16 @@ def _sacct_time(text: str) -> float | None:
 
 
 def parse_sacct_runs(text: str) -> list[JobRun]:
-    """``sacct -X -n -P --duplicates -o JobID,State,Start,End`` lines, oldest run first."""
+    """``sacct -X -n -P --duplicates -o JobID,State,Start,End[,NodeList]`` lines, oldest run
+    first. NodeList is "None assigned" for a run that never started."""
     runs = []
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) < 4 or not parts[0]:
             continue
         state = parts[1].split()[0] if parts[1].strip() else ""
-        runs.append(JobRun(state, _sacct_time(parts[2]), _sacct_time(parts[3])))
+        nodes = parts[4].strip() if len(parts) > 4 else ""
+        runs.append(JobRun(state, _sacct_time(parts[2]), _sacct_time(parts[3]),
+                           tuple(expand_hostlist(nodes)) if nodes and " " not in nodes
+                           else ()))
     return runs

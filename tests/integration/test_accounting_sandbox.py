@@ -61,14 +61,25 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     got = wait_for(lambda: (s := states()) and "REQUEUED" in s and "COMPLETED" in s and s,
                    60, "the requeue in sacct")
     print(f"sacct: job {job_id}: {got}")
-    # Goodput takes the allocation times from accounting, the right source for them.
-    out = box.run([sys.executable, "-m", "slurm_resilience", "goodput", str(job_id),
-                   *[a for n in box.nodes for a in ("--node", n)], "--json"])
+    # Goodput takes the allocation times from accounting, the right source for them. Asked
+    # as the job's user from this host, which runs no agent of its own (a login node): the
+    # command finds the job's nodes in Slurm and asks their agents, charging each node only
+    # for the runs it was allocated to.
+    cli = [sys.executable, "-m", "slurm_resilience", "--config", str(box.layout.resilience_conf)]
+    out = box.run([*cli, "goodput", str(job_id), "--json"], user=user)
     b = json.loads(out.stdout)
     print(json.dumps(b, indent=1))
     assert "allocation times of 2 run(s) from Slurm accounting (sacct)" in b["notes"]
+    assert not [n for n in b["notes"] if "couldn't ask" in n or "no record" in n], b["notes"]
     assert len(b["runs"]) == 2
     check_goodput(box, job_id, b, output(work, job_id))
+    # Its hang report, the same way: the owner gets it, another user the same refusal as
+    # for a job without one.
+    mine = box.run([*cli, "report", str(job_id)], user=user)
+    assert f"job {job_id}" in mine.stdout and "requeue" in mine.stdout, mine.stdout
+    theirs = box.run([*cli, "report", str(job_id)], user=test_users[1], check=False)
+    assert theirs.returncode == 1 and theirs.stdout == "", theirs
+    assert f"no hang report of job {job_id} for you" in theirs.stderr, theirs.stderr
     check_hold_in_sacct(box, user)
 
     idle = next(n for n in box.nodes if n not in final.nodes)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pwd
-import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,30 +28,6 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 MUNGED = shutil.which("munged", path="/usr/sbin:/usr/bin:/sbin:/bin")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or MUNGED is None,
                                 reason="needs root and munged (package munge)")
-
-
-@pytest.fixture(scope="module")
-def munge_socket() -> Iterator[str]:
-    """A private munged with a fresh key, in a directory every user can reach."""
-    assert MUNGED is not None
-    d = Path(tempfile.mkdtemp(prefix="sr-munge-", dir="/tmp"))
-    d.chmod(0o755)
-    key = d / "munge.key"
-    key.write_bytes(secrets.token_bytes(1024))
-    key.chmod(0o400)
-    sock = d / "munge.socket"
-    proc = subprocess.Popen([MUNGED, "--foreground", "--force", f"--socket={sock}",
-                             f"--key-file={key}", f"--seed-file={d / 'seed'}",
-                             f"--log-file={d / 'log'}", f"--pid-file={d / 'pid'}"],
-                            stdin=subprocess.DEVNULL)
-    for _ in range(200):
-        if sock.exists():
-            break
-        time.sleep(0.05)
-    yield str(sock)
-    proc.terminate()
-    proc.wait(10)
-    shutil.rmtree(d)
 
 
 def _free_ports(count: int) -> list[int]:

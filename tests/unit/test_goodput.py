@@ -338,3 +338,45 @@ def test_allocation_times_come_from_slurm_accounting_when_it_has_them() -> None:
     assert note == "allocation times of 2 run(s) from Slurm accounting (sacct)"
     assert (job.runs[0].start, job.runs[0].end) == (runs[0].start, runs[0].end)
     assert job.runs[1].end - job.runs[1].start == 25.0
+
+
+def test_a_node_is_charged_only_for_runs_it_took_part_in() -> None:
+    """sacct's NodeList per run decides: node3's record of a run on node1,node2 is left out
+    (with a note), so node3's idle start-up is never charged to the job."""
+    from slurm_resilience.goodput.cli import only_their_runs
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.parse import parse_sacct_runs
+
+    runs = parse_sacct_runs("5|REQUEUED|2026-11-23T18:34:40|2026-11-23T18:35:12|node[1-2]\n"
+                            "5|COMPLETED|2026-11-23T18:35:25|2026-11-23T18:35:50|node3\n"
+                            "5|PENDING|Unknown|Unknown|None assigned\n")
+    assert [r.nodes for r in runs] == [("node1", "node2"), ("node3",), ()]
+    parts = {"node1": JobTimes(5, {0: RunTimes(0, 0.0, 1.0)}),
+             "node3": JobTimes(5, {0: RunTimes(0, 0.0, 19.0), 1: RunTimes(1, 2.0, 3.0)}),
+             "node4": None}
+    notes = only_their_runs(parts, runs)
+    assert sorted(parts["node3"].runs) == [1] and sorted(parts["node1"].runs) == [0]
+    assert notes == ["node3's record of run 0 left out: the run's allocation (node1,node2) "
+                     "did not include it"]
+
+
+def test_a_failed_sacct_is_one_clean_line_said_once(tmp_path: Path) -> None:
+    """sacct's multi-line error becomes its first line, in one note."""
+    from slurm_resilience.goodput.cli import job_breakdown
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.errors import SlurmError
+    from slurm_resilience.slurm.jobfacts import SlurmFacts, one_line
+
+    err = one_line(SlurmError("job runs", "sacct: error: Problem talking to the database: "
+                              "Connection refused\n  (exit 1)\nsacct: error: second line"))
+    assert err == ("slurm: job runs: sacct: error: Problem talking to the database: "
+                   "Connection refused")
+    from slurm_resilience.config import Config
+    from slurm_resilience.config.loader import load_text
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}\n")
+    parts = {"node1": JobTimes(5, {0: RunTimes(0, 0.0, 10.0, first_step_at=1.0,
+                                               last_progress_at=9.0, done=True)})}
+    b = job_breakdown(cfg, parts, 5, 20.0, SlurmFacts(runs_error=err, gone=True))
+    said = [n for n in b.notes if "Connection refused" in n]
+    assert said == [f"allocation times from the agents' records (no Slurm accounting: {err})"]

@@ -14,14 +14,16 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.proc import CommandError, Runner
 
 # What munge writes: "MUNGE:" base64 ":" — checked before any process is started for it.
 CREDENTIAL = re.compile(rb"^MUNGE:[A-Za-z0-9+/=]+:$")
 
 
-class CredentialError(Exception):
-    """A credential that could not be made, or one that is refused."""
+class CredentialError(ValueError):
+    """A credential that could not be made, or one that is refused (a ValueError, so code
+    that knows only the :class:`Credentials` protocol can catch it)."""
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,10 @@ def parse_unmunge(text: str) -> Decoded:
     if len(data) != length:
         raise CredentialError(f"unmunge payload is {len(data)} bytes, metadata says {length}")
     return Decoded(uid, gid, when, data)
+
+
+def for_queries(exchange: ExchangeSection) -> MungeCredentials:
+    """Munge as the exchange is configured, for a login node's questions to the agents
+    (:mod:`slurm_resilience.queries`): sealed for root, which only the agent is."""
+    return MungeCredentials(socket=exchange.munge_socket, munge=exchange.munge,
+                            unmunge=exchange.unmunge, restrict_uid=0, ttl_s=60)
