@@ -23,13 +23,12 @@ def job_id_of(value: object, what: str = "job_id") -> int:
 
 
 def owned(views: dict[int, JobView], node: str, request: Request, peer: Peer) -> JobView:
+    """The caller's own job (root: any); the same refusal whether the job is not watched here
+    or is someone else's, so no answer tells who runs what."""
     job_id = job_id_of(request.get("job_id"))
     view = views.get(job_id)
-    if view is None:
-        raise RequestError(f"job {job_id} is not watched on {node}")
-    if peer.uid not in (0, view.record.uid):
-        raise RequestError(f"job {job_id} belongs to uid {view.record.uid}, not to uid "
-                           f"{peer.uid}: refused")
+    if view is None or peer.uid not in (0, view.record.uid):
+        raise RequestError(f"no job {job_id} of uid {peer.uid} is watched on {node}")
     return view
 
 

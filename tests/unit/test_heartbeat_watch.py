@@ -377,13 +377,19 @@ def test_observe_mode_reports_without_acting(tmp_path: Path) -> None:
 
 
 def test_other_users_cannot_report_or_see_a_job(tmp_path: Path) -> None:
-    """hang.report from a uid other than the job's is refused; hang.status hides the job."""
+    """hang.report from a uid other than the job's is refused in the same words as for a job
+    not watched at all (no ownership oracle); hang.status hides the job."""
     cfg = _cfg(tmp_path)
     steps.prolog_run_dir(_ctx(cfg))
     watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
     watcher.tick()
-    with pytest.raises(RequestError, match="belongs to uid 65534, not to uid 1234"):
+    with pytest.raises(RequestError) as theirs:
         watcher.handle_report({"job_id": 42}, Peer(pid=1, uid=1234, gid=1234))
+    with pytest.raises(RequestError) as none:
+        watcher.handle_report({"job_id": 43}, Peer(pid=1, uid=1234, gid=1234))
+    assert str(theirs.value) == f"no job 42 of uid 1234 is watched on {NODE}"
+    assert str(none.value) == str(theirs.value).replace("42", "43")
+    assert "65534" not in str(theirs.value)
     assert watcher.handle_status({}, Peer(pid=1, uid=1234, gid=1234))["jobs"] == []
     assert watcher.handle_status({}, Peer(pid=1, uid=OTHER_UID, gid=1))["jobs"][0]["job_id"] == 42
 
