@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.records import ReportDoc
-from slurm_resilience.log import get_logger
+from slurm_resilience.log import escape, get_logger
 
 log = get_logger("heartbeat.incident")
 
@@ -61,54 +61,65 @@ def base_name(job_id: int, restart: int, node: str) -> str:
     return f"hang-job{job_id}-run{restart}-{node}"
 
 
+def _e(value: Any) -> str:
+    """A value that came from a job (paths, names, stacks): one printable line, so no
+    newline, escape sequence or bidi override a user wrote reaches the reader's terminal."""
+    return escape(str(value))
+
+
 def render_text(report: Mapping[str, Any]) -> str:
-    """A readable summary of a report, with every captured stack."""
+    """A readable summary of a report, with every captured stack. Every value is escaped
+    (a user controls paths, names and what their stacks print); each stack line is indented
+    under its rank, so none can pass for a line of the report."""
     lines = [
-        f"slurm-resilience hang report: job {report['job_id']} run {report['restart']} "
-        f"(user {report.get('user', '?')})",
-        f"detected {_iso(report.get('detected_at'))} by the agent on {report['node']}, "
-        f"mode {report['mode']}",
+        f"slurm-resilience hang report: job {_e(report['job_id'])} run "
+        f"{_e(report['restart'])} (user {_e(report.get('user', '?'))})",
+        f"detected {_iso(report.get('detected_at'))} by the agent on {_e(report['node'])}, "
+        f"mode {_e(report['mode'])}",
         "",
         "Ranks:",
     ]
     for r in report.get("ranks", []):
         lines.append(
-            f"  rank {r['rank']:>4} on {r['node']:<12} {r['state']:<5} step {r['step']:<8} "
-            f"idle {r['idle_s']:.1f}s of {r['timeout_s']:.1f}s ({r['timeout_kind']})"
-            + (f" in section {r['section']}" if r.get("section") else ""))
+            f"  rank {r['rank']:>4} on {_e(r['node']):<12} {_e(r['state']):<5} "
+            f"step {r['step']:<8} idle {r['idle_s']:.1f}s of {r['timeout_s']:.1f}s "
+            f"({_e(r['timeout_kind'])})"
+            + (f" in section {_e(r['section'])}" if r.get("section") else ""))
     blame = report.get("blame", {})
-    lines += ["", f"Blame: {blame.get('explanation', 'not decided')}"]
+    lines += ["", f"Blame: {_e(blame.get('explanation', 'not decided'))}"]
     decision = report.get("decision", {})
     for call in decision.get("nodes", []):
-        lines.append(f"  {call['verdict']} {call['node']}: {call['reason']}")
+        lines.append(f"  {_e(call['verdict'])} {_e(call['node'])}: {_e(call['reason'])}")
     if decision.get("budget"):
-        lines.append(f"  {decision['budget']}")
-    lines.append(f"Decision: {decision.get('action', '-')}: {decision.get('reason', '')}")
+        lines.append(f"  {_e(decision['budget'])}")
+    lines.append(f"Decision: {_e(decision.get('action', '-'))}: "
+                 f"{_e(decision.get('reason', ''))}")
     for action in report.get("actions", []):
-        lines.append(f"  {action}")
-    lines.append(f"Time this hang cost the job: slurm-resilience goodput {report['job_id']} "
-                 f"(on {report['node']})")
+        lines.append(f"  {_e(action)}")
+    lines.append(f"Time this hang cost the job: slurm-resilience goodput "
+                 f"{_e(report['job_id'])} (on {_e(report['node'])})")
     for node, ev in sorted(report.get("evidence", {}).items()):
-        lines += ["", f"== Evidence from {node} =="]
+        lines += ["", f"== Evidence from {_e(node)} =="]
         xids = ev.get("xids", {})
-        listed = ", ".join(xids.get("findings", [])) or "none"
+        listed = ", ".join(_e(x) for x in xids.get("findings", [])) or "none"
         lines.append("Xids since job start: " + (
-            listed if xids.get("checked") else f"not checked ({xids.get('error', '')})"))
+            listed if xids.get("checked") else f"not checked ({_e(xids.get('error', ''))})"))
         health = ev.get("health", {})
         lines.append("Health: " + (
-            ("failed: " + "; ".join(health["failures"])) if health.get("failures")
-            else "ok" if health.get("checked") else f"not checked ({health.get('error', '')})"))
+            ("failed: " + "; ".join(_e(f) for f in health["failures"]))
+            if health.get("failures") else "ok" if health.get("checked")
+            else f"not checked ({_e(health.get('error', ''))})"))
         for r in ev.get("ranks", []):
-            lines.append(f"-- rank {r['rank']} pid {r['pid']} --")
+            lines.append(f"-- rank {_e(r['rank'])} pid {_e(r['pid'])} --")
             if r.get("stack"):
-                lines.append(r["stack"].rstrip())
+                lines.extend(f"  {_e(line)}" for line in str(r["stack"]).rstrip().split("\n"))
             else:
-                lines.append(f"(no stack: {r.get('stack_error', '')})")
+                lines.append(f"(no stack: {_e(r.get('stack_error', ''))})")
             trace = r.get("nccl_trace", {})
             if trace.get("enabled"):
                 lines.append("NCCL flight recorder: " + (
-                    f"{trace['bytes']} bytes sha256 {trace['sha256']}" if "bytes" in trace
-                    else trace.get("error", "")))
+                    f"{_e(trace['bytes'])} bytes sha256 {_e(trace['sha256'])}"
+                    if "bytes" in trace else _e(trace.get("error", ""))))
     return "\n".join(lines) + "\n"
 
 

@@ -612,3 +612,24 @@ def test_markers_of_an_earlier_release_count_as_handled(tmp_path: Path) -> None:
     (tmp_path / "acted" / "7-0").write_text("1795000000.5")
     assert store.unfinished() == [] and (7, 0) in store.seen
     assert store.load(7, 0) == Progress(7, 0, "done") and not store.claim(7, 0, 0.0)
+
+
+def test_a_report_escapes_what_the_user_controls() -> None:
+    """A script path with an ANSI/OSC escape and a newline reaches the report as escaped
+    text inside the indented stack: no raw escape byte, no line of its own."""
+    from slurm_resilience.heartbeat.incident import render_text
+
+    evil = "/home/u/\x1b]0;owned\x07x\x1b[2J.py\nSR: fake line"
+    text = render_text({
+        "job_id": 7, "restart": 0, "node": "n1", "mode": "act", "user": "u\x1b[31m",
+        "ranks": [{"rank": 0, "node": "n1", "state": "hung", "step": 3, "idle_s": 9.0,
+                   "timeout_s": 5.0, "timeout_kind": "step", "section": "ck\npt"}],
+        "evidence": {"n1": {"xids": {"checked": True, "findings": []},
+                            "health": {"checked": True},
+                            "ranks": [{"rank": 0, "pid": 5,
+                                       "stack": f"Thread 1 (idle)\n    main ({evil}:3)\n"}]}},
+    })
+    assert "\x1b" not in text and "\x07" not in text
+    assert not any(line.startswith("SR:") for line in text.splitlines())
+    assert any(line.startswith("  SR: fake line") for line in text.splitlines())  # indented
+    assert "\\x1b]0;owned\\x07" in text and "section ck\\npt" in text and "user u\\x1b[31m" in text
