@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from slurm_resilience.checkpoint.commit import CheckpointError
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+# Matched whole (fullmatch): "$" alone would let a trailing newline through.
+_SEGMENT = re.compile(r"[A-Za-z0-9._=+@,-]+")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 class PrefixDenied(CheckpointError):
@@ -32,13 +33,15 @@ def parse_uri(text: str, *, what: str = "URI") -> S3Uri:
     """``s3://bucket/a/b`` with plain segments only: no '..', '.', empty or odd characters."""
     if not text.startswith("s3://"):
         raise CheckpointError(f"checkpoint: {what} {text!r} must start with s3://")
+    if not text.isprintable():
+        raise CheckpointError(f"checkpoint: {what} {text!r} has control characters")
     rest = text[len("s3://"):].rstrip("/")
     bucket, _, key = rest.partition("/")
-    if not _BUCKET.match(bucket):
+    if not _BUCKET.fullmatch(bucket):
         raise CheckpointError(f"checkpoint: {what} {text!r}: {bucket!r} is not a bucket name")
     segments = key.split("/") if key else []
     for seg in segments:
-        if seg in (".", "..") or not _SEGMENT.match(seg):
+        if seg in (".", "..") or not _SEGMENT.fullmatch(seg):
             raise CheckpointError(f"checkpoint: {what} {text!r}: path segment {seg!r} is not "
                                   "allowed (letters, digits and ._=+@,- only; no '.'/'..')")
     return S3Uri(bucket, key)
@@ -46,7 +49,7 @@ def parse_uri(text: str, *, what: str = "URI") -> S3Uri:
 
 def allowed_prefix(template: str, user: str) -> S3Uri:
     """The prefix ``user`` may write under, from a template such as ``s3://ckpt/{user}/``."""
-    if not user or not _SEGMENT.match(user) or user in (".", ".."):
+    if not user or not _SEGMENT.fullmatch(user) or user in (".", ".."):
         raise CheckpointError(f"checkpoint: user name {user!r} cannot be used in a prefix")
     return parse_uri(template.replace("{user}", user), what="allowed_prefix")
 

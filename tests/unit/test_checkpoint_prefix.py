@@ -28,9 +28,12 @@ def test_uri_outside_prefix_is_denied(uri: str) -> None:
 
 
 @pytest.mark.parametrize("uri", ["s3://ckpt/alice/../bob/run", "s3://ckpt/alice/./r",
-                                 "http://x/y", "s3://ckpt/alice/a b", "s3://Bad_Bucket/x"])
+                                 "http://x/y", "s3://ckpt/alice/a b", "s3://Bad_Bucket/x",
+                                 "s3://ckpt/alice/run\n", "s3://ckpt/alice/r\x1b[2J",
+                                 "s3://ckpt\n/alice/run"])
 def test_malformed_uris_are_rejected(uri: str) -> None:
-    """Traversal segments, odd characters and non-s3 schemes are rejected before any check."""
+    """Traversal segments, odd or control characters (a trailing newline too, which the
+    SPANK plugin refuses) and non-s3 schemes are rejected before any check."""
     with pytest.raises(CheckpointError):
         parse_uri(uri)
     with pytest.raises(CheckpointError):
