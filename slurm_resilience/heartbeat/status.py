@@ -63,9 +63,19 @@ class IncidentRow(TypedDict, total=False):
     error: str
 
 
+class ConfigRow(TypedDict):
+    """Whether the configuration file loads, and what the node gates with if not."""
+
+    file: str
+    valid: bool
+    error: str
+    gating_with: str
+
+
 class StatusDoc(TypedDict, total=False):
     """``slurm-resilience status --json``."""
 
+    config: ConfigRow
     mode: str
     drains: list[DrainRow]
     budget: BudgetRow
@@ -130,7 +140,13 @@ def incidents(directory: str, limit: int = 20) -> list[IncidentRow]:
 
 def render(status: StatusDoc) -> str:
     """Readable text of :func:`collect`'s result."""
-    lines = [f"hang watching: mode {status['mode']}"]
+    lines = []
+    c = status.get("config")
+    if c:
+        lines.append(f"config: {c['file']}: valid" if c["valid"] else
+                     f"config: INVALID: {c['error']}; gating with {c['gating_with']} "
+                     "(fix the file; `slurm-resilience config check` shows the error)")
+    lines.append(f"hang watching: mode {status['mode']}")
     b = status.get("budget")
     if b:
         users = ", ".join(f"{u} {n}" for u, n in sorted(b["by_user"].items())) or "none"
