@@ -1,0 +1,65 @@
+"""A configuration typo in the real sandbox: the gate keeps working with the last good copy,
+and the broken file shows in the node's metrics and in ``status``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_metrics_sandbox import scrape, value
+
+from slurm_resilience.config import lastgood
+from slurm_resilience.sandbox import control, faults
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture
+def box(sandbox: Sandbox) -> Iterator[Sandbox]:
+    """The session sandbox; stand-in hardware healed afterwards (its reset restores the
+    config file)."""
+    yield sandbox
+    for node in sandbox.nodes:
+        faults.heal(sandbox.state_dir, node)
+
+
+def test_a_config_typo_leaves_the_gate_on_and_shows_in_metrics_and_status(box: Sandbox
+                                                                          ) -> None:
+    """With an unknown key in the config file, an Xid injected on node2 still drains it by
+    the health check, slurm_resilience_config_valid reads 0 on node2's agent and `status`
+    leads with the file, line and key that broke."""
+    conf = box.layout.resilience_conf
+    url = box.layout.metrics_url(box.nodes.index("node2") + 1)
+    assert value(scrape(url), "slurm_resilience_config_valid") == 1
+    assert os.path.exists(lastgood.copy_path(str(conf))), "the agent saved no last good copy"
+    good = conf.read_text()
+    broken = good + "helth:\n  resume_after_passes: 1\n"
+    tmp = conf.with_suffix(".typo")
+    tmp.write_text(broken)
+    os.replace(tmp, conf)
+    line = len(good.splitlines()) + 1
+
+    print(faults.inject(box.state_dir, "node2", "gpu-xid:3:79"))
+    ctl = box.adapter()
+    deadline = time.monotonic() + 60
+    while not (info := ctl.show_node("node2")).drained or "XID 79" not in info.reason:
+        assert time.monotonic() < deadline, f"node2 not drained: {info.state} {info.reason!r}"
+        time.sleep(0.5)
+    print(f"node2 drained under a broken config: {info.reason}")
+    assert info.reason.startswith("SR: health: gpu3 XID 79")
+
+    assert value(scrape(url), "slurm_resilience_config_valid") == 0
+    out = subprocess.run([sys.executable, "-m", "slurm_resilience", "status", "--node",
+                          "node2"], capture_output=True, text=True, timeout=120,
+                         env=control.user_env(box.layout))
+    first = out.stdout.splitlines()[0]
+    print(first)
+    assert out.returncode == 1
+    assert first.startswith(f"config: INVALID: config: {conf}:{line}: helth: unknown key "
+                            "(did you mean 'health'?)")
+    assert f"gating with {lastgood.copy_path(str(conf))}" in first
