@@ -35,6 +35,7 @@ from slurm_resilience.slurm.parse import (
     parse_job,
     parse_node,
     parse_sacct_runs,
+    parse_show_config,
 )
 from slurm_resilience.slurm.parse_json import parse_jobs_json, parse_nodes_json
 from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
@@ -334,6 +335,11 @@ class SlurmAdapter:
     def reconfigure(self) -> None:
         """Ask slurmctld to re-read slurm.conf."""
         self._run("reconfigure", ["scontrol", "reconfigure"])
+
+    def show_config(self) -> dict[str, str]:
+        """The configuration slurmctld runs with (``scontrol show config``): every key
+        after Include files and defaults, as the daemons see it."""
+        return parse_show_config(self._run("show config", ["scontrol", "show", "config"]).stdout)
 
     def ping(self) -> bool:
         """Whether slurmctld answers."""

@@ -63,3 +63,25 @@ def test_a_config_typo_leaves_the_gate_on_and_shows_in_metrics_and_status(box: S
     assert first.startswith(f"config: INVALID: config: {conf}:{line}: helth: unknown key "
                             "(did you mean 'health'?)")
     assert f"gating with {lastgood.copy_path(str(conf))}" in first
+
+
+def doctor(box: Sandbox, node: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slurm_resilience", "doctor", "--node", node],
+                          capture_output=True, text=True, timeout=120,
+                          env=control.user_env(box.layout))
+
+
+def test_doctor_passes_a_sandbox_node_and_names_a_node_without_an_agent(box: Sandbox
+                                                                         ) -> None:
+    """doctor finds nothing wrong with node2 (running slurm.conf through its wrapper,
+    plugstack, munge on the sandbox's socket, agent, hook server), and names the missing
+    agent and hook server, with their fixes, for a node name none serves."""
+    ok = doctor(box, "node2")
+    print(ok.stdout, ok.stderr)
+    assert ok.returncode == 0 and "no problems found" in ok.stdout
+    bad = doctor(box, "node9")
+    print(bad.stdout)
+    assert bad.returncode == 1
+    assert "  agent: the node agent does not answer" in bad.stdout
+    assert "  hook_server: no hook server answers" in bad.stdout
+    assert "fix: `systemctl enable --now slurm-resilience-agent`" in bad.stdout
