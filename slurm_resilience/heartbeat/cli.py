@@ -57,6 +57,16 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         result["stragglers"] = []
         result["stragglers_judged"] = []
         errors.append(f"stragglers: {exc.filename}: permission denied (root only)")
+    result["suite_mode"] = cfg.mode
+    if cfg.mode == "observe":
+        from slurm_resilience.metrics import events
+        from slurm_resilience.slurm import observed
+
+        try:
+            result["observed"] = observed.read(observed.path_beside(
+                events.path_for(cfg.node.state_dir, node)))["decisions"]
+        except (OSError, ValueError) as exc:
+            errors.append(f"observed decisions: {exc}")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 

@@ -27,7 +27,7 @@ from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
+from slurm_resilience.metrics import events, observe
 from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
@@ -130,6 +130,7 @@ class AgentCollector(Collector):
         g.add_metric([], threading.active_count())
         yield g
         yield from self.config.metrics()
+        yield from observe.metrics(self.s.events_path, self.config.current().cfg.mode)
         agent = self.s.agent
         if agent is None:
             return

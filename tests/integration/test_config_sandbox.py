@@ -7,16 +7,36 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from test_metrics_sandbox import scrape, value
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.config import lastgood
 from slurm_resilience.sandbox import control, faults
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = pytest.mark.sandbox
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def value(text: str, name: str) -> float | None:
+    return next((float(s.value) for fam in text_string_to_metric_families(text)
+                 for s in fam.samples if s.name == name), None)
+
+
+def write_config(box: Sandbox, text: str) -> None:
+    """Replace the hooks' file as an admin's editor would, valid or not."""
+    conf = box.layout.resilience_conf
+    tmp = conf.with_suffix(".new")
+    tmp.write_text(text)
+    os.replace(tmp, conf)
 
 
 @pytest.fixture
@@ -38,10 +58,7 @@ def test_a_config_typo_leaves_the_gate_on_and_shows_in_metrics_and_status(box: S
     assert value(scrape(url), "slurm_resilience_config_valid") == 1
     assert os.path.exists(lastgood.copy_path(str(conf))), "the agent saved no last good copy"
     good = conf.read_text()
-    broken = good + "helth:\n  resume_after_passes: 1\n"
-    tmp = conf.with_suffix(".typo")
-    tmp.write_text(broken)
-    os.replace(tmp, conf)
+    write_config(box, good + "helth:\n  resume_after_passes: 1\n")
     line = len(good.splitlines()) + 1
 
     print(faults.inject(box.state_dir, "node2", "gpu-xid:3:79"))
@@ -85,3 +102,31 @@ def test_doctor_passes_a_sandbox_node_and_names_a_node_without_an_agent(box: San
     assert "  agent: the node agent does not answer" in bad.stdout
     assert "  hook_server: no hook server answers" in bad.stdout
     assert "fix: `systemctl enable --now slurm-resilience-agent`" in bad.stdout
+
+
+def test_observe_mode_drains_nothing_and_says_what_it_would_have_drained(box: Sandbox
+                                                                          ) -> None:
+    """With `mode: observe`, an Xid on node3 leaves it in service; `status` on node3 and
+    `status --cluster` say "would drain node3: SR: health: gpu3 XID 79 ..."."""
+    write_config(box, yaml.safe_dump({"mode": "observe", **box.base_resilience_sections()},
+                                     sort_keys=False))
+    print(faults.inject(box.state_dir, "node3", "gpu-xid:3:79"))
+    want = "would drain node3: SR: health: gpu3 XID 79 (GPU fell off the bus)"
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run([sys.executable, "-m", "slurm_resilience", "status", "--node",
+                              "node3"], capture_output=True, text=True, timeout=120,
+                             env=control.user_env(box.layout)).stdout
+        if want in out:
+            break
+        assert time.monotonic() < deadline, f"status never said {want!r}:\n{out}"
+        time.sleep(1)
+    print(out)
+    assert "mode observe: acting on nothing" in out
+    node3 = box.adapter().show_node("node3")
+    assert not node3.drained, f"observe mode drained node3: {node3.reason}"
+    view = subprocess.run([sys.executable, "-m", "slurm_resilience", "status", "--cluster"],
+                          capture_output=True, text=True, timeout=120,
+                          env=control.user_env(box.layout)).stdout
+    print(view)
+    assert f"  node3: {want}" in view
