@@ -164,8 +164,14 @@ def _hook_server(config_source: str, node: str) -> Probe:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(PROBE_TIMEOUT_S)
             sock.connect(path)
+            # An empty request: a live server answers "refused: request too short" and
+            # runs nothing (a socket left by a dead one accepts nothing at all).
+            sock.shutdown(socket.SHUT_WR)
+            answer = sock.recv(200)
     except OSError as exc:
         return Probe(False, f"couldn't connect to {path}: {exc.strerror or exc}")
+    if not answer:
+        return Probe(False, f"{path} accepted the connection but did not answer")
     return Probe(True, path)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -141,3 +142,24 @@ def test_status_metrics_and_cluster_view_say_what_would_have_been_done(tmp_path:
     assert view.config_invalid == ["node7"]
     rendered = cluster.render(view)
     assert "  node7: would drain node7: SR: health: gpu3 XID 79" in rendered
+
+
+def test_the_agents_adapter_follows_mode_as_the_file_changes(tmp_path: Path) -> None:
+    """The agent's one adapter switches observe ⇄ enforce at its next tick after the file
+    changes, without a restart."""
+    from slurm_resilience.config import load
+    from slurm_resilience.heartbeat.watcher import HangWatcher
+
+    cfgfile = tmp_path / "c.yaml"
+    body = (f"node:\n  state_dir: {tmp_path}/state\n  run_dir: {tmp_path}/run\n"
+            "  job_tmpfs:\n    enabled: false\nheartbeat:\n  rendezvous: none\n")
+    cfgfile.write_text("mode: observe\n" + body)
+    adapter = from_config(load(str(cfgfile)))
+    watcher = HangWatcher(load(str(cfgfile)), "node7", adapter, config_path=str(cfgfile))
+    watcher.tick()
+    assert adapter.observe
+    cfgfile.write_text("mode: enforce\n" + body)
+    os.utime(cfgfile, (1, 1))  # a new mtime, whatever the filesystem's resolution
+    watcher.tick()
+    assert not adapter.observe
+    watcher.close()
