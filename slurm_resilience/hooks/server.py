@@ -492,13 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     path, _ = config.resolve_path(args.config)
     configs = ConfigCache(path)
-    cfg = configs.get()
-    node = node_name(args.node or (cfg.node.name if cfg is not None else ""))
+    configs.get()
+    # A file that does not load: its node name and logging come from the last good copy,
+    # which is what the workers gate with.
+    cfg = lastgood.load(path).cfg
+    node = node_name(args.node or cfg.node.name)
     server = HookServer(endpoint.socket_path(os.path.realpath(path), node, args.socket_dir),
                         path, parent_pid=os.getppid(), configs=configs)
-    if cfg is not None:
-        log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
-                      use_syslog=cfg.logging.syslog, node=node)
+    log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
+                  use_syslog=cfg.logging.syslog, node=node)
     failed = warm(cfg)
     stop: dict[str, Any] = {"now": False}
 
