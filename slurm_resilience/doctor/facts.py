@@ -175,7 +175,8 @@ def _hook_server(config_source: str, node: str) -> Probe:
     return Probe(True, path)
 
 
-def _s3(cfg: Config) -> Probe | None:
+def s3_probe(cfg: Config) -> Probe | None:
+    """The S3 tier answering, when one is configured (None: none is)."""
     ck = cfg.checkpoint
     if not (ck.enabled and ck.allowed_prefix.startswith("s3://")):
         return None
@@ -220,4 +221,4 @@ def gather(loaded: lastgood.Loaded, node: str, adapter: SlurmAdapter,
         hooks=HookLimits(h.prolog_timeout_s, h.epilog_timeout_s, h.watchdog_grace_s),
         munge=_munge(runner, (slurm or {}).get("AuthInfo", "")), agent=_agent(cfg, node),
         hook_server=_hook_server(loaded.source, node),
-        config=Probe(loaded.valid, loaded.problem()), s3=_s3(cfg), prefix=sys.prefix)
+        config=Probe(loaded.valid, loaded.problem()), s3=s3_probe(cfg), prefix=sys.prefix)

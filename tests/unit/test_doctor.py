@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.config import Config, load_text
 from slurm_resilience.doctor import checks, facts
 from slurm_resilience.doctor.facts import Facts, HookLimits, Probe, Program
 from slurm_resilience.slurm.parse import parse_show_config
@@ -142,3 +144,18 @@ def test_munge_is_probed_on_the_socket_slurm_uses() -> None:
     """AuthInfo's socket= is the munged socket Slurm talks to; none means munge's default."""
     assert facts.munge_socket("socket=/run/m/munge.sock,cred_expire=30") == "/run/m/munge.sock"
     assert facts.munge_socket("cred_expire=30") == ""
+
+
+def test_s3_is_probed_on_the_configured_bucket(s3: S3, moto_endpoint: str) -> None:
+    """A real S3 endpoint with the bucket answers; a missing bucket is the finding."""
+    def cfg(prefix: str) -> Config:
+        return load_text(Config, f"checkpoint:\n  enabled: true\n  allowed_prefix: {prefix}\n"
+                                 f"  s3_endpoint: {moto_endpoint}\n  request_timeout_s: 5\n")
+
+    assert facts.s3_probe(Config()) is None
+    ok = facts.s3_probe(cfg("s3://ckpt/{user}/"))
+    assert ok is not None and ok.ok, ok
+    missing = facts.s3_probe(cfg("s3://nosuch/{user}/"))
+    assert missing is not None and not missing.ok and "bucket nosuch" in missing.detail
+    problems = checks.s3(dataclasses.replace(HEALTHY, s3=missing))
+    assert [p.check for p in problems] == ["s3"]
