@@ -285,3 +285,15 @@ def logged(path: Path) -> list[dict[str, Any]]:
 def events_saying(path: Path, text: str) -> list[dict[str, Any]]:
     """The events whose message holds ``text``."""
     return [e for e in logged(path) if text in str(e["event"])]
+
+
+@pytest.fixture(autouse=True)
+def _last_good_configs_kept_aside(tmp_path_factory: pytest.TempPathFactory,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configuration files that tests load in this process keep their last good copies in
+    a directory of the test session, not in the host's /var/lib (sandbox daemons, which
+    run as on a node, keep theirs there)."""
+    from slurm_resilience.config import lastgood
+
+    monkeypatch.setattr(lastgood, "STORE_DIR", str(tmp_path_factory.getbasetemp()
+                                                   / "last-good-config"))

@@ -24,7 +24,8 @@ from slurm_resilience import config
 from slurm_resilience.config.loader import ConfigError, load_text
 from slurm_resilience.config.schema import Config
 
-STORE_DIR = "/var/lib/slurm-resilience/last-good-config"
+NODE_STORE_DIR = "/var/lib/slurm-resilience/last-good-config"
+STORE_DIR = NODE_STORE_DIR  # tests point it elsewhere
 BUILT_IN = "built-in defaults"
 MAX_BYTES = 1 << 20  # a config file is a few KiB; a larger copy is not ours
 
@@ -86,7 +87,7 @@ def save(source: str, text: str, store: str | None = None) -> bool:
     """Keep ``text`` (which loaded) as ``source``'s last good copy, when it differs from
     the copy there; True when written. Only root keeps copies: a user's CLI run skips it."""
     store = store or STORE_DIR
-    if os.geteuid() != 0 and store == STORE_DIR:
+    if os.geteuid() != 0 and store == NODE_STORE_DIR:
         return False
     path = copy_path(source, store)
     if _read_copy(path) == text:

@@ -56,7 +56,8 @@ def test_a_config_typo_leaves_the_gate_on_and_shows_in_metrics_and_status(box: S
     conf = box.layout.resilience_conf
     url = box.layout.metrics_url(box.nodes.index("node2") + 1)
     assert value(scrape(url), "slurm_resilience_config_valid") == 1
-    assert os.path.exists(lastgood.copy_path(str(conf))), "the agent saved no last good copy"
+    copy = lastgood.copy_path(str(conf), lastgood.NODE_STORE_DIR)  # where the daemons keep it
+    assert os.path.exists(copy), "the agent saved no last good copy"
     good = conf.read_text()
     write_config(box, good + "helth:\n  resume_after_passes: 1\n")
     line = len(good.splitlines()) + 1
@@ -79,7 +80,7 @@ def test_a_config_typo_leaves_the_gate_on_and_shows_in_metrics_and_status(box: S
     assert out.returncode == 1
     assert first.startswith(f"config: INVALID: config: {conf}:{line}: helth: unknown key "
                             "(did you mean 'health'?)")
-    assert f"gating with {lastgood.copy_path(str(conf))}" in first
+    assert f"gating with {copy}" in first
 
 
 def doctor(box: Sandbox, node: str) -> subprocess.CompletedProcess[str]:
