@@ -8,7 +8,7 @@ each one, and a test keeps the two in step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from slurm_resilience.config import DEFAULT_PATH, ENV_VAR  # noqa: F401 - kept importable
@@ -127,7 +127,8 @@ class Config:
         help="observe: the health gate, the NCCL test, hang handling and the stragglers run "
              "as usual and report what they would do (log, `status`, metrics: \"would drain "
              "node7: ...\"), and act on nothing: no drain, resume, requeue, hold, cancel or "
-             "exclusion, and a prolog never fails a job; implies heartbeat.mode observe")
+             "exclusion, and a prolog never fails a job (hang handling decides as its "
+             "heartbeat.mode says; its steps are recorded, not carried out)")
     slurm: SlurmSection = setting(default_factory=SlurmSection, help="the Slurm adapter")
     logging: LoggingSection = setting(default_factory=LoggingSection, help="logging")
     node: NodeSection = setting(default_factory=NodeSection, help="this node")
@@ -144,12 +145,6 @@ class Config:
         default_factory=MetricsSection, help="the agent's Prometheus metrics")
     stragglers: StragglerSection = setting(
         default_factory=StragglerSection, help="naming persistently slow ranks and nodes")
-
-    def __post_init__(self) -> None:
-        # One switch for the whole suite: hang handling has its own observe mode, so the
-        # suite's observe implies it (a frozen field, set once at construction).
-        if self.mode == "observe" and self.heartbeat.mode == "act":
-            object.__setattr__(self, "heartbeat", replace(self.heartbeat, mode="observe"))
 
     def validate(self) -> None:
         from slurm_resilience.config.budgets import conflicts

@@ -39,11 +39,36 @@ def observing(tmp_path: Path, answers: dict[str, list[object]]) -> tuple[SlurmAd
     return ctl, fake
 
 
-def test_observe_config_reaches_the_adapter_and_hang_handling() -> None:
-    """`mode: observe` builds an observing adapter and puts hang handling in observe too."""
+def test_observe_config_reaches_the_adapter() -> None:
+    """`mode: observe` builds an observing adapter; hang handling keeps deciding as it would."""
     cfg = load_text(Config, "mode: observe\nheartbeat:\n  mode: act\n")
-    assert from_config(cfg).observe and cfg.heartbeat.mode == "observe"
+    assert from_config(cfg).observe and cfg.heartbeat.mode == "act"
     assert not from_config(Config()).observe
+
+
+def test_a_hang_plan_under_observe_is_recorded_step_by_step_and_not_run(tmp_path: Path
+                                                                        ) -> None:
+    """Hang handling's plan (drain a blamed node, hold, exclude, release) runs through the
+    observing adapter: each step says it was not carried out, each decision is recorded,
+    and Slurm is only read."""
+    from slurm_resilience.heartbeat import actions
+    from slurm_resilience.heartbeat.actions import Step, StepKind
+
+    ctl, fake = observing(tmp_path, {"scontrol": [
+        lambda argv: completed(IDLE if argv[2] == "node" else JOB)]})
+    plan = (Step(StepKind.DRAIN, "node7", "hang job 12: node7 blamed"),
+            Step(StepKind.REQUEUE_HOLD, text="SR: hang job 12"),
+            Step(StepKind.EXCLUDE, nodes=("node7",)), Step(StepKind.RELEASE))
+    done, complete = actions.execute(ctl, 12, 0, plan, 0, 1e12,
+                                     actions.Clocked(lambda: 0.0, lambda s: None),
+                                     lambda i: None)
+    assert complete and all(a.startswith("not carried out (mode observe): ") for a in done)
+    assert all(c[1] == "show" for c in fake.calls), fake.calls
+    lines = [observed.line(d) for d in
+             observed.read(str(tmp_path / observed.FILENAME))["decisions"]]
+    assert lines == ["would drain node7: SR: hang job 12: node7 blamed",
+                         "would hold job 12: SR: hang job 12",
+                         "would exclude job 12: ExcNodeList=node7"]
 
 
 def test_observe_decides_a_drain_records_it_once_and_calls_no_update(tmp_path: Path) -> None:
