@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "topology": "slurm_resilience.topology.cli",
     "install": "slurm_resilience.install.cli",
     "goodput": "slurm_resilience.goodput.cli",
+    "doctor": "slurm_resilience.doctor.cli",
 }
 
 

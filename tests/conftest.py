@@ -328,3 +328,14 @@ def munge_socket() -> Iterator[str]:
     proc.terminate()
     proc.wait(10)
     shutil.rmtree(d)
+
+@pytest.fixture(autouse=True)
+def _last_good_configs_kept_aside(tmp_path_factory: pytest.TempPathFactory,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configuration files that tests load in this process keep their last good copies in
+    a directory of the test session, not in the host's /var/lib (sandbox daemons, which
+    run as on a node, keep theirs there)."""
+    from slurm_resilience.config import lastgood
+
+    monkeypatch.setattr(lastgood, "STORE_DIR", str(tmp_path_factory.getbasetemp()
+                                                   / "last-good-config"))

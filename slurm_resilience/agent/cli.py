@@ -9,6 +9,7 @@ from typing import Any
 from slurm_resilience import config, log
 from slurm_resilience.agent.daemon import Agent, load_services
 from slurm_resilience.agent.service import AgentContext
+from slurm_resilience.config import lastgood
 from slurm_resilience.config.paths import node_name
 from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import from_config
@@ -22,12 +23,19 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
+    # A file that does not load never stops the agent (its hook server gates, its metrics
+    # say config_valid 0): it runs with the last good copy, or the built-in defaults.
+    loaded = lastgood.load(args.config)
+    cfg = loaded.cfg
     # Live reload (and anything else that re-reads the file) reads this same file.
     config.use_path(config.resolve_path(args.config)[0])
     node = node_name(args.node or cfg.node.name)
     log.configure(mode="json", level="debug" if args.verbose else cfg.logging.level,
                   file=cfg.logging.file, use_syslog=cfg.logging.syslog, node=node)
+    if not loaded.valid:
+        log.get_logger("agent").error(
+            f"agent: config: couldn't load; running with {loaded.gating_with}",
+            **loaded.fields())
     adapter = from_config(cfg)
     adapter.events_path = events.path_for(cfg.node.state_dir, node)
     ctx = AgentContext(cfg=cfg, node=node, adapter=adapter)

@@ -39,7 +39,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_PATH", "ENV_VAR", "ByteSize", "Config", "ConfigError", "job_config_path", "load",
-    "load_text", "locate", "resolve_path", "setting", "to_dict", "use_path",
+    "load_text", "locate", "read", "resolve_path", "setting", "to_dict", "use_path",
 ]
 
 
@@ -93,19 +93,28 @@ def job_config_path(env: Mapping[str, str]) -> str | None:
     return path if named else None
 
 
-def load(path: str | None = None) -> Config:
-    """Load and validate the configuration; a missing default file means all defaults."""
-    from slurm_resilience.config.loader import ConfigError, load_text
-    from slurm_resilience.config.schema import Config
+def read(path: str | None = None) -> str | None:
+    """The text of the configuration file in use; None when the default file is absent
+    (all defaults). Raises :class:`ConfigError` for a named file that can't be read."""
+    from slurm_resilience.config.loader import ConfigError
 
     source, named = locate(path)
     try:
         with open(source, encoding="utf-8") as fh:
-            text = fh.read()
+            return fh.read()
     except FileNotFoundError:
         if named:
             raise ConfigError(source, None, "", "file not found") from None
-        return Config()
+        return None
     except OSError as exc:
         raise ConfigError(source, None, "", f"couldn't read: {exc.strerror}") from None
-    return load_text(Config, text, source)
+
+
+def load(path: str | None = None) -> Config:
+    """Load and validate the configuration; a missing default file means all defaults."""
+    from slurm_resilience.config.loader import load_text
+    from slurm_resilience.config.schema import Config
+
+    source, _ = locate(path)
+    text = read(path)
+    return Config() if text is None else load_text(Config, text, source)

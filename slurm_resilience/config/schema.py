@@ -127,6 +127,13 @@ class HooksSection:
 class Config:
     """The whole configuration file."""
 
+    mode: Literal["enforce", "observe"] = setting(
+        "enforce",
+        help="observe: the health gate, the NCCL test, hang handling and the stragglers run "
+             "as usual and report what they would do (log, `status`, metrics: \"would drain "
+             "node7: ...\"), and act on nothing: no drain, resume, requeue, hold, cancel or "
+             "exclusion, and a prolog never fails a job (hang handling decides as its "
+             "heartbeat.mode says; its steps are recorded, not carried out)")
     slurm: SlurmSection = setting(default_factory=SlurmSection, help="the Slurm adapter")
     logging: LoggingSection = setting(default_factory=LoggingSection, help="logging")
     node: NodeSection = setting(default_factory=NodeSection, help="this node")

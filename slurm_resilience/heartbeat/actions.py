@@ -225,12 +225,14 @@ def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], 
     """Run ``plan[done:]``; ``progress(i)`` after each step. Returns (what happened, whether
     every step ran)."""
     actions: list[str] = []
+    # mode: observe: the adapter records each step instead of carrying it out; say so.
+    said = "not carried out (mode observe): " if adapter.observe else ""
     for i in range(done, len(plan)):
         step = plan[i]
         try:
-            actions.append(retry(step.describe(job_id),
-                                 lambda s=step: run_step(adapter, job_id, run, s),  # type: ignore[misc]
-                                 deadline, clock))
+            actions.append(said + retry(step.describe(job_id),
+                                        lambda s=step: run_step(adapter, job_id, run, s),  # type: ignore[misc]
+                                        deadline, clock))
         except DeadlinePassed as exc:
             actions.append(str(exc))
             return actions, False

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from slurm_resilience import config
+from slurm_resilience.config import lastgood
 from slurm_resilience.config.paths import node_name, node_path
 from slurm_resilience.heartbeat import status as st
 from slurm_resilience.slurm.adapter import from_config
@@ -56,6 +57,16 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         result["stragglers"] = []
         result["stragglers_judged"] = []
         errors.append(f"stragglers: {exc.filename}: permission denied (root only)")
+    result["suite_mode"] = cfg.mode
+    if cfg.mode == "observe":
+        from slurm_resilience.metrics import events
+        from slurm_resilience.slurm import observed
+
+        try:
+            result["observed"] = observed.read(observed.path_beside(
+                events.path_for(cfg.node.state_dir, node)))["decisions"]
+        except (OSError, ValueError) as exc:
+            errors.append(f"observed decisions: {exc}")
     if cfg.checkpoint.enabled:
         from slurm_resilience.checkpoint import upload_status
 
@@ -101,9 +112,14 @@ def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float,
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
+    # A broken file is reported, not fatal: status shows what the node gates with instead.
+    loaded = lastgood.load(args.config)
+    cfg = loaded.cfg
     if args.cluster:
         from slurm_resilience.metrics import cluster
+
+        if not loaded.valid:
+            print(f"slurm-resilience status: {loaded.problem()}", file=sys.stderr)
 
         view = cluster.collect(cfg)
         if args.json:
@@ -114,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 1 if view.errors else 0
     node = node_name(args.node or cfg.node.name)
     result = collect(cfg, node)
+    result["config"] = {"file": loaded.source, "valid": loaded.valid,
+                        "error": str(loaded.error or ""), "gating_with": loaded.gating_with}
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)
         sys.stdout.write("\n")
@@ -126,4 +144,4 @@ def run(args: argparse.Namespace) -> int:
             from slurm_resilience.checkpoint import upload_status
 
             sys.stdout.write(upload_status.render(result["uploads"]))
-    return 1 if result.get("errors") else 0
+    return 1 if result.get("errors") or not loaded.valid else 0

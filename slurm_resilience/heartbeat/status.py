@@ -8,12 +8,15 @@ agent wrote. Pure assembly here; :mod:`slurm_resilience.heartbeat.cli` prints it
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.heartbeat import incident, policy
 from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.slurm import observed
+from slurm_resilience.slurm.observed import Decision
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
 if TYPE_CHECKING:
@@ -63,9 +66,21 @@ class IncidentRow(TypedDict, total=False):
     error: str
 
 
+class ConfigRow(TypedDict):
+    """Whether the configuration file loads, and what the node gates with if not."""
+
+    file: str
+    valid: bool
+    error: str
+    gating_with: str
+
+
 class StatusDoc(TypedDict, total=False):
     """``slurm-resilience status --json``."""
 
+    config: ConfigRow
+    suite_mode: str  # enforce | observe
+    observed: list[Decision]  # what observe mode would have done on this node
     mode: str
     drains: list[DrainRow]
     budget: BudgetRow
@@ -130,7 +145,20 @@ def incidents(directory: str, limit: int = 20) -> list[IncidentRow]:
 
 def render(status: StatusDoc) -> str:
     """Readable text of :func:`collect`'s result."""
-    lines = [f"hang watching: mode {status['mode']}"]
+    lines = []
+    c = status.get("config")
+    if c:
+        lines.append(f"config: {c['file']}: valid" if c["valid"] else
+                     f"config: INVALID: {c['error']}; gating with {c['gating_with']} "
+                     "(fix the file; `slurm-resilience config check` shows the error)")
+    if status.get("suite_mode") == "observe":
+        seen = status.get("observed", [])
+        lines.append(f"mode observe: acting on nothing; {len(seen)} decision(s) not carried "
+                     "out" + (":" if seen else ""))
+        lines += [f"  {observed.line(d)} (at {_hhmmss(d['first'])}"
+                  + (f", {d['times']} times, last {_hhmmss(d['last'])}" if d["times"] > 1
+                     else "") + ")" for d in seen]
+    lines.append(f"hang watching: mode {status['mode']}")
     b = status.get("budget")
     if b:
         users = ", ".join(f"{u} {n}" for u, n in sorted(b["by_user"].items())) or "none"
@@ -162,3 +190,7 @@ def render(status: StatusDoc) -> str:
 
 def incident_dir(state_dir: str, configured: str) -> str:
     return configured or os.path.join(state_dir, "incidents")
+
+
+def _hhmmss(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))

@@ -141,6 +141,9 @@ class HangWatcher:
         if self.live.reload():
             self.suspects.cfg = self.cfg
             self._maybe_remake_rendezvous(before)
+        # The agent's one adapter follows `mode` as the file changes (observe ⇄ enforce),
+        # for every service that acts through it, without a restart.
+        self.adapter.observe = self.cfg.mode == "observe"
         hb = self.cfg.heartbeat
         if hb.mode == "off":
             return

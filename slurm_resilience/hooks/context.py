@@ -59,6 +59,8 @@ class HookNotes(TypedDict, total=False):
     nccl_handoff_s: float  # how long the prolog waited for an NCCL test to hand over
     # The health gate's StateStore (typed as object: the gate stays off this import path).
     health_store: object
+    # Why the configuration file did not load (the hook gates with the last good copy).
+    config_invalid: str
 
 
 @dataclass

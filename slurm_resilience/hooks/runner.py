@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from slurm_resilience import config, log
-from slurm_resilience.config import Config, ConfigError
+from slurm_resilience.config import Config
 from slurm_resilience.hooks import steps
 from slurm_resilience.hooks.context import HookContext, HookKind, Problem
 from slurm_resilience.slurm import reasons
@@ -79,7 +79,7 @@ def overrun(ctx: HookContext, limit_s: float, what: str = "") -> int:
         logger.error(f"hooks: {ctx.kind}: couldn't drain after the limit; letting the job run",
                      error=str(exc))
         return EXIT_OK
-    return EXIT_FAIL if ctx.kind == "prolog" else EXIT_OK
+    return EXIT_FAIL if ctx.kind == "prolog" and ctx.cfg.mode != "observe" else EXIT_OK
 
 
 class Watchdog:
@@ -172,18 +172,26 @@ def act(ctx: HookContext, problems: list[Problem]) -> None:
 
 
 def _setup(kind: HookKind, env: Mapping[str, str], cfg: Config | None,
-           hook_pid: int | None = None) -> HookContext | int:
-    """Config, context and logging of one hook run; an exit status when the config is bad."""
+           hook_pid: int | None = None) -> HookContext:
+    """Config, context and logging of one hook run. A file that fails to load never
+    switches the gate off: the hook gates with the last good copy (or the built-in
+    defaults) and says so on stderr and in an error event naming the file, line and key."""
+    loaded = None
     if cfg is None:
-        try:
-            cfg = config.load(config_path(env))
-        except ConfigError as exc:
-            # Bad config must be loud but must not take the cluster down: say so, let jobs run.
-            print(f"slurm-resilience {kind}: {exc}", file=sys.stderr)
-            return EXIT_OK if kind != "healthcheck" else EXIT_FAIL
+        from slurm_resilience.config import lastgood
+
+        loaded = lastgood.load(config_path(env))
+        cfg = loaded.cfg
+        if not loaded.valid:
+            print(f"slurm-resilience {kind}: {loaded.problem()}", file=sys.stderr)
     ctx = HookContext.from_env(kind, cfg, env, hook_pid=hook_pid)
     log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
                   use_syslog=cfg.logging.syslog, node=ctx.node, job_id=ctx.job_id)
+    if loaded is not None and not loaded.valid:
+        ctx.notes["config_invalid"] = loaded.problem()
+        log.get_logger("hooks", hook=kind).error(
+            f"hooks: {kind}: config: couldn't load; gating with {loaded.gating_with}",
+            **loaded.fields())
     return ctx
 
 
@@ -196,8 +204,6 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
     the process slurmd started, when it is not this one (the hook server's worker)."""
     env = dict(os.environ if env is None else env)
     ctx = _setup(kind, env, cfg, hook_pid)
-    if isinstance(ctx, int):
-        return ctx
     cfg = ctx.cfg
     logger = log.get_logger("hooks", hook=kind)
     if in_process_because:
@@ -210,12 +216,16 @@ def main(kind: HookKind, argv: list[str] | None = None, env: Mapping[str, str] |
     finally:
         timer.cancel()
     seconds = round(time.monotonic() - started, 3)
+    # slurmd logs a health check's non-zero exit: one more place a broken file shows.
+    broken = EXIT_FAIL if kind == "healthcheck" and ctx.notes.get("config_invalid") else EXIT_OK
     if problems:
         logger.warning("hook found problems", problems=[p.reason for p in problems],
                        seconds=seconds)
-        return EXIT_FAIL if kind == "prolog" and any(p.drain for p in problems) else EXIT_OK
+        # In observe mode the drain was only recorded: the job runs where it was placed.
+        fails = kind == "prolog" and cfg.mode != "observe" and any(p.drain for p in problems)
+        return EXIT_FAIL if fails else broken
     logger.info("hook ok", seconds=seconds, job_options=ctx.job_options() or None)
-    return EXIT_OK
+    return broken
 
 
 def worker_lost(kind: HookKind, env: Mapping[str, str], why: str) -> int:
@@ -224,7 +234,5 @@ def worker_lost(kind: HookKind, env: Mapping[str, str], why: str) -> int:
     failure policy decides, as for a hook past its limit."""
     print(f"slurm-resilience {kind}: {why}", file=sys.stderr)
     ctx = _setup(kind, env, None)
-    if isinstance(ctx, int):
-        return ctx
     ctx.notes["step"] = "hook server worker"
     return overrun(ctx, timeout_for(ctx.cfg, kind), what=why)

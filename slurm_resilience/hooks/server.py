@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slurm_resilience import config, log
-from slurm_resilience.config import Config, ConfigError
+from slurm_resilience.config import Config, lastgood
 from slurm_resilience.config.paths import node_name
 from slurm_resilience.hooks import endpoint, runner, steps
 
@@ -152,12 +152,13 @@ class ConfigCache:
     def get(self) -> Config | None:
         key = _stat_key(self.path)
         if key is None or key != self.key:
-            try:
-                self.cfg = config.load(self.path)
-            except ConfigError as exc:
-                # The worker loads it again and reports the error as the hook would.
-                self.cfg = None
-                logger.error("hook server: configuration unreadable", error=str(exc))
+            loaded = lastgood.load(self.path)  # refreshes the last good copy
+            # A file that does not load: each worker loads it again, gates with the last
+            # good copy and reports the error as the hook would.
+            self.cfg = loaded.cfg if loaded.valid else None
+            if not loaded.valid:
+                logger.error("hook server: config: couldn't load; hooks gate with "
+                             f"{loaded.gating_with}", **loaded.fields())
             self.key = key
         return self.cfg
 
@@ -491,13 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     path, _ = config.resolve_path(args.config)
     configs = ConfigCache(path)
-    cfg = configs.get()
-    node = node_name(args.node or (cfg.node.name if cfg is not None else ""))
+    configs.get()
+    # A file that does not load: its node name and logging come from the last good copy,
+    # which is what the workers gate with.
+    cfg = lastgood.load(path).cfg
+    node = node_name(args.node or cfg.node.name)
     server = HookServer(endpoint.socket_path(os.path.realpath(path), node, args.socket_dir),
                         path, parent_pid=os.getppid(), configs=configs)
-    if cfg is not None:
-        log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
-                      use_syslog=cfg.logging.syslog, node=node)
+    log.configure(mode="json", level=cfg.logging.level, file=cfg.logging.file,
+                  use_syslog=cfg.logging.syslog, node=node)
     failed = warm(cfg)
     stop: dict[str, Any] = {"now": False}
 

@@ -27,6 +27,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.heartbeat import policy
 from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.metrics import observe
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
 P = "slurm_resilience_"
@@ -167,6 +168,9 @@ class ClusterView:
     straggler_nodes: list[SlowNode] = field(default_factory=list)
     straggler_ranks: list[StragglerRanks] = field(default_factory=list)
     recurring_stragglers: list[Recurring] = field(default_factory=list)
+    # Observe mode: what the agents' nodes decided and did not do; nodes whose config fails.
+    observed: list[str] = field(default_factory=list)
+    config_invalid: list[str] = field(default_factory=list)
     agents_scraped: int = 0
     agents_total: int = 0
     errors: list[str] = field(default_factory=list)
@@ -201,6 +205,9 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
         if s.error:
             view.errors.append(f"{s.node}: couldn't read {s.url}: {s.error}")
             continue
+        view.observed += [f"{s.node}: {line}" for line in observe.cluster_lines(s.samples)]
+        if any(v == 0 for _, v in _values(s, "config_valid")):
+            view.config_invalid.append(s.node)
         for labels, v in _values(s, "job_hang_incident_open"):
             if v:
                 incidents[int(labels["job_id"])].append(s.node)
@@ -265,6 +272,11 @@ def render(view: ClusterView) -> str:
                                            for s in view.straggler_ranks])
     section("recurring stragglers", [f"{s.node:<14} named in {s.jobs} recent job(s)"
                                      for s in view.recurring_stragglers])
+    if view.observed:
+        section("observe mode: decided, not carried out", view.observed)
+    if view.config_invalid:
+        section("configuration fails to load (gating with the last good copy; `slurm-"
+                "resilience status` on the node says why)", view.config_invalid)
     for err in view.errors:
         lines.append(f"could not check: {err}")
     return "\n".join(lines) + "\n"

@@ -27,7 +27,8 @@ from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
+from slurm_resilience.metrics import events, observe
+from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
@@ -83,6 +84,7 @@ class AgentCollector(Collector):
         self.errors: dict[str, int] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self.config = ConfigWatch()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -127,6 +129,8 @@ class AgentCollector(Collector):
         g = _gauge("agent_threads", "threads in the agent process")
         g.add_metric([], threading.active_count())
         yield g
+        yield from self.config.metrics()
+        yield from observe.metrics(self.s.events_path, self.config.current().cfg.mode)
         agent = self.s.agent
         if agent is None:
             return

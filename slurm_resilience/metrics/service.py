@@ -240,7 +240,12 @@ class MetricsService:
                             users=sorted({e.user for e in fresh}))
             return
         hb = cfg.heartbeat
-        if hb.mode != "act" or not hb.drain or not hb.suspect_drain:
+        # The suite's observe mode takes the same path, to the adapter, which records the
+        # drain it would make instead of making it.
+        observing = cfg.mode == "observe"
+        if observing:
+            self.adapter.observe = True
+        if (hb.mode != "act" and not observing) or not hb.drain or not hb.suspect_drain:
             # Nothing would verify it, or the site takes no node out on heuristics.
             log.warning("stragglers: a suspect, reported only (needs heartbeat.mode act, "
                         "heartbeat.drain and heartbeat.suspect_drain)", job_id=job_id,

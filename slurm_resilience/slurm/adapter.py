@@ -35,6 +35,7 @@ from slurm_resilience.slurm.parse import (
     parse_job,
     parse_node,
     parse_sacct_runs,
+    parse_show_config,
 )
 from slurm_resilience.slurm.parse_json import parse_jobs_json, parse_nodes_json
 from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
@@ -85,6 +86,7 @@ class SlurmAdapter:
         bin_dir: str = "",
         slurm_conf: str = "",
         slurm_version: tuple[int, int] | None = None,
+        observe: bool = False,
     ):
         self.runner: RunnerLike = runner or Runner()
         # Asked of `scontrol --version` (no slurmctld call) on first need, unless given.
@@ -98,6 +100,8 @@ class SlurmAdapter:
         self.events_path = ""
         if slurm_conf:
             self.env = {"SLURM_CONF": slurm_conf}
+        # mode: observe: every action is decided as usual, then recorded, not carried out.
+        self.observe = observe
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -120,6 +124,17 @@ class SlurmAdapter:
             raise SlurmError(operation, message) from exc
         log.info("slurm call", operation=operation, argv=argv, seconds=round(result.seconds, 3))
         return result
+
+    def _would(self, action: str, target: str, detail: str) -> bool:
+        """In observe mode, record the decision instead of acting and return True."""
+        if not self.observe:
+            return False
+        from slurm_resilience.slurm import observed
+
+        log.warning(f"observe: would {action} {target}: {detail}", action=action,
+                    target=target)
+        observed.record(observed.path_beside(self.events_path), action, target, detail)
+        return True
 
     def _count(self, kind: str, reason: str) -> None:
         if self.events_path:
@@ -207,6 +222,8 @@ class SlurmAdapter:
             raise ForeignDrain("drain", f"{name} already drained by {node.reason_user or '?'}: "
                                         f"{node.reason!r}; leaving it")
         text = self.with_prefix(reason)
+        if self._would("drain", name, text):
+            return text
         self._run("drain node", ["scontrol", "update", f"NodeName={name}", "State=DRAIN",
                                  f"Reason={text}"])
         log.warning("node drained", target=name, reason=text)
@@ -225,6 +242,8 @@ class SlurmAdapter:
         if not self.ours(node.reason):
             raise ForeignDrain("resume", f"{name} is {node.state}+{'+'.join(sorted(node.flags))} "
                                          f"with reason {node.reason!r} not set by us; leaving it")
+        if self._would("resume", name, f"drained with {node.reason!r}"):
+            return False
         self._run("resume node", ["scontrol", "update", f"NodeName={name}", "State=RESUME"])
         log.warning("node resumed", target=name, previous_reason=node.reason)
         self._count("resume", node.reason)
@@ -233,6 +252,8 @@ class SlurmAdapter:
     def set_node_comment(self, name: str, text: str) -> None:
         """Replace a node's Comment (operators' field, kept across resume); one printable line."""
         line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+        if self._would("comment", name, line[:MAX_NODE_COMMENT]):
+            return
         self._run("set node comment", ["scontrol", "update", f"NodeName={_check_node_name(name)}",
                                        f"Comment={line[:MAX_NODE_COMMENT]}"])
 
@@ -293,6 +314,8 @@ class SlurmAdapter:
 
     def requeue(self, job_id: int | str) -> None:
         """Put a running job back in the queue; it restarts with Restarts+1."""
+        if self._would("requeue", f"job {job_id}", "requeue"):
+            return
         self._run("requeue job", ["scontrol", "requeue", _check_job_id(job_id)])
         log.warning("job requeued", job_id=str(job_id))
         self._count("requeue", "hang")
@@ -300,6 +323,8 @@ class SlurmAdapter:
     def requeue_hold(self, job_id: int | str, reason: str = "") -> None:
         """Requeue and hold; a human (or :meth:`release`) must let it go."""
         jid = _check_job_id(job_id)
+        if self._would("hold", f"job {jid}", reason or "requeue held"):
+            return
         self._run("requeue-hold job", ["scontrol", "requeuehold", jid])
         if reason:
             self.set_admin_comment(jid, reason)
@@ -308,22 +333,30 @@ class SlurmAdapter:
 
     def cancel(self, job_id: int | str) -> None:
         """Cancel a job (e.g. a hung ``--no-requeue`` job, when the policy says so)."""
+        if self._would("cancel", f"job {job_id}", "cancel"):
+            return
         self._run("cancel job", ["scancel", _check_job_id(job_id)])
         log.warning("job cancelled", job_id=str(job_id))
         self._count("cancel", "hang")
 
     def release(self, job_id: int | str) -> None:
         """Release a held job."""
+        if self._would("release", f"job {job_id}", "release"):
+            return
         self._run("release job", ["scontrol", "release", _check_job_id(job_id)])
 
     def set_admin_comment(self, job_id: int | str, text: str) -> None:
         """Set the job's AdminComment (visible to operators, not settable by users)."""
+        if self._would("comment", f"job {job_id}", text):
+            return
         self._run("set admin comment", ["scontrol", "update", f"JobId={_check_job_id(job_id)}",
                                         f"AdminComment={clean_reason(self.with_prefix(text))}"])
 
     def set_excluded_nodes(self, job_id: int | str, nodes: Sequence[str]) -> None:
         """Replace the job's excluded node list (a pending job will avoid them)."""
         names = [_check_node_name(n) for n in nodes]
+        if self._would("exclude", f"job {job_id}", f"ExcNodeList={collect_hostlist(names)}"):
+            return
         self._run("update excluded nodes", ["scontrol", "update", f"JobId={_check_job_id(job_id)}",
                                             f"ExcNodeList={collect_hostlist(names)}"])
 
@@ -337,6 +370,11 @@ class SlurmAdapter:
     def reconfigure(self) -> None:
         """Ask slurmctld to re-read slurm.conf."""
         self._run("reconfigure", ["scontrol", "reconfigure"])
+
+    def show_config(self) -> dict[str, str]:
+        """The configuration slurmctld runs with (``scontrol show config``): every key
+        after Include files and defaults, as the daemons see it."""
+        return parse_show_config(self._run("show config", ["scontrol", "show", "config"]).stdout)
 
     def ping(self) -> bool:
         """Whether slurmctld answers."""
@@ -352,4 +390,4 @@ def from_config(cfg: object) -> SlurmAdapter:
     s = cfg.slurm
     return SlurmAdapter(timeout=s.timeout_s, reason_prefix=s.reason_prefix,
                         reason_owners_last=s.reason_owners == "last", bin_dir=s.bin_dir,
-                        slurm_conf=s.conf)
+                        slurm_conf=s.conf, observe=cfg.mode == "observe")

@@ -335,3 +335,17 @@ def parse_sacct_runs(text: str) -> list[JobRun]:
                            tuple(expand_hostlist(nodes)) if nodes and " " not in nodes
                            else ()))
     return runs
+
+
+_CONFIG_LINE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)\s+=\s?(.*)$")
+
+
+def parse_show_config(text: str) -> dict[str, str]:
+    """``scontrol show config`` → {key: value}; Slurm's "(null)" reads as ""."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _CONFIG_LINE.match(line.strip())
+        if m:
+            value = m.group(2).strip()
+            out[m.group(1)] = "" if value in ("(null)", "None") else value
+    return out

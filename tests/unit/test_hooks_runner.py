@@ -142,15 +142,64 @@ def test_forged_spank_variables_are_refused_by_the_python_recheck(
     assert [e.get("job_options") for e in events if e["event"] == "hook ok"] == [None]
 
 
-def test_bad_config_lets_jobs_run_but_says_why(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_bad_config_keeps_gating_with_the_last_good_copy_and_says_where(
+    step_module: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A broken config file makes the prolog complain on stderr but not block jobs."""
+    """A typo in a file that loaded before: the prolog still runs its checks, with the
+    last good copy's settings, says on stderr and in an error event which file, line and
+    key broke, and still fails the job off a sick node."""
+    from slurm_resilience.config import lastgood
+
+    monkeypatch.setattr(lastgood, "STORE_DIR", str(tmp_path / "last-good"))
+    seen: list[Config] = []
+    original = step_module.sick
+
+    def sick(ctx: HookContext) -> list[Problem]:
+        seen.append(ctx.cfg)
+        return original(ctx)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(step_module, "sick", sick)
+    monkeypatch.setitem(runner.STEPS, "prolog", ["sr_test_steps:sick"])
+    drains: list[str] = []
+    monkeypatch.setattr(runner, "act", lambda ctx, problems: drains.append(ctx.node))
+    cfgfile = tmp_path / "c.yaml"
+    good = (f"logging:\n  file: {tmp_path}/ev.jsonl\n  syslog: false\n"
+            "hooks:\n  prolog_timeout_s: 7\n")
+    cfgfile.write_text(good)
+    env = {"SLURM_RESILIENCE_CONFIG": str(cfgfile), "SLURMD_NODENAME": "node1"}
+    assert runner.main("prolog", [], env) == 1
+    cfgfile.write_text(good + "  prolog_timeout: 3\n")
+    assert runner.main("prolog", [], env) == 1
+    assert drains == ["node1", "node1"]
+    assert seen[1].hooks.prolog_timeout_s == 7 and seen[1].logging.file == seen[0].logging.file
+    err = capsys.readouterr().err
+    assert f"{cfgfile}:6: hooks.prolog_timeout: unknown key" in err
+    assert "gating with " + str(tmp_path / "last-good") in err
+    events = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    broken = [e for e in events if e["level"] == "error" and "config" in e["event"]]
+    assert [(e["file"], e["line"], e["key"]) for e in broken] == [
+        (str(cfgfile), 6, "hooks.prolog_timeout")]
+
+
+def test_bad_config_with_no_copy_gates_with_the_built_in_defaults(
+    step_module: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A file that never loaded on this node: the checks run with the built-in defaults,
+    never none, and the health check exits 1 so slurmd logs it too."""
+    from slurm_resilience.config import lastgood
+
+    monkeypatch.setattr(lastgood, "STORE_DIR", str(tmp_path / "last-good"))
+    monkeypatch.setitem(runner.STEPS, "healthcheck", ["sr_test_steps:ok"])
+    monkeypatch.setattr(runner.log, "configure", lambda **kw: None)  # not the host's log
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text("hooks:\n  prolog_timeout: 3\n")
-    code = runner.main("prolog", [], {"SLURM_RESILIENCE_CONFIG": str(cfgfile)})
-    assert code == 0
-    assert "hooks.prolog_timeout: unknown key" in capsys.readouterr().err
+    code = runner.main("healthcheck", [], {"SLURM_RESILIENCE_CONFIG": str(cfgfile)})
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "hooks.prolog_timeout: unknown key" in err
+    assert err.rstrip().endswith("gating with built-in defaults")
 
 
 IDLE = "NodeName=node2 CPUAlloc=0 CPUTot=2 State=IDLE Partitions=debug"

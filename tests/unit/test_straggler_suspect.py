@@ -278,3 +278,23 @@ def test_whole_node_namings_take_the_same_suspect_path_once_per_job(tmp_path: Pa
     status = svc.handle_stragglers({}, None)  # type: ignore[arg-type]
     assert [(r["job_id"], r["whole_node"]) for r in status["recent"]] == [
         (21, False), (21, True), (22, True), (23, True)]
+
+
+def test_observe_mode_records_the_suspect_drain_it_would_make(tmp_path: Path) -> None:
+    """With `mode: observe` a node named in enough jobs takes the suspect path as usual and
+    the drain is recorded as "would drain", never run."""
+    from slurm_resilience.slurm import observed
+
+    ctl = Ctl({NODE: ("IDLE", "")})
+    wall = [NOW]
+    cfg = load_text(Config, json.dumps({
+        "mode": "observe", "node": {"state_dir": str(tmp_path / "state")},
+        "stragglers": {**FAST, "suspect_after_jobs": 2}}), "test")
+    adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]}))
+    adapter.events_path = str(tmp_path / "state" / "metrics-events.json")
+    svc = MetricsService(cfg, NODE, adapter, {}, serve=False, wall=lambda: wall[0])
+    straggle(svc, 11, "alice")
+    straggle(svc, 12, "bob")
+    assert ctl.updates == []
+    (d,) = observed.read(str(tmp_path / "state" / observed.FILENAME))["decisions"]
+    assert observed.line(d).startswith("would drain n1: SR: suspect hang job 12 user bob at ")
