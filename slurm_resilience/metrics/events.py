@@ -42,6 +42,24 @@ GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
 KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
 
+# Every cause each kind can be counted with, so that every series starts at 0 and the first
+# event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
+# unit test holds them to the owners, decisions and checks they name.
+DRAIN_CAUSES = ("health", "nccl", "checkpoint", "heartbeat", "hooks", "hang", "hang_suspect",
+                "other")
+KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
+    DRAIN: DRAIN_CAUSES,
+    RESUME: DRAIN_CAUSES,
+    REQUEUE: ("hang", "prolog"),
+    HOLD: ("hang",),
+    CANCEL: ("hang",),
+    # heartbeat.records.Action values an incident is counted with (skip is a repeat)
+    INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
+    STRAGGLER: ("step_time", "node_step_time"),
+    # health.gate.CHECKS
+    GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
+}
+
 
 class GateLast(TypedDict):
     result: str  # ok | warn | fail | unknown
