@@ -187,6 +187,13 @@ class AgentCollector(Collector):
             at.add_metric([check], r["at"])
         yield last
         yield at
+        out = _gauge("node_our_drain_since_timestamp_seconds", "while this node is in a drain "
+                     "of ours: Unix time its agent first saw it there (it looks every "
+                     "heartbeat.verify_idle_poll_s), by the drain's cause", ["cause"])
+        mine = doc["out"].get(self.s.node)
+        if mine is not None:
+            out.add_metric([mine["cause"]], mine["since"])
+        yield out
 
     # -- heartbeat -----------------------------------------------------------------------------
 

@@ -186,6 +186,8 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
     events.count(sources.events_path, events.REQUEUE, "hang")
     events.count(sources.events_path, events.HOLD, "hang")
     events.gate_results(sources.events_path, "prolog", {"gpu": "fail", "xid": "ok"}, now=7.0)
+    events.observe_drain(sources.events_path, "n1", "health", 5.0)
+    events.observe_drain(sources.events_path, "n1", "health", 9.0)  # still the first sighting
     nccl_cache.store(sources.nccl_path, {
         "verdict": "pass", "finished_at": 99.0, "variants": [
             {"variant": "nvlink", "verdict": "pass",
@@ -213,6 +215,7 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
         (P + "gate_check_last_result", (("check", "gpu"), ("result", "fail"))): 1,
         (P + "gate_check_last_result", (("check", "gpu"), ("result", "ok"))): 0,
         (P + "gate_check_last_run_timestamp_seconds", (("check", "xid"),)): 7.0,
+        (P + "node_our_drain_since_timestamp_seconds", (("cause", "health"),)): 5.0,
         (P + "nccl_bus_bandwidth_bytes_per_second", (("variant", "nvlink"),)): 150.5e9,
         (P + "nccl_bus_bandwidth_threshold_bytes_per_second", (("variant", "nvlink"),)): 120e9,
         (P + "nccl_test_passed", (("variant", "all"),)): 1,
