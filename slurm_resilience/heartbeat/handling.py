@@ -162,6 +162,8 @@ class IncidentRunner:
                 decision, action=Action.SKIP,
                 reason="another handler already acted on this run")))
         self._count(decision.action)  # once: the claim is persisted, a restart won't count
+        if decision.budget_note.startswith("hang budget spent"):  # policy.node_calls' note
+            events.count(self.adapter.events_path, events.BUDGET, "incident")
         steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
         notes = self._notes(cfg, rec.job_id, decision)
         path = self._write(report)

@@ -50,6 +50,9 @@ EVENT_FAMILIES = {
                       "host; each incident once), by decision", "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
+    events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
+                    "because the hourly budget (heartbeat.budget_per_hour, "
+                    "budget_per_user_per_hour) was spent, by what blamed it", "by"),
 }
 
 

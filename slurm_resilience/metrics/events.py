@@ -40,7 +40,8 @@ CANCEL = "cancel"
 INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
+BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly budget was spent
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -56,6 +57,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     # heartbeat.records.Action values an incident is counted with (skip is a repeat)
     INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
     STRAGGLER: ("step_time", "node_step_time"),
+    BUDGET: ("incident", "straggler"),
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
 }
