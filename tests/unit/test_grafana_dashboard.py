@@ -36,6 +36,7 @@ def exported(tmp_path: Path) -> set[str]:
     for kind in events.KINDS:
         events.count(ev, kind, "x")
     events.gate_results(ev, "prolog", {"gpu": "fail"})
+    events.observe_drain(ev, "n1", "health", 1.0)
     nccl = str(tmp_path / nccl_cache.FILENAME)
     nccl_cache.store(nccl, {"verdict": "pass", "variants": [
         {"variant": "nvlink", "busbw_gbps": {"1": 1.0}, "expected_gbps": 1.0}]}, boot="b")
