@@ -4,9 +4,11 @@ names only metrics the agent exports."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -67,3 +69,27 @@ def test_every_rule_names_exported_metrics_and_the_node(tmp_path: Path) -> None:
             assert re.search(r"group_left \(node\)|by \(instance, job, node\)", rule["expr"]), \
                 rule["alert"]
             assert "$labels.node" in rule["annotations"]["summary"], rule["alert"]
+
+
+def test_the_role_installs_the_rules_only_when_asked(tmp_path: Path) -> None:
+    """With slurm_resilience_prometheus_rules_dir set, the role's prometheus_rules tasks put
+    the promtool-checked rules there; unset (the default), nothing."""
+    playbook = shutil.which("ansible-playbook", path=str(Path(sys.executable).parent))
+    assert playbook, "ansible-playbook is missing: the dev extra installs ansible-core"
+    play = tmp_path / "play.yml"
+    play.write_text("- hosts: localhost\n  connection: local\n  gather_facts: false\n"
+                    "  roles: [slurm_resilience]\n")
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "ansible" / "roles"),
+           "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"), "PATH": os.environ["PATH"]}
+    rules_dir = tmp_path / "rules"
+
+    def run(*extra: str) -> str:
+        out = subprocess.run([playbook, str(play), "--tags", "prometheus_rules", *extra],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    assert "changed=0" in run() and not rules_dir.exists()
+    assert "changed=2" in run("-e", f"slurm_resilience_prometheus_rules_dir={rules_dir}")
+    assert (rules_dir / "slurm-resilience.rules.yml").read_text() == RULES.read_text()
