@@ -281,6 +281,8 @@ def goodput(sandbox: Sandbox, job_id: int, nodes: list[str]) -> dict[str, Any]:
 
 def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
         sandbox: Sandbox, prometheus: Prom, test_users: tuple[str, ...]) -> None:
+    """A hung job requeued and resumed, an Xid drain and a failed NCCL test are what a
+    real Prometheus shows in every dashboard query and alert rule, and goodput adds up."""
     user = test_users[0]
     work = sandbox.user_dir(user, "prom")
     job_id = submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
