@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from slurm_resilience import log
 from slurm_resilience.hooks.context import HookContext, Problem
+from slurm_resilience.metrics import events
 from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
 
@@ -390,11 +391,15 @@ def _release_held(ctx: HookContext, failed_jobs: list[int]) -> None:
             try:
                 ctx.adapter.release(job_id)
                 logger.warning("released job held after our prolog failed", job_id=job_id)
+                # Slurm requeued it held, we let it go: a requeue (counted once, here).
+                events.count(ctx.adapter.events_path, events.REQUEUE, "prolog")
             except SlurmError as exc:
                 logger.warning("couldn't release held job", job_id=job_id, error=str(exc))
                 keep.append(job_id)
         elif job.state == "PENDING" and job.restarts == 0:
             keep.append(job_id)  # not requeued yet: look again next run
+        elif job.state == "PENDING":  # requeued without a hold (nohold_on_prolog_fail)
+            events.count(ctx.adapter.events_path, events.REQUEUE, "prolog")
     _bookkeeping(ctx, "record the jobs still held", lambda: _keep_failed(ctx, keep), None)
 
 

@@ -127,8 +127,10 @@ def _held(reason: str) -> bool:
     return "held" in reason.lower() and reason != "JobHeldUser"
 
 
-def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:
-    """One step, once; returns what was done (raises SlurmError to be retried)."""
+def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step, *,
+             released: bool = False) -> str:
+    """One step, once; returns what was done (raises SlurmError to be retried).
+    ``released``: the plan releases the job after its requeue-hold (a requeue)."""
     k = step.kind
     if k is StepKind.DRAIN:
         try:
@@ -151,7 +153,7 @@ def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step) -> str:
         if k is StepKind.CANCEL:
             adapter.cancel(job_id)
             return f"cancelled job {job_id} (heartbeat.no_requeue_policy: cancel)"
-        adapter.requeue_hold(job_id, step.text)
+        adapter.requeue_hold(job_id, step.text, released=released)
         return f"requeued and held job {job_id}"
     if k is StepKind.EXCLUDE:
         merged = adapter.exclude_nodes(job_id, step.nodes)
@@ -227,11 +229,14 @@ def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], 
     actions: list[str] = []
     # mode: observe: the adapter records each step instead of carrying it out; say so.
     said = "not carried out (mode observe): " if adapter.observe else ""
+    # A requeue held only while its exclusions are set counts as a requeue.
+    released = any(s.kind is StepKind.RELEASE for s in plan)
     for i in range(done, len(plan)):
         step = plan[i]
         try:
             actions.append(said + retry(step.describe(job_id),
-                                        lambda s=step: run_step(adapter, job_id, run, s),  # type: ignore[misc]
+                                        lambda s=step: run_step(adapter, job_id, run, s,  # type: ignore[misc]
+                                                                released=released),
                                         deadline, clock))
         except DeadlinePassed as exc:
             actions.append(str(exc))

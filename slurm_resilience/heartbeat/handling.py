@@ -42,6 +42,7 @@ from slurm_resilience.heartbeat.records import (
 from slurm_resilience.heartbeat.rendezvous import Rendezvous
 from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress, ProgressState
 from slurm_resilience.log import get_logger
+from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
 from slurm_resilience.slurm.parse import JobInfo
@@ -115,6 +116,8 @@ class IncidentRunner:
             job: JobInfo = retry("read the job", lambda: self.adapter.show_job(rec.job_id),
                                  deadline, self.clocked)
         except (DeadlinePassed, JobNotFound) as exc:
+            if not rec.nodes or rec.nodes[0] == self.node:  # one node counts it
+                self._count(Action.NONE)
             return self.finish(self._report(view, piece, run, trigger, timings, actions=(
                 f"couldn't read job {rec.job_id}: {exc}",)))
         if run_hint is not None and run_hint != job.restarts:
@@ -146,15 +149,21 @@ class IncidentRunner:
             decision = self.decide(cfg, job, view.verdict.mode, blamed,
                                    trigger.startswith("reported"), deadline)
         except (DeadlinePassed, JobNotFound) as exc:
+            self._count(Action.NONE)
             return self.finish(replace(report, actions=(f"couldn't decide: {exc}",)))
         report = replace(report, decision=decision)
         if decision.action in (Action.REPORT, Action.SKIP):
+            if decision.action is Action.REPORT:  # observe mode; a skip was counted before
+                self._count(decision.action)
             return self.finish(report)
         basis = ClaimBasis(view.verdict.mode, trigger.startswith("reported"), blamed)
         if not self.store.claim(rec.job_id, run, deadline, basis):
             return self.finish(replace(report, decision=replace(
                 decision, action=Action.SKIP,
                 reason="another handler already acted on this run")))
+        self._count(decision.action)  # once: the claim is persisted, a restart won't count
+        if decision.budget_note.startswith("hang budget spent"):  # policy.node_calls' note
+            events.count(self.adapter.events_path, events.BUDGET, "incident")
         steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
         notes = self._notes(cfg, rec.job_id, decision)
         path = self._write(report)
@@ -162,6 +171,10 @@ class IncidentRunner:
                                       path), save_first=True)
         timings = replace(report.timings, action_at=self.clock.time())
         return self.finish(replace(report, actions=tuple(notes + done), timings=timings))
+
+    def _count(self, action: Action) -> None:
+        """One hang incident, counted by the agent that decides it (the batch host's)."""
+        events.count(self.adapter.events_path, events.INCIDENT, action.value)
 
     @staticmethod
     def _notes(cfg: Config, job_id: int, decision: Decision) -> list[str]:

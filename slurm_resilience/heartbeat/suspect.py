@@ -30,6 +30,7 @@ from slurm_resilience.config.paths import node_path
 from slurm_resilience.heartbeat import policy, safefs
 from slurm_resilience.heartbeat.records import Clock
 from slurm_resilience.log import get_logger
+from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
@@ -222,6 +223,10 @@ class SuspectWatch:
             log.warning("heartbeat: suspect: couldn't read node state", error=str(exc))
             self.next_poll = self.clock.monotonic() + hb.verify_poll_s
             return "couldn't read node state"
+        ours_out = (info.drained or info.down) and self.adapter.ours(info.reason)
+        events.observe_drain(self.adapter.events_path, self.node,
+                             events.cause_of(info.reason, self.adapter.prefix) if ours_out
+                             else None, self.clock.time())
         parsed = policy.parse_reason(info.reason) if info.drained else None
         if parsed is None or not parsed.suspect or not self.adapter.ours(info.reason):
             return "not a suspect"

@@ -32,7 +32,6 @@ from slurm_resilience.heartbeat.store import IncidentStore
 from slurm_resilience.heartbeat.suspect import SuspectWatch, Verifier, verify
 from slurm_resilience.heartbeat.tune import TunedTimeouts
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import SlurmAdapter
 
 log = get_logger("heartbeat")
@@ -228,8 +227,6 @@ class HangWatcher:
         report = self.runner.run(view, trigger, run)
         if report is None:
             return
-        events.count(self.adapter.events_path, events.INCIDENT,
-                     report.decision.action.value if report.decision else "none")
         # The run Slurm says it was: a user's slot cannot make the same run look new.
         with self.lock:
             self.store.remember((report.job_id, report.run))

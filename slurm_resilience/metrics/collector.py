@@ -39,15 +39,21 @@ log = get_logger("metrics")
 P = "slurm_resilience_"
 GATE_RESULTS = ("ok", "warn", "unknown", "fail")
 EVENT_FAMILIES = {
-    events.DRAIN: ("node_drains", "nodes drained by this node's hooks and agent", "cause"),
+    events.DRAIN: ("node_drains", "nodes this node's hooks and agent put into our drain "
+                   "(a node already in one of our drains is not counted again)", "cause"),
     events.RESUME: ("node_returns", "nodes returned to service (our drains resumed)", "cause"),
-    events.REQUEUE: ("job_requeues", "jobs requeued by hang handling", "cause"),
-    events.HOLD: ("job_holds", "jobs requeued and held by hang handling", "cause"),
+    events.REQUEUE: ("job_requeues", "jobs sent back to the queue: by hang handling (a "
+                     "requeue held while its exclusions are set included), or after our "
+                     "prolog failed them", "cause"),
+    events.HOLD: ("job_holds", "jobs requeued and left held by hang handling", "cause"),
     events.CANCEL: ("job_cancels", "hung jobs cancelled (no_requeue_policy: cancel)", "cause"),
-    events.INCIDENT: ("hang_incidents", "hang incidents handled on this node, by decision",
-                      "decision"),
+    events.INCIDENT: ("hang_incidents", "hang incidents decided on this node (the job's batch "
+                      "host; each incident once), by decision", "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
+    events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
+                    "because the hourly budget (heartbeat.budget_per_hour, "
+                    "budget_per_user_per_hour) was spent, by what blamed it", "by"),
 }
 
 
@@ -159,13 +165,23 @@ class AgentCollector(Collector):
                     for kind, (name, doc_, label) in EVENT_FAMILIES.items()}
         gate = _counter("gate_check_results", "gate check runs, by check and result",
                         ["check", "result"])
-        for key, n in sorted(doc["counters"].items()):
+        counts: dict[str, dict[str, int]] = {
+            kind: dict.fromkeys(events.KNOWN_CAUSES.get(kind, ()), 0) for kind in families}
+        checks = dict.fromkeys(f"{c}:{r}" for c in (*events.KNOWN_CAUSES[events.GATE],
+                                                    *doc["gate"]) for r in GATE_RESULTS)
+        gates = dict.fromkeys(checks, 0)
+        for key, n in doc["counters"].items():
             kind, _, cause = key.partition("|")
             if kind == events.GATE:
-                check, _, result = cause.partition(":")
-                gate.add_metric([check, result], n)
-            elif kind in families:
+                gates[cause] = n
+            elif kind in counts:
+                counts[kind][cause] = n
+        for kind, by_cause in counts.items():
+            for cause, n in sorted(by_cause.items()):
                 families[kind].add_metric([cause], n)
+        for key, n in sorted(gates.items()):
+            check, _, result = key.partition(":")
+            gate.add_metric([check, result], n)
         yield from families.values()
         yield gate
         last = _gauge("gate_check_last_result", "the last result of each gate check: 1 for "
@@ -178,6 +194,13 @@ class AgentCollector(Collector):
             at.add_metric([check], r["at"])
         yield last
         yield at
+        out = _gauge("node_our_drain_since_timestamp_seconds", "while this node is in a drain "
+                     "of ours: Unix time its agent first saw it there (it looks every "
+                     "heartbeat.verify_idle_poll_s), by the drain's cause", ["cause"])
+        mine = doc["out"].get(self.s.node)
+        if mine is not None:
+            out.add_metric([mine["cause"]], mine["since"])
+        yield out
 
     # -- heartbeat -----------------------------------------------------------------------------
 
@@ -361,12 +384,14 @@ class AgentCollector(Collector):
                     "loopback test, at its largest size", ["variant"])
         th = _gauge("nccl_bus_bandwidth_threshold_bytes_per_second", "the bus bandwidth the "
                     "test must reach", ["variant"])
-        ok = _gauge("nccl_test_passed", "whether the last NCCL test passed (1) or not (0)")
+        ok = _gauge("nccl_test_passed", "whether the last NCCL test passed (1) or not (0), "
+                    "by variant; variant=\"all\" is the test's own verdict", ["variant"])
         at = _gauge("nccl_test_timestamp_seconds", "Unix time of the last NCCL test")
         if entry and not entry.get("corrupt"):
-            ok.add_metric([], 1 if entry.get("verdict") == "pass" else 0)
+            ok.add_metric(["all"], 1 if entry.get("verdict") == "pass" else 0)
             at.add_metric([], float(entry.get("finished_at") or entry.get("cached_at") or 0))
             for v in entry.get("variants", []):
+                ok.add_metric([str(v.get("variant"))], 1 if v.get("verdict") == "pass" else 0)
                 sizes = {int(k): float(x) for k, x in (v.get("busbw_gbps") or {}).items()}
                 if sizes:
                     bw.add_metric([str(v.get("variant"))], sizes[max(sizes)] * 1e9)

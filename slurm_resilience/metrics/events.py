@@ -40,7 +40,27 @@ CANCEL = "cancel"
 INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
+BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly budget was spent
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET)
+
+# Every cause each kind can be counted with, so that every series starts at 0 and the first
+# event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
+# unit test holds them to the owners, decisions and checks they name.
+DRAIN_CAUSES = ("health", "nccl", "checkpoint", "heartbeat", "hooks", "hang", "hang_suspect",
+                "other")
+KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
+    DRAIN: DRAIN_CAUSES,
+    RESUME: DRAIN_CAUSES,
+    REQUEUE: ("hang", "prolog"),
+    HOLD: ("hang",),
+    CANCEL: ("hang",),
+    # heartbeat.records.Action values an incident is counted with (skip is a repeat)
+    INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
+    STRAGGLER: ("step_time", "node_step_time"),
+    BUDGET: ("incident", "straggler"),
+    # health.gate.CHECKS
+    GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
+}
 
 
 class GateLast(TypedDict):
@@ -49,9 +69,15 @@ class GateLast(TypedDict):
     at: float
 
 
+class OutDoc(TypedDict):
+    cause: str
+    since: float  # when the node's agent first saw it in our drain
+
+
 class EventsDoc(TypedDict):
     counters: dict[str, int]  # "<kind>|<cause>" -> count
     gate: dict[str, GateLast]  # check -> its last result
+    out: dict[str, OutDoc]  # node -> in a drain of ours since (seen by its own agent)
 
 
 def path_for(state_dir_template: str, node: str) -> str:
@@ -64,7 +90,7 @@ def label(text: str, limit: int = 40) -> str:
 
 
 def empty() -> EventsDoc:
-    return {"counters": {}, "gate": {}}
+    return {"counters": {}, "gate": {}, "out": {}}
 
 
 def read(path: str) -> EventsDoc:
@@ -95,6 +121,15 @@ def read(path: str) -> EventsDoc:
             doc["gate"][str(check)] = {"result": str(last.get("result", "unknown")),
                                        "kind": str(last.get("kind", "")),
                                        "at": float(at or 0.0)}
+    out = data.get("out")
+    if isinstance(out, dict):
+        for node, o in out.items():
+            since = o.get("since") if isinstance(o, dict) else None
+            if not isinstance(o, dict) or not _number(since) or since is None:
+                dropped += 1
+                continue
+            doc["out"][str(node)] = {"cause": label(str(o.get("cause", ""))),
+                                     "since": float(since)}
     if dropped:
         log.warning("metrics: events file has values of the wrong type; dropped them",
                     path=path, dropped=dropped)
@@ -105,7 +140,8 @@ def _number(value: object) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
-def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None = None) -> None:
+def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None = None,
+            out: tuple[str, OutDoc | None] | None = None) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o755, exist_ok=True)
     lock_fd = os.open(os.path.join(directory, f".{FILENAME}.lock"),
@@ -125,6 +161,12 @@ def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None 
                 log.warning("metrics: too many counters; not counting", key=key)
         if gate:
             doc["gate"].update(gate)
+        if out is not None:
+            node, now_out = out
+            if now_out is None:
+                doc["out"].pop(node, None)
+            elif node not in doc["out"]:  # the first sighting stays
+                doc["out"][node] = now_out
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)
@@ -158,6 +200,22 @@ def gate_results(path: str, kind: str, results: dict[str, str], now: float | Non
                  for c, r in results.items()})
     except OSError as exc:
         log.warning("metrics: couldn't record gate results", path=path, error=str(exc))
+
+
+def observe_drain(path: str, node: str, cause: str | None, now: float) -> None:
+    """The node's own agent looked at it in Slurm: in a drain of ours with ``cause``, or
+    not (None). Keeps since when it is out (the first sighting; reasons we re-set on each
+    health-check pass don't move it); writes only on a change; never raises."""
+    if not path:
+        return
+    try:
+        known = read(path)["out"].get(node)
+        if (known is None) == (cause is None):
+            return
+        _update(path, {}, out=(node, None if cause is None else
+                               {"cause": label(cause), "since": now}))
+    except (OSError, ValueError) as exc:
+        log.warning("metrics: couldn't record the node's drain", path=path, error=str(exc))
 
 
 def cause_of(reason: str, prefix: str) -> str:

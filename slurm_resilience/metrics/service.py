@@ -289,6 +289,7 @@ class MetricsService:
                     f"cluster-wide, {spent} of {hb.budget_per_user_per_hour} for user {user})")
             log.warning("stragglers: a suspect, reported, not taken out of service",
                         node=self.node, note=note)
+            events.count(self.sources.events_path, events.BUDGET, "straggler")
             return f"not drained: {note}"
         reason = policy.suspect_reason(job_id, user, now, what)
         try:

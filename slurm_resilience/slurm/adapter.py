@@ -215,10 +215,13 @@ class SlurmAdapter:
         """Drain ``name`` with our prefixed reason; returns the reason set.
 
         An existing drain by someone else is left as it is (their reason is not
-        overwritten): :class:`ForeignDrain` is raised instead.
+        overwritten): :class:`ForeignDrain` is raised instead. Counted as a drain only when
+        the node goes into our drain: a node already out with one of our reasons (a hook
+        or health check draining again at each pass) gets the new reason, not a count.
         """
         node = self.show_node(name)
-        if (node.drained or node.down) and node.reason and not self.ours(node.reason):
+        out = node.drained or node.down
+        if out and node.reason and not self.ours(node.reason):
             raise ForeignDrain("drain", f"{name} already drained by {node.reason_user or '?'}: "
                                         f"{node.reason!r}; leaving it")
         text = self.with_prefix(reason)
@@ -226,8 +229,11 @@ class SlurmAdapter:
             return text
         self._run("drain node", ["scontrol", "update", f"NodeName={name}", "State=DRAIN",
                                  f"Reason={text}"])
-        log.warning("node drained", target=name, reason=text)
-        self._count("drain", text)
+        if out and self.ours(node.reason):
+            log.info("node drained again", target=name, reason=text, previous=node.reason)
+        else:
+            log.warning("node drained", target=name, reason=text)
+            self._count("drain", text)
         return text
 
     def resume(self, name: str) -> bool:
@@ -320,8 +326,11 @@ class SlurmAdapter:
         log.warning("job requeued", job_id=str(job_id))
         self._count("requeue", "hang")
 
-    def requeue_hold(self, job_id: int | str, reason: str = "") -> None:
-        """Requeue and hold; a human (or :meth:`release`) must let it go."""
+    def requeue_hold(self, job_id: int | str, reason: str = "", *, released: bool = False
+                     ) -> None:
+        """Requeue and hold; a human (or :meth:`release`) must let it go. ``released``: the
+        caller releases it next (held only while its exclusions are set), so it is counted
+        as a requeue, not a hold."""
         jid = _check_job_id(job_id)
         if self._would("hold", f"job {jid}", reason or "requeue held"):
             return
@@ -329,7 +338,7 @@ class SlurmAdapter:
         if reason:
             self.set_admin_comment(jid, reason)
         log.warning("job requeued held", job_id=jid, reason=reason)
-        self._count("hold", "hang")
+        self._count("requeue" if released else "hold", "hang")
 
     def cancel(self, job_id: int | str) -> None:
         """Cancel a job (e.g. a hung ``--no-requeue`` job, when the policy says so)."""

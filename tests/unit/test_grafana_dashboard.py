@@ -22,6 +22,7 @@ from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
+from slurm_resilience.stragglers.nodes import Verdict
 from slurm_resilience.stragglers.record import StragglerRecord
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "conf" / "grafana-dashboard.json"
@@ -36,6 +37,7 @@ def exported(tmp_path: Path) -> set[str]:
     for kind in events.KINDS:
         events.count(ev, kind, "x")
     events.gate_results(ev, "prolog", {"gpu": "fail"})
+    events.observe_drain(ev, "n1", "health", 1.0)
     nccl = str(tmp_path / nccl_cache.FILENAME)
     nccl_cache.store(nccl, {"verdict": "pass", "variants": [
         {"variant": "nvlink", "busbw_gbps": {"1": 1.0}, "expected_gbps": 1.0}]}, boot="b")
@@ -43,6 +45,7 @@ def exported(tmp_path: Path) -> set[str]:
     watch = StepWatch(lambda: cfg.stragglers, "n1", StragglerRecord(str(tmp_path / "s.json")),
                       lambda: 1e6)
     feed(watcher, watch, 7, 80, slow_rank=1)  # type: ignore[arg-type]
+    watch.named_node[7] = Verdict(7, "n1", "n0", 1.3, 1.0)  # named by the job's judge
     ledger = Ledger(str(tmp_path / "goodput"))
     ledger.observe(list(watcher.jobs.values()), 1e9)  # type: ignore[arg-type]
     saves = SaveBook()
@@ -91,3 +94,23 @@ def test_the_panels_operators_asked_for_are_there() -> None:
             "Stragglers and step time", "Checkpoints"} <= rows
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_panels_name_nodes_and_cover_stragglers_staleness_nccl_and_up() -> None:
+    """No legend shows a scrape address (nodes are named by joining agent_info), and the
+    straggler-node, gate-staleness, NCCL-test and agents-up panels are there."""
+    dash = json.loads(DASHBOARD.read_text())
+    legends = [(p["title"], t["legendFormat"]) for p in dash["panels"]
+               for t in p.get("targets", [])]
+    assert not [x for x in legends if "{{instance}}" in x[1]], legends
+    exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", []))
+             for p in dash["panels"]}
+    for title, metric in (("Straggler nodes (slower than the rest of their job)",
+                           "job_straggler_node_slowdown_ratio"),
+                          ("Gate staleness (since the last run)", "gate_check_last_run_timestamp"),
+                          ("NCCL test passed", "nccl_test_passed"),
+                          ("Agents up, by node", " up"),
+                          ("Nodes in our drain, for how long", "node_our_drain_since")):
+        assert metric in exprs.get(title, ""), title
+        assert "group_left (node) slurm_resilience_agent_info" in exprs[title] or \
+            "by (instance, job, node)" in exprs[title], title

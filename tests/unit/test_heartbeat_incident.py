@@ -505,6 +505,30 @@ def test_a_suspect_that_passes_verification_returns_to_service(tmp_path: Path) -
     assert slurm.node_reason == "" and watch.last["outcome"] == "returned to service"
 
 
+def test_the_agent_keeps_since_when_its_node_is_in_our_drain(tmp_path: Path) -> None:
+    """Each look at the node records the first time it was seen in our drain (kept while a
+    health-check pass sets its reason again, as the drained-too-long alert needs) and
+    forgets it once the node is back."""
+    from slurm_resilience.metrics import events
+
+    slurm = SlurmStandIn(node_reason="SR: health: gpu3 XID 79")
+    watch = _suspect_watch(tmp_path, slurm)
+    watch.adapter.events_path = str(tmp_path / events.FILENAME)
+    watch.poll()
+    first = events.read(watch.adapter.events_path)["out"]
+    assert list(first) == ["node1"] and first["node1"]["cause"] == "health"
+    slurm.node_reason = "SR: health: gpu3 XID 79 (+1 more)"
+    watch.clock.sleep(3600)  # type: ignore[attr-defined]
+    watch.poll()
+    assert events.read(watch.adapter.events_path)["out"] == first
+    slurm.node_reason = ""
+    watch.poll()
+    assert events.read(watch.adapter.events_path)["out"] == {}
+    slurm.node_reason = "someone else's maintenance"
+    watch.poll()
+    assert events.read(watch.adapter.events_path)["out"] == {}
+
+
 def test_a_suspect_failing_verification_is_drained_naming_the_check(tmp_path: Path) -> None:
     """A failed loopback test drains the node with the check, measured against expected."""
     slurm = SlurmStandIn(node_reason=SUSPECT)

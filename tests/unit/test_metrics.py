@@ -22,7 +22,12 @@ from slurm_resilience.agent.daemon import Agent
 from slurm_resilience.agent.service import AgentContext
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.metrics import events
-from slurm_resilience.metrics.collector import AgentCollector, AgentSources
+from slurm_resilience.metrics.collector import (
+    EVENT_FAMILIES,
+    GATE_RESULTS,
+    AgentCollector,
+    AgentSources,
+)
 from slurm_resilience.metrics.service import MetricsService, write_textfile
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -103,6 +108,53 @@ esac; done
     assert doc["counters"] == {"drain|nccl": 1, "resume|nccl": 1, "requeue|hang": 1}
 
 
+def test_a_drain_counts_a_node_going_into_our_drain_not_each_call(tmp_path: Path) -> None:
+    """Draining a node already in our drain (each health-check pass, another reason of ours)
+    changes the reason without a count; after a resume the next drain counts again; a
+    requeue-hold the plan releases counts as a requeue, one it leaves held as a hold."""
+    from slurm_resilience.heartbeat import actions
+    from slurm_resilience.heartbeat.actions import Clocked, Step, StepKind
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "reason"
+    state.write_text("")
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then echo "slurm 22.05.8"; exit 0; fi
+if [ "$1 $2" = "show node" ]; then
+  r=$(cat {state})
+  if [ -n "$r" ]; then st=IDLE+DRAIN; else st=IDLE; fi
+  echo "NodeName=$3 State=$st Reason=$r"
+  exit 0
+fi
+if [ "$1 $2" = "show job" ]; then
+  echo "JobId=$3 JobName=t UserId=alice(1000) JobState=RUNNING Restarts=0 NodeList=n1"
+  exit 0
+fi
+for a in "$@"; do case "$a" in
+  Reason=*) printf %s "${{a#Reason=}}" > {state};;
+  State=RESUME) : > {state};;
+esac; done
+""")
+    scontrol.chmod(0o755)
+    adapter = SlurmAdapter(bin_dir=str(bin_dir))
+    adapter.events_path = str(tmp_path / events.FILENAME)
+    for _ in range(5):  # HealthCheckProgram passes on a node that stays bad
+        adapter.drain("n1", "health: gpu3 XID 79")
+    adapter.drain("n1", "nccl: busbw 10 GB/s < 40")  # ours already: a new reason, no count
+    assert events.read(adapter.events_path)["counters"] == {"drain|health": 1}
+    assert adapter.resume("n1")
+    adapter.drain("n1", "health: gpu3 XID 79")
+    clock = Clocked(lambda: 0.0, lambda s: None)
+    requeue = (Step(StepKind.REQUEUE_HOLD, text="c"), Step(StepKind.EXCLUDE, nodes=("n2",)),
+               Step(StepKind.RELEASE))
+    actions.execute(adapter, 7, 0, requeue, 0, 60.0, clock, lambda i: None)
+    actions.execute(adapter, 8, 0, requeue[:2], 0, 60.0, clock, lambda i: None)
+    assert events.read(adapter.events_path)["counters"] == {
+        "drain|health": 2, "resume|nccl": 1, "requeue|hang": 1, "hold|hang": 1}
+
+
 # -- the collector ------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -134,10 +186,14 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
     events.count(sources.events_path, events.REQUEUE, "hang")
     events.count(sources.events_path, events.HOLD, "hang")
     events.gate_results(sources.events_path, "prolog", {"gpu": "fail", "xid": "ok"}, now=7.0)
+    events.observe_drain(sources.events_path, "n1", "health", 5.0)
+    events.observe_drain(sources.events_path, "n1", "health", 9.0)  # still the first sighting
     nccl_cache.store(sources.nccl_path, {
         "verdict": "pass", "finished_at": 99.0, "variants": [
-            {"variant": "nvlink", "busbw_gbps": {"1048576": 10.0, "268435456": 150.5},
-             "expected_gbps": 120.0}]}, boot="b")
+            {"variant": "nvlink", "verdict": "pass",
+             "busbw_gbps": {"1048576": 10.0, "268435456": 150.5}, "expected_gbps": 120.0},
+            {"variant": "nvls", "verdict": "fail", "busbw_gbps": {}, "expected_gbps": None}]},
+        boot="b")
     agent.tick_failures["heartbeat"] = 2
     feed(watcher, watch, 7, 120, slow_rank=5)
     release = threading.Event()
@@ -159,9 +215,12 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
         (P + "gate_check_last_result", (("check", "gpu"), ("result", "fail"))): 1,
         (P + "gate_check_last_result", (("check", "gpu"), ("result", "ok"))): 0,
         (P + "gate_check_last_run_timestamp_seconds", (("check", "xid"),)): 7.0,
+        (P + "node_our_drain_since_timestamp_seconds", (("cause", "health"),)): 5.0,
         (P + "nccl_bus_bandwidth_bytes_per_second", (("variant", "nvlink"),)): 150.5e9,
         (P + "nccl_bus_bandwidth_threshold_bytes_per_second", (("variant", "nvlink"),)): 120e9,
-        (P + "nccl_test_passed", ()): 1,
+        (P + "nccl_test_passed", (("variant", "all"),)): 1,
+        (P + "nccl_test_passed", (("variant", "nvlink"),)): 1,
+        (P + "nccl_test_passed", (("variant", "nvls"),)): 0,
         (P + "jobs_watched", ()): 1,
         (P + "job_ranks", (("job_id", "7"),)): 8,
         (P + "job_straggler_ranks", (("job_id", "7"),)): 1,
@@ -182,6 +241,42 @@ def test_every_family_from_the_agent_state_and_promtool_is_clean(tmp_path: Path,
     p50 = got[(P + "job_step_time_p50_seconds", (("job_id", "7"),))]
     p95 = got[(P + "job_step_time_p95_seconds", (("job_id", "7"),))]
     assert 0.9 < p50 < 1.1 < p95
+
+
+def test_every_known_label_value_of_a_counter_starts_at_zero(tmp_path: Path) -> None:
+    """Before any event, each counter family has a 0 series for every cause, decision and
+    gate check/result it can count, so increase() sees the first event."""
+    registry, _, _, sources = collector_for(tmp_path)
+    got = samples(generate_latest(registry).decode())
+    P = "slurm_resilience_"
+    for kind, (name, _, label) in EVENT_FAMILIES.items():
+        for cause in events.KNOWN_CAUSES[kind]:
+            assert got.get((f"{P}{name}_total", ((label, cause),))) == 0, (name, cause)
+    for check in events.KNOWN_CAUSES[events.GATE]:
+        for result in GATE_RESULTS:
+            key = (P + "gate_check_results_total", (("check", check), ("result", result)))
+            assert got.get(key) == 0, key
+    events.count(sources.events_path, events.DRAIN, "nccl")
+    events.gate_results(sources.events_path, "prolog", {"newcheck": "warn"}, now=1.0)
+    got = samples(generate_latest(registry).decode())
+    assert got[(P + "node_drains_total", (("cause", "nccl"),))] == 1
+    assert got[(P + "node_drains_total", (("cause", "health"),))] == 0
+    assert got[(P + "gate_check_results_total", (("check", "newcheck"), ("result", "fail")))] == 0
+
+
+def test_the_known_label_values_are_the_ones_the_suite_counts() -> None:
+    """The causes kept beside the events file name the gate's checks, the hang decisions
+    that are counted and the owners of the hooks' steps."""
+    from slurm_resilience.health import gate
+    from slurm_resilience.health import steps as health_steps
+    from slurm_resilience.heartbeat import steps as heartbeat_steps
+    from slurm_resilience.heartbeat.records import Action
+    from slurm_resilience.nccl import steps as nccl_steps
+
+    assert events.KNOWN_CAUSES[events.GATE] == gate.CHECKS
+    assert set(events.KNOWN_CAUSES[events.INCIDENT]) == {a.value for a in Action} - {"skip"}
+    assert {health_steps.STEP, nccl_steps.STEP, heartbeat_steps.STEP, "checkpoint", "hooks",
+            "hang", "hang_suspect", "other"} == set(events.DRAIN_CAUSES)
 
 
 def test_per_job_series_end_with_the_job(tmp_path: Path) -> None:

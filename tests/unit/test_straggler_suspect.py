@@ -20,6 +20,7 @@ from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.heartbeat import detect, jobrecord, policy
 from slurm_resilience.heartbeat.localpiece import JobView
 from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
+from slurm_resilience.metrics import events
 from slurm_resilience.metrics.service import MetricsService
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -200,6 +201,7 @@ def test_the_per_user_hang_budget_applies(tmp_path: Path) -> None:
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")  # tips it, and bob's hourly budget is spent
     assert ctl.drains == []
+    assert events.read(svc.sources.events_path)["counters"]["budget|straggler"] == 1
     straggle(svc, 13, "carol")  # carol's is not
     assert len(ctl.drains) == 1 and "job 13 user carol" in ctl.drains[0]
 
