@@ -12,14 +12,11 @@ import sys
 from pathlib import Path
 
 import yaml
-from test_grafana_dashboard import NAME, exported
+from agent_metrics import NAME, exported
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "conf" / "prometheus-rules.yml"
 RULES_TEST = Path(__file__).with_name("prometheus-rules.test.yml")
-# Exported by the agent where the configuration check lands (the rule is written on it);
-# checked like the others as soon as the agent exports it.
-FROM_THE_CONFIG_CHECK = {"slurm_resilience_config_valid"}
 WANTED = {"SlurmResilienceAgentDown", "SlurmResilienceGateStale", "SlurmResilienceConfigInvalid",
           "SlurmResilienceNodeDrainedLong", "SlurmResilienceNcclGateFailing",
           "SlurmResilienceUploadBacklogGrowing", "SlurmResilienceJobGoodputLow",
@@ -63,7 +60,7 @@ def test_every_rule_names_exported_metrics_and_the_node(tmp_path: Path) -> None:
     for rule in rules():
         used = set(NAME.findall(rule["expr"]))
         assert used, rule["alert"]
-        missing = used - names - (FROM_THE_CONFIG_CHECK - names)
+        missing = used - names
         assert not missing, (rule["alert"], missing)
         if rule["alert"] != "SlurmResilienceJobGoodputLow":  # a job's, over its nodes
             assert re.search(r"group_left \(node\)|by \(instance, job, node\)", rule["expr"]), \
