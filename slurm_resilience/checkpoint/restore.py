@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
 from slurm_resilience.checkpoint.commit import CheckpointError, step_name
+from slurm_resilience.checkpoint.deadline import endpoint_name
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
 from slurm_resilience.checkpoint.journal import (
     FallbackDoc,
@@ -40,7 +41,8 @@ def policy(cfg: Config) -> StageinPolicy:
     ck = cfg.checkpoint
     return StageinPolicy(retry_s=ck.stagein_retry_s, intent_wait_s=ck.stagein_intent_wait_s,
                          intent_fallback=ck.stagein_intent_fallback,
-                         poll_s=min(2.0, max(0.1, ck.stagein_intent_wait_s / 10)))
+                         poll_s=min(2.0, max(0.1, ck.stagein_intent_wait_s / 10)),
+                         endpoint=endpoint_name(ck.s3_endpoint, ck.s3_region))
 
 
 def make_fetcher(cfg: Config, s3: Callable[[], S3]) -> RangeFetcher:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -35,6 +35,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
+from slurm_resilience.checkpoint.deadline import DeadlineExceeded, endpoint_name, run_within
 from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
 from slurm_resilience.checkpoint.prefix import S3Uri
@@ -52,6 +53,7 @@ log = get_logger("checkpoint.stagein")
 T = TypeVar("T")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
 METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and written
+FIRST_ATTEMPT_S = 1.0  # the least a bounded operation's first attempt gets (retry_s may be 0)
 
 
 def remote_steps(s3: S3, uri: S3Uri) -> dict[int, dict[str, int]]:
@@ -191,6 +193,7 @@ class StageinPolicy:
     intent_wait_s: float = 600.0
     intent_fallback: bool = False
     poll_s: float = 2.0
+    endpoint: str = ""  # how errors name the S3 endpoint (deadline.endpoint_name)
 
 
 @dataclass(frozen=True)
@@ -246,18 +249,33 @@ def list_run(s3: S3, uri: S3Uri) -> RunListing:
     return RunListing(committed, {s: v for s, v in uploading.items() if v})
 
 
-def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock) -> T:
+def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock, *,
+             bounded: bool = True) -> T:
     """``fn`` retried on transient S3 errors for up to ``policy.retry_s``; then StageinFailed.
 
     A transient error (5xx, SlowDown, a timeout, a refused connection) says nothing
-    about the step's content, so it is never taken for corruption.
+    about the step's content, so it is never taken for corruption. ``bounded``: the
+    whole operation, a hung request included, ends by that deadline (the first attempt
+    gets at least :data:`FIRST_ATTEMPT_S`); a whole-step download passes False and is
+    bounded by each request's timeouts instead.
     """
     deadline = clock.monotonic() + policy.retry_s
     delay = 0.5
+    last: TransientS3Error | None = None
     while True:
+        limit = max(deadline - clock.monotonic(), 0.0 if last else FIRST_ATTEMPT_S)
         try:
-            return fn()
+            if limit <= 0 and last is not None:
+                raise last
+            return run_within(fn, limit, name=f"s3 {what}"[:60]) if bounded else fn()
+        except DeadlineExceeded:
+            raise StageinFailed(
+                f"checkpoint: stage-in: couldn't {what}: no answer from S3 endpoint "
+                f"{policy.endpoint or '(checkpoint.s3_endpoint)'} within "
+                f"{max(policy.retry_s, FIRST_ATTEMPT_S):g}s (checkpoint.stagein_retry_s; "
+                "each request waits up to checkpoint.request_timeout_s)") from None
         except TransientS3Error as exc:
+            last = exc
             left = deadline - clock.monotonic()
             if left <= 0:
                 raise StageinFailed(
@@ -306,6 +324,9 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     uploading runs out): true takes the newest complete older step, loudly.
     """
     policy = policy or StageinPolicy()
+    if s3 is not None and not policy.endpoint:
+        policy = replace(policy, endpoint=endpoint_name(s3.settings.endpoint,
+                                                        s3.settings.region))
     clock = clock or SystemClock()
     local = committed_steps_at(job_fd)
     fallbacks: list[Fallback] = []
@@ -502,7 +523,8 @@ def _stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: i
         if _local_incomplete(job_fd, step, uid) is None:
             return remote, "whole", 0
         retrying(f"download step {step}",
-                 lambda: download_step(s3, uri, step, job_fd, uid, gid), policy, clock)
+                 lambda: download_step(s3, uri, step, job_fd, uid, gid), policy, clock,
+                 bounded=False)
         verify_step_at(job_fd, step, uid, need_all=True)
         return remote, "whole", small + sum(m.total_bytes for m in manifests.values())
     meta = next(f for f in manifests[0].files if f.path == METADATA)
