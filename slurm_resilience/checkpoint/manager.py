@@ -193,7 +193,8 @@ class CheckpointManager:
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
                   allow_fresh_start=allow_fresh, allow_older_step=allow_older)
         if uri is not None and agent_socket is not None and job_id is not None:
-            mgr._register()
+            mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
+                          cfg.agent.request_timeout_s)
         return mgr
 
     def _make_group(self, timeout_s: float) -> Any:
@@ -208,20 +209,19 @@ class CheckpointManager:
         """The gloo group checkpoints use (pass it as ``process_group=`` to dcp calls)."""
         return self._group
 
-    def _register(self) -> None:
-        from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+    def _register(self, node: str, policy: str, timeout_s: float) -> None:
+        """Once per job: each node's local leader registers the URI; every rank learns
+        which agents can't be reached and raises or warns alike (agent_link.py)."""
+        from slurm_resilience.checkpoint.agent_link import Registration, connect
 
-        assert self.agent_socket is not None
-        try:
-            call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0, allow_older_step=self.allow_older_step)
-        except AgentRefused as exc:
-            raise CheckpointError(str(exc)) from None
-        except AgentUnavailable as exc:
-            print(f"checkpoint: register: couldn't reach the node agent ({exc}); checkpoints "
-                  "stay on this node and nothing is staged in", file=sys.stderr)
+        assert self.agent_socket is not None and self.job_id is not None and self.uri
+        reg = Registration(self.agent_socket, self.job_id, self.uri, self.allow_older_step,
+                           timeout_s)
+        lost = connect(reg, node=node, leader=self.local_leader, group=self._group,
+                       policy=policy)
+        if lost:  # this node's checkpoints stay here; load_latest says why it can't restore
             self.agent_socket = None
-            self._agent_lost = str(exc)
+            self._agent_lost = lost
 
     def _all_max(self, values: list[int]) -> list[int]:
         """Element-wise max of ``values`` over all ranks (our own group)."""

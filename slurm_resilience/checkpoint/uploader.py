@@ -99,6 +99,19 @@ MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
 
 
+MAX_NODE_NAMES = 64  # in one ckpt.register's unreachable_nodes
+
+
+def node_names(raw: object) -> list[str]:
+    """A request's list of node names, checked and bounded (a user sends it)."""
+    if not isinstance(raw, list) or len(raw) > MAX_NODE_NAMES or not all(
+            isinstance(n, str) and 0 < len(n) <= 64 and n.isprintable() and " " not in n
+            for n in raw):
+        raise RequestError(f"unreachable_nodes must be a list of at most {MAX_NODE_NAMES} "
+                           "node names")
+    return sorted(set(raw))
+
+
 class SaveSuperseded(CheckpointError):
     """Another save of the step owns it in S3 (committed it, or a newer save is under
     way): this upload stops before writing anything more."""
@@ -238,6 +251,7 @@ class Uploader:
         if not isinstance(allow_older, bool):
             raise RequestError(f"allow_older_step must be true or false, got "
                                f"{str(allow_older)[:40]!r}")
+        lost = node_names(request.get("unreachable_nodes", []))
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
@@ -259,6 +273,13 @@ class Uploader:
                 if si.get("state") == StageinState.FAILED and \
                         si.get("still_uploading") is not None:
                     rec["stagein"] = {"state": StageinState.PENDING}
+            if lost and lost != rec.get("unreachable_nodes"):
+                # The job's word, about its own run only: shown, never acted on.
+                rec["unreachable_nodes"] = lost
+                log.error("checkpoint: the job's ranks couldn't reach the node agent on other "
+                          "nodes; checkpoints saved there stay there and no step of the run "
+                          "commits in S3 until those agents return", job_id=rec["job_id"],
+                          nodes=lost, uri=str(run))
             self.journal.write(rec)
             if rec["stagein"].get("state") == "pending":
                 self._start_stagein(rec)
@@ -271,7 +292,8 @@ class Uploader:
             failed = {str(k): v for k, v in failed_steps(rec).items()}
             error = rec.get("error")
         return {"ok": True, **answer, "failed": failed, "upload_error": error,
-                "fetch": self.fetcher.stats(int(rec["job_id"]))}
+                "fetch": self.fetcher.stats(int(rec["job_id"])),
+                "unreachable_nodes": list(rec.get("unreachable_nodes") or [])}
 
     def on_fetch(self, request: Request, peer: Peer) -> Response:
         """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""

@@ -47,6 +47,9 @@ EVENT_FAMILIES = {
                       "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
+    events.CKPT_AGENT: ("checkpoint_agent_unreachable", "jobs with checkpoint staging whose "
+                        "prolog or epilog couldn't reach this node's agent (no stage-in, no "
+                        "upload)", "hook"),
 }
 
 
@@ -292,6 +295,9 @@ class AgentCollector(Collector):
                            "stage-in took", ["job_id"]),
             "si_b": _gauge("checkpoint_stagein_bytes", "bytes the job's last stage-in "
                            "fetched", ["job_id"]),
+            "lost": _gauge("checkpoint_unreachable_agent_nodes", "the job's other nodes whose "
+                           "agent its ranks couldn't reach (their checkpoints never reach S3)",
+                           ["job_id"]),
         }
         for job_id, row in rows:
             for key, value in row.items():
@@ -347,7 +353,8 @@ class AgentCollector(Collector):
         si_b = float(si.get("fetched_bytes") or 0) if si.get("state") == "done" else None
         return job_id, {"steps": len(pending), "bytes": backlog,
                         "failed": len(failed_steps(rec)), "latency": latency,
-                        "committed": last_commit, "si_s": si_s, "si_b": si_b}
+                        "committed": last_commit, "si_s": si_s, "si_b": si_b,
+                        "lost": len(rec.get("unreachable_nodes") or [])}
 
     # -- NCCL ------------------------------------------------------------------------------------
 

@@ -40,7 +40,8 @@ CANCEL = "cancel"
 INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER)
+CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, CKPT_AGENT)
 
 
 class GateLast(TypedDict):
