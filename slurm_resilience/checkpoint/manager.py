@@ -210,15 +210,14 @@ class CheckpointManager:
         return self._group
 
     def _register(self, node: str, policy: str, timeout_s: float) -> None:
-        """Once per job: each node's local leader registers the URI; every rank learns
+        """Once per job: one rank of each node registers the URI; every rank learns
         which agents can't be reached and raises or warns alike (agent_link.py)."""
         from slurm_resilience.checkpoint.agent_link import Registration, connect
 
         assert self.agent_socket is not None and self.job_id is not None and self.uri
         reg = Registration(self.agent_socket, self.job_id, self.uri, self.allow_older_step,
                            timeout_s)
-        lost = connect(reg, node=node, leader=self.local_leader, group=self._group,
-                       policy=policy)
+        lost = connect(reg, node=node, rank=self.rank, group=self._group, policy=policy)
         if lost:  # this node's checkpoints stay here; load_latest says why it can't restore
             self.agent_socket = None
             self._agent_lost = lost

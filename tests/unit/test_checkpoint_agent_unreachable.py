@@ -154,6 +154,27 @@ def test_every_rank_names_the_node_whose_agent_is_missing(
     assert [t["unreachable_nodes"] for t in told] == [[], ["n2"]]
 
 
+def _one_node(rank: int, world: int, job: Path) -> None:
+    """Both ranks run on n1, whose agent is there."""
+    mgr = CheckpointManager.from_env(_env(job.parent, "n1", "", conf=job.parent / "c.yaml"))
+    (job.parent / f"out-{rank}").write_text(json.dumps({"socket": mgr.agent_socket}))
+
+
+def test_a_node_registers_once_whatever_its_ranks_local_rank_says(
+        tmp_path: Path, n1_agent: tuple[AgentServer, list[dict[str, Any]]]) -> None:
+    """Two ranks on one node (both claiming LOCAL_RANK 0) make one ckpt.register: the
+    agent is asked once per node, not once per rank."""
+    import dcp_ranks
+
+    _env(tmp_path, "n1", f"{tmp_path}/{{node}}/agent.sock")  # the config
+    assert dcp_ranks.run_ranks(_one_node, 2, tmp_path) == [0, 0]
+    sock = str(tmp_path / "n1" / "agent.sock")
+    assert [json.loads((tmp_path / f"out-{r}").read_text())["socket"] for r in (0, 1)] == \
+        [sock, sock]
+    _, told = n1_agent
+    assert len(told) == 1 and told[0]["job_id"] == JOB and told[0]["uri"] == URI
+
+
 # -- the reachable agent's side ---------------------------------------------------------------
 
 ROOT = Peer(pid=1, uid=0, gid=0)
