@@ -438,7 +438,8 @@ class CheckpointManager:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
-                                      "stagein_timeout_s)")
+                                      "stagein_timeout_s); what it waits for: "
+                                      f"slurm-resilience ckpt status {self.job_id}")
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

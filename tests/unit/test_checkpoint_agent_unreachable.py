@@ -207,3 +207,22 @@ def test_the_reachable_agent_shows_the_missing_nodes(tmp_path: Path, s3: S3,
     said = events_saying(events, "couldn't reach the node agent on other nodes")
     assert len(said) == 1 and said[0]["level"] == "error" and said[0]["nodes"] == ["n2", "n3"]
     up.close()
+
+
+def test_ckpt_status_on_a_node_without_its_agent_says_its_checkpoints_stay_there(
+        tmp_path: Path) -> None:
+    """ckpt status asked of a node whose agent can't be reached says that the job's
+    checkpoints there are not uploaded, naming the node and the cause."""
+    import argparse
+
+    from slurm_resilience.checkpoint.cli import run_status
+
+    env = _env(tmp_path, "n7", f"{tmp_path}/{{node}}/agent.sock")
+    args = argparse.Namespace(config=env["SLURM_RESILIENCE_CONFIG"], node="n7", job_id=JOB,
+                              json=False)
+    with pytest.raises(CheckpointError) as err:
+        run_status(args)
+    msg = str(err.value)
+    assert msg.startswith("checkpoint: status: the agent on n7 can't be reached (agent: "
+                          f"couldn't reach {tmp_path}/n7/agent.sock: "), msg
+    assert f"job {JOB}'s checkpoints on n7 are not uploaded to S3" in msg
