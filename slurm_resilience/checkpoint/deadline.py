@@ -18,23 +18,41 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "s3_operation_deadline", default=None)
+class _Budget:
+    """The deadline of the operation running in this context, and its last failure (set
+    by the worker, read by the caller that gave up on it)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.last_error = ""
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
+    "s3_operation_budget", default=None)
 
 
 class DeadlineExceeded(Exception):
-    """The operation had no result when its limit ran out (it may still be running)."""
+    """The operation had no result when its limit ran out (it may still be running);
+    ``last_error``: the failure its latest attempt reported, "" when none did (no answer)."""
 
     def __init__(self, limit_s: float, last_error: str = ""):
-        super().__init__(f"no answer within {limit_s:g}s")
+        super().__init__(f"no result within {limit_s:g}s"
+                         + (f"; last error: {last_error}" if last_error else ": no answer"))
         self.limit_s = limit_s
         self.last_error = last_error
 
 
 def seconds_left() -> float | None:
     """Seconds left before the current operation's deadline; None when it has none."""
-    deadline = _DEADLINE.get()
-    return None if deadline is None else deadline - time.monotonic()
+    budget = _BUDGET.get()
+    return None if budget is None else budget.deadline - time.monotonic()
+
+
+def note_failure(error: str) -> None:
+    """Record an attempt's failure for the caller, should it give up on the operation."""
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.last_error = error
 
 
 def run_within(fn: Callable[[], T], limit_s: float, name: str = "s3-op") -> T:
@@ -44,9 +62,10 @@ def run_within(fn: Callable[[], T], limit_s: float, name: str = "s3-op") -> T:
     error: list[BaseException] = []
     done = threading.Event()
     ctx = contextvars.copy_context()
+    budget = _Budget(time.monotonic() + limit_s)
 
     def bounded() -> T:
-        _DEADLINE.set(time.monotonic() + limit_s)
+        _BUDGET.set(budget)
         return fn()
 
     def work() -> None:
@@ -59,7 +78,7 @@ def run_within(fn: Callable[[], T], limit_s: float, name: str = "s3-op") -> T:
 
     threading.Thread(target=work, name=name, daemon=True).start()
     if not done.wait(limit_s):
-        raise DeadlineExceeded(limit_s)
+        raise DeadlineExceeded(limit_s, budget.last_error)
     if error:
         raise error[0]
     return value[0]

@@ -45,7 +45,7 @@ from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 from slurm_resilience.checkpoint.crc_combine import combine_parts
-from slurm_resilience.checkpoint.deadline import endpoint_name, seconds_left
+from slurm_resilience.checkpoint.deadline import endpoint_name, note_failure, seconds_left
 from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.checkpoint.journal import FileDoc, PartDoc
 from slurm_resilience.log import get_logger
@@ -264,6 +264,7 @@ class S3:
                 if not is_transient(exc):
                     raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}"
                                            f"{_http_status(exc)}") from exc
+                note_failure(str(exc))
                 sleep = min(delay, s.retry_max_s) * random.uniform(0.5, 1.0)  # noqa: S311
                 left = seconds_left()  # an operation's total deadline (deadline.py)
                 if attempt == s.attempts or (left is not None and left <= sleep):

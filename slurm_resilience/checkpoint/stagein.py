@@ -268,12 +268,17 @@ def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock
             if limit <= 0 and last is not None:
                 raise last
             return run_within(fn, limit, name=f"s3 {what}"[:60]) if bounded else fn()
-        except DeadlineExceeded:
+        except DeadlineExceeded as exc:
+            endpoint = policy.endpoint or "(checkpoint.s3_endpoint)"
+            window = f"{max(policy.retry_s, FIRST_ATTEMPT_S):g}s (checkpoint.stagein_retry_s"
+            if exc.last_error:  # attempts failed, the last one past the deadline
+                raise StageinFailed(
+                    f"checkpoint: stage-in: couldn't {what}: S3 unreachable or overloaded for "
+                    f"{window}) at S3 endpoint {endpoint}: {exc.last_error}") from None
             raise StageinFailed(
                 f"checkpoint: stage-in: couldn't {what}: no answer from S3 endpoint "
-                f"{policy.endpoint or '(checkpoint.s3_endpoint)'} within "
-                f"{max(policy.retry_s, FIRST_ATTEMPT_S):g}s (checkpoint.stagein_retry_s; "
-                "each request waits up to checkpoint.request_timeout_s)") from None
+                f"{endpoint} within {window}; each request waits up to "
+                "checkpoint.request_timeout_s)") from None
         except TransientS3Error as exc:
             last = exc
             left = deadline - clock.monotonic()
