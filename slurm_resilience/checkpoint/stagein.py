@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -35,7 +33,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
-from slurm_resilience.checkpoint.deadline import DeadlineExceeded, endpoint_name, run_within
+from slurm_resilience.checkpoint.deadline import endpoint_name
 from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
 from slurm_resilience.checkpoint.prefix import S3Uri
@@ -45,15 +43,18 @@ from slurm_resilience.checkpoint.rootfs import (
     read_step,
     verify_step_at,
 )
-from slurm_resilience.checkpoint.s3 import S3, S3Error, TransientS3Error, error_code
+from slurm_resilience.checkpoint.s3 import S3, S3Error, error_code
+from slurm_resilience.checkpoint.stagein_retry import Clock as Clock
+from slurm_resilience.checkpoint.stagein_retry import StageinFailed as StageinFailed
+from slurm_resilience.checkpoint.stagein_retry import StageinPolicy as StageinPolicy
+from slurm_resilience.checkpoint.stagein_retry import SystemClock as SystemClock
+from slurm_resilience.checkpoint.stagein_retry import retrying as retrying
 from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.stagein")
-T = TypeVar("T")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
 METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and written
-FIRST_ATTEMPT_S = 1.0  # the least a bounded operation's first attempt gets (retry_s may be 0)
 
 
 def remote_steps(s3: S3, uri: S3Uri) -> dict[int, dict[str, int]]:
@@ -158,42 +159,12 @@ def _write_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> Non
         os.close(fd)
 
 
-class StageinFailed(CheckpointError):
-    """A committed step exists (or may exist) but can't be staged in; the message says why."""
-
-
 class StepStillUploading(StageinFailed):
     """The wait for a step still uploading ran out and nothing allowed an older step."""
 
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
-@dataclass(frozen=True)
-class StageinPolicy:
-    """How long stage-in retries S3 and waits for a step still uploading (config keys
-    ``stagein_retry_s``, ``stagein_intent_wait_s``, ``stagein_intent_fallback``)."""
-
-    retry_s: float = 120.0
-    intent_wait_s: float = 600.0
-    intent_fallback: bool = False
-    poll_s: float = 2.0
-    endpoint: str = ""  # how errors name the S3 endpoint (deadline.endpoint_name)
 
 
 @dataclass(frozen=True)
@@ -247,49 +218,6 @@ def list_run(s3: S3, uri: S3Uri) -> RunListing:
     uploading = {s: tuple(sorted(k for k in objs if is_intent(k)))
                  for s, objs in steps.items() if COMMIT not in objs}
     return RunListing(committed, {s: v for s, v in uploading.items() if v})
-
-
-def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock, *,
-             bounded: bool = True) -> T:
-    """``fn`` retried on transient S3 errors for up to ``policy.retry_s``; then StageinFailed.
-
-    A transient error (5xx, SlowDown, a timeout, a refused connection) says nothing
-    about the step's content, so it is never taken for corruption. ``bounded``: the
-    whole operation, a hung request included, ends by that deadline (the first attempt
-    gets at least :data:`FIRST_ATTEMPT_S`); a whole-step download passes False and is
-    bounded by each request's timeouts instead.
-    """
-    deadline = clock.monotonic() + policy.retry_s
-    delay = 0.5
-    last: TransientS3Error | None = None
-    while True:
-        limit = max(deadline - clock.monotonic(), 0.0 if last else FIRST_ATTEMPT_S)
-        try:
-            if limit <= 0 and last is not None:
-                raise last
-            return run_within(fn, limit, name=f"s3 {what}"[:60]) if bounded else fn()
-        except DeadlineExceeded as exc:
-            endpoint = policy.endpoint or "(checkpoint.s3_endpoint)"
-            window = f"{max(policy.retry_s, FIRST_ATTEMPT_S):g}s (checkpoint.stagein_retry_s"
-            if exc.last_error:  # attempts failed, the last one past the deadline
-                raise StageinFailed(
-                    f"checkpoint: stage-in: couldn't {what}: S3 unreachable or overloaded for "
-                    f"{window}) at S3 endpoint {endpoint}: {exc.last_error}") from None
-            raise StageinFailed(
-                f"checkpoint: stage-in: couldn't {what}: no answer from S3 endpoint "
-                f"{endpoint} within {window}; each request waits up to "
-                "checkpoint.request_timeout_s)") from None
-        except TransientS3Error as exc:
-            last = exc
-            left = deadline - clock.monotonic()
-            if left <= 0:
-                raise StageinFailed(
-                    f"checkpoint: stage-in: couldn't {what}: S3 unreachable or overloaded for "
-                    f"{policy.retry_s:.0f}s (checkpoint.stagein_retry_s): {exc}") from None
-            log.warning("stage-in: S3 request failed, retrying", what=what,
-                        retry_in_s=round(min(delay, left), 2), error=str(exc))
-            clock.sleep(min(delay, left))
-            delay = min(delay * 2, 15.0)
 
 
 def _missing(exc: BaseException) -> bool:
