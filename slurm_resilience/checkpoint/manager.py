@@ -342,8 +342,11 @@ class CheckpointManager:
                  step=step, run=run, stall_s=round(stall_s, 6), write_s=round(write_s, 6))
         except (AgentRefused, AgentUnavailable) as exc:
             if not self._save_report_failed:  # once: the training goes on regardless
-                print(f"checkpoint: couldn't report step {step}'s save times to the node "
-                      f"agent ({exc}); its metrics and goodput miss them", file=sys.stderr)
+                print(f"checkpoint: WARNING: the node agent went away ({exc}): this node's "
+                      f"checkpoints are not uploaded to {self.uri or 'S3'} until it returns"
+                      if isinstance(exc, AgentUnavailable) else f"checkpoint: couldn't report "
+                      f"step {step}'s save times to the node agent ({exc}); its metrics and "
+                      "goodput miss them", file=sys.stderr, flush=True)
             self._save_report_failed = True
 
     def wait(self) -> None:

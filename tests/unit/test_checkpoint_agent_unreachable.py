@@ -226,3 +226,19 @@ def test_ckpt_status_on_a_node_without_its_agent_says_its_checkpoints_stay_there
     assert msg.startswith("checkpoint: status: the agent on n7 can't be reached (agent: "
                           f"couldn't reach {tmp_path}/n7/agent.sock: "), msg
     assert f"job {JOB}'s checkpoints on n7 are not uploaded to S3" in msg
+
+
+def test_an_agent_gone_after_register_is_said_on_the_next_save(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An agent that goes away during the job (after register) is said once on the local
+    leader's stderr at the next save: this node's checkpoints are not uploaded."""
+    import torch
+
+    mgr = CheckpointManager(tmp_path, uri=URI, job_id=JOB,
+                            agent_socket=str(tmp_path / "went-away.sock"))
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.ones(4)})
+        mgr.wait()
+    err = capsys.readouterr().err
+    assert err.count("checkpoint: WARNING: the node agent went away (") == 1, err
+    assert f"this node's checkpoints are not uploaded to {URI} until it returns" in err
