@@ -1,6 +1,7 @@
 """Stage-in and restore against an S3 endpoint that accepts connections and never answers:
 they end by checkpoint.stagein_retry_s with an error naming S3, the endpoint and the
-operation, and start no new request after that deadline."""
+operation, and start no new request after that deadline; a stage-in that outlived the
+job's staging dir says so."""
 
 from __future__ import annotations
 
@@ -123,3 +124,31 @@ def test_an_operation_past_its_limit_is_given_up_and_its_retries_stop() -> None:
     assert seen and seen[0] is not None and 0 < seen[0] <= 0.05
     assert run_within(lambda: 7, 1.0) == 7
     assert seconds_left() is None  # the caller's own context has no deadline
+
+
+def test_stagein_whose_staging_dir_went_away_says_so_not_just_enoent(
+        tmp_path: Path, s3: S3) -> None:
+    """A stage-in that finds the job's staging dir gone (the epilog removed it after the
+    job gave up waiting) says that, instead of a bare 'No such file or directory'."""
+    import pwd
+
+    from slurm_resilience.agent.service import Peer
+    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.config import Config, load_text
+
+    cfg = load_text(Config, "\n".join([
+        "node:", f"  state_dir: {tmp_path}/state",
+        "checkpoint:", "  enabled: true", f"  staging_root: {tmp_path}/nvme",
+        "  allowed_prefix: s3://ckpt/"]) + "\n")
+    (tmp_path / "nvme").mkdir(mode=0o755)
+    up = Uploader(cfg, "n1", s3=s3)
+    root = Peer(pid=1, uid=0, gid=0)
+    up.on_job_start({"job_id": JOB, "uid": os.getuid(), "gid": os.getgid(),
+                     "user": pwd.getpwuid(os.getuid()).pw_name, "uri": "s3://ckpt/run"}, root)
+    up.stageins[JOB].join()
+    st = up.on_status({"job_id": JOB}, root)
+    up.close()
+    assert st["stagein"] == "failed"
+    assert str(st["error"]).startswith(f"checkpoint: stage-in: job {JOB}'s staging dir is gone "
+                                       "(the job ended, or its load gave up"), st["error"]
+    assert "No such file or directory" in str(st["error"])
