@@ -42,6 +42,7 @@ from slurm_resilience.agent.service import (
     str_arg,
 )
 from slurm_resilience.checkpoint import intent
+from slurm_resilience.checkpoint.agent_link import node_names
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
@@ -97,19 +98,6 @@ PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 i
 ORPHAN_AGE_S = 24 * 3600.0
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
-
-
-MAX_NODE_NAMES = 64  # in one ckpt.register's unreachable_nodes
-
-
-def node_names(raw: object) -> list[str]:
-    """A request's list of node names, checked and bounded (a user sends it)."""
-    if not isinstance(raw, list) or len(raw) > MAX_NODE_NAMES or not all(
-            isinstance(n, str) and 0 < len(n) <= 64 and n.isprintable() and " " not in n
-            for n in raw):
-        raise RequestError(f"unreachable_nodes must be a list of at most {MAX_NODE_NAMES} "
-                           "node names")
-    return sorted(set(raw))
 
 
 class SaveSuperseded(CheckpointError):
