@@ -95,7 +95,9 @@ def test_local_only_warns_and_keeps_the_nodes_checkpoints_local(
 
 def test_the_config_refuses_an_unknown_policy() -> None:
     """checkpoint.agent_unreachable takes error or local-only, and the error lists them."""
-    with pytest.raises(Exception, match="local-only"):
+    from slurm_resilience.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match=r"agent_unreachable.*'error'.*'local-only'"):
         load_text(Config, "checkpoint:\n  agent_unreachable: ignore\n")
 
 
