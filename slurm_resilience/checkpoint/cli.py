@@ -135,9 +135,14 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         answer = call(node_path(cfg.agent.socket, node), "ckpt.status", job_id=args.job_id,
                       timeout=cfg.agent.request_timeout_s)
-    except (AgentRefused, AgentUnavailable) as exc:
+    except AgentRefused as exc:
         raise CheckpointError(f"checkpoint: status: couldn't ask the agent on {node}: {exc}"
                               ) from None
+    except AgentUnavailable as exc:
+        raise CheckpointError(
+            f"checkpoint: status: the agent on {node} can't be reached ({exc}): job "
+            f"{args.job_id}'s checkpoints on {node} are not uploaded to S3 and nothing is "
+            "staged in there until it returns") from None
     if args.json:
         print(json.dumps(answer, indent=1, sort_keys=True))
     else:
@@ -170,4 +175,9 @@ def format_status(job_id: int, node: str, answer: dict[str, Any]) -> list[str]:
                      f"{fetch.get('local_blocks', 0)} blocks verified in place")
     if answer.get("pending"):
         lines.append(f"  uploads pending: steps {answer['pending']}")
+    lost = answer.get("unreachable_nodes") or []
+    if lost:
+        lines.append(f"  WARNING: the job's ranks couldn't reach the agent on {', '.join(lost)}: "
+                     "checkpoints saved there stay there, so no step commits in S3 until it "
+                     "returns")
     return lines

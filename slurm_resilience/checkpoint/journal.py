@@ -143,6 +143,7 @@ class JobRecord(_JobRecordBase, total=False):
     failed_at: float
     stagein_excluded: dict[str, str]  # step -> why the restore passed it over
     allow_older_step: bool  # the job's opt-in (ckpt.register): see stagein.StepStillUploading
+    unreachable_nodes: list[str]  # the job's other nodes whose agent its ranks couldn't reach
 
 
 JobRecordDoc = JobRecord  # the name older code and tests use
@@ -238,6 +239,10 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
     if not isinstance(doc.get("allow_older_step", False), bool):
         rec.pop("allow_older_step", None)
         problems.append("allow_older_step is not a bool")
+    lost = doc.get("unreachable_nodes", [])
+    if not isinstance(lost, list) or not all(isinstance(n, str) for n in lost):
+        rec.pop("unreachable_nodes", None)
+        problems.append("unreachable_nodes is not a list of node names")
     if doc.get("error") is not None and not isinstance(doc["error"], str):
         rec["error"] = str(doc["error"])
     if rec["state"] == JobState.ENDED and rec.get("ended_at") is None:

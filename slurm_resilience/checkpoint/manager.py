@@ -193,7 +193,8 @@ class CheckpointManager:
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
                   allow_fresh_start=allow_fresh, allow_older_step=allow_older)
         if uri is not None and agent_socket is not None and job_id is not None:
-            mgr._register()
+            mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
+                          cfg.agent.request_timeout_s)
         return mgr
 
     def _make_group(self, timeout_s: float) -> Any:
@@ -208,20 +209,18 @@ class CheckpointManager:
         """The gloo group checkpoints use (pass it as ``process_group=`` to dcp calls)."""
         return self._group
 
-    def _register(self) -> None:
-        from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+    def _register(self, node: str, policy: str, timeout_s: float) -> None:
+        """Once per job: one rank of each node registers the URI; every rank learns
+        which agents can't be reached and raises or warns alike (agent_link.py)."""
+        from slurm_resilience.checkpoint.agent_link import Registration, connect
 
-        assert self.agent_socket is not None
-        try:
-            call(self.agent_socket, "ckpt.register", job_id=self.job_id, uri=self.uri,
-                 timeout=30.0, allow_older_step=self.allow_older_step)
-        except AgentRefused as exc:
-            raise CheckpointError(str(exc)) from None
-        except AgentUnavailable as exc:
-            print(f"checkpoint: register: couldn't reach the node agent ({exc}); checkpoints "
-                  "stay on this node and nothing is staged in", file=sys.stderr)
+        assert self.agent_socket is not None and self.job_id is not None and self.uri
+        reg = Registration(self.agent_socket, self.job_id, self.uri, self.allow_older_step,
+                           timeout_s)
+        lost = connect(reg, node=node, rank=self.rank, group=self._group, policy=policy)
+        if lost:  # this node's checkpoints stay here; load_latest says why it can't restore
             self.agent_socket = None
-            self._agent_lost = str(exc)
+            self._agent_lost = lost
 
     def _all_max(self, values: list[int]) -> list[int]:
         """Element-wise max of ``values`` over all ranks (our own group)."""
@@ -343,8 +342,11 @@ class CheckpointManager:
                  step=step, run=run, stall_s=round(stall_s, 6), write_s=round(write_s, 6))
         except (AgentRefused, AgentUnavailable) as exc:
             if not self._save_report_failed:  # once: the training goes on regardless
-                print(f"checkpoint: couldn't report step {step}'s save times to the node "
-                      f"agent ({exc}); its metrics and goodput miss them", file=sys.stderr)
+                print(f"checkpoint: WARNING: the node agent went away ({exc}): this node's "
+                      f"checkpoints are not uploaded to {self.uri or 'S3'} until it returns"
+                      if isinstance(exc, AgentUnavailable) else f"checkpoint: couldn't report "
+                      f"step {step}'s save times to the node agent ({exc}); its metrics and "
+                      "goodput miss them", file=sys.stderr, flush=True)
             self._save_report_failed = True
 
     def wait(self) -> None:
@@ -439,7 +441,8 @@ class CheckpointManager:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
-                                      "stagein_timeout_s)")
+                                      "stagein_timeout_s); what it waits for: "
+                                      f"slurm-resilience ckpt status {self.job_id}")
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
 from slurm_resilience.checkpoint.commit import CheckpointError, step_name
+from slurm_resilience.checkpoint.deadline import endpoint_name
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
 from slurm_resilience.checkpoint.journal import (
     FallbackDoc,
@@ -40,7 +41,8 @@ def policy(cfg: Config) -> StageinPolicy:
     ck = cfg.checkpoint
     return StageinPolicy(retry_s=ck.stagein_retry_s, intent_wait_s=ck.stagein_intent_wait_s,
                          intent_fallback=ck.stagein_intent_fallback,
-                         poll_s=min(2.0, max(0.1, ck.stagein_intent_wait_s / 10)))
+                         poll_s=min(2.0, max(0.1, ck.stagein_intent_wait_s / 10)),
+                         endpoint=endpoint_name(ck.s3_endpoint, ck.s3_region))
 
 
 def make_fetcher(cfg: Config, s3: Callable[[], S3]) -> RangeFetcher:
@@ -97,12 +99,28 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
             log.warning("stage-in fell back to an older step", job_id=job_id, step=res.step,
                         passed_over=[f.step for f in res.fallbacks])
     except (CheckpointError, OSError) as exc:
-        result = {"state": StageinState.FAILED, "step": None, "error": str(exc),
+        error = str(exc)
+        if isinstance(exc, FileNotFoundError) and _staging_gone(rec):
+            # Not the cause: whatever stage-in was waiting for outlasted the job's dir.
+            error = (f"checkpoint: stage-in: job {job_id}'s staging dir is gone (the job "
+                     "ended, or its load gave up after checkpoint.stagein_timeout_s, and the "
+                     f"epilog removed it) while stage-in ran; it stopped at: {exc}")
+        result = {"state": StageinState.FAILED, "step": None, "error": error,
                   "seconds": round(time.monotonic() - started, 3)}
         if isinstance(exc, StepStillUploading):  # a later opt-in (ckpt.register) reruns it
             result["still_uploading"] = exc.step
-        log.error("stage-in failed", job_id=job_id, error=str(exc))
+        log.error("stage-in failed", job_id=job_id, error=error)
     return result
+
+
+def _staging_gone(rec: JobRecord) -> bool:
+    try:
+        with open_job_dir(rec["staging_root"], int(rec["job_id"])):
+            return False
+    except FileNotFoundError:
+        return True
+    except (CheckpointError, OSError):
+        return False
 
 
 def _fallback_doc(f: Fallback) -> FallbackDoc:

@@ -45,6 +45,7 @@ from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 from slurm_resilience.checkpoint.crc_combine import combine_parts
+from slurm_resilience.checkpoint.deadline import endpoint_name, note_failure, seconds_left
 from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.checkpoint.journal import FileDoc, PartDoc
 from slurm_resilience.log import get_logger
@@ -263,10 +264,14 @@ class S3:
                 if not is_transient(exc):
                     raise PermanentS3Error(f"checkpoint: s3: couldn't {what}: {exc}"
                                            f"{_http_status(exc)}") from exc
-                if attempt == s.attempts:
-                    raise TransientS3Error(f"checkpoint: s3: couldn't {what} after {attempt} "
-                                           f"attempts: {exc}") from exc
+                note_failure(str(exc))
                 sleep = min(delay, s.retry_max_s) * random.uniform(0.5, 1.0)  # noqa: S311
+                left = seconds_left()  # an operation's total deadline (deadline.py)
+                if attempt == s.attempts or (left is not None and left <= sleep):
+                    raise TransientS3Error(
+                        f"checkpoint: s3: couldn't {what} at S3 endpoint "
+                        f"{endpoint_name(s.endpoint, s.region)} after {attempt} attempts: "
+                        f"{exc}") from exc
                 log.warning("s3 request failed, retrying", what=what, attempt=attempt,
                             backoff_s=round(sleep, 2), error=str(exc))
                 time.sleep(sleep)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -35,6 +33,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
+from slurm_resilience.checkpoint.deadline import endpoint_name
 from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
 from slurm_resilience.checkpoint.prefix import S3Uri
@@ -44,12 +43,16 @@ from slurm_resilience.checkpoint.rootfs import (
     read_step,
     verify_step_at,
 )
-from slurm_resilience.checkpoint.s3 import S3, S3Error, TransientS3Error, error_code
+from slurm_resilience.checkpoint.s3 import S3, S3Error, error_code
+from slurm_resilience.checkpoint.stagein_retry import Clock as Clock
+from slurm_resilience.checkpoint.stagein_retry import StageinFailed as StageinFailed
+from slurm_resilience.checkpoint.stagein_retry import StageinPolicy as StageinPolicy
+from slurm_resilience.checkpoint.stagein_retry import SystemClock as SystemClock
+from slurm_resilience.checkpoint.stagein_retry import retrying as retrying
 from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
 from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.stagein")
-T = TypeVar("T")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
 METADATA_LIMIT = 1024**3  # held in the agent's memory while it is checked and written
 
@@ -156,41 +159,12 @@ def _write_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> Non
         os.close(fd)
 
 
-class StageinFailed(CheckpointError):
-    """A committed step exists (or may exist) but can't be staged in; the message says why."""
-
-
 class StepStillUploading(StageinFailed):
     """The wait for a step still uploading ran out and nothing allowed an older step."""
 
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
-@dataclass(frozen=True)
-class StageinPolicy:
-    """How long stage-in retries S3 and waits for a step still uploading (config keys
-    ``stagein_retry_s``, ``stagein_intent_wait_s``, ``stagein_intent_fallback``)."""
-
-    retry_s: float = 120.0
-    intent_wait_s: float = 600.0
-    intent_fallback: bool = False
-    poll_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -246,29 +220,6 @@ def list_run(s3: S3, uri: S3Uri) -> RunListing:
     return RunListing(committed, {s: v for s, v in uploading.items() if v})
 
 
-def retrying(what: str, fn: Callable[[], T], policy: StageinPolicy, clock: Clock) -> T:
-    """``fn`` retried on transient S3 errors for up to ``policy.retry_s``; then StageinFailed.
-
-    A transient error (5xx, SlowDown, a timeout, a refused connection) says nothing
-    about the step's content, so it is never taken for corruption.
-    """
-    deadline = clock.monotonic() + policy.retry_s
-    delay = 0.5
-    while True:
-        try:
-            return fn()
-        except TransientS3Error as exc:
-            left = deadline - clock.monotonic()
-            if left <= 0:
-                raise StageinFailed(
-                    f"checkpoint: stage-in: couldn't {what}: S3 unreachable or overloaded for "
-                    f"{policy.retry_s:.0f}s (checkpoint.stagein_retry_s): {exc}") from None
-            log.warning("stage-in: S3 request failed, retrying", what=what,
-                        retry_in_s=round(min(delay, left), 2), error=str(exc))
-            clock.sleep(min(delay, left))
-            delay = min(delay * 2, 15.0)
-
-
 def _missing(exc: BaseException) -> bool:
     return error_code(exc.__cause__ or exc) in ("NoSuchKey", "404", "NotFound")
 
@@ -306,6 +257,9 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
     uploading runs out): true takes the newest complete older step, loudly.
     """
     policy = policy or StageinPolicy()
+    if s3 is not None and not policy.endpoint:
+        policy = replace(policy, endpoint=endpoint_name(s3.settings.endpoint,
+                                                        s3.settings.region))
     clock = clock or SystemClock()
     local = committed_steps_at(job_fd)
     fallbacks: list[Fallback] = []
@@ -502,7 +456,8 @@ def _stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: i
         if _local_incomplete(job_fd, step, uid) is None:
             return remote, "whole", 0
         retrying(f"download step {step}",
-                 lambda: download_step(s3, uri, step, job_fd, uid, gid), policy, clock)
+                 lambda: download_step(s3, uri, step, job_fd, uid, gid), policy, clock,
+                 bounded=False)
         verify_step_at(job_fd, step, uid, need_all=True)
         return remote, "whole", small + sum(m.total_bytes for m in manifests.values())
     meta = next(f for f in manifests[0].files if f.path == METADATA)

@@ -47,13 +47,25 @@ def prolog(ctx: HookContext, *, clock: Callable[[], float] = time.monotonic,
                       uri=ctx.job_option("CKPT_URI"))
         if answer.get("refused"):
             log.warning("prolog: --ckpt-uri refused", error=answer["refused"])
-    except (AgentUnavailable, AgentRefused) as exc:
-        # Training still works locally; the job just gets no stage-in or S3 sync. Not a
-        # drain: an agent that is down or flooded says nothing about the node's hardware.
-        log.warning("prolog: couldn't tell the agent about the job; it runs without "
-                    "stage-in or S3 sync of its checkpoints", error=str(exc),
-                    job_id=ctx.job_id, waited_limit_s=ctx.cfg.agent.request_timeout_s)
+    except AgentRefused as exc:
+        log.warning("prolog: the agent refused the job; it runs without stage-in or S3 "
+                    "sync of its checkpoints", error=str(exc), job_id=ctx.job_id)
+    except AgentUnavailable as exc:
+        # Not a drain: an agent that is down or flooded says nothing about the node's
+        # hardware. A job with a run URI stops at from_env (or, with
+        # checkpoint.agent_unreachable: local-only, keeps its checkpoints here).
+        _agent_unreachable(ctx, "prolog", str(exc))
     return []
+
+
+def _agent_unreachable(ctx: HookContext, hook: str, error: str) -> None:
+    """The operator's event and count: this node's agent did not answer a hook."""
+    from slurm_resilience.metrics import events
+
+    log.error("checkpoint: couldn't reach the node agent; the job's checkpoints on this node "
+              "get no stage-in and are not uploaded to S3", hook=hook, error=error,
+              job_id=ctx.job_id, node=ctx.node, waited_limit_s=ctx.cfg.agent.request_timeout_s)
+    events.count(events.path_for(ctx.cfg.node.state_dir, ctx.node), events.CKPT_AGENT, hook)
 
 
 def epilog(ctx: HookContext) -> list[Problem]:
@@ -66,8 +78,13 @@ def epilog(ctx: HookContext) -> list[Problem]:
     wait = ctx.cfg.agent.request_timeout_s
     try:
         answer = call(sock, "ckpt.job_end", timeout=wait, job_id=ctx.job_id)
-    except (AgentUnavailable, AgentRefused) as exc:
-        log.warning("epilog: couldn't reach the agent; keeping the staging dir", error=str(exc))
+    except AgentRefused as exc:
+        log.warning("epilog: the agent refused job_end; keeping the staging dir",
+                    error=str(exc))
+        _clean(root, ctx.job_id)
+        return []
+    except AgentUnavailable as exc:
+        _agent_unreachable(ctx, "epilog", f"{exc}; keeping the staging dir")
         _clean(root, ctx.job_id)
         return []
     pending = list_field(answer, "pending")

@@ -42,6 +42,7 @@ from slurm_resilience.agent.service import (
     str_arg,
 )
 from slurm_resilience.checkpoint import intent
+from slurm_resilience.checkpoint.agent_link import node_names
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
@@ -238,6 +239,7 @@ class Uploader:
         if not isinstance(allow_older, bool):
             raise RequestError(f"allow_older_step must be true or false, got "
                                f"{str(allow_older)[:40]!r}")
+        lost = node_names(request.get("unreachable_nodes", []))
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
@@ -259,6 +261,13 @@ class Uploader:
                 if si.get("state") == StageinState.FAILED and \
                         si.get("still_uploading") is not None:
                     rec["stagein"] = {"state": StageinState.PENDING}
+            if lost and lost != rec.get("unreachable_nodes"):
+                # The job's word, about its own run only: shown, never acted on.
+                rec["unreachable_nodes"] = lost
+                log.error("checkpoint: the job's ranks couldn't reach the node agent on other "
+                          "nodes; checkpoints saved there stay there and no step of the run "
+                          "commits in S3 until those agents return", job_id=rec["job_id"],
+                          nodes=lost, uri=str(run))
             self.journal.write(rec)
             if rec["stagein"].get("state") == "pending":
                 self._start_stagein(rec)
@@ -271,7 +280,8 @@ class Uploader:
             failed = {str(k): v for k, v in failed_steps(rec).items()}
             error = rec.get("error")
         return {"ok": True, **answer, "failed": failed, "upload_error": error,
-                "fetch": self.fetcher.stats(int(rec["job_id"]))}
+                "fetch": self.fetcher.stats(int(rec["job_id"])),
+                "unreachable_nodes": list(rec.get("unreachable_nodes") or [])}
 
     def on_fetch(self, request: Request, peer: Peer) -> Response:
         """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from slurm_resilience.config.loader import ByteSize, setting
 
@@ -75,6 +76,11 @@ class CheckpointSection:
     stagein_timeout_s: float = setting(
         600.0, min=1, max=86400, help="how long load_latest() waits for the agent's stage-in"
     )
+    agent_unreachable: Literal["error", "local-only"] = setting(
+        "error",
+        help="a job with a run URI whose node agent can't be reached at start: error stops "
+             "the job on every rank (its checkpoints on that node would never reach S3); "
+             "local-only warns on every rank and keeps that node's checkpoints on the node")
     journal_dir: str = setting(
         "", help="durable upload journal; empty: <node.state_dir>/ckpt-journal; may contain {node}"
     )

@@ -54,6 +54,9 @@ EVENT_FAMILIES = {
     events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
                     "because the hourly budget (heartbeat.budget_per_hour, "
                     "budget_per_user_per_hour) was spent, by what blamed it", "by"),
+    events.CKPT_AGENT: ("checkpoint_agent_unreachable", "jobs with checkpoint staging whose "
+                        "prolog or epilog couldn't reach this node's agent (no stage-in, no "
+                        "upload)", "hook"),
 }
 
 
@@ -319,6 +322,9 @@ class AgentCollector(Collector):
                            "stage-in took", ["job_id"]),
             "si_b": _gauge("checkpoint_stagein_bytes", "bytes the job's last stage-in "
                            "fetched", ["job_id"]),
+            "lost": _gauge("checkpoint_unreachable_agent_nodes", "the job's other nodes whose "
+                           "agent its ranks couldn't reach (their checkpoints never reach S3)",
+                           ["job_id"]),
         }
         for job_id, row in rows:
             for key, value in row.items():
@@ -374,7 +380,8 @@ class AgentCollector(Collector):
         si_b = float(si.get("fetched_bytes") or 0) if si.get("state") == "done" else None
         return job_id, {"steps": len(pending), "bytes": backlog,
                         "failed": len(failed_steps(rec)), "latency": latency,
-                        "committed": last_commit, "si_s": si_s, "si_b": si_b}
+                        "committed": last_commit, "si_s": si_s, "si_b": si_b,
+                        "lost": len(rec.get("unreachable_nodes") or [])}
 
     # -- NCCL ------------------------------------------------------------------------------------
 

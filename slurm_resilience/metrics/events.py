@@ -41,7 +41,8 @@ INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
 BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly budget was spent
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET)
+CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, CKPT_AGENT)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -60,6 +61,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     BUDGET: ("incident", "straggler"),
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
+    CKPT_AGENT: ("prolog", "epilog"),
 }
 
 

@@ -1,6 +1,6 @@
-"""The checkpoint prolog when the node agent can't be reached or stays busy: the job runs,
-the wait is bounded by ``agent.request_timeout_s`` (counted on an injected clock), and the
-log names the cause."""
+"""The checkpoint prolog and epilog when the node agent can't be reached or stays busy: the
+job runs, the wait is bounded by ``agent.request_timeout_s`` (counted on an injected clock),
+and the log names the cause in an error event that is also counted for the metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.checkpoint import steps
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.metrics import events as metric_events
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks")
 UID, GID = 54321, 54321
@@ -56,9 +57,12 @@ def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
     assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
     assert clock.slept == []
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
-    said = events_saying(events, "couldn't tell the agent about the job")
-    assert len(said) == 1 and said[0]["level"] == "warning"
+    said = events_saying(events, "couldn't reach the node agent; the job's checkpoints on "
+                                 "this node get no stage-in and are not uploaded to S3")
+    assert len(said) == 1 and said[0]["level"] == "error" and said[0]["hook"] == "prolog"
     assert "agent.sock" in str(said[0]["error"]) and "No such file" in str(said[0]["error"])
+    counted = metric_events.read(metric_events.path_for(f"{tmp_path}/state", "n1"))
+    assert counted["counters"] == {"ckpt_agent_unreachable|prolog": 1}
 
 
 def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
@@ -80,7 +84,26 @@ def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
     assert sum(clock.slept) == pytest.approx(TIMEOUT_S)  # the last pause ends at the deadline
     assert max(clock.slept) <= 0.5
     assert server.stats.busy == len(clock.slept) + 1 and server.stats.admitted == 0
-    said = events_saying(events, "couldn't tell the agent about the job")
+    said = events_saying(events, "couldn't reach the node agent")
     assert len(said) == 1 and "busy" in str(said[0]["error"])
     assert said[0]["waited_limit_s"] == TIMEOUT_S
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
+
+
+def test_epilog_without_an_agent_logs_and_counts_it_and_keeps_the_staging_dir(
+        tmp_path: Path, events: Path) -> None:
+    """The epilog that finds no agent keeps the job's staging dir (its checkpoints were
+    not uploaded), logs an error event naming the hook, and counts it for the metrics."""
+    cfg = _cfg(tmp_path)
+    clock = FakeClock()
+    assert steps.prolog(_ctx(cfg), clock=clock, sleep=clock.sleep) == []
+    epilog = HookContext(kind="epilog", cfg=cfg, node="n1", env={}, job_id=31, uid=UID,
+                         gid=GID, user="nobody")
+    assert steps.epilog(epilog) == []
+    assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
+    said = events_saying(events, "couldn't reach the node agent")
+    assert [e["hook"] for e in said] == ["prolog", "epilog"]
+    assert "keeping the staging dir" in str(said[1]["error"])
+    counted = metric_events.read(metric_events.path_for(f"{tmp_path}/state", "n1"))
+    assert counted["counters"] == {"ckpt_agent_unreachable|prolog": 1,
+                                   "ckpt_agent_unreachable|epilog": 1}

@@ -422,3 +422,19 @@ def test_the_endpoint_caps_connections_and_serves_again_when_they_go() -> None:
             time.sleep(0.05)
     server.shutdown()
     server.server_close()
+
+
+def test_an_unreachable_checkpoint_agent_shows_in_the_metrics(tmp_path: Path) -> None:
+    """A hook that found this node's agent unreachable is counted by hook, and a job whose
+    ranks couldn't reach other nodes' agents shows how many per job."""
+    registry, _, _, sources = collector_for(tmp_path)
+    events.count(sources.events_path, events.CKPT_AGENT, "prolog")
+    events.count(sources.events_path, events.CKPT_AGENT, "epilog")
+    sources.uploader.jobs[42]["unreachable_nodes"] = ["n2", "n3"]
+    text = generate_latest(registry).decode()
+    promtool_check(text)
+    got = samples(text)
+    P = "slurm_resilience_"
+    assert got[(P + "checkpoint_agent_unreachable_total", (("hook", "prolog"),))] == 1
+    assert got[(P + "checkpoint_agent_unreachable_total", (("hook", "epilog"),))] == 1
+    assert got[(P + "checkpoint_unreachable_agent_nodes", (("job_id", "42"),))] == 2
