@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
@@ -39,7 +40,6 @@ from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, 
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 from slurm_resilience.checkpoint.stagein_status import Fallen, StageinStatus, warn_fallbacks
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
-from slurm_resilience.checkpoint.train_state import train_state
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
