@@ -81,8 +81,9 @@ def left_behind(step: int, resolved: Mapping[str, Any], saved: Iterable[str]) ->
     shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
     return (f"checkpoint: load: step {step}: the state given has no place for "
             f"{len(missing)} saved entries ({shown}), so they would not be restored (an "
-            f"optimizer that has not stepped yet holds no state tensors); {_REMEDY}, or "
-            "leave the key out of the state to skip it on purpose")
+            "optimizer that has not stepped yet holds no state tensors; names differ when "
+            f"one side used get_state_dict); {_REMEDY}, or leave the key out of the state "
+            "to skip it on purpose")
 
 
 def check_template(step: int, state: Mapping[str, Any], read_metadata: Callable[[], Any],

@@ -1,7 +1,8 @@
 """The READMEs' checkpoint snippets, run verbatim: each resumes model, optimizer and scheduler.
 
 Each ```python block is taken from the markdown at test time and run twice in fresh
-processes (real PyTorch on CPU, gloo ranks where the setup is distributed) between a
+processes (real PyTorch on CPU; DDP and FSDP2 on gloo ranks, FSDP2 resuming at another
+world size) between a
 prelude that builds ``model``, ``opt``, ``sched``, ``steps``, ``every`` and
 ``train_step()`` and an epilogue that dumps the full state. The first run trains and
 saves; the second starts from other weights, resumes and trains no further, so its
@@ -28,7 +29,7 @@ PRELUDE = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     wrap, out = os.environ["SNIPPET_WRAP"], os.environ["SNIPPET_OUT"]
-    if world > 1:
+    if wrap != "plain":
         dist.init_process_group("gloo", init_method="file://" + os.environ["SNIPPET_RDV"],
                                 rank=rank, world_size=world)
     torch.manual_seed(int(os.environ["SNIPPET_SEED"]))
@@ -68,7 +69,7 @@ EPILOGUE = textwrap.dedent("""
         dump["progress"] = dict(progress)
     if rank == 0:
         torch.save(dump, out)
-    if world > 1:
+    if wrap != "plain":
         dist.barrier()
         dist.destroy_process_group()
 """)
@@ -83,11 +84,12 @@ def _blocks(path: Path, section: str | None = None) -> list[str]:
     return BLOCK.findall(text)
 
 
-# (markdown file, section or None for the whole file, block index) -> how it runs.
-SNIPPETS: dict[tuple[str, str | None, int], tuple[str, int]] = {
-    ("README.md", "For ML researchers", 0): ("plain", 1),
-    ("slurm_resilience/checkpoint/README.md", None, 0): ("fsdp2", 2),
-    ("slurm_resilience/checkpoint/README.md", None, 1): ("ddp", 2),
+# (markdown file, section or None for the whole file, block index) -> the model's wrapping,
+# the ranks that train and save, the ranks that resume (FSDP2 reshards 2 -> 1).
+SNIPPETS: dict[tuple[str, str | None, int], tuple[str, int, int]] = {
+    ("README.md", "For ML researchers", 0): ("ddp", 2, 2),
+    ("slurm_resilience/checkpoint/README.md", None, 0): ("fsdp2", 2, 1),
+    ("slurm_resilience/checkpoint/README.md", None, 1): ("plain", 1, 1),
 }
 
 
@@ -147,13 +149,13 @@ def test_snippet_resumes_model_optimizer_and_scheduler(snippet: tuple[str, str |
     """A README snippet run verbatim resumes every weight, Adam moment and step count, the
     learning rate its scheduler moved, the scheduler's counters and its own entries."""
     path, section, index = snippet
-    wrap, world = SNIPPETS[snippet]
+    wrap, world, resume_world = SNIPPETS[snippet]
     code = PRELUDE + _blocks(REPO / path, section)[index] + EPILOGUE
     (tmp_path / "job").mkdir()
     saved = _run(code, wrap, world, seed=1, work=tmp_path, tag="train")
     assert not saved["start"] and saved["lr"] == [2.5e-3]  # StepLR moved it from 1e-2
     assert saved["optim"]["state"], "Adam has state after training"
-    resumed = _run(code, wrap, world, seed=2, work=tmp_path, tag="resume")
+    resumed = _run(code, wrap, resume_world, seed=2, work=tmp_path, tag="resume")
     assert resumed["start"] == 4
     for key in ("model", "optim", "sched", "lr", "progress"):
         if key in saved:
