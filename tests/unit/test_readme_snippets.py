@@ -2,11 +2,10 @@
 
 Each ```python block is taken from the markdown at test time and run twice in fresh
 processes (real PyTorch on CPU; DDP and FSDP2 on gloo ranks, FSDP2 resuming at another
-world size) between a
-prelude that builds ``model``, ``opt``, ``sched``, ``steps``, ``every`` and
-``train_step()`` and an epilogue that dumps the full state. The first run trains and
-saves; the second starts from other weights, resumes and trains no further, so its
-dump must equal the first one tensor for tensor and value for value.
+world size) between a prelude that builds ``model``, ``opt``, ``sched``, ``steps``,
+``every`` and ``train_step()`` and an epilogue that dumps the full state. The first run
+trains and saves; the second starts from other weights, resumes and trains no further,
+so its dump must equal the first one tensor for tensor and value for value.
 """
 
 from __future__ import annotations
