@@ -73,18 +73,18 @@ def train_state(state: Mapping[str, Any] | None = None, *, model: Any = None,
     if optimizer is not None and model is None:
         raise CheckpointError("checkpoint: optimizer= needs model= too (DCP names the "
                               "optimizer's state by the model's parameter names)")
-    named: dict[str, Any] = {}
+    named: dict[str, tuple[str, Any]] = {}  # key -> (argument, Stateful)
     if model is not None:
-        named[MODEL_KEY] = ModelState(_stateful(model, "model"))
+        named[MODEL_KEY] = ("model", ModelState(_stateful(model, "model")))
     if optimizer is not None:
-        named[OPTIMIZER_KEY] = OptimizerState(model, _stateful(optimizer, "optimizer"))
+        named[OPTIMIZER_KEY] = ("optimizer",
+                                OptimizerState(model, _stateful(optimizer, "optimizer")))
     if scheduler is not None:
-        named[SCHEDULER_KEY] = _stateful(scheduler, "scheduler")
-    for key, obj in named.items():
+        named[SCHEDULER_KEY] = ("scheduler", _stateful(scheduler, "scheduler"))
+    for key, (arg, obj) in named.items():
         if key in out:
-            raise CheckpointError(f"checkpoint: the state has a key {key!r} and the "
-                                  f"{key if key != OPTIMIZER_KEY else 'optimizer'}= argument "
-                                  "would be saved under it too; rename that key")
+            raise CheckpointError(f"checkpoint: the state has a key {key!r} and the {arg}= "
+                                  "argument would be saved under it too; rename that key")
         out[key] = obj
     if not out:
         raise CheckpointError("checkpoint: the state is empty; pass a state dict or "
