@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from slurm_resilience.checkpoint.errors import CheckpointError
+from slurm_resilience.checkpoint.dcp_failures import corrupt_message
+from slurm_resilience.checkpoint.errors import CheckpointError, CorruptStep
 
 _REMEDY = ("pass the objects instead: load_latest(model=model, optimizer=opt, "
            "scheduler=sched) (or DCP's get_state_dict/set_state_dict)")
@@ -89,7 +90,8 @@ def left_behind(step: int, resolved: Mapping[str, Any], saved: Iterable[str]) ->
 def check_template(step: int, state: Mapping[str, Any], read_metadata: Callable[[], Any],
                    all_max: Callable[[list[int]], list[int]]) -> None:
     """Raise on every rank, before anything loads, when any rank's ``state`` can't take
-    ``step`` whole (TemplateMismatch) or can't read the step's metadata (its own error)."""
+    ``step`` whole (TemplateMismatch) or can't read the step's metadata (its own error; a
+    CorruptStep on every rank when any rank's copy does not verify)."""
     from slurm_resilience.checkpoint.dcp_state import check_state, resolve_stateful
 
     unread: BaseException | None = None
@@ -103,9 +105,16 @@ def check_template(step: int, state: Mapping[str, Any], read_metadata: Callable[
             resolved = resolve_stateful(state)
             check_state(resolved, what="load")
             problem = copied_state(state) or left_behind(step, resolved, saved)
-        except CheckpointError as exc:
-            problem = str(exc)
-    no_metadata, mismatch = all_max([int(unread is not None), int(problem is not None)])
+        except Exception as exc:  # noqa: BLE001 - a state_dict() that fails: raised on every rank
+            problem = str(exc) if isinstance(exc, CheckpointError) else (
+                f"checkpoint: load: couldn't take the state to load into: "
+                f"{type(exc).__name__}: {exc}")
+    corrupt = corrupt_message(unread) if unread is not None else None
+    no_metadata, any_corrupt, mismatch = all_max(
+        [int(unread is not None), int(corrupt is not None), int(problem is not None)])
+    if any_corrupt:  # every rank then falls back to an older step together
+        raise CorruptStep(corrupt or f"checkpoint: load: step {step}: another rank's "
+                          f"metadata {CorruptStep.MARK} (its error names the file)")
     if no_metadata:
         raise unread or CheckpointError(f"checkpoint: load: step {step}: another rank "
                                         "couldn't read its metadata (its error names why)")

@@ -201,3 +201,33 @@ def test_key_given_twice_and_optimizer_without_model_raise(tmp_path: Path) -> No
     with pytest.raises(CheckpointError, match="the state is empty"):
         mgr.save(1)
     assert not list(tmp_path.iterdir())
+
+
+def _one_rank_copies_the_optimizer_state(rank: int, world: int, job: Path) -> None:
+    """Rank 1 loads into a copy of opt.state_dict(), rank 0 into the objects: both raise
+    (rank 0 naming the other rank), and rank 0's fresh model keeps its weights."""
+    want = _setup(OPTIMIZERS["adam"], seed=0)
+    _train(*want, 2)
+    ckpt = CheckpointManager(job)
+    ckpt.save(2, model=want[0], optimizer=want[1], scheduler=want[2])
+    ckpt.close()
+    model, opt, sched = _setup(OPTIMIZERS["adam"], seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        if rank == 1:
+            ckpt.load_latest({"optim": opt.state_dict()}, model=model)
+        else:
+            ckpt.load_latest(model=model, optimizer=opt, scheduler=sched)
+    except TemplateMismatch as exc:
+        (job.parent / f"refused-{rank}").write_text(str(exc))
+    _assert_same(model.state_dict(), before)
+
+
+def test_a_template_mismatch_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """With 2 gloo ranks, one rank's bad template makes load_latest raise TemplateMismatch on
+    both before anything loads (no rank waits in DCP's collectives for the other)."""
+    import dcp_ranks
+
+    assert dcp_ranks.run_ranks(_one_rank_copies_the_optimizer_state, 2, tmp_path) == [0, 0]
+    assert "another rank's state can't take the step" in (tmp_path / "refused-0").read_text()
+    assert "key ['optim'] is a copy of an optimizer's" in (tmp_path / "refused-1").read_text()
