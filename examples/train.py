@@ -7,8 +7,9 @@ same on GPUs) and uses:
 * ``slurm_resilience.checkpoint.CheckpointManager`` on torch.distributed.checkpoint:
   ``save()`` stalls only for a host-memory snapshot; the node agent syncs committed
   steps to S3, and on a restart (requeue, or a new job with the same
-  ``SLURM_RESILIENCE_CKPT_URI``, at any world size) ``load_latest(state)`` loads the
-  newest committed step into the model and optimizer state in place;
+  ``SLURM_RESILIENCE_CKPT_URI``, at any world size) ``load_latest(model=...,
+  optimizer=..., scheduler=...)`` restores the newest committed step into the model,
+  the optimizer (its moments and learning rate) and the LR scheduler;
 * ``slurm_resilience.heartbeat``: one ``beat(step)`` per iteration and a
   ``section("checkpoint")`` around saves, so the agent can tell a hang from a
   slow phase.
@@ -38,7 +39,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slurm_resilience import heartbeat
 from slurm_resilience.checkpoint import CheckpointManager
@@ -102,12 +102,14 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
-def build(state_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(state_mb: float, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                              torch.optim.lr_scheduler.LRScheduler]:
     # Two d-by-d layers; Adam keeps two moments, so the state is about 3x the parameters.
     d = max(8, int(math.sqrt(state_mb * 1e6 / (3 * 4 * 2))))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,17 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     rank, _world = init_distributed()
     restarts = _env_int("SLURM_RESTART_COUNT")
     faulty = restarts == 0 or a.fault_every_run
-    model, opt = build(a.state_mb)
+    model, opt, sched = build(a.state_mb, a.steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ckpt = CheckpointManager.from_env()
 
-    # DCP-style state: loaded in place (resharded if the world size changed), then applied.
-    msd, osd = get_state_dict(ddp, opt)
-    resumed = ckpt.load_latest({"model": msd, "optimizer": osd})  # waits for stage-in first
-    start = 0
-    if resumed is not None:
-        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
-        start = resumed.step
+    # Loaded in place (resharded if the world size changed); waits for stage-in first.
+    resumed = ckpt.load_latest(model=ddp, optimizer=opt, scheduler=sched)
+    start = resumed.step if resumed is not None else 0
     heartbeat.checkpointed(start)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     print(f"rank {rank} running step={start + 1} at={time.time():.3f} restarts={restarts} "
@@ -149,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         time.sleep(a.step_seconds)
         heartbeat.beat(step)
         # -- checkpoint -------------------------------------------------------------------
         if step % a.ckpt_every == 0:
             with heartbeat.section("checkpoint"):
                 t0 = time.perf_counter()
-                msd, osd = get_state_dict(ddp, opt)
-                ckpt.save(step, {"model": msd, "optimizer": osd})
+                ckpt.save(step, model=ddp, optimizer=opt, scheduler=sched)
                 stall_ms = (time.perf_counter() - t0) * 1e3
                 if a.checkpoint_seconds and step == a.ckpt_every:
                     time.sleep(a.checkpoint_seconds)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
-    CorruptStep,
     FileEntry,
     committed_steps,
     part_dirs,
@@ -33,10 +33,13 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
     write_commit_marker,
 )
+from slurm_resilience.checkpoint.dcp_failures import corrupt_message, failure_cause
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
+from slurm_resilience.checkpoint.stagein_status import Fallen, StageinStatus, warn_fallbacks
+from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
@@ -51,32 +54,13 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?u
 class Loaded:
     """The step ``load_latest`` loaded: its number, its step dir, and the state.
 
-    ``state`` is the caller's state dict (loaded in place) or, for ``load_latest()``
-    without one, a new dict of full (unsharded) CPU tensors and plain values.
+    ``state`` is the caller's state dict (loaded in place), the objects' entries without
+    one, or for ``load_latest()`` a new dict of full CPU tensors and plain values.
     """
 
     step: int
     path: Path
     state: Any = None
-
-
-@dataclass(frozen=True)
-class StageinStatus:
-    """What the node agent said about this job's stage-in (``ckpt.status``)."""
-
-    state: str  # none | running | done | failed | unavailable
-    step: int | None = None
-    error: str | None = None
-    fallbacks: tuple[Fallen, ...] = ()
-
-
-@dataclass(frozen=True)
-class Fallen:
-    """A newer step this node's stage-in passed over, why, and the opt-in that let it."""
-
-    step: int
-    reason: str
-    opt_in: str = ""
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -235,26 +219,30 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Mapping[str, Any]) -> None:
-        """Snapshot ``state_dict`` now; write and commit it through DCP in the background.
+    def save(self, step: int, state_dict: Mapping[str, Any] | None = None, *,
+             model: Any = None, optimizer: Any = None, scheduler: Any = None) -> None:
+        """Snapshot the state now; write and commit it through DCP in the background.
 
-        Plain tensors, optimizer states, DTensor (FSDP2) state dicts and top-level
-        Stateful objects (``state_dict()``/``load_state_dict()``) work; what can't
-        be saved raises a CheckpointError naming the key, on every rank, before anything
-        is written. A save that arrives while the previous one is still writing waits for
-        it (its buffers are reused): the stall is then the rest of that write.
+        ``model``/``optimizer``/``scheduler`` are saved as ``load_latest`` with the same
+        arguments restores them (:func:`train_state`); ``state_dict`` adds entries (plain
+        tensors and values, DTensor (FSDP2) state dicts, top-level Stateful objects). What
+        can't be saved raises a CheckpointError naming the key, on every rank, before
+        anything is written. A save that arrives while the previous one is still writing
+        waits for it (its buffers are reused): the stall is then the rest of that write.
         """
         started = time.perf_counter()
         self.wait()
         self.last_wait_s = time.perf_counter() - started
         step_name(step)  # rejects a negative step before any collective
         problem: CheckpointError | None = None
+        state: dict[Any, Any] = {}
         try:
-            if not isinstance(state_dict, Mapping):
+            if not isinstance(state_dict, (Mapping, type(None))):
                 raise CheckpointError(f"checkpoint: save: the state must be a mapping, not "
                                       f"{type(state_dict).__name__}")
-            state_dict = resolve_stateful(state_dict)
-            check_state(state_dict)
+            state = resolve_stateful(train_state(state_dict, model=model, optimizer=optimizer,
+                                                 scheduler=scheduler))
+            check_state(state)
         except CheckpointError as exc:
             problem = exc
         # One decision for every rank: a node that already holds the step committed, or a
@@ -271,7 +259,7 @@ class CheckpointManager:
             return
         if committed:
             self._set_aside_or_raise(step, here)
-        snapshot = self._snap.take(state_dict)
+        snapshot = self._snap.take(state)
         from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
         writer = StagingWriter(self.job_dir, step)
@@ -306,10 +294,13 @@ class CheckpointManager:
                  ) -> None:
         from torch.distributed.checkpoint import state_dict_saver
 
+        from slurm_resilience.checkpoint.structure import StructurePlanner
+
         started = time.perf_counter()
         try:
+            # The planner keeps the state's shape, so that load_latest() returns it exactly.
             state_dict_saver.save(snapshot, storage_writer=writer, process_group=self._group,
-                                  no_dist=self._group is None)
+                                  no_dist=self._group is None, planner=StructurePlanner())
             self._mark(step)
             if self.local_leader:
                 self._report_save(step, stall_s, time.perf_counter() - started)
@@ -510,37 +501,50 @@ class CheckpointManager:
         self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
         return hi
 
-    def load_latest(self, state: dict[str, Any] | None = None) -> Loaded | None:
-        """Load the newest committed step into ``state`` in place (any world size).
+    def load_latest(self, state: dict[str, Any] | None = None, *, model: Any = None,
+                    optimizer: Any = None, scheduler: Any = None) -> Loaded | None:
+        """Load the newest committed step in place (any world size) into ``model``,
+        ``optimizer``, ``scheduler`` (restored whole: :func:`train_state`) and ``state``.
 
-        Returns the step loaded as a :class:`Loaded`, or None only when the run has no
-        committed step anywhere. Without ``state``, ``Loaded.state`` is a new dict of
-        full (unsharded) CPU tensors. A committed step that can't be loaded (stage-in
-        failed, files missing, ranks disagreeing on the step) raises a CheckpointError
-        naming the step and the cause, unless ``allow_fresh_start`` was given.
+        A ``state`` that can't take the step whole (a copy of an optimizer's state, no
+        place for saved entries) raises a TemplateMismatch naming them, before anything
+        loads. Returns a :class:`Loaded`, or None only when the run has no committed step
+        anywhere; with nothing to load into, ``Loaded.state`` is a new dict of full CPU
+        tensors and plain values, shaped exactly as saved. A committed step that can't be
+        loaded (stage-in failed, files missing, ranks disagreeing on the step) raises a
+        CheckpointError naming the step and the cause, unless ``allow_fresh_start``.
         """
         from torch.distributed.checkpoint.api import CheckpointException
 
+        template = None
+        if state is not None or model is not None or optimizer is not None or \
+                scheduler is not None:
+            template = train_state(state, model=model, optimizer=optimizer, scheduler=scheduler)
         bad: dict[int, str] = {}
         while True:
             step = self.latest_step(exclude=bad)
             if step is None:
                 return None
             try:
-                loaded = self._dcp_load(step, state)
+                loaded = self._dcp_load(step, template)
+            except TemplateMismatch:
+                raise  # the caller's code to fix: no fallback, no fresh start
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
                 # DCP hands every rank the same gathered failures, so all ranks take the same
                 # branch here without another collective.
-                corrupt = _corruption(exc)
+                corrupt = corrupt_message(exc)
                 if corrupt is not None and len(bad) < MAX_FALLBACKS:
                     bad[step] = corrupt
                     self._pass_over(step, corrupt)
                     continue
                 self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
-                                     f"{_cause(exc)}")
+                                     f"{failure_cause(exc)}")
                 return None
             break
         self.last_saved = step
+        if state is not None:  # DCP replaced the template's plain top-level values
+            state.update({k: loaded[k] for k in state})
+            loaded = state
         return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
 
     def _pass_over(self, step: int, why: str) -> None:
@@ -572,9 +576,12 @@ class CheckpointManager:
                 _load_state_dict_from_keys,
             )
 
-            return _load_state_dict_from_keys(storage_reader=reader,
-                                              process_group=self._group)
-        check_state(resolve_stateful(state), what="load")
+            loaded = _load_state_dict_from_keys(storage_reader=reader,
+                                                process_group=self._group)
+            from slurm_resilience.checkpoint.structure import rebuild
+
+            return rebuild(loaded, reader.metadata, step)
+        check_template(step, state, reader.read_metadata, self._all_max)
         state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
                                no_dist=self._group is None)
         return state
@@ -582,43 +589,6 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the pending save (call before exiting)."""
         self.wait()
-
-
-def warn_fallbacks(status: StageinStatus) -> None:
-    """Say on the job's stderr which newer steps stage-in passed over for the one it
-    staged: a resume from an older step is never quiet."""
-    for f in status.fallbacks:
-        if f.opt_in:
-            print(f"checkpoint: load: WARNING: resuming from OLDER step {status.step}, not "
-                  f"step {f.step}, because {f.opt_in} is set: {f.reason}",
-                  file=sys.stderr, flush=True)
-        else:
-            print(f"checkpoint: load: WARNING: stage-in passed over step {f.step} for step "
-                  f"{status.step}: {f.reason}", file=sys.stderr, flush=True)
-
-
-def _corruption(exc: BaseException) -> str | None:
-    """The message of a CorruptStep behind ``exc`` (DCP wraps each rank's failure), if any."""
-    if isinstance(exc, CorruptStep):
-        return str(exc)
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for _rank, err in sorted(failures.items()):
-            inner = err[0] if isinstance(err, tuple) else err
-            if isinstance(inner, CorruptStep):
-                return str(inner)
-    cause = exc.__cause__ or exc.__context__
-    return _corruption(cause) if cause is not None and cause is not exc else None
-
-
-def _cause(exc: BaseException) -> str:
-    """DCP wraps each rank's failure (a CheckpointException); name the first one plainly."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, err = sorted(failures.items())[0]
-        inner = err[0] if isinstance(err, tuple) else err
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _dist_ready() -> bool:
