@@ -75,6 +75,12 @@ class CheckpointSection:
     stagein_timeout_s: float = setting(
         600.0, min=1, max=86400, help="how long load_latest() waits for the agent's stage-in"
     )
+    save_arrival_timeout_s: float = setting(
+        30.0, min=1, max=3600,
+        help="how long a save() waits for every rank to call it before failing on every "
+             "rank that did, naming the ranks that did not (instead of hanging in the "
+             "collective save); allow for the ranks' skew between training steps"
+    )
     journal_dir: str = setting(
         "", help="durable upload journal; empty: <node.state_dir>/ckpt-journal; may contain {node}"
     )
