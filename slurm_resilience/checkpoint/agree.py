@@ -43,6 +43,7 @@ class Agreement:
     newest: int
     error: str = ""
     warning: str = ""
+    passed_over: tuple[int, ...] = ()  # steps above ``step`` some node has: never loaded
 
 
 def _where(views: list[RankView]) -> str:
@@ -78,7 +79,8 @@ def agree(views: list[RankView]) -> Agreement:
             f"no step is committed on every node (newest: {per_node}), so none "
             "can be loaded everywhere"))
     step = max(common)
-    return Agreement(step, newest, warning=(
+    above = tuple(sorted({s for steps in usable for s in steps if s > step}))
+    return Agreement(step, newest, passed_over=above, warning=(
         f"resuming from OLDER step {step}, not step {newest}: step {newest} is committed "
         f"only for {_where(having)}, not for {_where(lacking)}, and not in S3, so it is "
         f"incomplete; step {step} is the newest step committed on every node"))

@@ -313,7 +313,7 @@ class CheckpointManager:
             aside = self.job_dir / f".passed-over-{step_name(step)}.{time.time_ns()}"
             os.rename(self.job_dir / step_name(step), aside)
             print(f"checkpoint: save: WARNING: step {step} is committed here but this run's "
-                  f"restore found it corrupt ({self._passed_over[step]}); set aside as {aside}, "
+                  f"restore passed over it ({self._passed_over[step]}); set aside as {aside}, "
                   "saving the new step in its place", file=sys.stderr, flush=True)
         self._all_max([0])  # a barrier: every node's copy is gone before anyone writes
 
@@ -536,6 +536,8 @@ class CheckpointManager:
                                  f"step: {result.error}")
             return None
         _warn(f"checkpoint: load: WARNING: {result.warning}")
+        for step in result.passed_over:  # a later save(step) sets it aside, never skips it
+            self._passed_over[step] = f"not committed on every node; resumed from {result.step}"
         get_logger("checkpoint.restore").warning(
             "ranks disagree on the newest committed step; resuming from an older one",
             step=result.step, newest=result.newest, rank=self.rank, detail=result.warning)

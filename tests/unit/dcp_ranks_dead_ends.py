@@ -18,7 +18,8 @@ from slurm_resilience.checkpoint.manager import CheckpointManager
 
 def older_everywhere(rank: int, world: int, job: Path) -> None:
     """Steps 1 and 2 saved whole and copied to each rank's own 'node' dir; rank 1's node
-    then lacks step 2's marker (its local leader died before writing it)."""
+    then lacks step 2's marker (its local leader died before writing it). Step 1 is
+    loaded, and a later save(2) replaces node 0's stale step 2."""
     ckpt = CheckpointManager(job)
     for step in (1, 2):
         ckpt.save(step, _dshard(rank, world, float(step)))
@@ -36,6 +37,15 @@ def older_everywhere(rank: int, world: int, job: Path) -> None:
     assert got is not None and got.step == 1, got
     assert torch.equal(full, torch.full_like(full, 1.0)), full
     (job.parent / f"stderr-{rank}").write_text(err.getvalue())
+    with contextlib.redirect_stderr(err):  # training goes on: step 2 again, over node0's
+        ckpt = CheckpointManager(node, local_leader=True)
+        assert ckpt.load_latest(_dshard(rank, world, 0.0)) is not None
+        ckpt.save(2, _dshard(rank, world, 22.0))
+        ckpt.close()
+    dest = _dshard(rank, world, 0.0)
+    got = CheckpointManager(node, local_leader=True).load_latest(dest)
+    assert got is not None and got.step == 2, got
+    assert torch.equal(dest["w"].full_tensor(), torch.full_like(full, 22.0))
     print(f"OK {rank} loaded {got.step}", flush=True)
 
 

@@ -21,7 +21,7 @@ from slurm_resilience.checkpoint.errors import CheckpointError
 
 def test_nodes_disagreeing_resume_from_the_newest_step_every_node_has(tmp_path: Path) -> None:
     """Step 2 marked on one node only and step 1 whole on both: every rank loads step 1 and
-    warns on its own stderr naming both steps."""
+    warns on its own stderr naming both steps; the run's next save(2) then commits."""
     assert dcp_ranks.run_ranks(scenarios.older_everywhere, 2, tmp_path) == [0, 0]
     for rank in range(2):
         err = (tmp_path / f"stderr-{rank}").read_text()
@@ -49,7 +49,7 @@ def test_agree_takes_the_newest_step_on_every_node_naming_both() -> None:
     """10 on node a only, 5 on both: step 5, with a warning naming 10, 5 and node b."""
     got = agree([_view(0, "a", 10, (5, 10)), _view(1, "a", 10, (5, 10)),
                  _view(2, "b", 5, (3, 5))])
-    assert got.step == 5 and got.newest == 10 and not got.error
+    assert got.step == 5 and got.newest == 10 and not got.error and got.passed_over == (10,)
     assert "OLDER step 5, not step 10" in got.warning
     assert "committed only for ranks 0, 1 on a" in got.warning
     assert "not for rank 2 on b, and not in S3" in got.warning
