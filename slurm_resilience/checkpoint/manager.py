@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint.agree import RankView, agree
 from slurm_resilience.checkpoint.app_state import train_state
+from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
@@ -40,6 +42,7 @@ from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, 
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 from slurm_resilience.checkpoint.stagein_status import Fallen, StageinStatus, warn_fallbacks
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
+from slurm_resilience.log import get_logger
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
@@ -79,7 +82,8 @@ class CheckpointManager:
                  job_id: int | None = None, agent_socket: str | None = None,
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
                  ranges: RangeSource | None = None, allow_fresh_start: bool = False,
-                 keep_buffers: bool = True, allow_older_step: bool = False):
+                 keep_buffers: bool = True, allow_older_step: bool = False,
+                 arrival_timeout_s: float = 30.0):
         self.job_dir = Path(job_dir)
         self.rank = rank
         self.world_size = world_size
@@ -112,6 +116,7 @@ class CheckpointManager:
         # "already committed" (the same on every rank: both come from collective calls).
         self._trusted: set[int] = set()
         self._passed_over: dict[int, str] = {}  # steps load_latest found corrupt
+        self._arrival: ArrivalCheck | None = None  # every rank calls save(), or it fails fast
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
         if _dist_ready():
@@ -119,6 +124,8 @@ class CheckpointManager:
             self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
             self.local_leader = self.rank == 0 if local_leader is None else local_leader
             self._group = self._make_group(barrier_timeout_s)
+            self._arrival = for_group(self._group, self.rank, self.world_size,
+                                      arrival_timeout_s, _warn)
         elif world_size > 1:
             raise CheckpointError("checkpoint: world_size > 1 needs torch.distributed "
                                   "initialised before the CheckpointManager is created")
@@ -175,7 +182,8 @@ class CheckpointManager:
         mgr = cls(jdir, rank=rank, world_size=world, local_leader=local_rank == 0, uri=uri,
                   job_id=job_id, agent_socket=agent_socket,
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
-                  allow_fresh_start=allow_fresh, allow_older_step=allow_older)
+                  allow_fresh_start=allow_fresh, allow_older_step=allow_older,
+                  arrival_timeout_s=ck.save_arrival_timeout_s)
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
                           cfg.agent.request_timeout_s)
@@ -234,6 +242,7 @@ class CheckpointManager:
         self.wait()
         self.last_wait_s = time.perf_counter() - started
         step_name(step)  # rejects a negative step before any collective
+        self._meet(step)
         problem: CheckpointError | None = None
         state: dict[Any, Any] = {}
         try:
@@ -270,6 +279,10 @@ class CheckpointManager:
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
 
+    def _meet(self, step: int) -> None:
+        if self._arrival is not None:  # before any collective: see arrival.py
+            self._arrival.meet(f"save-{step}", f"save({step})")
+
     def _set_aside_or_raise(self, step: int, here: bool) -> None:
         """A committed ``step`` that this run neither loaded nor saved: a save must neither
         skip (the new state would never be written) nor overwrite it. One this run's restore
@@ -286,7 +299,7 @@ class CheckpointManager:
             aside = self.job_dir / f".passed-over-{step_name(step)}.{time.time_ns()}"
             os.rename(self.job_dir / step_name(step), aside)
             print(f"checkpoint: save: WARNING: step {step} is committed here but this run's "
-                  f"restore found it corrupt ({self._passed_over[step]}); set aside as {aside}, "
+                  f"restore passed over it ({self._passed_over[step]}); set aside as {aside}, "
                   "saving the new step in its place", file=sys.stderr, flush=True)
         self._all_max([0])  # a barrier: every node's copy is gone before anyone writes
 
@@ -372,6 +385,7 @@ class CheckpointManager:
         from slurm_resilience.checkpoint.dcp_writer import StagingWriter
 
         self.wait()
+        self._meet(step)
         return StagingWriter(self.job_dir, step, snapshot=self._snap)
 
     def commit(self, step: int, future: Any = None) -> None:
@@ -428,7 +442,8 @@ class CheckpointManager:
                                for f in (raw if isinstance(raw, list) else [])
                                if isinstance(f, dict) and isinstance(f.get("step"), int))
                 return StageinStatus(state, int(step) if isinstance(step, int) else None,
-                                     str(error) if error is not None else None, fallen)
+                                     str(error) if error is not None else None, fallen,
+                                     str(status.get("source") or "") or None)
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
                                       f"{self.stagein_timeout_s:.0f}s (checkpoint."
@@ -472,12 +487,11 @@ class CheckpointManager:
                 "stage-in failed on another node (its ranks' error names the cause)"
             self._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
             return None
-        if hi != lo:
-            self._fresh_or_raise(
-                f"checkpoint: load: ranks disagree on the newest committed step (from {lo} to "
-                f"{hi} across {self.world_size} ranks; -1: none on that node), so none "
-                "is loaded")
-            return None
+        if hi != lo:  # every rank takes this branch: hi and lo are the same everywhere
+            agreed = self._agree(candidate, status, local)
+            if agreed is None:
+                return None
+            hi = agreed
         if hi < 0 and bad:
             self._fresh_or_raise(
                 f"checkpoint: load: couldn't load committed step {max(bad)}: "
@@ -500,6 +514,27 @@ class CheckpointManager:
             return None
         self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
         return hi
+
+    def _agree(self, candidate: int, status: StageinStatus, local: list[int]) -> int | None:
+        """Ranks named different newest steps: the newest every node can load (agree.py)."""
+        import torch.distributed as dist
+
+        node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+        mine = RankView(self.rank, node, candidate, status.source == "s3", tuple(local))
+        views: list[Any] = [None] * self.world_size
+        dist.all_gather_object(views, mine, group=self._group)
+        result = agree(views)
+        if result.step is None:
+            self._fresh_or_raise(f"checkpoint: load: ranks disagree on the newest committed "
+                                 f"step: {result.error}")
+            return None
+        _warn(f"checkpoint: load: WARNING: {result.warning}")
+        for step in result.passed_over:  # a later save(step) sets it aside, never skips it
+            self._passed_over[step] = f"not committed on every node; resumed from {result.step}"
+        get_logger("checkpoint.restore").warning(
+            "ranks disagree on the newest committed step; resuming from an older one",
+            step=result.step, newest=result.newest, rank=self.rank, detail=result.warning)
+        return result.step
 
     def load_latest(self, state: dict[str, Any] | None = None, *, model: Any = None,
                     optimizer: Any = None, scheduler: Any = None) -> Loaded | None:
@@ -589,6 +624,10 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the pending save (call before exiting)."""
         self.wait()
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _dist_ready() -> bool:

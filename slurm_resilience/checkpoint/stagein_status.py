@@ -15,6 +15,7 @@ class StageinStatus:
     step: int | None = None
     error: str | None = None
     fallbacks: tuple[Fallen, ...] = ()
+    source: str | None = None  # where the staged step came from: local | s3
 
 
 @dataclass(frozen=True)

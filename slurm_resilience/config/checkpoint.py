@@ -81,6 +81,12 @@ class CheckpointSection:
         help="a job with a run URI whose node agent can't be reached at start: error stops "
              "the job on every rank (its checkpoints on that node would never reach S3); "
              "local-only warns on every rank and keeps that node's checkpoints on the node")
+    save_arrival_timeout_s: float = setting(
+        30.0, min=1, max=3600,
+        help="how long a save() waits for every rank to call it before failing on every "
+             "rank that did, naming the ranks that did not (instead of hanging in the "
+             "collective save); allow for the ranks' skew between training steps"
+    )
     journal_dir: str = setting(
         "", help="durable upload journal; empty: <node.state_dir>/ckpt-journal; may contain {node}"
     )

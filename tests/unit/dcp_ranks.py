@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from slurm_resilience.checkpoint.commit import step_name
 from slurm_resilience.checkpoint.manager import CheckpointManager
 
 
@@ -227,7 +228,7 @@ def load_one(rank: int, world: int, job: Path) -> None:
 
 
 def disagree(rank: int, world: int, job: Path) -> None:
-    """Each rank on its own 'node' dir; rank 1's node lacks step 2's marker."""
+    """Each rank on its own 'node' dir; rank 1's node lacks both steps' markers."""
     node = job.parent / f"node{rank}"
     node.mkdir()
     ckpt = CheckpointManager(node, local_leader=True)
@@ -235,7 +236,8 @@ def disagree(rank: int, world: int, job: Path) -> None:
         ckpt.save(step, _dshard(rank, world, float(step)))
         ckpt.wait()
     if rank == 1:
-        (node / "step-00000002" / "COMMIT.json").unlink()
+        for step in (1, 2):
+            (node / step_name(step) / "COMMIT.json").unlink()
     try:
         ckpt.load_latest(_dshard(rank, world, 0.0))
     except Exception as exc:  # noqa: BLE001 - the message is what the test compares

@@ -71,12 +71,14 @@ def test_async_save_with_process_executor(tmp_path: Path) -> None:
 
 
 def test_ranks_disagreeing_on_the_step_all_raise_the_same_error(tmp_path: Path) -> None:
-    """A node without step 2's marker makes every rank raise one identical error, never a
-    silent load of different steps."""
+    """A node without any step's marker (no step committed on every node) makes every
+    rank raise one identical error naming each node's newest, never a silent load."""
     assert ranks.run_ranks(ranks.disagree, 2, tmp_path) == [0] * 2
     errors = [(tmp_path / f"error-{r}").read_text() for r in range(2)]
     assert errors[0] == errors[1]
-    assert "ranks disagree on the newest committed step (from 1 to 2" in errors[0]
+    assert "ranks disagree on the newest committed step: no step is committed on every " \
+           "node (newest: step 2 for rank 0 on" in errors[0]
+    assert "none for rank 1 on" in errors[0]
 
 
 def test_storage_writer_and_reader_with_plain_dcp(tmp_path: Path) -> None:
