@@ -1,0 +1,48 @@
+"""``install slurm-conf``: merge our settings into this host's slurm.conf, or take them out.
+
+The merge itself is :mod:`.slurmconf` (pure); this step reads the files, writes the
+ones that change (keeping their mode) and the ``<hook>.site`` files beside our hook
+wrappers, which name the site's own program for the wrapper to run too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm_resilience.install import slurmconf
+from slurm_resilience.install.files import Change, mode_of, place, remove
+
+
+@dataclass(frozen=True)
+class Outcome:
+    changes: list[Change]
+    diff: str
+    edits: tuple[slurmconf.Edit, ...]
+
+
+def site_program_file(hooks_dir: Path, hook: str) -> Path:
+    """Where our ``hook`` wrapper finds the site's program it runs too."""
+    return hooks_dir / f"{hook}.site"
+
+
+def run(slurm_conf: Path, hooks_dir: Path, interval: int, *, uninstall: bool = False,
+        dry_run: bool = False) -> Outcome:
+    """Merge (or unmerge) and write; ``dry_run``: compute and report only."""
+    tree = slurmconf.load(slurm_conf, slurmconf.read_file, slurmconf.expand_glob)
+    want = slurmconf.wanted(hooks_dir, interval)
+    result = slurmconf.unmerge(tree, want) if uninstall else slurmconf.merge(tree, want)
+    changes = []
+    for path, text in result.texts.items():
+        dest = Path(path)
+        why = "our settings taken out" if uninstall else "our settings merged"
+        changes.append(place(dest, text.encode(), mode_of(dest), why, dry_run=dry_run))
+    for hook in sorted(set(slurmconf.PROGRAM_HOOKS.values())):
+        dest = site_program_file(hooks_dir, hook)
+        program = result.chained.get(hook)
+        if program is None:
+            changes.append(remove(dest, "no site program to run", dry_run=dry_run))
+        else:
+            changes.append(place(dest, (program + "\n").encode(), 0o644,
+                                 f"our {hook} runs the site's {program} too", dry_run=dry_run))
+    return Outcome(changes, slurmconf.diff(tree, result), result.edits)
