@@ -32,6 +32,13 @@ def run(slurm_conf: Path, hooks_dir: Path, interval: int, *, uninstall: bool = F
     tree = slurmconf.load(slurm_conf, slurmconf.read_file, slurmconf.expand_glob)
     want = slurmconf.wanted(hooks_dir, interval)
     result = slurmconf.unmerge(tree, want) if uninstall else slurmconf.merge(tree, want)
+    left = slurmconf.still_ours(tree, result, want) if uninstall else []
+    if left:
+        msg = (f"install slurm-conf: couldn't take our settings out of {slurm_conf}: it (or a "
+               f"file it includes) still has {', '.join(left)} without our marker, written "
+               "by hand; put the site's own values back on those lines first, or every job "
+               "would fail once the hooks are gone")
+        raise slurmconf.ConfError(msg)
     changes = []
     for path, text in result.texts.items():
         dest = Path(path)

@@ -390,6 +390,14 @@ def unmerge(tree: Tree, want: Sequence[Wanted]) -> Result:
     return Result(changed, tuple(edits))
 
 
+def still_ours(tree: Tree, result: Result, want: Sequence[Wanted]) -> list[str]:
+    """Program keys that would still name our hooks after ``result`` (lines set by hand,
+    without our markers): taking the hooks away would then fail every job."""
+    after = _reparse(tree, {**{f.path: f.text for f in tree.files}, **result.texts})
+    return [f"{w.key}={w.value}" for w in want
+            if w.kind is Kind.PROGRAM and effective(after, w.key) == w.value]
+
+
 def _original(tree: Tree, path: PurePath) -> str:
     return next(f.text for f in tree.files if f.path == path)
 

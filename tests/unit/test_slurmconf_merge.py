@@ -262,3 +262,13 @@ def test_step_writes_files_keeps_their_mode_and_names_the_site_programs(tmp_path
     assert not any(c.changed for c in conf_step.run(conf, hooks, 300).changes)
     conf_step.run(conf, hooks, 300, uninstall=True)
     assert conf.read_text() == SITE and not list(hooks.iterdir())
+
+
+def test_uninstall_refuses_while_hand_set_lines_still_name_our_hooks(tmp_path: Path) -> None:
+    """Lines set by hand (no marker) that name our hooks stop the uninstall, naming them."""
+    conf = tmp_path / "slurm.conf"
+    hooks = tmp_path / "hooks"
+    conf.write_text(f"Prolog={hooks}/prolog\nPrologFlags=Alloc\n")
+    with pytest.raises(ConfError, match=rf"still has Prolog={hooks}/prolog without our marker"):
+        conf_step.run(conf, hooks, 300, uninstall=True)
+    assert conf.read_text() == f"Prolog={hooks}/prolog\nPrologFlags=Alloc\n"
