@@ -125,9 +125,10 @@ def test_install_controller_puts_job_submit_lua_beside_slurm_conf(venv: Path,
 
 
 def test_install_commands_explain_every_argument(venv: Path, tmp_path: Path) -> None:
-    for target in ("node", "controller", "spank"):
+    for target in ("node", "controller", "spank", "slurm-conf"):
         text = _run(venv, "install", target, "--help", cwd=tmp_path).stdout
         assert "--prefix PREFIX" in text and "(default:" in text
+        assert "--dry-run" in text and "--uninstall" in text
 
 
 def test_place_replaces_a_symlink_instead_of_following_it(tmp_path: Path) -> None:
