@@ -7,6 +7,7 @@ wrappers, which name the site's own program for the wrapper to run too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,22 @@ def site_program_file(hooks_dir: Path, hook: str) -> Path:
     return hooks_dir / f"{hook}.site"
 
 
+def _write(path: Path, text: str, why: str, dry_run: bool) -> Change:
+    """``text`` into the file ``path`` is, through a site's symlink (slurm.conf shared from
+    elsewhere stays shared), with its mode and owner kept."""
+    dest = Path(os.path.realpath(path))
+    if dest != path:
+        why += f", through the link {path}"
+    try:
+        st = os.stat(dest)
+    except FileNotFoundError:
+        st = None
+    change = place(dest, text.encode(), mode_of(dest), why, dry_run=dry_run)
+    if change.changed and not dry_run and st is not None:
+        os.chown(dest, st.st_uid, st.st_gid)
+    return change
+
+
 def run(slurm_conf: Path, hooks_dir: Path, interval: int, *, uninstall: bool = False,
         dry_run: bool = False) -> Outcome:
     """Merge (or unmerge) and write; ``dry_run``: compute and report only."""
@@ -41,9 +58,8 @@ def run(slurm_conf: Path, hooks_dir: Path, interval: int, *, uninstall: bool = F
         raise slurmconf.ConfError(msg)
     changes = []
     for path, text in result.texts.items():
-        dest = Path(path)
-        why = "our settings taken out" if uninstall else "our settings merged"
-        changes.append(place(dest, text.encode(), mode_of(dest), why, dry_run=dry_run))
+        changes.append(_write(Path(path), text, "our settings taken out" if uninstall
+                              else "our settings merged", dry_run))
     for hook in sorted(set(slurmconf.PROGRAM_HOOKS.values())):
         dest = site_program_file(hooks_dir, hook)
         program = result.chained.get(hook)

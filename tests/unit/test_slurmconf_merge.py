@@ -7,6 +7,7 @@ comments, keys in any case, continuation lines, several settings on one line.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path, PurePath
 
 import pytest
@@ -272,3 +273,16 @@ def test_uninstall_refuses_while_hand_set_lines_still_name_our_hooks(tmp_path: P
     with pytest.raises(ConfError, match=rf"still has Prolog={hooks}/prolog without our marker"):
         conf_step.run(conf, hooks, 300, uninstall=True)
     assert conf.read_text() == f"Prolog={hooks}/prolog\nPrologFlags=Alloc\n"
+
+
+def test_a_linked_slurm_conf_is_edited_where_it_lives(tmp_path: Path) -> None:
+    """A slurm.conf that is a link to a shared file stays a link; the shared file is merged."""
+    shared = tmp_path / "shared" / "slurm.conf"
+    shared.parent.mkdir()
+    shared.write_text("PrologFlags=Contain\n")
+    link = tmp_path / "slurm.conf"
+    link.symlink_to(shared)
+    done = conf_step.run(link, tmp_path / "hooks", 300)
+    assert link.is_symlink() and os.readlink(link) == str(shared)
+    assert shared.read_text().startswith("PrologFlags=Contain,Alloc ")
+    assert "through the link" in next(c.detail for c in done.changes if c.path == shared)
