@@ -53,6 +53,20 @@ def wait_drained(box: Sandbox, node: str, timeout: float) -> str:
         time.sleep(0.5)
 
 
+def site_runs(job: int) -> None:
+    """The site's own prolog and health program (which test-rollout put into slurm.conf
+    before the merge) still ran, through our hooks."""
+    prolog = Path("/var/tmp/site-prolog.log")
+    ran = prolog.read_text().split() if prolog.exists() else []
+    if str(job) not in ran:
+        raise SystemExit(f"gate_check: the site's prolog did not run for job {job} ({ran})")
+    nhc = Path("/var/tmp/site-nhc.log")
+    if not nhc.exists() or not nhc.read_text().strip():
+        raise SystemExit("gate_check: the site's health program (NHC's stand-in) never ran")
+    print(f"gate_check: the site's prolog ran for job {job}; its health program ran "
+          f"{len(nhc.read_text().splitlines())} time(s)")
+
+
 def main() -> int:
     prefix, state_dir = Path(sys.argv[1]), Path(sys.argv[2])
     # repo=PREFIX: the sandbox's Prolog=, Epilog= and HealthCheckProgram= are PREFIX/hooks/*.
@@ -75,6 +89,7 @@ def main() -> int:
         print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)")
         if info.state != "COMPLETED" or "node1" in info.nodes or info.restarts < 1:
             raise SystemExit("gate_check: the job was not gated off node1 and run elsewhere")
+        site_runs(job)
     finally:
         box.stop()
     print("gate_check: the installed hooks gated the job and drained node1")

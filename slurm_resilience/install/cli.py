@@ -1,4 +1,4 @@
-"""``slurm-resilience install node|controller|spank``."""
+"""``slurm-resilience install node|controller|spank|slurm-conf`` (and ``--uninstall``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slurm_resilience.install import assets, spank, targets
+from slurm_resilience.install import assets, conf_step, slurmconf, spank, targets
 from slurm_resilience.install.files import Change
 
 DEFAULT_SLURM_CONF = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
@@ -30,6 +30,11 @@ def register(sub: Any) -> None:
                             f"{DEFAULT_SLURM_CONF})")
         q.add_argument("--json", action="store_true",
                        help="print {'changed': bool, 'files': [...]} instead of lines")
+        q.add_argument("--dry-run", action="store_true",
+                       help="change nothing; report what would change")
+        q.add_argument("--uninstall", action="store_true",
+                       help="remove what this target installs (a site's own files, such as "
+                            "its job_submit.lua, stay)")
 
     n = isub.add_parser("node", help="hook wrappers into PREFIX/hooks, the agent's systemd unit")
     common(n)
@@ -60,6 +65,17 @@ def register(sub: Any) -> None:
                    help="leave plugstack.conf alone")
     s.set_defaults(func=run_spank)
 
+    k = isub.add_parser("slurm-conf", help="merge our settings into slurm.conf (and the files "
+                                           "it includes) without replacing the site's")
+    common(k)
+    k.add_argument("--hooks-dir", type=Path,
+                   help="where the hook wrappers are (default: PREFIX/hooks)")
+    k.add_argument("--health-check-interval", type=int, default=300,
+                   help="HealthCheckInterval= where the site has none or 0 (default: 300)")
+    k.add_argument("--diff", action="store_true",
+                   help="also print a unified diff of the lines that change")
+    k.set_defaults(func=run_slurm_conf)
+
 
 def _paths(args: argparse.Namespace) -> targets.Paths:
     prefix = args.prefix.absolute()
@@ -69,16 +85,22 @@ def _paths(args: argparse.Namespace) -> targets.Paths:
                          systemd_dir=systemd, slurm_conf=args.slurm_conf)
 
 
-def _report(args: argparse.Namespace, changes: list[Change]) -> int:
+def _report(args: argparse.Namespace, changes: list[Change], diff: str = "") -> int:
     changed = any(c.changed for c in changes)
+    would = "would be " if args.dry_run else ""
     if args.json:
-        print(json.dumps({"changed": changed, "files": [
+        out: dict[str, Any] = {"changed": changed, "dry_run": args.dry_run, "files": [
             {"path": str(c.path), "action": c.action.value, "detail": c.detail}
-            for c in changes]}))
+            for c in changes]}
+        if diff or getattr(args, "diff", False):
+            out["diff"] = diff
+        print(json.dumps(out))
     else:
         for c in changes:
-            print(f"{c.action.value:9} {c.path}" + (f"  ({c.detail})" if c.detail else ""))
-        print(f"{sum(c.changed for c in changes)} of {len(changes)} changed")
+            print(f"{would}{c.action.value:9} {c.path}" + (f"  ({c.detail})" if c.detail else ""))
+        print(f"{sum(c.changed for c in changes)} of {len(changes)} {would or ''}changed")
+        if getattr(args, "diff", False):
+            print(diff, end="")
     return 0
 
 
@@ -89,16 +111,30 @@ def _fail(exc: Exception) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     try:
-        return _report(args, targets.node(assets.find(), _paths(args)))
+        if args.uninstall:
+            return _report(args, targets.remove_node(_paths(args), args.dry_run))
+        return _report(args, targets.node(assets.find(), _paths(args), args.dry_run))
     except (assets.AssetError, OSError) as exc:
         return _fail(exc)
 
 
 def run_controller(args: argparse.Namespace) -> int:
     try:
-        return _report(args, targets.controller(assets.find(), _paths(args)))
+        if args.uninstall:
+            return _report(args, targets.remove_controller(_paths(args), args.dry_run))
+        return _report(args, targets.controller(assets.find(), _paths(args), args.dry_run))
     except (assets.AssetError, OSError) as exc:
         return _fail(exc)
+
+
+def run_slurm_conf(args: argparse.Namespace) -> int:
+    paths = _paths(args)
+    try:
+        done = conf_step.run(paths.slurm_conf, paths.hooks_dir, args.health_check_interval,
+                             uninstall=args.uninstall, dry_run=args.dry_run)
+    except (slurmconf.ConfError, OSError) as exc:
+        return _fail(exc)
+    return _report(args, done.changes, done.diff)
 
 
 def run_spank(args: argparse.Namespace) -> int:
@@ -110,6 +146,9 @@ def run_spank(args: argparse.Namespace) -> int:
     where = targets.SpankPaths(build_dir=args.build_dir or paths.prefix / "spank-build",
                                plugin_dir=args.plugin_dir, plugstack=plugstack)
     try:
-        return _report(args, targets.spank_plugin(assets.find(), paths, where, Runner()))
+        if args.uninstall:
+            return _report(args, targets.remove_spank(paths, where, Runner(), args.dry_run))
+        return _report(args, targets.spank_plugin(assets.find(), paths, where, Runner(),
+                                                  args.dry_run))
     except (assets.AssetError, spank.SpankError, OSError) as exc:
         return _fail(exc)

@@ -13,6 +13,7 @@ class Action(enum.Enum):
     CREATED = "created"
     UPDATED = "updated"
     UNCHANGED = "unchanged"
+    REMOVED = "removed"
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,18 @@ def _current(dest: Path) -> tuple[bytes, int] | None:
     return dest.read_bytes(), stat.S_IMODE(st.st_mode)
 
 
-def place(dest: Path, data: bytes, mode: int, detail: str = "") -> Change:
+def place(dest: Path, data: bytes, mode: int, detail: str = "", *,
+          dry_run: bool = False) -> Change:
     """Make ``dest`` a regular file holding ``data`` with ``mode``.
 
     Written beside and renamed over, so Slurm never runs a half-written hook; a
-    symlink at ``dest`` is replaced, not followed.
+    symlink at ``dest`` is replaced, not followed. ``dry_run``: say what would change.
     """
     existed = os.path.lexists(dest)
     if _current(dest) == (data, mode):
         return Change(dest, Action.UNCHANGED, detail)
+    if dry_run:
+        return Change(dest, Action.UPDATED if existed else Action.CREATED, detail)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.new")
     if os.path.lexists(tmp):
@@ -67,7 +71,7 @@ def place(dest: Path, data: bytes, mode: int, detail: str = "") -> Change:
     return Change(dest, Action.UPDATED if existed else Action.CREATED, detail)
 
 
-def ensure_line(path: Path, line: str, mode: int = 0o644) -> Change:
+def ensure_line(path: Path, line: str, mode: int = 0o644, *, dry_run: bool = False) -> Change:
     """``path`` contains ``line`` (appended when missing; the rest of the file is kept)."""
     current = _current(path)
     text = current[0].decode() if current else ""
@@ -76,4 +80,33 @@ def ensure_line(path: Path, line: str, mode: int = 0o644) -> Change:
     if text and not text.endswith("\n"):
         text += "\n"
     keep_mode = current[1] if current else mode
-    return place(path, (text + line + "\n").encode(), keep_mode, line)
+    return place(path, (text + line + "\n").encode(), keep_mode, line, dry_run=dry_run)
+
+
+def drop_line(path: Path, line: str, *, dry_run: bool = False) -> Change:
+    """``path`` no longer contains ``line`` (the rest of the file and its mode are kept)."""
+    current = _current(path)
+    if current is None or line not in current[0].decode().splitlines():
+        return Change(path, Action.UNCHANGED, f"without {line}")
+    kept = [ln for ln in current[0].decode().splitlines(keepends=True)
+            if ln.rstrip("\n") != line]
+    change = place(path, "".join(kept).encode(), current[1], f"without {line}", dry_run=dry_run)
+    return Change(path, Action.REMOVED if change.changed else Action.UNCHANGED, change.detail)
+
+
+def remove(path: Path, detail: str = "", *, dry_run: bool = False) -> Change:
+    """``path`` gone (a file or a symlink, never followed; a directory only when empty)."""
+    if not os.path.lexists(path):
+        return Change(path, Action.UNCHANGED, detail or "absent")
+    if not dry_run:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink()
+    return Change(path, Action.REMOVED, detail)
+
+
+def mode_of(path: Path, default: int = 0o644) -> int:
+    """The permission bits of an existing file, else ``default``."""
+    current = _current(path)
+    return current[1] if current else default

@@ -123,6 +123,18 @@ def read_stamp(build_dir: Path) -> Stamp | None:
         return None
 
 
+def fresh_build(spank_src: Path, build_dir: Path, version: str) -> bytes | None:
+    """The plugin already built from this source for ``version``, None when it needs a build."""
+    built = build_dir / PLUGIN
+    stamp = read_stamp(build_dir)
+    if (stamp and stamp.source_sha256 == source_hash(spank_src)
+            and stamp.slurm_version == version and built.is_file()):
+        data = built.read_bytes()
+        if hashlib.sha256(data).hexdigest() == stamp.plugin_sha256:
+            return data
+    return None
+
+
 def build(runner: Runner, spank_src: Path, build_dir: Path, version: str) -> tuple[bytes, Change]:
     """The plugin built for ``version`` from ``spank_src``; rebuilt only when either changed."""
     want = source_hash(spank_src)

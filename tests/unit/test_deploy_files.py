@@ -80,3 +80,57 @@ def test_hook_wrapper_without_config_lets_job_run(tmp_path: Path) -> None:
                          text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ""
+
+
+def _hooks_beside_the_package(tmp_path: Path, hook: str) -> Path:
+    """A copy of the ``hook`` wrapper in tmp/hooks, finding this checkout's virtualenv as
+    tmp/.venv (so ``<hook>.site`` can be written beside it without touching the checkout)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    shutil.copy2(REPO / "hooks" / hook, hooks / hook)
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    return hooks / hook
+
+
+def _site_program(path: Path, log: Path, rc: int) -> None:
+    path.write_text(f"#!/bin/sh\necho {path.name} >>{log}\nexit {rc}\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("site_rc", [0, 3])
+def test_hook_wrapper_runs_the_sites_program_too_and_fails_when_it_fails(
+        tmp_path: Path, site_rc: int) -> None:
+    """With prolog.site naming a site's program, the wrapper runs it, then ours, and fails
+    with the site program's status when that one failed (ours passed)."""
+    wrapper = _hooks_beside_the_package(tmp_path, "prolog")
+    log = tmp_path / "ran.log"
+    _site_program(tmp_path / "site-prolog", log, site_rc)
+    (wrapper.parent / "prolog.site").write_text(f"{tmp_path / 'site-prolog'}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"logging:\n  file: {tmp_path}/ev.jsonl\n  syslog: false\n")
+    env = {"PATH": "/usr/bin:/bin", "SLURM_RESILIENCE_CONFIG": str(cfg),
+           "SLURM_JOB_ID": "1", "SLURMD_NODENAME": "nodeX"}
+    out = subprocess.run([str(wrapper)], env=env, capture_output=True, text=True, check=False)
+    assert log.read_text() == "site-prolog\n"
+    assert '"event": "hook ok"' in (tmp_path / "ev.jsonl").read_text()  # ours ran too
+    assert out.returncode == site_rc, out.stderr
+    if site_rc:
+        assert f"the site's {tmp_path / 'site-prolog'} exited 3" in out.stderr
+
+
+def test_hook_wrapper_runs_a_site_glob_in_reverse_alphabetical_order(tmp_path: Path) -> None:
+    """A site's `Prolog=/dir/*` keeps Slurm's order under our wrapper: z-a, each program once."""
+    wrapper = _hooks_beside_the_package(tmp_path, "epilog")
+    log = tmp_path / "ran.log"
+    site = tmp_path / "epilog.d"
+    site.mkdir()
+    for name in ("10-first", "50-middle", "90-last"):
+        _site_program(site / name, log, 0)
+    (wrapper.parent / "epilog.site").write_text(f"{site}/*\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"logging:\n  file: {tmp_path}/ev.jsonl\n  syslog: false\n")
+    env = {"PATH": "/usr/bin:/bin", "SLURM_RESILIENCE_CONFIG": str(cfg),
+           "SLURM_JOB_ID": "1", "SLURMD_NODENAME": "nodeX"}
+    out = subprocess.run([str(wrapper)], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert log.read_text().split() == ["90-last", "50-middle", "10-first"]

@@ -125,9 +125,10 @@ def test_install_controller_puts_job_submit_lua_beside_slurm_conf(venv: Path,
 
 
 def test_install_commands_explain_every_argument(venv: Path, tmp_path: Path) -> None:
-    for target in ("node", "controller", "spank"):
+    for target in ("node", "controller", "spank", "slurm-conf"):
         text = _run(venv, "install", target, "--help", cwd=tmp_path).stdout
         assert "--prefix PREFIX" in text and "(default:" in text
+        assert "--dry-run" in text and "--uninstall" in text
 
 
 def test_place_replaces_a_symlink_instead_of_following_it(tmp_path: Path) -> None:
@@ -192,3 +193,58 @@ def test_install_spank_places_plugin_and_lists_it_once(tmp_path: Path) -> None:
     assert (tmp_path / "plugstack.conf").read_text() == (
         f"optional {plugins / spank.PLUGIN}\n")
     assert not any(c.changed for c in targets.spank_plugin(src, paths, where, Runner()))
+
+
+def test_install_node_dry_run_changes_nothing_and_uninstall_takes_everything_out(
+        venv: Path, tmp_path: Path) -> None:
+    """--dry-run reports what would be created and writes nothing; --uninstall removes
+    every file install node placed, and the site programs' <hook>.site files."""
+    hooks = tmp_path / "hooks"
+    args = ["install", "node", "--prefix", str(venv), "--config-dir", str(tmp_path / "etc"),
+            "--systemd-dir", str(tmp_path / "systemd"), "--hooks-dir", str(hooks), "--json"]
+    preview = json.loads(_run(venv, *args, "--dry-run", cwd=tmp_path).stdout)
+    assert preview["dry_run"] and {f["action"] for f in preview["files"]} == {"created"}
+    assert not hooks.exists() and not (tmp_path / "systemd").exists()
+    installed = json.loads(_run(venv, *args, cwd=tmp_path).stdout)
+    (hooks / "healthcheck.site").write_text("/usr/sbin/nhc\n")
+    gone = _run(venv, *args, "--uninstall", cwd=tmp_path)
+    assert gone.returncode == 0, gone.stderr
+    removed = {f["path"] for f in json.loads(gone.stdout)["files"] if f["action"] == "removed"}
+    assert removed == {f["path"] for f in installed["files"]} | {
+        str(hooks / "healthcheck.site")}
+    assert not list(hooks.iterdir()) and not list((tmp_path / "systemd").iterdir())
+
+
+def test_install_controller_never_replaces_a_sites_job_submit_lua(venv: Path,
+                                                                  tmp_path: Path) -> None:
+    """A site's own job_submit.lua stays through install and uninstall; the report says so."""
+    conf = tmp_path / "slurm" / "slurm.conf"
+    conf.parent.mkdir()
+    site = conf.parent / "job_submit.lua"
+    site.write_text("-- the site's own\n")
+    args = ["install", "controller", "--prefix", str(venv), "--slurm-conf", str(conf),
+            "--config-dir", str(tmp_path / "etc"), "--json"]
+    out = json.loads(_run(venv, *args, cwd=tmp_path).stdout)
+    assert "the site's own job_submit.lua kept" in out["files"][0]["detail"]
+    json.loads(_run(venv, *args, "--uninstall", cwd=tmp_path).stdout)
+    assert site.read_text() == "-- the site's own\n"
+
+
+def test_spank_uninstall_removes_plugin_line_and_build(tmp_path: Path) -> None:
+    """install spank --uninstall takes out the plugin, only its plugstack.conf line, its build."""
+    src = assets.find()
+    paths = targets.Paths(prefix=tmp_path, hooks_dir=tmp_path / "hooks",
+                          config_dir=tmp_path / "etc", systemd_dir=None,
+                          slurm_conf=tmp_path / "slurm.conf")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    plugstack = tmp_path / "plugstack.conf"
+    plugstack.write_text("required /usr/lib/site_spank.so\n")
+    where = targets.SpankPaths(build_dir=tmp_path / "build", plugin_dir=plugins,
+                               plugstack=plugstack)
+    targets.spank_plugin(src, paths, where, Runner())
+    preview = targets.spank_plugin(src, paths, where, Runner(), dry_run=True)
+    assert not any(c.changed for c in preview)
+    targets.remove_spank(paths, where, Runner())
+    assert plugstack.read_text() == "required /usr/lib/site_spank.so\n"
+    assert not (plugins / spank.PLUGIN).exists() and not where.build_dir.exists()
