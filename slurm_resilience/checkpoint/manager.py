@@ -602,7 +602,8 @@ def _corruption(exc: BaseException) -> str | None:
     if isinstance(failures, dict):
         for _rank, err in sorted(failures.items()):
             inner = err[0] if isinstance(err, tuple) else err
-            if isinstance(inner, CorruptStep):
+            # DCP turns a failed read_metadata into an AssertionError carrying its message.
+            if isinstance(inner, CorruptStep) or CorruptStep.MARK in str(inner):
                 return str(inner)
     cause = exc.__cause__ or exc.__context__
     return _corruption(cause) if cause is not None and cause is not exc else None
