@@ -43,8 +43,8 @@ RUN_BYTES = 16 * 1024 * 1024  # bytes one verify task maps (whole blocks, at lea
 SMALL_LIMIT = 1024**3  # the most a marker, manifest or .metadata may be
 
 
-def corrupt(step: int, what: str) -> CorruptStep:
-    return CorruptStep(f"checkpoint: load: step {step}: {what}: the step {CorruptStep.MARK}")
+def corrupt(step: int, what: str, phase: str = "load") -> CorruptStep:
+    return CorruptStep(f"checkpoint: {phase}: step {step}: {what}: the step {CorruptStep.MARK}")
 
 
 def read_whole(path: Path, step: int, relpath: str) -> bytes:
@@ -80,19 +80,29 @@ def read_marker_checked(step_dir: Path, step: int) -> CommitMarker:
     return marker
 
 
-def checked_entry(entry: FileEntry, step: int, relpath: str) -> FileEntry:
-    """``entry`` when its block CRC32Cs add up to its whole-file CRC32C."""
+def checked_entry(entry: FileEntry, step: int, relpath: str, phase: str = "load"
+                  ) -> FileEntry:
+    """``entry`` when its block CRC32Cs add up to its whole-file CRC32C (so a flipped bit
+    in either shows, whichever of them a reader checks the bytes against)."""
     if not entry.blocks:
         return entry
     try:
         parts = [(int(b, 16), block_span(i, entry.size, entry.block_size)[1])
                  for i, b in enumerate(entry.blocks)]
     except ValueError as exc:
-        raise corrupt(step, f"{relpath}: its manifest entry is not valid ({exc})") from None
+        raise corrupt(step, f"{relpath}: its manifest entry is not valid ({exc})",
+                      phase) from None
     if crc_hex(combine_parts(parts)) != entry.crc32c:
         raise corrupt(step, f"{relpath}: its manifest's block CRC32Cs do not add up to its "
-                            f"CRC32C {entry.crc32c}")
+                            f"CRC32C {entry.crc32c}", phase)
     return entry
+
+
+def check_manifest(m: Manifest, where: str) -> Manifest:
+    """``m`` when every entry's block CRC32Cs add up to the file's CRC32C."""
+    for f in m.files:
+        checked_entry(f, m.step, f"{where}/{f.path}", "manifest")
+    return m
 
 
 @dataclass
