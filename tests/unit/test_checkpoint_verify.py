@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dcp_ranks as ranks
 import pytest
 import torch
 
@@ -195,3 +196,12 @@ def test_blocks_a_range_touches_only_in_part_are_verified(tmp_path: Path) -> Non
     source = LocalRanges(tmp_path)
     source.ensure(2, part)
     assert source.blocks_checked == 1
+
+
+def test_a_flip_read_by_another_rank_in_a_reshard_changes_no_rank_s_tensors(
+        tmp_path: Path) -> None:
+    """2 ranks save row shards and load column shards (every block read in part, by both
+    ranks): a flip in rank 1's file falls back on every rank to step 1, element for
+    element, and a fresh start leaves every rank's fresh shard untouched, though rank 0's
+    own bytes verified."""
+    assert ranks.run_ranks(ranks.reshard_flip, 2, tmp_path) == [0, 0]
