@@ -48,6 +48,7 @@ class StagingReader(StorageReader):
         self.metadata: Metadata | None = None
         self.bytes_read = 0
         self.ensured: list[ByteRange] = []
+        self.reading = False  # set once read_data starts filling the destination
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         check_checkpoint_id(self.step_dir, checkpoint_id)
@@ -116,6 +117,7 @@ class StagingReader(StorageReader):
         needed = self.needed_ranges(plan)
         if needed != self.ensured:  # a plan DCP changed after planning (never seen)
             self.ranges.ensure(self.step, needed)
+        self.reading = True
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._piece(item).relpath, []).append(item)

@@ -60,6 +60,10 @@ class Loaded:
     state: Any = None
 
 
+class PartlyLoaded(CheckpointError):
+    """A load that failed after the step verified and its bytes began to fill the state."""
+
+
 @dataclass(frozen=True)
 class StageinStatus:
     """What the node agent said about this job's stage-in (``ckpt.status``)."""
@@ -525,6 +529,12 @@ class CheckpointManager:
                 return None
             try:
                 loaded = self._dcp_load(step, state)
+            except PartlyLoaded as exc:  # every rank had begun reading (DCP's read phase)
+                raise CheckpointError(
+                    f"checkpoint: load: couldn't load committed step {step}: "
+                    f"{_cause(exc.__cause__ or exc)}; it failed after its verified bytes "
+                    "began to fill the state, which now holds part of the step: neither "
+                    "a fallback nor a fresh start can use it, restart the job") from exc
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
                 # DCP hands every rank the same gathered failures, so all ranks take the same
                 # branch here without another collective.
@@ -572,8 +582,13 @@ class CheckpointManager:
             return _load_state_dict_from_keys(storage_reader=reader,
                                               process_group=self._group)
         check_state(resolve_stateful(state), what="load")
-        state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
-                               no_dist=self._group is None)
+        try:
+            state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
+                                   no_dist=self._group is None)
+        except BaseException as exc:
+            if reader.reading:  # the step verified; the state may hold part of it
+                raise PartlyLoaded(str(exc)) from exc
+            raise
         return state
 
     def close(self) -> None:

@@ -4,6 +4,8 @@ manifests) is caught before the caller's tensors change; they keep every element
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import dcp_ranks as ranks
@@ -205,3 +207,25 @@ def test_a_flip_read_by_another_rank_in_a_reshard_changes_no_rank_s_tensors(
     element, and a fresh start leaves every rank's fresh shard untouched, though rank 0's
     own bytes verified."""
     assert ranks.run_ranks(ranks.reshard_flip, 2, tmp_path) == [0, 0]
+
+
+class TruncatingRanges(LocalRanges):
+    """Verifies the step, then loses the second half of its data: an I/O failure mid-read."""
+
+    def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
+        super().ensure(step, ranges)
+        target = self.job_dir / step_name(step) / DATA
+        os.truncate(target, target.stat().st_size // 2)
+
+
+def test_a_failure_after_verification_never_starts_fresh_on_a_half_filled_state(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A load that fails once the verified bytes began to fill the state raises naming the
+    step, even with allow_fresh_start: a fresh start (or a fallback) would train on a
+    state that holds part of the step."""
+    _saved(tmp_path, 1, 2)
+    mgr = CheckpointManager(tmp_path, ranges=TruncatingRanges(tmp_path), allow_fresh_start=True)
+    with pytest.raises(CheckpointError, match=r"couldn't load committed step 2: .*ends at byte "
+                                              r".*holds part of the step"):
+        mgr.load_latest(_state(99))
+    assert "STARTING FROM SCRATCH" not in capsys.readouterr().err
