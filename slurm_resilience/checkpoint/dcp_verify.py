@@ -203,7 +203,8 @@ class BlockVerifier:
 
     def verify(self, files: Sequence[tuple[int, str, FileEntry, Sequence[int]]]) -> None:
         """Check blocks ``indices`` of each ``(fd, relpath, entry, indices)``; raises the
-        first mismatch (in file order) as CorruptStep."""
+        first mismatch (in file order) as CorruptStep, a file that can't be mapped as a
+        CheckpointError."""
         tasks: list[_Task] = []
         for fd, relpath, entry, indices in files:
             blocks = _blocks(entry, sorted(set(indices)))
@@ -231,15 +232,15 @@ class BlockVerifier:
         self.blocks_checked += sum(len(t.blocks) for t in tasks)
         self.bytes_checked += total
 
-    def _check(self, task: _Task) -> CorruptStep | None:
+    def _check(self, task: _Task) -> CheckpointError | None:
         first, last = task.blocks[0][2], task.blocks[-1][3]
         first -= first % mmap.ALLOCATIONGRANULARITY  # where a mapping may start
         # A read-only mapping: the CRC32C reads the page cache itself, with no copy.
         try:
             mm = mmap.mmap(task.fd, last - first, prot=mmap.PROT_READ, offset=first)
-        except (OSError, ValueError) as exc:
-            return corrupt(self.step, f"{task.relpath}: couldn't read bytes {first}-{last} "
-                                      f"({exc})")
+        except (OSError, ValueError) as exc:  # not the bytes' fault: no fallback
+            return CheckpointError(f"checkpoint: load: step {self.step}: couldn't map "
+                                   f"{task.relpath} bytes {first}-{last} to check them: {exc}")
         try:
             if hasattr(mmap, "MADV_SEQUENTIAL"):
                 mm.madvise(mmap.MADV_SEQUENTIAL)
