@@ -6,6 +6,7 @@ element (real torch, a real S3-protocol endpoint: moto)."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -193,3 +194,37 @@ def test_ckpt_verify_reports_a_flip_in_any_block(tmp_path: Path, s3: S3) -> None
         problems = verify_remote(s3, parse_uri(URI), 2, scratch)
         assert len(problems) == 1 and problems[0].startswith(f"{DATA}: crc32c"), pos
     s3.client.put_object(Bucket="ckpt", Key=_key(DATA), Body=original)
+
+
+def test_the_agent_checks_a_part_already_on_the_node_block_by_block(
+        tmp_path: Path, s3: S3) -> None:
+    """The node's own part of the step (saved here, also in S3) with a bit flipped at a
+    block edge: the agent's fetch verifies it in place, fetches just that block again from
+    S3, and the file ends byte for byte as saved; with the step only on this node the
+    fetch refuses it as not verifying."""
+    sdir = _saved(tmp_path, s3)
+    original = (sdir / DATA).read_bytes()
+    whole = [ByteRange(DATA, 0, len(original))]
+    for n, pos in enumerate(_edges(len(original))):
+        root = tmp_path / f"nvme-{n}"
+        root.mkdir(mode=0o755)
+        job_dir = create_job_dir(str(root), 7, os.getuid(), os.getgid())
+        local = job_dir / step_name(2)
+        shutil.copytree(sdir, local)
+        data = bytearray(original)
+        data[pos] ^= 0x10
+        (local / DATA).write_bytes(bytes(data))
+        for uri, ok in ((parse_uri(URI), True), (None, False)):
+            fetcher = RangeFetcher(FetchSettings(retry_s=0), lambda: s3,
+                                   StageinPolicy(retry_s=0))
+            job = FetchJob(7, os.getuid(), os.getgid(), str(root), uri)
+            try:
+                if ok:
+                    assert fetcher.fetch(job, 2, whole)["fetched_blocks"] == 1, pos
+                    assert (local / DATA).read_bytes() == original, pos
+                    (local / DATA).write_bytes(bytes(data))
+                else:
+                    with pytest.raises(CheckpointError, match=CorruptStep.MARK):
+                        fetcher.fetch(job, 2, whole)
+            finally:
+                fetcher.close()
