@@ -45,9 +45,14 @@ def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
     if isinstance(data, bytes):
         return int(google_crc32c.extend(crc, data))
     view = memoryview(data).cast("B")
-    if _NATIVE_EXTEND is not None and not view.readonly and view.contiguous and len(view):
+    if _NATIVE_EXTEND is not None and view.contiguous and len(view):
         import ctypes
 
+        if view.readonly:  # a read-only mapping of a file: numpy tells its address
+            import numpy as np
+
+            return int(_NATIVE_EXTEND(crc, np.frombuffer(view, np.uint8).ctypes.data,
+                                      len(view)))
         buf = (ctypes.c_char * len(view)).from_buffer(view)
         return int(_NATIVE_EXTEND(crc, ctypes.addressof(buf), len(view)))
     return int(google_crc32c.extend(crc, bytes(view)))

@@ -14,7 +14,8 @@ def corrupt_message(exc: BaseException) -> str | None:
     if isinstance(failures, dict):
         for _rank, err in sorted(failures.items()):
             inner = err[0] if isinstance(err, tuple) else err
-            if isinstance(inner, CorruptStep):
+            # DCP turns a failed read_metadata into an AssertionError carrying its message.
+            if isinstance(inner, CorruptStep) or CorruptStep.MARK in str(inner):
                 return str(inner)
     inner_exc = exc.__cause__ or exc.__context__
     return corrupt_message(inner_exc) if inner_exc is not None and inner_exc is not exc else None

@@ -1,10 +1,13 @@
 """A torch.distributed.checkpoint StorageReader over a job's node-local staging dir.
 
-Load (``dcp.load``): ``.metadata`` from ``rank-00000/``, then each rank turns its read
-items into byte ranges, asks its ``RangeSource`` to make them present, and reads
-them with ``pread`` straight into the destination tensors (a piece whose destination
-is not a contiguous CPU tensor of the stored dtype goes through a buffer of that
-piece's size), checking every manifest block it reads whole as the bytes arrive.
+Load (``dcp.load``): ``.metadata`` from ``rank-00000/``, checked against rank 0's
+manifest before it is unpickled; then each rank turns its load plan into byte ranges
+and, while DCP is still planning (``prepare_local_plan``, whose failures DCP gathers
+from every rank before any rank reads), asks its ``RangeSource`` to make them present
+and verified: every manifest block the ranges touch is checked. Only then does any
+rank read, with ``pread`` straight into the destination tensors (a piece whose
+destination is not a contiguous CPU tensor of the stored dtype goes through a buffer
+of that piece's size). A step that does not verify leaves the caller's state as it was.
 """
 
 from __future__ import annotations
@@ -20,19 +23,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from slurm_resilience.checkpoint.commit import (
-    MANIFEST,
-    CheckpointError,
-    read_manifest,
-    step_name,
-)
+from slurm_resilience.checkpoint.commit import CheckpointError, step_name
 from slurm_resilience.checkpoint.dcp_layout import (
     METADATA_RELPATH,
     StoredPiece,
     element_runs,
 )
 from slurm_resilience.checkpoint.dcp_state import tensor_view
-from slurm_resilience.checkpoint.dcp_verify import BlockVerifier
+from slurm_resilience.checkpoint.dcp_verify import StepManifests, check_bytes, read_whole
 from slurm_resilience.checkpoint.dcp_writer import check_checkpoint_id, done_future
 from slurm_resilience.checkpoint.ranges import ByteRange, LocalRanges, RangeSource, merge_ranges
 
@@ -49,7 +47,8 @@ class StagingReader(StorageReader):
         self.ranges: RangeSource = ranges if ranges is not None else LocalRanges(job_dir)
         self.metadata: Metadata | None = None
         self.bytes_read = 0
-        self.blocks_verified = 0
+        self.ensured: list[ByteRange] = []
+        self.reading = False  # set once read_data starts filling the destination
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         check_checkpoint_id(self.step_dir, checkpoint_id)
@@ -63,15 +62,11 @@ class StagingReader(StorageReader):
         return False
 
     def read_metadata(self) -> Metadata:
-        path = self.step_dir / METADATA_RELPATH
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint: load: step {self.step}: couldn't open "
-                                  f"{METADATA_RELPATH}: {exc.strerror}") from None
-        with os.fdopen(fd, "rb") as fh:
-            # Written by this run's own training processes (the agent never reads it).
-            md = pickle.load(fh)  # noqa: S301
+        data = read_whole(self.step_dir / METADATA_RELPATH, self.step, METADATA_RELPATH)
+        entry = StepManifests.open(self.step_dir, self.step).entry(METADATA_RELPATH)
+        check_bytes(data, entry, self.step, METADATA_RELPATH)
+        # Written by this run's own training processes (the agent never unpickles it).
+        md = pickle.loads(data)  # noqa: S301
         if not isinstance(md, Metadata):
             raise CheckpointError(f"checkpoint: load: step {self.step}: {METADATA_RELPATH} "
                                   "is not DCP metadata")
@@ -82,6 +77,9 @@ class StagingReader(StorageReader):
         self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Verified while DCP plans: a failure on any rank stops every rank before a read.
+        self.ensured = self.needed_ranges(plan)
+        self.ranges.ensure(self.step, self.ensured)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -115,23 +113,15 @@ class StagingReader(StorageReader):
             out += [ByteRange(piece.relpath, off, n) for off, n in self._runs(item, piece)]
         return merge_ranges(out)
 
-    def _verifier(self, relpath: str) -> BlockVerifier | None:
-        """Checks the blocks this read covers against the file's manifest (format 2)."""
-        part, _, name = relpath.rpartition("/")
-        manifest = read_manifest(self.step_dir / part)
-        entry = next((f for f in manifest.files if f.path == name), None)
-        if entry is None:
-            raise CheckpointError(f"checkpoint: load: step {self.step}: {relpath} is not in "
-                                  f"{part}/{MANIFEST}")
-        return BlockVerifier(self.step, relpath, entry) if entry.blocks else None
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self.ranges.ensure(self.step, self.needed_ranges(plan))
+        needed = self.needed_ranges(plan)
+        if needed != self.ensured:  # a plan DCP changed after planning (never seen)
+            self.ranges.ensure(self.step, needed)
+        self.reading = True
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._piece(item).relpath, []).append(item)
         for relpath, items in sorted(by_file.items()):
-            verifier = self._verifier(relpath)
             path = self.step_dir / relpath
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -139,18 +129,14 @@ class StagingReader(StorageReader):
                 raise CheckpointError(f"checkpoint: load: step {self.step}: couldn't open "
                                       f"{relpath}: {exc.strerror}") from None
             try:
-                # In file order, so the blocks a read covers are checked as they arrive.
                 for item in sorted(items, key=lambda i: (self._piece(i).offset,
                                                          list(i.storage_offsets))):
-                    self._read_item(fd, relpath, item, planner, verifier)
+                    self._read_item(fd, relpath, item, planner)
             finally:
                 os.close(fd)
-            if verifier is not None:
-                self.blocks_verified += verifier.checked
         return done_future(None)
 
-    def _pread_into(self, fd: int, relpath: str, view: memoryview, offset: int,
-                    verifier: BlockVerifier | None = None) -> None:
+    def _pread_into(self, fd: int, relpath: str, view: memoryview, offset: int) -> None:
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], offset + got)
@@ -160,18 +146,15 @@ class StagingReader(StorageReader):
                                       f"{offset + len(view)}")
             got += n
         self.bytes_read += got
-        if verifier is not None:
-            verifier.feed(offset, view)
 
-    def _read_item(self, fd: int, relpath: str, item: ReadItem, planner: LoadPlanner,
-                   verifier: BlockVerifier | None) -> None:
+    def _read_item(self, fd: int, relpath: str, item: ReadItem, planner: LoadPlanner) -> None:
         import torch
 
         piece = self._piece(item)
         runs = self._runs(item, piece)
         if item.type == LoadItemType.BYTE_IO:
             buf = bytearray(piece.length)
-            self._pread_into(fd, relpath, memoryview(buf), piece.offset, verifier)
+            self._pread_into(fd, relpath, memoryview(buf), piece.offset)
             planner.load_bytes(item, io.BytesIO(buf))
             return
         dtype = getattr(torch, str(piece.dtype), None)
@@ -188,7 +171,7 @@ class StagingReader(StorageReader):
         view = tensor_view(dest, f"load {item.storage_index.fqn}")
         pos = 0
         for off, n in runs:
-            self._pread_into(fd, relpath, view[pos:pos + n], off, verifier)
+            self._pread_into(fd, relpath, view[pos:pos + n], off)
             pos += n
         if pos != len(view):
             raise CheckpointError(f"checkpoint: load: step {self.step}: "

@@ -66,6 +66,10 @@ class Loaded:
     state: Any = None
 
 
+class PartlyLoaded(CheckpointError):
+    """A load that failed after the step verified and its bytes began to fill the state."""
+
+
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     for name in names:
         value = env.get(name, "")
@@ -564,6 +568,12 @@ class CheckpointManager:
                 loaded = self._dcp_load(step, template)
             except TemplateMismatch:
                 raise  # the caller's code to fix: no fallback, no fresh start
+            except PartlyLoaded as exc:  # every rank had begun reading (DCP's read phase)
+                raise CheckpointError(
+                    f"checkpoint: load: couldn't load committed step {step}: "
+                    f"{failure_cause(exc.__cause__ or exc)}; it failed after its verified bytes "
+                    "began to fill the state, which now holds part of the step: neither "
+                    "a fallback nor a fresh start can use it, restart the job") from exc
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
                 # DCP hands every rank the same gathered failures, so all ranks take the same
                 # branch here without another collective.
@@ -617,8 +627,13 @@ class CheckpointManager:
 
             return rebuild(loaded, reader.metadata, step)
         check_template(step, state, reader.read_metadata, self._all_max)
-        state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
-                               no_dist=self._group is None)
+        try:
+            state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
+                                   no_dist=self._group is None)
+        except BaseException as exc:
+            if reader.reading:  # the step verified; the state may hold part of it
+                raise PartlyLoaded(str(exc)) from exc
+            raise
         return state
 
     def close(self) -> None:

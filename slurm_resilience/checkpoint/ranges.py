@@ -3,9 +3,11 @@
 The training side plans a restore (with resharding, DCP's load plan names the
 pieces of other ranks' files each rank reads) and asks a ``RangeSource`` to make
 exactly those bytes present and verified in the node's staging dir before it
-reads them. ``LocalRanges`` serves a step whose files are all on this node; the
-agent-backed source fetches the missing ranges from S3 (ranged GETs, checked by
-the manifests' block CRC32Cs).
+reads them. ``LocalRanges`` serves a step whose files are all on this node (and
+checks every block the ranges touch); the agent-backed source fetches the missing
+ranges from S3 (ranged GETs, checked by the manifests' block CRC32Cs) and checks
+the blocks already on the node. Either way every block a restore reads is verified
+before the restore writes anything into the caller's tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from pathlib import Path
 from typing import Protocol
 
 from slurm_resilience.checkpoint.commit import CheckpointError, check_relpath, step_name
+from slurm_resilience.checkpoint.dcp_verify import (
+    BlockVerifier,
+    StepManifests,
+    corrupt,
+    covered_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -57,20 +65,40 @@ class RangeSource(Protocol):
 
 
 class LocalRanges:
-    """Every file of the step is already in ``job_dir``: only check they hold the bytes."""
+    """Every file of the step is already in ``job_dir``: check, before anything is read,
+    the marker, the manifests and every manifest block the ranges touch, whole or in
+    part (``dcp_verify.py``); a mismatch raises ``CorruptStep``."""
 
     def __init__(self, job_dir: str | os.PathLike[str]) -> None:
         self.job_dir = Path(job_dir)
+        self.blocks_checked = 0
 
     def ensure(self, step: int, ranges: Sequence[ByteRange]) -> None:
         step_dir = self.job_dir / step_name(step)
+        manifests = StepManifests.open(step_dir, step)
+        by_file: dict[str, list[tuple[int, int]]] = {}
         for r in ranges:
-            try:
-                size = os.stat(step_dir / r.relpath, follow_symlinks=False).st_size
-            except OSError as exc:
-                raise CheckpointError(f"checkpoint: load: step {step}: {r.relpath} is not on "
-                                      f"this node ({exc.strerror})") from None
-            if r.offset + r.length > size:
-                raise CheckpointError(f"checkpoint: load: step {step}: {r.relpath} holds "
-                                      f"{size} bytes, the restore needs "
-                                      f"{r.offset + r.length}")
+            by_file.setdefault(r.relpath, []).append((r.offset, r.length))
+        fds: list[int] = []
+        try:
+            files = []
+            for relpath, spans in sorted(by_file.items()):
+                entry = manifests.entry(relpath)
+                indices = covered_blocks(entry, spans, step, relpath)
+                try:
+                    fd = os.open(step_dir / relpath, os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError as exc:
+                    raise CheckpointError(f"checkpoint: load: step {step}: {relpath} is not "
+                                          f"on this node ({exc.strerror})") from None
+                fds.append(fd)
+                size = os.fstat(fd).st_size
+                if size != entry.size:
+                    raise corrupt(step, f"{relpath} holds {size} bytes, its manifest says "
+                                        f"{entry.size}")
+                files.append((fd, relpath, entry, indices))
+            verifier = BlockVerifier(step)
+            verifier.verify(files)
+            self.blocks_checked += verifier.blocks_checked
+        finally:
+            for fd in fds:
+                os.close(fd)

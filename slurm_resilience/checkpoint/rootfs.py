@@ -18,6 +18,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
+from slurm_resilience.checkpoint.dcp_verify import check_manifest
 from slurm_resilience.checkpoint.staging import open_dir_at, open_owned_file
 
 SMALL_LIMIT = 16 * 1024 * 1024
@@ -83,7 +84,7 @@ def read_step(job_fd: int, step: int, uid: int) -> tuple[CommitMarker, dict[int,
             if m.step != step or m.rank != rank:
                 raise CheckpointError(f"checkpoint: {step_name(step)}/{rel}: manifest says step "
                                       f"{m.step} rank {m.rank}")
-            manifests[rank] = m
+            manifests[rank] = check_manifest(m, f"{step_name(step)}/{rank_name(rank)}")
         return marker, manifests
     finally:
         os.close(sfd)

@@ -33,6 +33,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
+from slurm_resilience.checkpoint.dcp_verify import check_manifest
 from slurm_resilience.checkpoint.deadline import endpoint_name
 from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
@@ -74,7 +75,7 @@ def read_remote_step(s3: S3, uri: S3Uri, step: int) -> tuple[CommitMarker, dict[
         if m.step != step or m.rank != rank:
             raise CheckpointError(f"checkpoint: {uri}/{sname}/{rel}: says step {m.step} "
                                   f"rank {m.rank}")
-        manifests[rank] = m
+        manifests[rank] = check_manifest(m, f"{uri}/{sname}/{rank_name(rank)}")
     check_save_ids(step, marker, manifests, f"{uri}/{sname}")
     return marker, manifests
 

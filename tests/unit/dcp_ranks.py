@@ -288,6 +288,44 @@ def refuse_bad_save(rank: int, world: int, job: Path) -> None:
         f"{got.step if got else None} {float(dest[f'w{rank}'][0])} {message}")
 
 
+def reshard_flip(rank: int, world: int, job: Path) -> None:
+    """Row shards saved, column shards loaded, so every rank reads every block only in part;
+    a flipped bit in rank 1's file of step 2 makes every rank fall back to step 1 (every
+    element step 1's), and with step 1 gone a fresh start leaves each rank's fresh shard as
+    it was, though rank 0's own bytes of step 2 verified."""
+    from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def full(seed: int) -> torch.Tensor:
+        return torch.randn(512, 1024, generator=torch.Generator().manual_seed(seed))
+
+    ckpt = CheckpointManager(job)
+    for step in (1, 2):
+        ckpt.save(step, {"w": distribute_tensor(full(step), mesh, [Shard(0)])})
+    ckpt.close()
+    dist.barrier()
+    if rank == 0:
+        f = job / "step-00000002" / "rank-00001" / "data.distcp"
+        data = bytearray(f.read_bytes())
+        data[BLOCK_SIZE + 3] ^= 1
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    dest = {"w": distribute_tensor(torch.zeros(512, 1024), mesh, [Shard(1)])}
+    got = CheckpointManager(job).load_latest(dest)
+    assert got is not None and got.step == 1, got
+    assert torch.equal(dest["w"].full_tensor(), full(1))
+    dist.barrier()
+    if rank == 0:
+        (job / "step-00000001").rename(job / "aside")
+    dist.barrier()
+    fresh = {"w": distribute_tensor(full(99), mesh, [Shard(1)])}
+    before = fresh["w"].to_local().clone()
+    assert CheckpointManager(job, allow_fresh_start=True).load_latest(fresh) is None
+    assert torch.equal(fresh["w"].to_local(), before)
+    print(f"OK {rank}", flush=True)
+
+
 def run_ranks(scenario: Callable[[int, int, Path], None], world: int, work: Path,
               timeout_s: float = 120.0) -> list[int]:
     """Run ``scenario(rank, world, work/"job")`` in ``world`` forked ranks (torch is already

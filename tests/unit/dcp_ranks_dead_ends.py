@@ -42,6 +42,13 @@ def older_everywhere(rank: int, world: int, job: Path) -> None:
         assert ckpt.load_latest(_dshard(rank, world, 0.0)) is not None
         ckpt.save(2, _dshard(rank, world, 22.0))
         ckpt.close()
+    dist.barrier()
+    if rank == 1:  # rank 0's part of the new save (with .metadata) reaches node 1 as a
+        # stage-in would bring it; the copy node 1 had is the stale save's
+        part = "step-00000002/rank-00000"
+        shutil.rmtree(node / part)
+        shutil.copytree(job.parent / "node0" / part, node / part)
+    dist.barrier()
     dest = _dshard(rank, world, 0.0)
     got = CheckpointManager(node, local_leader=True).load_latest(dest)
     assert got is not None and got.step == 2, got
