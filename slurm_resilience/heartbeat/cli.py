@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -40,6 +41,12 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         result["budget"] = st.budget(nodes, cfg.slurm.reason_prefix, cfg.heartbeat, time.time())
     except SlurmError as exc:
         errors.append(f"drains: {exc}")
+    try:
+        result["suspicion"] = st.suspicion(
+            os.path.join(node_path(cfg.node.state_dir, node), "heartbeat"), cfg.heartbeat,
+            time.time())
+    except PermissionError as exc:
+        errors.append(f"suspicion: {exc.filename}: permission denied (root only)")
     try:
         result["jobs"] = st.hang_jobs(adapter.list_jobs())
     except SlurmError as exc:
@@ -80,8 +87,6 @@ def stragglers(cfg: config.Config, node: str, now: float, *, judged: bool = Fals
                ) -> list[dict[str, Any]]:
     """The jobs this node (ranks of it, or the whole node) was named a straggler in, within
     the record window; ``judged``: the nodes this node named as its jobs' judging agent."""
-    import os
-
     from slurm_resilience.stragglers.record import (
         FILENAME,
         JUDGED_FILENAME,

@@ -156,6 +156,14 @@ class Recurring:
     jobs: int
 
 
+@dataclass(frozen=True)
+class Suspected:
+    """A node suspected by jobs of several users (verified each time, never drained for it)."""
+
+    node: str
+    users: int
+
+
 @dataclass
 class ClusterView:
     drained: list[NodeRow] = field(default_factory=list)
@@ -168,6 +176,7 @@ class ClusterView:
     straggler_nodes: list[SlowNode] = field(default_factory=list)
     straggler_ranks: list[StragglerRanks] = field(default_factory=list)
     recurring_stragglers: list[Recurring] = field(default_factory=list)
+    suspected_by_several: list[Suspected] = field(default_factory=list)
     # Observe mode: what the agents' nodes decided and did not do; nodes whose config fails.
     observed: list[str] = field(default_factory=list)
     config_invalid: list[str] = field(default_factory=list)
@@ -224,6 +233,9 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
             if v:
                 view.straggler_ranks.append(StragglerRanks(s.node, int(labels["job_id"]),
                                                            int(v)))
+        for _, v in _values(s, "node_suspicion_users"):
+            if v >= 2:
+                view.suspected_by_several.append(Suspected(s.node, int(v)))
         for _, v in _values(s, "node_straggler_recent_jobs"):
             if v:
                 view.recurring_stragglers.append(Recurring(s.node, int(v)))
@@ -251,6 +263,10 @@ def render(view: ClusterView) -> str:
     section("drained by slurm-resilience", [f"{d.node:<14} {d.state:<16} {d.reason}"
                                             for d in view.drained])
     section("suspects being verified", [f"{d.node:<14} {d.reason}" for d in view.suspects])
+    section("suspected by several users' jobs (each verified: drained only on a failed "
+            "check)", [f"{x.node:<14} jobs of {x.users} users within heartbeat.suspect_window_s"
+                       f" (`slurm-resilience status --node {x.node}` there)"
+                       for x in view.suspected_by_several])
     section("open hang incidents", [f"job {i.job_id} on {','.join(i.nodes)}"
                                     for i in view.incidents])
     section("jobs held by the suite", [f"job {j.job_id} ({j.user}): {j.admin_comment}"

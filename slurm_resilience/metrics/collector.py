@@ -54,6 +54,10 @@ EVENT_FAMILIES = {
     events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
                     "because the hourly budget (heartbeat.budget_per_hour, "
                     "budget_per_user_per_hour) was spent, by what blamed it", "by"),
+    events.SUSPICION: ("suspicion_deep_verifications", "deeper verifications of this node "
+                       "after jobs of heartbeat.suspect_threshold different users suspected it "
+                       "within suspect_window_s, by outcome (cleared: returned to service, "
+                       "not drained; failed: drained for the failed check)", "outcome"),
 }
 
 
@@ -229,6 +233,13 @@ class AgentCollector(Collector):
         for job_id in open_:
             inc.add_metric([str(job_id)], 1)
         yield inc
+        suspects = getattr(w, "suspects", None)  # heartbeat.suspect.SuspectWatch
+        if suspects is not None:
+            g = _gauge("node_suspicion_users", "users whose jobs made this node a hang suspect "
+                       "within heartbeat.suspect_window_s (each suspicion verified; at "
+                       "suspect_threshold the node gets the deeper verification)")
+            g.add_metric([], suspects.recent_users())
+            yield g
         steps = self.s.steps
         if steps is None:
             return

@@ -41,7 +41,9 @@ INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
 BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly budget was spent
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET)
+# A node suspected by several users' jobs got the deeper verification: cleared or failed.
+SUSPICION = "suspicion"
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -58,6 +60,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
     STRAGGLER: ("step_time", "node_step_time"),
     BUDGET: ("incident", "straggler"),
+    SUSPICION: ("cleared", "failed"),
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
 }
