@@ -29,6 +29,7 @@ from slurm_resilience.heartbeat import policy
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.metrics import observe
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
+from slurm_resilience.stragglers.record import MIN_USERS
 
 P = "slurm_resilience_"
 MAX_SCRAPE_BYTES = 16 << 20
@@ -152,8 +153,11 @@ class StragglerRanks:
 
 @dataclass(frozen=True)
 class Recurring:
+    """A node slow in jobs of several users (one user's slow jobs never name a node)."""
+
     node: str
     jobs: int
+    users: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,9 +240,10 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
         for _, v in _values(s, "node_suspicion_users"):
             if v >= 2:
                 view.suspected_by_several.append(Suspected(s.node, int(v)))
+        users = max((v for _, v in _values(s, "node_straggler_recent_users")), default=0)
         for _, v in _values(s, "node_straggler_recent_jobs"):
-            if v:
-                view.recurring_stragglers.append(Recurring(s.node, int(v)))
+            if v and users >= MIN_USERS:
+                view.recurring_stragglers.append(Recurring(s.node, int(v), int(users)))
         p50 = {int(lb["job_id"]): v for lb, v in _values(s, "job_step_time_p50_seconds")}
         for labels, v in _values(s, "job_straggler_node_slowdown_ratio"):
             job = int(labels["job_id"])
@@ -286,8 +291,9 @@ def render(view: ClusterView) -> str:
         f"({s.slowdown:+.0%})" for s in view.straggler_nodes])
     section("nodes with straggler ranks", [f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)"
                                            for s in view.straggler_ranks])
-    section("recurring stragglers", [f"{s.node:<14} named in {s.jobs} recent job(s)"
-                                     for s in view.recurring_stragglers])
+    section("recurring stragglers (slow in jobs of several users)", [
+        f"{s.node:<14} named in {s.jobs} recent job(s) of {s.users} users"
+        for s in view.recurring_stragglers])
     if view.observed:
         section("observe mode: decided, not carried out", view.observed)
     if view.config_invalid:

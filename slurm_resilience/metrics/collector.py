@@ -32,7 +32,7 @@ from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
-from slurm_resilience.stragglers.record import jobs_of
+from slurm_resilience.stragglers.record import jobs_of, users_of
 
 log = get_logger("metrics")
 
@@ -279,7 +279,13 @@ class AgentCollector(Collector):
             yield from self._goodput(self.s.ledger)
         g = _gauge("node_straggler_recent_jobs", "jobs in which this node (ranks of it, or "
                    "the whole node) was named a straggler within stragglers.record_window_s")
-        g.add_metric([], jobs_of(steps.recent_jobs()))
+        recent = steps.recent_jobs()
+        g.add_metric([], jobs_of(recent))
+        yield g
+        g = _gauge("node_straggler_recent_users", "different users whose jobs named this node "
+                   "a straggler within stragglers.record_window_s; the node is called a "
+                   "recurring straggler only from 2 (one user's slow ranks are their own)")
+        g.add_metric([], users_of(recent))
         yield g
 
     def _goodput(self, ledger: Ledger) -> Iterator[Metric]:
