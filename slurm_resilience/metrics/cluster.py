@@ -286,11 +286,13 @@ def render(view: ClusterView) -> str:
     lines.append("worst goodput among running jobs: " + (
         f"job {w.job_id} {w.ratio:.1%} (slurm-resilience goodput {w.job_id})" if w
         else "no running job reports one"))
-    section("straggler nodes (slower than the rest of their job)", [
+    # Per job: what one job's step times say (its owner's code can make them slow); only
+    # the recurring section, from jobs of several users, names a node.
+    section("jobs slower on one node than on their others (the job's own step times)", [
         f"{s.node:<14} job {s.job_id}: step {s.step_time_p50_s}s vs {s.job_median_s}s "
         f"({s.slowdown:+.0%})" for s in view.straggler_nodes])
-    section("nodes with straggler ranks", [f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)"
-                                           for s in view.straggler_ranks])
+    section("jobs with straggler ranks (the job's own step times)", [
+        f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)" for s in view.straggler_ranks])
     section("recurring stragglers (slow in jobs of several users)", [
         f"{s.node:<14} named in {s.jobs} recent job(s) of {s.users} users"
         for s in view.recurring_stragglers])
