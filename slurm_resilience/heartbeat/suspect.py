@@ -193,7 +193,7 @@ def deep_verify(cfg: Config, node: str) -> Verification:
                 checks.append(Check("active diagnostics", False, f"couldn't run: {exc}"))
         if cfg.heartbeat.verify_loopback and all(c.ok for c in checks):
             s = cfg.nccl
-            longer = replace(s, iters=s.iters * DEEP_LOOPBACK_FACTOR,
+            longer = replace(s, iters=min(10000, s.iters * DEEP_LOOPBACK_FACTOR),
                              timeout_s=min(3600.0, s.timeout_s * DEEP_LOOPBACK_FACTOR))
             try:
                 checks.append(_loopback(cfg, node, longer, "longer loopback test"))

@@ -51,9 +51,10 @@ EVENT_FAMILIES = {
                       "host; each incident once), by decision", "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
-    events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
-                    "because the hourly budget (heartbeat.budget_per_hour, "
-                    "budget_per_user_per_hour) was spent, by what blamed it", "by"),
+    events.BUDGET: ("hang_budget_spent", "times hang handling left a suspect in service "
+                    "because the hourly suspect budget (heartbeat.budget_per_user_per_hour, "
+                    "budget_per_hour) was spent, by what blamed it; drains on evidence are "
+                    "never held back", "by"),
     events.SUSPICION: ("suspicion_deep_verifications", "deeper verifications of this node "
                        "after jobs of heartbeat.suspect_threshold different users suspected it "
                        "within suspect_window_s, by outcome (cleared: returned to service, "

@@ -676,6 +676,27 @@ def test_an_earlier_releases_suspicion_drain_is_verified_and_returned(tmp_path: 
     assert watch.history.load() == []  # it names no job: no suspicion added
 
 
+def test_the_deeper_verification_waits_for_the_node_lock_and_says_when_nothing_runs(
+        tmp_path: Path) -> None:
+    """A busy node lock postpones the deeper verification (no evidence either way); with the
+    diagnostics and the loopback test switched off it passes and says nothing more ran."""
+    from slurm_resilience.heartbeat.suspect import deep_verify
+    from slurm_resilience.nccl import schedule
+
+    cfg = _cfg(tmp_path, verify_loopback=False)
+    cfg = replace(cfg, health=replace(cfg.health, diag=replace(cfg.health.diag, enabled=False)))
+    (tmp_path / "run").mkdir()
+    lock = schedule.NodeLock(str(tmp_path / "run" / schedule.LOCK_NAME))
+    assert lock.try_acquire()
+    try:
+        busy = deep_verify(cfg, "node1")
+    finally:
+        lock.release()
+    assert busy.retry and not busy.passed and "node lock busy" in busy.failure
+    idle = deep_verify(cfg, "node1")
+    assert idle.passed and "nothing more to run" in idle.checks[0].detail
+
+
 # -- reports through the socket ----------------------------------------------------------------
 
 
