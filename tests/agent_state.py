@@ -40,13 +40,24 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+class Suspects:
+    """What the collector reads of HangWatcher's SuspectWatch."""
+
+    def __init__(self, users: int = 0) -> None:
+        self.users = users
+
+    def recent_users(self) -> int:
+        return self.users
+
+
 class Watcher:
-    """The two attributes of HangWatcher the collector reads."""
+    """The attributes of HangWatcher the collector reads."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.jobs: dict[int, Any] = {}
         self.threads: dict[int, threading.Thread] = {}
+        self.suspects = Suspects()
 
 
 class Uploads:

@@ -213,19 +213,21 @@ class HeartbeatSection:
     suspect_threshold: int = setting(
         3, min=2, max=1000,
         help="suspicions of a node, from jobs of this many different users within "
-             "suspect_window_s, drain it even when each verification passed",
+             "suspect_window_s, call for a deeper verification (active diagnostics, a longer "
+             "loopback test) and a report; only a failed check drains",
     )
     suspect_window_s: float = setting(
         86400.0, min=60, max=30 * 86400, help="window in which suspicions of a node add up"
     )
     budget_per_hour: int = setting(
         4, min=0, max=100000,
-        help="nodes hang handling may take out of service per hour, cluster-wide (counted from "
-             "the take-outs recorded in node Comments and our dated node reasons); past it "
-             "incidents report, not drain",
+        help="suspects hang handling may take out of service per hour, cluster-wide (counted "
+             "from the take-outs recorded in node Comments and our dated suspect reasons); "
+             "past it suspects are reported, not drained; drains on evidence are not counted",
     )
     budget_per_user_per_hour: int = setting(
-        2, min=0, max=100000, help="the same, counted per job owner"
+        2, min=0, max=100000,
+        help="the same, per job owner, checked first: one user's jobs spend only this share"
     )
     no_requeue_policy: Literal["leave", "cancel"] = setting(
         "leave", help="a hung job submitted with --no-requeue: leave it running (reported) or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -40,6 +41,12 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         result["budget"] = st.budget(nodes, cfg.slurm.reason_prefix, cfg.heartbeat, time.time())
     except SlurmError as exc:
         errors.append(f"drains: {exc}")
+    try:
+        result["suspicion"] = st.suspicion(
+            os.path.join(node_path(cfg.node.state_dir, node), "heartbeat"), cfg.heartbeat,
+            time.time())
+    except PermissionError as exc:
+        errors.append(f"suspicion: {exc.filename}: permission denied (root only)")
     try:
         result["jobs"] = st.hang_jobs(adapter.list_jobs())
     except SlurmError as exc:
@@ -80,8 +87,6 @@ def stragglers(cfg: config.Config, node: str, now: float, *, judged: bool = Fals
                ) -> list[dict[str, Any]]:
     """The jobs this node (ranks of it, or the whole node) was named a straggler in, within
     the record window; ``judged``: the nodes this node named as its jobs' judging agent."""
-    import os
-
     from slurm_resilience.stragglers.record import (
         FILENAME,
         JUDGED_FILENAME,
@@ -92,15 +97,25 @@ def stragglers(cfg: config.Config, node: str, now: float, *, judged: bool = Fals
     record = StragglerRecord(os.path.join(node_path(cfg.node.state_dir, node),
                                           JUDGED_FILENAME if judged else FILENAME))
     return [{"job_id": e.job_id, "ranks": list(e.ranks), "node": e.node,
-             "slowdown": round(e.slowdown, 3), "at": e.at}
+             "slowdown": round(e.slowdown, 3), "at": e.at, "user": e.user}
             for e in recent(record.load(), now, cfg.stragglers.record_window_s)]
 
 
 def render_stragglers(node: str, rows: list[dict[str, Any]], window_s: float,
                       judged: list[dict[str, Any]] | None = None) -> str:
+    from slurm_resilience.stragglers.record import MIN_USERS
+
     jobs = len({r["job_id"] for r in rows})
-    head = (f"stragglers on {node} within {window_s / 3600:g}h ({jobs} jobs)"
-            + (": recurring" if jobs > 1 else "") + ":\n")
+    users = len({r.get("user") for r in rows if r.get("user")})
+    # Named a recurring straggler only from jobs of several users: one user's slow ranks
+    # (user code can sleep) say nothing about the node.
+    tag = ""
+    if users >= MIN_USERS:
+        tag = f": recurring (jobs of {users} users)"
+    elif jobs > 1:
+        tag = (": all one user's jobs" if users else ": owners unknown") + (
+            ", so not named a straggler node")
+    head = f"stragglers on {node} within {window_s / 3600:g}h ({jobs} jobs){tag}:\n"
     lines = [f"  job {r['job_id']}: the whole node {r['slowdown']:+.0%} slower than the "
              f"job's other nodes\n" if r.get("node") else
              f"  job {r['job_id']}: ranks {r['ranks']} {r['slowdown']:+.0%} slower than the "

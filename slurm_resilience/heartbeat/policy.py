@@ -5,16 +5,20 @@ what the budget allows, what happens to the job, and the plan of Slurm steps.
   ``health`` rule of :mod:`blame`). A node blamed by heuristics ("stalled first", "not in a
   collective") is a *suspect*: the requeued job excludes it, and it is drained with a
   ``suspect`` reason that its own agent lifts when verification passes.
-* Budgets cap how many nodes hang handling takes out of service per hour, cluster-wide and
-  per job owner. They are counted from Slurm's nodes: the take-outs recorded in each node's
-  Comment (kept across resume, see :mod:`takeouts`) and our dated reasons on nodes out now.
-  Past the budget nodes are reported, not touched.
+* Budgets cap how many *suspects* hang handling takes out of service per hour: per job owner
+  first, then cluster-wide. Drains on evidence are never budgeted (a user can't make health
+  findings on a node, so nobody can spend that room for others). Take-outs are counted from
+  Slurm's nodes: the suspect take-outs recorded in each node's Comment (kept across resume,
+  see :mod:`takeouts`) and our dated suspect reasons on nodes out now. Past a budget the node
+  is reported, not touched; when other users spent the cluster-wide one, the requeued job
+  still avoids it (the owner did not spend it).
 * The job: requeued per :func:`requeue.decide`; a ``--no-requeue`` job is left or cancelled
   per ``no_requeue_policy``.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,20 +45,17 @@ def suspect_reason(job_id: int, user: str, now: float, what: str) -> str:
     return f"suspect hang job {job_id} user {user} at {iso(now)}: {what}; verifying"
 
 
-def accumulated_reason(jobs: Sequence[tuple[int, str]], now: float, window_s: float) -> str:
-    listed = ",".join(f"{j}({u})" for j, u in jobs)
-    return (f"hang suspect of jobs {listed} user - at {iso(now)}: suspected by "
-            f"{len({u for _, u in jobs})} users' jobs within {window_s / 3600:g}h")
-
-
 # A suspect the site keeps in service (suspect_drain off): the requeued job still avoids it.
 AVOID_ONLY = " (suspect_drain off)"
+# A suspect kept in service because other users' take-outs spent the cluster-wide budget: its
+# job's owner spent nothing, so the requeued job still avoids it.
+AVOID_SPENT = " (cluster budget spent by others: avoided by the job only)"
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Take-outs by hang handling within the last hour, cluster-wide and per user (by
-    :func:`takeouts.user_key`), and the nodes out of service for a hang right now."""
+    """Suspect take-outs by hang handling within the last hour, cluster-wide and per user (by
+    :func:`takeouts.user_key`), and the nodes out of service as suspects right now."""
 
     total: int
     by_user: Mapping[str, int]
@@ -62,10 +63,11 @@ class Budget:
 
 
 def budget_used(nodes: Iterable[NodeInfo], prefix: str, now: float) -> Budget:
-    """Count take-outs of the last hour: every one recorded in a node's Comment (it stays
-    when the node is resumed) and every node drained or down with one of our hang reasons
-    set within the hour (a take-out whose record was not written yet, or a drain of an
-    earlier release); the same take-out seen both ways counts once."""
+    """Count suspect take-outs of the last hour: every one recorded in a node's Comment (it
+    stays when the node is resumed) and every node drained or down with one of our suspect
+    reasons set within the hour (a take-out whose record was not written yet); the same
+    take-out seen both ways counts once. Drains on evidence are not counted (an earlier
+    release recorded them in the Comment too: such a record counts until it is an hour old)."""
     events: set[tuple[str, T.TakeOut]] = set()
     out_now: set[str] = set()
     for n in nodes:
@@ -76,7 +78,7 @@ def budget_used(nodes: Iterable[NodeInfo], prefix: str, now: float) -> Budget:
         if not (n.drained or n.down) or not n.reason.startswith(prefix):
             continue
         parsed = parse_reason(n.reason)
-        if parsed is None or now - parsed.at > WINDOW_S:
+        if parsed is None or not parsed.suspect or now - parsed.at > WINDOW_S:
             continue
         out_now.add(n.name)
         events.add((n.name, T.TakeOut.of(parsed)))
@@ -86,10 +88,47 @@ def budget_used(nodes: Iterable[NodeInfo], prefix: str, now: float) -> Budget:
     return Budget(len(events), by_user, frozenset(out_now))
 
 
+class Room(enum.Enum):
+    """Whether a suspect take-out fits the hourly budgets, and which one it would pass."""
+
+    OK = "ok"
+    USER = "user"  # the job owner's own share is spent
+    CLUSTER = "cluster"  # the cluster-wide cap is spent (by others, the owner within share)
+
+
+def room(total: int, mine: int, cfg: HeartbeatSection) -> Room:
+    """Pure: per user first (one user's jobs spend only that user's share), then the
+    cluster-wide cap."""
+    if mine + 1 > cfg.budget_per_user_per_hour:
+        return Room.USER
+    if total + 1 > cfg.budget_per_hour:
+        return Room.CLUSTER
+    return Room.OK
+
+
+def spent_note(budget: Budget, user: str, cfg: HeartbeatSection, why: Room,
+               nodes: Sequence[str], *, avoided: bool = False) -> str:
+    """Why the budget refused ``nodes``, naming whose take-outs spent it (users and counts);
+    ``avoided``: the requeued job avoids them (said)."""
+    held = ", ".join(nodes)
+    mine = budget.by_user.get(T.user_key(user), 0)
+    if why is Room.USER:
+        return (f"hang budget spent for user {user} ({mine} of "
+                f"{cfg.budget_per_user_per_hour} suspect take-outs per hour by their jobs): "
+                f"{held} reported, not taken out of service")
+    by = ", ".join(f"{u} {n}" for u, n in sorted(budget.by_user.items(),
+                                                  key=lambda kv: (-kv[1], kv[0])))
+    return (f"hang budget spent cluster-wide ({budget.total} of {cfg.budget_per_hour} suspect "
+            f"take-outs per hour, by {by or 'nobody'}; {mine} of "
+            f"{cfg.budget_per_user_per_hour} for user {user}): {held} reported, not taken out "
+            "of service" + (f"; the requeued job avoids {'it' if len(nodes) == 1 else 'them'}"
+                            if avoided else ""))
+
+
 def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, now: float,
                budget: Budget, cfg: HeartbeatSection) -> tuple[tuple[NodeCall, ...], str]:
-    """Drain (evidence) or suspect (heuristic) per blamed node, within the budget; and a note
-    saying what the budget held back."""
+    """Drain (evidence, never budgeted) or suspect (heuristic, within the budgets) per blamed
+    node; and a note saying what the budget held back and whose take-outs spent it."""
     calls: list[NodeCall] = []
     if blamed.rule == "health":
         wanted = [(n, NodeVerdict.DRAIN, drain_reason(job_id, user, now, r.split(": ", 1)[-1]))
@@ -103,25 +142,26 @@ def node_calls(job_id: int, user: str, blamed: Blame, *, self_reported: bool, no
                                                           f"{what} ({blamed.rule})"))
                   for n, _ in blamed.drains]
     total, mine = budget.total, budget.by_user.get(T.user_key(user), 0)
-    held: list[str] = []
+    held: dict[Room, list[str]] = {Room.USER: [], Room.CLUSTER: []}
     for node, verdict, reason in wanted:
-        if verdict is NodeVerdict.SUSPECT and not cfg.suspect_drain:
+        if verdict is NodeVerdict.DRAIN:
+            calls.append(NodeCall(node, verdict, reason))
+            continue
+        if not cfg.suspect_drain:
             calls.append(NodeCall(node, NodeVerdict.SPARE, reason + AVOID_ONLY))
             continue
         fresh = node not in budget.nodes
-        if fresh and (total + 1 > cfg.budget_per_hour or mine + 1 > cfg.budget_per_user_per_hour):
-            held.append(node)
-            calls.append(NodeCall(node, NodeVerdict.SPARE, reason))
+        why = room(total, mine, cfg) if fresh else Room.OK
+        if why is not Room.OK:
+            held[why].append(node)
+            calls.append(NodeCall(node, NodeVerdict.SPARE,
+                                  reason + (AVOID_SPENT if why is Room.CLUSTER else "")))
             continue
         if fresh:
             total, mine = total + 1, mine + 1
         calls.append(NodeCall(node, verdict, reason))
-    note = ""
-    if held:
-        note = (f"hang budget spent ({budget.total} of {cfg.budget_per_hour} nodes per hour "
-                f"cluster-wide, {budget.by_user.get(T.user_key(user), 0)} of "
-                f"{cfg.budget_per_user_per_hour} for user {user}): {', '.join(held)} reported, "
-                "not taken out of service")
+    note = "; ".join(spent_note(budget, user, cfg, why, nodes, avoided=why is Room.CLUSTER)
+                     for why, nodes in held.items() if nodes)
     return tuple(calls), note
 
 
@@ -131,11 +171,14 @@ def exclusion(calls: Sequence[NodeCall], required: Iterable[str] = ()
 
     A node taken out as a suspect is avoided (verification may return it before the job
     starts again), and so is a suspect the site keeps in service (suspect_drain off). A node
-    the budget held back is not: it was not taken out, and nothing about it justifies
-    keeping the job away. A node the job asked for by name (``-w``) is never excluded: the
-    job could not start again (Slurm leaves it PENDING with BadConstraints)."""
+    its owner's own budget held back is not: it was not taken out, and nothing about it
+    justifies keeping the job away. One held back because other users' take-outs spent the
+    cluster-wide budget is (:data:`AVOID_SPENT`): the owner spent nothing. A node the job
+    asked for by name (``-w``) is never excluded: the job could not start again (Slurm leaves
+    it PENDING with BadConstraints)."""
     avoided = {c.node for c in calls if c.verdict is NodeVerdict.SUSPECT
-               or (c.verdict is NodeVerdict.SPARE and c.reason.endswith(AVOID_ONLY))}
+               or (c.verdict is NodeVerdict.SPARE and c.reason.endswith((AVOID_ONLY,
+                                                                         AVOID_SPENT)))}
     named = sorted(avoided & set(required))
     note = (f"the job asked for {','.join(named)} by name: requeued without excluding "
             f"{'it' if len(named) == 1 else 'them'}") if named else ""
@@ -174,12 +217,14 @@ def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool
     under suspicion), then the job's ledger, then the job."""
     steps: list[Step] = []
     if decision.action in (Action.REQUEUE, Action.HOLD) and drain:
-        # Each drain is then recorded in the node's Comment, where it outlives a resume
-        # and keeps counting against the hourly budgets.
+        # Each suspect take-out is then recorded in the node's Comment, where it outlives a
+        # resume and keeps counting against the hourly budgets; drains on evidence are not
+        # budgeted, so not recorded.
         for c in decision.nodes:
             if c.verdict in (NodeVerdict.DRAIN, NodeVerdict.SUSPECT):
-                steps += [Step(StepKind.DRAIN, c.node, c.reason),
-                          Step(StepKind.RECORD, c.node, c.reason)]
+                steps.append(Step(StepKind.DRAIN, c.node, c.reason))
+            if c.verdict is NodeVerdict.SUSPECT:
+                steps.append(Step(StepKind.RECORD, c.node, c.reason))
     ledger = R.parse_ledger(decision.ledger) or R.Ledger()
     comment = R.merge_comment(admin_comment, ledger, decision.reason)
     if decision.action is Action.REQUEUE:

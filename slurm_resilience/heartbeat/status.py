@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.heartbeat import incident, policy
 from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.heartbeat import suspect as S
+from slurm_resilience.heartbeat.suspect import DeepDoc
 from slurm_resilience.slurm import observed
 from slurm_resilience.slurm.observed import Decision
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
@@ -37,6 +39,16 @@ class BudgetRow(TypedDict):
     by_user: dict[str, int]
     per_user_limit: int
     spent: bool
+
+
+class SuspicionRow(TypedDict):
+    """Suspicion of this node by hang handling: never a drain by itself (see suspect.py)."""
+
+    users: int  # different users whose jobs suspected it within the window
+    jobs: list[str]  # "JOB(USER)"
+    window_s: float
+    threshold: int  # users at which it gets the deeper verification
+    last_deep: DeepDoc | None
 
 
 class HangJobRow(TypedDict):
@@ -84,6 +96,7 @@ class StatusDoc(TypedDict, total=False):
     mode: str
     drains: list[DrainRow]
     budget: BudgetRow
+    suspicion: SuspicionRow
     jobs: list[HangJobRow]
     incidents: list[IncidentRow]
     errors: list[str]
@@ -103,11 +116,22 @@ def drains(nodes: Sequence[NodeInfo], prefix: str) -> list[DrainRow]:
 
 def budget(nodes: Sequence[NodeInfo], prefix: str, hb: HeartbeatSection, now: float
            ) -> BudgetRow:
-    """How much of the hourly hang budget is used, from Slurm's node reasons."""
+    """How much of the hourly hang budget (suspect take-outs) is used, from Slurm's nodes."""
     used = policy.budget_used(nodes, prefix, now)
     return {"used": used.total, "limit": hb.budget_per_hour, "by_user": dict(used.by_user),
             "per_user_limit": hb.budget_per_user_per_hour, "spent": used.total
             >= hb.budget_per_hour}
+
+
+def suspicion(heartbeat_dir: str, hb: HeartbeatSection, now: float) -> SuspicionRow:
+    """This node's suspicion history within the window and its last deeper verification,
+    from the agent's state (``heartbeat_dir``: ``<node.state_dir>/heartbeat``)."""
+    items = S.SuspectHistory(os.path.join(heartbeat_dir, S.HISTORY_FILE)).load()
+    recent = [(j, u) for at, j, u in items if now - at <= hb.suspect_window_s]
+    return {"users": S.users_within(items, now, hb.suspect_window_s),
+            "jobs": [f"{j}({u})" for j, u in recent], "window_s": hb.suspect_window_s,
+            "threshold": hb.suspect_threshold,
+            "last_deep": S.load_deep(os.path.join(heartbeat_dir, S.DEEP_FILE))}
 
 
 def hang_jobs(jobs: Sequence[JobInfo]) -> list[HangJobRow]:
@@ -162,9 +186,22 @@ def render(status: StatusDoc) -> str:
     b = status.get("budget")
     if b:
         users = ", ".join(f"{u} {n}" for u, n in sorted(b["by_user"].items())) or "none"
-        lines.append(f"hang budget: {b['used']} of {b['limit']} nodes this hour"
-                     + (" (SPENT: hangs are reported, no node is taken out)" if b["spent"]
-                        else "") + f"; per user (limit {b['per_user_limit']}): {users}")
+        lines.append(f"hang budget: {b['used']} of {b['limit']} suspect take-outs this hour"
+                     + (" (SPENT: suspects are reported, not taken out; drains on evidence "
+                        "go on)" if b["spent"] else "")
+                     + f"; per user (limit {b['per_user_limit']}): {users}")
+    sus = status.get("suspicion")
+    if sus and sus["jobs"]:
+        lines.append(f"suspicion of this node: jobs of {sus['users']} users within "
+                     f"{sus['window_s'] / 3600:g}h ({', '.join(sus['jobs'][-8:])}); deeper "
+                     f"verification from {sus['threshold']} users; never a drain without a "
+                     "failed check")
+    deep = sus.get("last_deep") if sus else None
+    if deep:
+        lines.append(f"  last deeper verification at {_hhmmss(deep['at'])}, suspected by "
+                     f"{deep['users']} users' jobs: "
+                     + ("passed" if deep["passed"] else "FAILED") + f": {deep['outcome']}; "
+                     + "; ".join(deep["checks"]))
     drained, jobs, reports = (status.get("drains", []), status.get("jobs", []),
                               status.get("incidents", []))
     lines.append(f"drains by slurm-resilience ({len(drained)}):")

@@ -8,12 +8,17 @@ verifies it: the health gate's checks, then the loopback all-reduce test of idle
 
 * a failed check drains the node with a reason naming it (measured against expected);
 * suspicion from jobs of ``suspect_threshold`` different users within ``suspect_window_s``
-  drains it with a reason naming those jobs;
+  is no evidence (any user's job can stall a rank by sleeping): it runs a deeper
+  verification (:func:`deep_verify`: the active diagnostics, which hold the memory test, and
+  a longer loopback test), drains only if that fails, and else returns the node and reports
+  the repeated suspicion (log, ``status``, the ``node_suspicion_users`` metric);
 * otherwise it is resumed, only if the suspect reason is still the one it verified.
 
 Bound on return to service: the poll interval, plus the wait for the job to leave, plus
 the gate (``health.collector_timeout_s``) and the loopback test (``nccl.timeout_s`` per
-attempt, ``nccl.retries`` + 1 attempts).
+attempt, ``nccl.retries`` + 1 attempts); for a repeated suspect plus the diagnostics
+(``health.diag.timeout_s``) and the longer test (:data:`DEEP_LOOPBACK_FACTOR` times
+``nccl.timeout_s`` per attempt).
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
@@ -35,9 +41,17 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
 
+if TYPE_CHECKING:
+    from slurm_resilience.config.nccl import NcclSection
+
 log = get_logger("heartbeat.suspect")
 
 MAX_HISTORY = 256
+# The deeper verification's loopback test: this many times the iterations per size, and the
+# per-attempt limit (at most an hour), of the nccl section.
+DEEP_LOOPBACK_FACTOR = 4
+HISTORY_FILE = "suspicions.json"
+DEEP_FILE = "suspicion-verified.json"
 
 
 @dataclass(frozen=True)
@@ -90,29 +104,56 @@ def _wrong_detail(result: Any) -> str:
     return ""
 
 
+def _lock(cfg: Config, node: str) -> Any:
+    from slurm_resilience.nccl import schedule
+
+    return schedule.NodeLock(os.path.join(node_path(cfg.node.run_dir, node),
+                                          schedule.LOCK_NAME))
+
+
+def _loopback(cfg: Config, node: str, section: NcclSection, name: str,
+              stop: threading.Event | None = None) -> Check:
+    """One loopback all-reduce test with ``section`` (the caller holds the node lock)."""
+    from slurm_resilience.nccl import gate
+
+    fault = node_path(cfg.nccl.fault_file, node) if cfg.nccl.fault_file else ""
+    result = gate.run_gate(section, fault_file=fault, nice=0, stop=stop)
+    reasons = "; ".join(result.reasons)
+    if result.verdict == "pass":
+        return Check(name, True, reasons)
+    if result.verdict == "fail":
+        extra = _wrong_detail(result)
+        return Check(name, False, f"{reasons}: {extra}" if extra else reasons)
+    # "unknown": the test could not run here (no GPUs seen, no torch); not evidence against the
+    # node, so not a failure, but said in the log and the node's verification record.
+    return Check(name, True, f"not verified ({result.verdict}): {reasons}")
+
+
 def loopback_check(cfg: Config, node: str, *, stop: threading.Event | None = None) -> Check:
     """The loopback all-reduce test of the nccl section, holding the node lock."""
-    from slurm_resilience.nccl import gate, schedule
-
-    s = cfg.nccl
-    lock = schedule.NodeLock(os.path.join(node_path(cfg.node.run_dir, node), schedule.LOCK_NAME))
+    lock = _lock(cfg, node)
     if not lock.try_acquire():
         return Check("loopback test", False, "node lock busy (another test or a job): not run",
                      retry=True)
     try:
-        fault = node_path(s.fault_file, node) if s.fault_file else ""
-        result = gate.run_gate(s, fault_file=fault, nice=0, stop=stop)
+        return _loopback(cfg, node, cfg.nccl, "loopback test", stop)
     finally:
         lock.release()
-    reasons = "; ".join(result.reasons)
-    if result.verdict == "pass":
-        return Check("loopback test", True, reasons)
-    if result.verdict == "fail":
-        extra = _wrong_detail(result)
-        return Check("loopback test", False, f"{reasons}: {extra}" if extra else reasons)
-    # "unknown": the test could not run here (no GPUs seen, no torch); not evidence against the
-    # node, so not a failure, but said in the log and the node's verification record.
-    return Check("loopback test", True, f"not verified ({result.verdict}): {reasons}")
+
+
+def diag_check(cfg: Config, node: str) -> Check:
+    """The active diagnostics now: ``dcgmi diag`` where installed, else the torch memory and
+    bandwidth test (the caller holds the node lock, as idle diagnostics do)."""
+    from slurm_resilience.health import gate
+    from slurm_resilience.health.findings import Severity
+
+    report = gate.run(cfg, node, "healthcheck", only=("diag",))
+    if not report.verdict.healthy:
+        return Check("active diagnostics", False, report.verdict.reason())
+    unknown = [f.message for f in report.findings if f.severity is Severity.UNKNOWN]
+    if unknown:  # no tool here: no evidence either way, said (as the loopback test's unknown)
+        return Check("active diagnostics", True, f"not verified: {'; '.join(unknown)}")
+    return Check("active diagnostics", True, f"{len(report.findings)} findings, none blocking")
 
 
 Verifier = Callable[[Config, str], Verification]
@@ -120,8 +161,6 @@ Verifier = Callable[[Config, str], Verification]
 
 def verify(cfg: Config, node: str) -> Verification:
     """Health gate, then (when configured and the gate passed) the loopback test."""
-    import time
-
     started = time.monotonic()
     try:
         checks = [health_check(cfg, node)]
@@ -133,6 +172,50 @@ def verify(cfg: Config, node: str) -> Verification:
         except Exception as exc:  # noqa: BLE001 - same: the node is not shown healthy
             checks.append(Check("loopback test", False, f"couldn't run: {exc}"))
     return Verification(tuple(checks), time.monotonic() - started)
+
+
+def deep_verify(cfg: Config, node: str) -> Verification:
+    """Deeper verification of a node suspected by several users' jobs, after :func:`verify`
+    passed: under the node lock, the active diagnostics (``health.diag``; they hold the
+    memory test) and the loopback test with :data:`DEEP_LOOPBACK_FACTOR` times the
+    iterations (``heartbeat.verify_loopback``). A busy lock postpones it; a crash fails it."""
+    started = time.monotonic()
+    lock = _lock(cfg, node)
+    if not lock.try_acquire():
+        return Verification((Check("deeper verification", False, "node lock busy (another "
+                                   "test or a job): not run", retry=True),), 0.0)
+    checks: list[Check] = []
+    try:
+        if cfg.health.diag.enabled:
+            try:
+                checks.append(diag_check(cfg, node))
+            except Exception as exc:  # noqa: BLE001 - a broken check is a failed verification
+                checks.append(Check("active diagnostics", False, f"couldn't run: {exc}"))
+        if cfg.heartbeat.verify_loopback and all(c.ok for c in checks):
+            s = cfg.nccl
+            longer = replace(s, iters=min(10000, s.iters * DEEP_LOOPBACK_FACTOR),
+                             timeout_s=min(3600.0, s.timeout_s * DEEP_LOOPBACK_FACTOR))
+            try:
+                checks.append(_loopback(cfg, node, longer, "longer loopback test"))
+            except Exception as exc:  # noqa: BLE001 - same: the node is not shown healthy
+                checks.append(Check("longer loopback test", False, f"couldn't run: {exc}"))
+    finally:
+        lock.release()
+    if not checks:
+        checks.append(Check("deeper verification", True, "nothing more to run (health.diag "
+                            "and heartbeat.verify_loopback are off)"))
+    return Verification(tuple(checks), time.monotonic() - started)
+
+
+class DeepDoc(TypedDict):
+    """The last deeper verification of this node (``status`` shows it)."""
+
+    at: float
+    jobs: list[list[Any]]  # [job_id, user] of the suspicions that led to it
+    users: int
+    passed: bool
+    checks: list[str]
+    outcome: str
 
 
 class SuspectHistory:
@@ -168,22 +251,55 @@ class SuspectHistory:
 def accumulated(items: list[tuple[float, int, str]], now: float, window_s: float,
                 threshold: int) -> list[tuple[int, str]]:
     """Pure: the suspicions within the window when they come from ``threshold`` or more
-    different users (else [])."""
+    different users (else []): what calls for the deeper verification."""
     recent = [(j, u) for at, j, u in items if now - at <= window_s]
     return recent if len({u for _, u in recent}) >= threshold else []
+
+
+def users_within(items: list[tuple[float, int, str]], now: float, window_s: float) -> int:
+    """Pure: how many different users' jobs suspected the node within the window."""
+    return len({u for at, _, u in items if now - at <= window_s})
+
+
+def save_deep(path: str, doc: DeepDoc) -> None:
+    fd = safefs.makedirs_root(os.path.dirname(path))
+    try:
+        safefs.replace_file(fd, os.path.basename(path), json.dumps(doc).encode())
+    finally:
+        os.close(fd)
+
+
+def load_deep(path: str) -> DeepDoc | None:
+    """The last deeper verification, or None when there was none (an unreadable file is
+    said in the log and read as none)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return {"at": float(data["at"]), "jobs": [[int(j), str(u)] for j, u in data["jobs"]],
+                "users": int(data["users"]), "passed": bool(data["passed"]),
+                "checks": [str(c) for c in data["checks"]], "outcome": str(data["outcome"])}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.warning("heartbeat: suspect: couldn't read the last deeper verification",
+                    path=path, error=str(exc))
+        return None
 
 
 class SuspectWatch:
     """Polls this node's Slurm state for a suspect drain and verifies the node."""
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, clock: Clock,
-                 state_dir: str, verifier: Verifier = verify):
+                 state_dir: str, verifier: Verifier = verify,
+                 deep_verifier: Verifier = deep_verify):
         self.cfg = cfg
         self.node = node
         self.adapter = adapter
         self.clock = clock
         self.verifier = verifier
-        self.history = SuspectHistory(os.path.join(state_dir, "suspicions.json"))
+        self.deep_verifier = deep_verifier
+        self.history = SuspectHistory(os.path.join(state_dir, HISTORY_FILE))
+        self.deep_path = os.path.join(state_dir, DEEP_FILE)
         self.next_poll = 0.0  # monotonic; 0: at the first tick (agent start)
         self.busy_until = -1.0  # monotonic end of the fast-poll window
         self.thread: threading.Thread | None = None
@@ -237,33 +353,79 @@ class SuspectWatch:
         return self.handle(info, parsed)
 
     def handle(self, info: NodeInfo, parsed: policy.HangReason) -> str:
-        """Verify, then drain or return the node; returns what was done."""
+        """Verify (deeper when several users' jobs suspected the node), then drain the node
+        on a failed check or return it; returns what was done."""
         hb = self.cfg.heartbeat
         job = parsed.job_id if parsed.job_id is not None else -1
         log.warning("heartbeat: suspect: verifying node", job_id=job, reason=info.reason)
         result = self.verifier(self.cfg, self.node)
         if result.retry:
-            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
-            log.info("heartbeat: suspect: verification could not run now; again soon",
-                     node=self.node, checks=[f"{c.name}: {c.detail}" for c in result.checks])
-            return "verification postponed"
+            return self._postpone(result)
         now = self.clock.time()
-        items = self.history.add(now, job, parsed.user)
+        # A reason naming no job (an earlier release's "suspect of jobs") adds no suspicion.
+        items = (self.history.add(now, job, parsed.user) if parsed.job_id is not None
+                 else self.history.load())
         many = accumulated(items, now, hb.suspect_window_s, hb.suspect_threshold)
+        deep: Verification | None = None
+        if result.passed and many:
+            log.warning("heartbeat: suspect: suspected by several users' jobs: deeper "
+                        "verification", node=self.node, users=len({u for _, u in many}),
+                        jobs=[f"{j}({u})" for j, u in many])
+            deep = self.deep_verifier(self.cfg, self.node)
+            if deep.retry:
+                return self._postpone(deep)
         if not result.passed:
-            reason = policy.drain_reason(job, parsed.user, now,
-                                         f"verification failed: {result.failure}")
-            outcome = self._drain(reason)
-        elif many:
-            outcome = self._drain(policy.accumulated_reason(many, now, hb.suspect_window_s))
+            outcome = self._drain(policy.drain_reason(
+                job, parsed.user, now, f"verification failed: {result.failure}"))
+        elif deep is not None and not deep.passed:
+            outcome = self._drain(policy.drain_reason(
+                job, parsed.user, now, f"deeper verification failed: {deep.failure}"))
         else:
             outcome = self._resume(info.reason)
-        self.last = {"job_id": job, "checks": [c.__dict__ for c in result.checks],
-                     "seconds": round(result.seconds, 3), "outcome": outcome, "at": now}
+        checks = [*result.checks, *(deep.checks if deep is not None else ())]
+        seconds = result.seconds + (deep.seconds if deep is not None else 0.0)
+        if deep is not None:
+            self._report_repeated(many, deep, now, outcome)
+        self.last = {"job_id": job, "checks": [c.__dict__ for c in checks],
+                     "seconds": round(seconds, 3), "outcome": outcome, "at": now}
         log.warning("heartbeat: suspect: verified", node=self.node, job_id=job,
-                    passed=result.passed, checks=[f"{c.name}: {c.detail}" for c in result.checks],
-                    seconds=round(result.seconds, 3), outcome=outcome)
+                    passed=result.passed and (deep is None or deep.passed),
+                    checks=[f"{c.name}: {c.detail}" for c in checks],
+                    seconds=round(seconds, 3), outcome=outcome)
         return outcome
+
+    def _postpone(self, result: Verification) -> str:
+        self.next_poll = self.clock.monotonic() + self.cfg.heartbeat.verify_poll_s
+        log.info("heartbeat: suspect: verification could not run now; again soon",
+                 node=self.node, checks=[f"{c.name}: {c.detail}" for c in result.checks])
+        return "verification postponed"
+
+    def _report_repeated(self, many: list[tuple[int, str]], deep: Verification, now: float,
+                         outcome: str) -> None:
+        """For operators: the log, the record ``status`` shows, and a counted event."""
+        users = len({u for _, u in many})
+        hours = self.cfg.heartbeat.suspect_window_s / 3600
+        doc: DeepDoc = {"at": now, "jobs": [[j, u] for j, u in many], "users": users,
+                        "passed": deep.passed,
+                        "checks": [f"{c.name}: {c.detail}" for c in deep.checks],
+                        "outcome": outcome}
+        try:
+            save_deep(self.deep_path, doc)
+        except OSError as exc:
+            log.warning("heartbeat: suspect: couldn't record the deeper verification",
+                        path=self.deep_path, error=str(exc))
+        events.count(self.adapter.events_path, events.SUSPICION,
+                     "cleared" if deep.passed else "failed")
+        log.warning(f"heartbeat: suspect: node suspected by {users} users' jobs within "
+                    f"{hours:g}h; deeper verification "
+                    + ("passed: not drained (suspicion is no evidence)" if deep.passed
+                       else "failed"), node=self.node, jobs=[f"{j}({u})" for j, u in many],
+                    checks=doc["checks"], outcome=outcome)
+
+    def recent_users(self) -> int:
+        """Users whose jobs suspected this node within ``suspect_window_s`` (the metric)."""
+        return users_within(self.history.load(), self.clock.time(),
+                            self.cfg.heartbeat.suspect_window_s)
 
     def _drain(self, reason: str) -> str:
         try:

@@ -1,12 +1,13 @@
 """Our hang reasons on nodes, and the record of recent take-outs kept in each node's Comment.
 
-The hourly hang budgets count how many nodes hang handling took out of service within the
-hour. A node's reason says so only while the node stays out: a suspect that passed
-verification is resumed and its reason is gone. So every take-out is also recorded in the
-node's ``Comment`` (a field Slurm keeps across resume and that only operators, and root's
-agents, may set), as one bounded group ``[sr-out USER/JOB/EPOCH ...]`` beside any text an
-operator keeps there. Agents on different nodes decide independently; slurmctld is the
-shared truth they all read through the adapter. Pure: parsing and merging only.
+The hourly hang budgets count how many nodes hang handling took out of service as suspects
+within the hour (drains on evidence are not budgeted). A node's reason says so only while
+the node stays out: a suspect that passed verification is resumed and its reason is gone.
+So every suspect take-out is also recorded in the node's ``Comment`` (a field Slurm keeps
+across resume and that only operators, and root's agents, may set), as one bounded group
+``[sr-out USER/JOB/EPOCH ...]`` beside any text an operator keeps there. Agents on
+different nodes decide independently; slurmctld is the shared truth they all read through
+the adapter. Pure: parsing and merging only.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def parse_reason(reason: str) -> HangReason | None:
     if not m:
         return None
     job = m.group("job")
-    return HangReason(bool(m.group("suspect")), int(job) if job else None, m.group("user"),
-                      _epoch(m.group("at")))
+    # "hang suspect of jobs ...": an earlier release drained a node for suspicion adding up;
+    # it is a suspect like any other now (verified, and returned when it passes).
+    return HangReason(bool(m.group("suspect")) or not job, int(job) if job else None,
+                      m.group("user"), _epoch(m.group("at")))
 
 
 def user_key(user: str) -> str:

@@ -29,6 +29,7 @@ from slurm_resilience.heartbeat import policy
 from slurm_resilience.heartbeat import requeue as R
 from slurm_resilience.metrics import observe
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
+from slurm_resilience.stragglers.record import MIN_USERS
 
 P = "slurm_resilience_"
 MAX_SCRAPE_BYTES = 16 << 20
@@ -152,8 +153,19 @@ class StragglerRanks:
 
 @dataclass(frozen=True)
 class Recurring:
+    """A node slow in jobs of several users (one user's slow jobs never name a node)."""
+
     node: str
     jobs: int
+    users: int = 0
+
+
+@dataclass(frozen=True)
+class Suspected:
+    """A node suspected by jobs of several users (verified each time, never drained for it)."""
+
+    node: str
+    users: int
 
 
 @dataclass
@@ -168,6 +180,7 @@ class ClusterView:
     straggler_nodes: list[SlowNode] = field(default_factory=list)
     straggler_ranks: list[StragglerRanks] = field(default_factory=list)
     recurring_stragglers: list[Recurring] = field(default_factory=list)
+    suspected_by_several: list[Suspected] = field(default_factory=list)
     # Observe mode: what the agents' nodes decided and did not do; nodes whose config fails.
     observed: list[str] = field(default_factory=list)
     config_invalid: list[str] = field(default_factory=list)
@@ -224,9 +237,13 @@ def assemble(nodes: Sequence[NodeInfo], jobs: Sequence[JobInfo], scrapes: Sequen
             if v:
                 view.straggler_ranks.append(StragglerRanks(s.node, int(labels["job_id"]),
                                                            int(v)))
+        for _, v in _values(s, "node_suspicion_users"):
+            if v >= 2:
+                view.suspected_by_several.append(Suspected(s.node, int(v)))
+        users = max((v for _, v in _values(s, "node_straggler_recent_users")), default=0)
         for _, v in _values(s, "node_straggler_recent_jobs"):
-            if v:
-                view.recurring_stragglers.append(Recurring(s.node, int(v)))
+            if v and users >= MIN_USERS:
+                view.recurring_stragglers.append(Recurring(s.node, int(v), int(users)))
         p50 = {int(lb["job_id"]): v for lb, v in _values(s, "job_step_time_p50_seconds")}
         for labels, v in _values(s, "job_straggler_node_slowdown_ratio"):
             job = int(labels["job_id"])
@@ -251,6 +268,10 @@ def render(view: ClusterView) -> str:
     section("drained by slurm-resilience", [f"{d.node:<14} {d.state:<16} {d.reason}"
                                             for d in view.drained])
     section("suspects being verified", [f"{d.node:<14} {d.reason}" for d in view.suspects])
+    section("suspected by several users' jobs (each verified: drained only on a failed "
+            "check)", [f"{x.node:<14} jobs of {x.users} users within heartbeat.suspect_window_s"
+                       f" (`slurm-resilience status --node {x.node}` there)"
+                       for x in view.suspected_by_several])
     section("open hang incidents", [f"job {i.job_id} on {','.join(i.nodes)}"
                                     for i in view.incidents])
     section("jobs held by the suite", [f"job {j.job_id} ({j.user}): {j.admin_comment}"
@@ -265,13 +286,16 @@ def render(view: ClusterView) -> str:
     lines.append("worst goodput among running jobs: " + (
         f"job {w.job_id} {w.ratio:.1%} (slurm-resilience goodput {w.job_id})" if w
         else "no running job reports one"))
-    section("straggler nodes (slower than the rest of their job)", [
+    # Per job: what one job's step times say (its owner's code can make them slow); only
+    # the recurring section, from jobs of several users, names a node.
+    section("jobs slower on one node than on their others (the job's own step times)", [
         f"{s.node:<14} job {s.job_id}: step {s.step_time_p50_s}s vs {s.job_median_s}s "
         f"({s.slowdown:+.0%})" for s in view.straggler_nodes])
-    section("nodes with straggler ranks", [f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)"
-                                           for s in view.straggler_ranks])
-    section("recurring stragglers", [f"{s.node:<14} named in {s.jobs} recent job(s)"
-                                     for s in view.recurring_stragglers])
+    section("jobs with straggler ranks (the job's own step times)", [
+        f"{s.node:<14} job {s.job_id}: {s.ranks} rank(s)" for s in view.straggler_ranks])
+    section("recurring stragglers (slow in jobs of several users)", [
+        f"{s.node:<14} named in {s.jobs} recent job(s) of {s.users} users"
+        for s in view.recurring_stragglers])
     if view.observed:
         section("observe mode: decided, not carried out", view.observed)
     if view.config_invalid:

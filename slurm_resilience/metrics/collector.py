@@ -32,7 +32,7 @@ from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
-from slurm_resilience.stragglers.record import jobs_of
+from slurm_resilience.stragglers.record import jobs_of, users_of
 
 log = get_logger("metrics")
 
@@ -51,9 +51,14 @@ EVENT_FAMILIES = {
                       "host; each incident once), by decision", "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
-    events.BUDGET: ("hang_budget_spent", "times hang handling left a blamed node in service "
-                    "because the hourly budget (heartbeat.budget_per_hour, "
-                    "budget_per_user_per_hour) was spent, by what blamed it", "by"),
+    events.BUDGET: ("hang_budget_spent", "times hang handling left a suspect in service "
+                    "because the hourly suspect budget (heartbeat.budget_per_user_per_hour, "
+                    "budget_per_hour) was spent, by what blamed it; drains on evidence are "
+                    "never held back", "by"),
+    events.SUSPICION: ("suspicion_deep_verifications", "deeper verifications of this node "
+                       "after jobs of heartbeat.suspect_threshold different users suspected it "
+                       "within suspect_window_s, by outcome (cleared: returned to service, "
+                       "not drained; failed: drained for the failed check)", "outcome"),
     events.CKPT_AGENT: ("checkpoint_agent_unreachable", "jobs with checkpoint staging whose "
                         "prolog or epilog couldn't reach this node's agent (no stage-in, no "
                         "upload)", "hook"),
@@ -232,6 +237,13 @@ class AgentCollector(Collector):
         for job_id in open_:
             inc.add_metric([str(job_id)], 1)
         yield inc
+        suspects = getattr(w, "suspects", None)  # heartbeat.suspect.SuspectWatch
+        if suspects is not None:
+            g = _gauge("node_suspicion_users", "users whose jobs made this node a hang suspect "
+                       "within heartbeat.suspect_window_s (each suspicion verified; at "
+                       "suspect_threshold the node gets the deeper verification)")
+            g.add_metric([], suspects.recent_users())
+            yield g
         steps = self.s.steps
         if steps is None:
             return
@@ -271,7 +283,13 @@ class AgentCollector(Collector):
             yield from self._goodput(self.s.ledger)
         g = _gauge("node_straggler_recent_jobs", "jobs in which this node (ranks of it, or "
                    "the whole node) was named a straggler within stragglers.record_window_s")
-        g.add_metric([], jobs_of(steps.recent_jobs()))
+        recent = steps.recent_jobs()
+        g.add_metric([], jobs_of(recent))
+        yield g
+        g = _gauge("node_straggler_recent_users", "different users whose jobs named this node "
+                   "a straggler within stragglers.record_window_s; the node is called a "
+                   "recurring straggler only from 2 (one user's slow ranks are their own)")
+        g.add_metric([], users_of(recent))
         yield g
 
     def _goodput(self, ledger: Ledger) -> Iterator[Metric]:

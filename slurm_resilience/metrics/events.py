@@ -41,8 +41,11 @@ INCIDENT = "incident"
 GATE = "gate"  # cause: "<check>:<result>"
 STRAGGLER = "straggler"
 BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly budget was spent
+# A node suspected by several users' jobs got the deeper verification: cleared or failed.
+SUSPICION = "suspicion"
 CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
-KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, CKPT_AGENT)
+KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION,
+         CKPT_AGENT)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -59,6 +62,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
     STRAGGLER: ("step_time", "node_step_time"),
     BUDGET: ("incident", "straggler"),
+    SUSPICION: ("cleared", "failed"),
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
     CKPT_AGENT: ("prolog", "epilog"),

@@ -283,10 +283,9 @@ class MetricsService:
             log.warning("stragglers: a suspect, not drained", node=self.node, why=why)
             return f"not drained: {why}"
         budget = policy.budget_used(nodes, self.adapter.prefix, now)
-        spent = budget.by_user.get(user_key(user), 0)
-        if budget.total + 1 > hb.budget_per_hour or spent + 1 > hb.budget_per_user_per_hour:
-            note = (f"hang budget spent ({budget.total} of {hb.budget_per_hour} nodes per hour "
-                    f"cluster-wide, {spent} of {hb.budget_per_user_per_hour} for user {user})")
+        room = policy.room(budget.total, budget.by_user.get(user_key(user), 0), hb)
+        if room is not policy.Room.OK:
+            note = policy.spent_note(budget, user, hb, room, [self.node])
             log.warning("stragglers: a suspect, reported, not taken out of service",
                         node=self.node, note=note)
             events.count(self.sources.events_path, events.BUDGET, "straggler")

@@ -108,6 +108,18 @@ def jobs_of(entries: list[Entry]) -> int:
     return len({e.job_id for e in entries})
 
 
+def users_of(entries: list[Entry]) -> int:
+    """Distinct known users whose jobs named this node."""
+    return len({e.user for e in entries if e.user})
+
+
+def recurring(entries: list[Entry]) -> bool:
+    """Pure: the node is named a (recurring) straggler only when jobs of at least
+    :data:`MIN_USERS` different users were slow on it: one user's slow ranks are that user's
+    own doing (user code can sleep), not a fact about the node."""
+    return users_of(entries) >= MIN_USERS
+
+
 def suspicion(entries: list[Entry], need: int) -> list[Entry]:
     """Pure: the entries that make this node a suspect, or [] while they don't.
 

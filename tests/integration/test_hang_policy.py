@@ -8,6 +8,7 @@ Jobs are submitted by unprivileged test users. Figures are printed; run with ``-
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 from hang_jobs import output, reports, wait_for
 
-from slurm_resilience.heartbeat import actions, policy
+from slurm_resilience.heartbeat import suspect
 from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -200,31 +201,78 @@ def test_failed_loopback_verification_drains_the_suspect_with_measured_vs_expect
         faults.heal(sandbox.layout.state_dir, suspect)
 
 
-def test_the_budget_stops_drains_past_its_limit_and_says_so(
+def _seed_suspicions(sandbox: Sandbox, items: list[list[object]]) -> dict[Path, bytes | None]:
+    """Write each node agent's suspicion history (root's own state); returns what was there,
+    for :func:`_restore`."""
+    before: dict[Path, bytes | None] = {}
+    for node in sandbox.nodes:
+        path = sandbox.node_dir(node) / "state" / "heartbeat" / suspect.HISTORY_FILE
+        before[path] = path.read_bytes() if path.exists() else None
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(json.dumps(items))
+        deep = path.parent / suspect.DEEP_FILE
+        before[deep] = deep.read_bytes() if deep.exists() else None
+    return before
+
+
+def _restore(before: dict[Path, bytes | None]) -> None:
+    for path, data in before.items():
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+
+
+def test_suspicion_by_three_users_returns_the_node_and_evidence_drains_past_the_budget(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """With the hourly budget used up by a hang take-out earlier in the hour, of a node back
-    in service since (its Comment keeps the record), the next suspect is reported, not taken
-    out of service: the report, the log and `status` say so."""
-    sandbox.update_resilience_config({"heartbeat": {"budget_per_hour": 1}})
+    """Two other accounts' jobs suspected every node and spent 2 of the 3 suspect take-outs
+    of the hour; a test user's deadlock makes the third suspicion of its node, which passes
+    the deeper verification and returns to service (not drained); then, with the budget
+    spent, a second test user's hang with an Xid on its node still drains that node on the
+    evidence; `status` names whose take-outs spent the budget."""
+    from slurm_resilience.sandbox import faults
+
+    sandbox.update_resilience_config({"heartbeat": {
+        "budget_per_hour": 3, "budget_per_user_per_hour": 1, "max_requeues": 0}})
     ctl = sandbox.adapter()
-    spent = sandbox.nodes[-1]
-    earlier = policy.drain_reason(1, "someone", time.time(), "an earlier hang")
-    ctl.drain(spent, earlier)
-    assert actions.record_takeout(ctl, spent, earlier).startswith("recorded")
-    assert ctl.resume(spent) and not ctl.show_node(spent).drained
-    assert "[sr-out someone/1/" in ctl.show_node(spent).comment
-    user = test_users[0]
-    job_id, work = _deadlocked_job(sandbox, user, "budget")
-    suspect = _rank_node(work, job_id, 1, 0)
-    report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
-    assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [
-        (suspect, "spare")]
-    assert "hang budget spent (1 of 1 nodes per hour" in report["decision"]["budget"]
-    assert any("hang budget spent" in a for a in report["actions"])
-    assert not ctl.show_node(suspect).drained
-    status = _cli(sandbox, ["status"])
-    assert "hang budget: 1 of 1 nodes this hour" in status.stdout, status.stdout
-    sandbox.run(["scancel", str(job_id)])
+    now = int(time.time())
+    ctl.set_node_comment(sandbox.nodes[-1], f"[sr-out mallory/9001/{now - 120} "
+                                            f"eve/9002/{now - 60}]")
+    before = _seed_suspicions(sandbox, [[now - 120, 9001, "mallory"], [now - 60, 9002, "eve"]])
+    first, second = test_users
+    try:
+        job_id, work = _deadlocked_job(sandbox, first, "suspicion")
+        suspect_node = _rank_node(work, job_id, 1, 0)
+        report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the suspect decision")
+        assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [
+            (suspect_node, "suspect")], report["decision"]
+        assert report["decision"]["budget"] == ""
+        decided_at = float(report["timings"]["action_at"])
+
+        xid_job, xid_work = _deadlocked_job(sandbox, second, "evidence")
+        xid_node = _rank_node(xid_work, xid_job, 0, 0)
+        print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
+
+        out_s = _back_in_service(sandbox, suspect_node, decided_at, timeout=180)
+        mine = _cli(sandbox, ["status", "--node", suspect_node])
+        assert "suspicion of this node: jobs of 3 users within 24h" in mine.stdout, mine.stdout
+        assert "passed: returned to service; active diagnostics: " in mine.stdout, mine.stdout
+        assert "longer loopback test: " in mine.stdout
+
+        evidence = wait_for(lambda: _decided(sandbox, xid_job, 0), 90, "the evidence decision")
+        assert [(c["node"], c["verdict"]) for c in evidence["decision"]["nodes"]] == [
+            (xid_node, "drain")], evidence["decision"]
+        assert evidence["decision"]["budget"] == ""
+        assert "XID 79" in ctl.show_node(xid_node).reason
+        status = _cli(sandbox, ["status"])
+        assert ("hang budget: 3 of 3 suspect take-outs this hour (SPENT: suspects are "
+                "reported, not taken out; drains on evidence go on); per user (limit 1): "
+                f"eve 1, mallory 1, {first} 1") in status.stdout, status.stdout
+        print(f"\nsuspected by 3 users' jobs: {suspect_node} out {out_s:.1f}s from the "
+              f"decision (plain + deeper verification), then back in service; {xid_node} "
+              "drained on its Xid with the suspect budget spent")
+    finally:
+        _restore(before)  # the fixture's reset cancels the jobs and heals the Xid
 
 
 def test_requeue_happens_exactly_once_when_slurmctld_is_away_for_20s(

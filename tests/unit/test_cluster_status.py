@@ -73,7 +73,8 @@ def test_the_view_names_drains_suspects_held_jobs_and_the_slow_node(tmp_path: Pa
     assert [j.job_id for j in view_.held_jobs] == [9]
     assert [s.node for s in view_.straggler_nodes] == ["n4"]
     assert view_.straggler_nodes[0].slowdown == 0.3
-    assert [r.node for r in view_.recurring_stragglers] == ["n4"]
+    # Slow in one job of one user: a straggler node of that job, not a recurring straggler.
+    assert view_.recurring_stragglers == []
     assert (view_.agents_scraped, view_.agents_total) == (4, 5)
     assert view_.errors == ["n5: couldn't read http://x/n5: URLError: refused"]
     assert view_.to_json()["drained"][0]["node"] == "n1"
@@ -221,3 +222,26 @@ def test_incidents_backlog_and_worst_goodput_from_real_endpoints(tmp_path: Path)
     assert js["incidents"] == [{"job_id": 31, "nodes": ("n1", "n3")}]
     assert js["checkpoint_backlog"][0]["node"] == "n1"
     assert js["worst_goodput"] == {"job_id": 32, "ratio": 0.5}
+
+
+def test_nodes_suspected_by_several_users_jobs_are_reported_not_drained(tmp_path: Path) -> None:
+    """A node whose agent counts suspicion from 3 users' jobs (verified and back in service)
+    is listed for operators in `status --cluster`; one user's suspicion is not."""
+    from agent_state import Suspects
+
+    scrapes = []
+    for node, users in (("n1", 3), ("n2", 1)):
+        watcher = Watcher()
+        watcher.suspects = Suspects(users)  # type: ignore[attr-defined]
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(AgentCollector(AgentSources(
+            node=node, events_path=str(tmp_path / f"{node}-ev.json"), nccl_path="",
+            watcher=watcher)))
+        scrapes.append(cluster.Scrape(node, f"http://x/{node}",
+                                      cluster.parse(generate_latest(reg).decode())))
+    view = cluster.assemble([], [], scrapes, "SR:", CFG.stragglers)
+    assert view.suspected_by_several == [cluster.Suspected("n1", 3)]
+    assert view.drained == [] and view.suspects == []
+    text = cluster.render(view)
+    assert "suspected by several users' jobs (each verified: drained only on a failed check) " \
+           "(1):\n  n1             jobs of 3 users" in text

@@ -159,7 +159,55 @@ def test_past_the_budget_nodes_are_reported_not_taken_out() -> None:
     calls, note = policy.node_calls(42, "alice", B.blame(42, obs, {}), self_reported=False,
                                     now=NOW, budget=used, cfg=HB)
     assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
-    assert "hang budget spent" in note and "1 of 1 for user alice" in note and "n2" in note
+    assert note == ("hang budget spent for user alice (1 of 1 suspect take-outs per hour by "
+                    "their jobs): n2 reported, not taken out of service")
+
+
+def test_evidence_drains_are_never_held_by_the_budget() -> None:
+    """Two accounts spent the whole cluster-wide budget with suspects; a third user's hang
+    with an Xid on its node still drains it, and nothing about it is counted or recorded."""
+    cfg = replace(HB, budget_per_hour=4, budget_per_user_per_hour=2)
+    spent = policy.Budget(4, {"mallory": 2, "eve": 2}, frozenset())
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    blamed = B.blame(42, obs, {"n3": ["gpu3: XID 79 (GPU fell off the bus)"]})
+    assert blamed.rule == "health"
+    calls, note = policy.node_calls(42, "carol", blamed, self_reported=False, now=NOW,
+                                    budget=spent, cfg=cfg)
+    assert [(c.node, c.verdict) for c in calls] == [("n3", NodeVerdict.DRAIN)] and note == ""
+    d = policy.decide(42, run=0, user="carol", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=cfg, calls=calls, budget_note=note)
+    kinds = [s.kind for s in policy.plan(42, d, "", drain=True)]
+    assert kinds[0] is StepKind.DRAIN and StepKind.RECORD not in kinds
+    out = [NodeInfo("n3", "IDLE", frozenset({"DRAIN"}), "SR: " + calls[0].reason)]
+    assert policy.budget_used(out, "SR:", NOW).total == 0
+
+
+def test_suspects_are_limited_per_user_first_and_the_refusal_names_the_spenders() -> None:
+    """One user's jobs spend only that user's share; once two accounts spent the cluster-wide
+    cap, a third user's suspect is reported (the note names the spenders and counts) and
+    still avoided by the requeued job, since its owner spent nothing."""
+    cfg = replace(HB, budget_per_hour=4, budget_per_user_per_hour=2)
+    obs = [B.RankObservation(0, "n1", 11, 100.0), B.RankObservation(1, "n2", 10, 100.0)]
+    blamed = B.blame(42, obs, {})
+    half = policy.Budget(2, {"mallory": 2}, frozenset())
+    calls, note = policy.node_calls(42, "mallory", blamed, self_reported=False, now=NOW,
+                                    budget=half, cfg=cfg)
+    assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
+    assert note.startswith("hang budget spent for user mallory (2 of 2 suspect take-outs")
+    calls, note = policy.node_calls(42, "carol", blamed, self_reported=False, now=NOW,
+                                    budget=half, cfg=cfg)
+    assert [c.verdict for c in calls] == [NodeVerdict.SUSPECT] and note == ""
+    spent = policy.Budget(4, {"mallory": 2, "eve": 2}, frozenset())
+    calls, note = policy.node_calls(42, "carol", blamed, self_reported=False, now=NOW,
+                                    budget=spent, cfg=cfg)
+    assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
+    assert note == ("hang budget spent cluster-wide (4 of 4 suspect take-outs per hour, by "
+                    "eve 2, mallory 2; 0 of 2 for user carol): n2 reported, not taken out of "
+                    "service; the requeued job avoids it")
+    d = policy.decide(42, run=0, user="carol", requeue_allowed=True, admin_comment="",
+                      ckpt_step=5, mode="act", cfg=cfg, calls=calls, budget_note=note)
+    assert d.action is Action.REQUEUE and d.exclude == ("n2",)
+    assert StepKind.DRAIN not in [s.kind for s in policy.plan(42, d, "", drain=True)]
 
 
 def test_a_node_held_back_by_the_budget_is_not_excluded_from_the_job() -> None:
@@ -230,7 +278,7 @@ def test_a_user_cycling_suspect_drains_is_stopped_by_the_budget() -> None:
                                     now=NOW, budget=policy.budget_used(nodes, "SR:", NOW),
                                     cfg=HB)
     assert [c.verdict for c in calls] == [NodeVerdict.SPARE]
-    assert "1 of 1 for user alice" in note
+    assert "for user alice (1 of 1 suspect take-outs" in note
 
 
 def test_the_take_out_record_is_bounded_and_keeps_the_operators_text() -> None:
@@ -548,16 +596,105 @@ def test_a_suspect_is_verified_only_after_the_job_left(tmp_path: Path) -> None:
     assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
 
 
-def test_suspicion_of_different_users_jobs_adds_up_to_a_drain(tmp_path: Path) -> None:
-    """The third suspicion from a third user drains the node naming the jobs, even passing."""
+def _suspected_by(tmp_path: Path, users: Sequence[tuple[int, str]], deep: Verification,
+                  ) -> tuple[SlurmStandIn, SuspectWatch, list[int]]:
+    """Each job's suspicion verified in turn (all checks pass), with ``deep`` as the deeper
+    verification; returns the last stand-in, the watch and how often ``deep`` ran."""
+    from slurm_resilience.metrics import events
+
+    ran: list[int] = []
+
+    def deeper(cfg: Config, node: str) -> Verification:
+        ran.append(1)
+        return deep
+
     ok = Check("health gate", True, "ok")
-    for job, user in ((40, "ann"), (41, "ben"), (42, "cid")):
+    for job, user in users:
         reason = "SR: " + policy.suspect_reason(job, user, time.time(), "rank 1 stalled first")
         slurm = SlurmStandIn(node_reason=reason)
-        watch = _suspect_watch(tmp_path, slurm, ok, suspect_threshold=3)
+        watch = SuspectWatch(_cfg(tmp_path, suspect_threshold=3), "node1",
+                             SlurmAdapter(runner=slurm), FakeClock(), str(tmp_path / "hb"),
+                             _verifier(ok), deeper)  # type: ignore[arg-type]
+        watch.adapter.events_path = str(tmp_path / events.FILENAME)
         watch.tick()
         watch.close(10)
-    assert "hang suspect of jobs 40(ann),41(ben),42(cid)" in slurm.node_reason
+    return slurm, watch, ran
+
+
+def test_a_node_suspected_by_many_users_jobs_that_passes_deeper_checks_returns(
+        tmp_path: Path) -> None:
+    """Jobs of 3 users suspected the node (user-code sleeps can do that): the third
+    suspicion runs the deeper verification, and when it is clean too the node returns to
+    service, reported (record for status, counted event, metric), not drained."""
+    from slurm_resilience.heartbeat import status
+    from slurm_resilience.metrics import events
+
+    clean = Verification((Check("active diagnostics", True, "memtest ok"),
+                          Check("longer loopback test", True, "0.76 GB/s")), 2.0)
+    slurm, watch, ran = _suspected_by(tmp_path, ((40, "ann"), (41, "ben"), (42, "cid")), clean)
+    assert slurm.node_reason == "" and watch.last["outcome"] == "returned to service"
+    assert ran == [1] and watch.recent_users() == 3
+    assert events.read(watch.adapter.events_path)["counters"]["suspicion|cleared"] == 1
+    row = status.suspicion(str(tmp_path / "hb"), watch.cfg.heartbeat, time.time())
+    assert row["users"] == 3 and row["jobs"] == ["40(ann)", "41(ben)", "42(cid)"]
+    assert row["last_deep"] is not None and row["last_deep"]["passed"]
+    text = status.render({"mode": "act", "suspicion": row})
+    assert "suspicion of this node: jobs of 3 users within 24h" in text
+    assert "passed: returned to service; active diagnostics: memtest ok" in text
+
+
+def test_a_failed_deeper_verification_drains_naming_the_check(tmp_path: Path) -> None:
+    """Only a failed check drains a repeated suspect: the reason names the deeper check."""
+    from slurm_resilience.metrics import events
+
+    bad = Verification((Check("active diagnostics", False,
+                              "gpu2 memory test: 12 bad pages (expected 0)"),), 2.0)
+    slurm, watch, ran = _suspected_by(tmp_path, ((40, "ann"), (41, "ben"), (42, "cid")), bad)
+    assert ran == [1] and slurm.node_reason.startswith("SR: hang job 42 user cid at ")
+    assert ("deeper verification failed: active diagnostics: gpu2 memory test: 12 bad pages "
+            "(expected 0)") in slurm.node_reason
+    assert events.read(watch.adapter.events_path)["counters"]["suspicion|failed"] == 1
+
+
+def test_one_users_many_suspicions_get_the_plain_verification_only(tmp_path: Path) -> None:
+    """Jobs of one user (or two, below the threshold of 3) never call for the deeper
+    verification; each suspect passing the plain one returns."""
+    never = Verification((Check("deeper", False, "must not run"),), 0.0)
+    slurm, watch, ran = _suspected_by(
+        tmp_path, ((40, "mal"), (41, "mal"), (42, "eve"), (43, "mal")), never)
+    assert ran == [] and slurm.node_reason == "" and watch.recent_users() == 2
+
+
+def test_an_earlier_releases_suspicion_drain_is_verified_and_returned(tmp_path: Path) -> None:
+    """A node an earlier release drained for suspicion adding up ("hang suspect of jobs ...")
+    is a suspect now: verified, and returned when it passes."""
+    at = policy.iso(time.time() - 60)
+    slurm = SlurmStandIn(node_reason=f"SR: hang suspect of jobs 40(ann),41(ben),42(cid) user - "
+                                     f"at {at}: suspected by 3 users' jobs within 24h")
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
+    assert watch.poll() == "returned to service" and slurm.node_reason == ""
+    assert watch.history.load() == []  # it names no job: no suspicion added
+
+
+def test_the_deeper_verification_waits_for_the_node_lock_and_says_when_nothing_runs(
+        tmp_path: Path) -> None:
+    """A busy node lock postpones the deeper verification (no evidence either way); with the
+    diagnostics and the loopback test switched off it passes and says nothing more ran."""
+    from slurm_resilience.heartbeat.suspect import deep_verify
+    from slurm_resilience.nccl import schedule
+
+    cfg = _cfg(tmp_path, verify_loopback=False)
+    cfg = replace(cfg, health=replace(cfg.health, diag=replace(cfg.health.diag, enabled=False)))
+    (tmp_path / "run").mkdir()
+    lock = schedule.NodeLock(str(tmp_path / "run" / schedule.LOCK_NAME))
+    assert lock.try_acquire()
+    try:
+        busy = deep_verify(cfg, "node1")
+    finally:
+        lock.release()
+    assert busy.retry and not busy.passed and "node lock busy" in busy.failure
+    idle = deep_verify(cfg, "node1")
+    assert idle.passed and "nothing more to run" in idle.checks[0].detail
 
 
 # -- reports through the socket ----------------------------------------------------------------

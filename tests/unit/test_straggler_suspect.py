@@ -177,9 +177,12 @@ def test_one_users_jobs_never_drain_a_node(tmp_path: Path) -> None:
 
 def test_the_cluster_wide_hang_budget_applies_and_the_jobs_stay_counted_for_later(
         tmp_path: Path) -> None:
+    """Other users' suspect take-outs of the hour spend the cluster-wide budget (a drain on
+    evidence does not); the straggler's jobs are counted only once it is drained."""
     hour_ago = policy.iso(NOW - 600)
     ctl = Ctl({NODE: ("IDLE", ""),
-               "n2": ("IDLE+DRAIN", f"SR: hang job 5 user x at {hour_ago}: rank 0 Xid 79"),
+               "n2": ("IDLE+DRAIN", f"SR: suspect hang job 5 user x at {hour_ago}: w; verifying"),
+               "n4": ("IDLE+DRAIN", f"SR: hang job 4 user x at {hour_ago}: rank 0 Xid 79"),
                "n3": ("IDLE+DRAIN", f"SR: suspect hang job 6 user y at {hour_ago}: z; verifying")})
     wall = [NOW]
     svc = service(tmp_path, ctl, wall, need=2, heartbeat={"budget_per_hour": 2})

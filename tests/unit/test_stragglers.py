@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from agent_state import slot, view
+from agent_state import Watcher, slot, view
 
 from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.stragglers.detect import Tracker, judge
@@ -136,20 +136,59 @@ def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")
     record = StragglerRecord(str(tmp_path / "n1" / FILENAME))
-    record.add(Entry(100.0, 5, (2,), 0.25), 100.0, CFG.record_window_s)
-    record.add(Entry(200.0, 6, (3, 4), 0.4), 200.0, CFG.record_window_s)
+    record.add(Entry(100.0, 5, (2,), 0.25, "ann"), 100.0, CFG.record_window_s)
+    record.add(Entry(200.0, 6, (3, 4), 0.4, "ben"), 200.0, CFG.record_window_s)
     rows = stragglers(cfg, "n1", 300.0)
     assert [r["job_id"] for r in rows] == [5, 6]
     text = render_stragglers("n1", rows, CFG.record_window_s)
-    assert "(2 jobs): recurring" in text and "job 6: ranks [3, 4] +40% slower" in text
+    assert "(2 jobs): recurring (jobs of 2 users)" in text
+    assert "job 6: ranks [3, 4] +40% slower" in text
     assert stragglers(cfg, "n2", 300.0) == []
     # The job's judge named the whole node in job 6 too: still 2 jobs, one more line; and
     # the nodes a judge named are listed on the judge.
-    record.add(Entry(250.0, 6, (), 0.3, node="n1"), 250.0, CFG.record_window_s)
+    record.add(Entry(250.0, 6, (), 0.3, "ben", node="n1"), 250.0, CFG.record_window_s)
     judged = StragglerRecord(str(tmp_path / "n1" / JUDGED_FILENAME))
     judged.add(Entry(260.0, 9, (), 0.35, node="n7"), 260.0, CFG.record_window_s)
     text = render_stragglers("n1", stragglers(cfg, "n1", 300.0), CFG.record_window_s,
                              stragglers(cfg, "n1", 300.0, judged=True))
-    assert "(2 jobs): recurring" in text
+    assert "(2 jobs): recurring (jobs of 2 users)" in text
     assert "job 6: the whole node +30% slower than the job's other nodes" in text
     assert "job 9: n7 +35%" in text
+
+
+def test_one_users_slow_jobs_never_name_the_node_a_straggler(tmp_path: Path) -> None:
+    """Jobs of one user slow on a node (their ranks sleeping in user code) are listed as
+    that user's jobs, never as a recurring straggler node: not in `status`, not in
+    `status --cluster`, and no suspect; a second user's slow job does name it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from slurm_resilience.config import Config, load_text
+    from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
+    from slurm_resilience.metrics import cluster
+    from slurm_resilience.metrics.collector import AgentCollector, AgentSources
+    from slurm_resilience.stragglers.record import FILENAME, Entry, recurring, suspicion
+
+    cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")
+    record = StragglerRecord(str(tmp_path / "n1" / FILENAME))
+    for job in (5, 6, 7):
+        kept = record.add(Entry(100.0 + job, job, (1,), 0.5, "mallory"), 200.0,
+                          CFG.record_window_s)
+    assert not recurring(kept) and suspicion(kept, 2) == []
+
+    def shown() -> tuple[str, cluster.ClusterView]:
+        text = render_stragglers("n1", stragglers(cfg, "n1", 300.0), CFG.record_window_s)
+        watch = StepWatch(lambda: CFG, "n1", record, lambda: 300.0)
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(AgentCollector(AgentSources(node="n1", events_path="", nccl_path="",
+                                                 watcher=Watcher(), steps=watch)))
+        scrape = cluster.Scrape("n1", "http://x/n1", cluster.parse(generate_latest(reg).decode()))
+        return text, cluster.assemble([], [], [scrape], "SR:", CFG)
+
+    text, seen = shown()
+    assert "(3 jobs): all one user's jobs, so not named a straggler node" in text
+    assert "recurring" not in text and seen.recurring_stragglers == []
+    kept = record.add(Entry(250.0, 8, (0,), 0.4, "ann"), 260.0, CFG.record_window_s)
+    assert recurring(kept)
+    text, seen = shown()
+    assert "(4 jobs): recurring (jobs of 2 users)" in text
+    assert seen.recurring_stragglers == [cluster.Recurring("n1", 4, 2)]
