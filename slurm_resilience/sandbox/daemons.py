@@ -52,7 +52,9 @@ def exited(daemon: Daemon) -> bool:
     command line until its exec, which must not read as "exited"."""
     pid = read_pid(daemon.pid_file)
     if pid is None:
-        return daemon.pid_file.exists()
+        # Missing, or created and not yet written (slurmd opens its pid file, then writes
+        # the pid): still starting, not exited; the caller's wait has its own deadline.
+        return False
     child = _CHILDREN.get(pid)
     if child is not None:
         return child.poll() is not None

@@ -173,3 +173,19 @@ def test_mounts_left_in_the_state_dir_are_detached_and_a_siblings_are_not(tmp_pa
         for point in reversed(mounted):
             subprocess.run(["umount", "--lazy", str(point)], check=False,
                            stderr=subprocess.DEVNULL)
+
+
+def test_a_daemon_whose_pid_file_is_not_written_yet_has_not_exited(tmp_path: Path) -> None:
+    """slurmd creates its pid file before it writes the pid: an empty (or missing) pid file
+    means still starting, never "exited while starting"; a pid that is gone has exited."""
+    pid_file = tmp_path / "slurmd-node2.pid"
+    d = daemons.Daemon("slurmd-node2", "slurmd", pid_file, str(tmp_path))
+    assert not daemons.exited(d)
+    pid_file.write_text("")
+    assert not daemons.exited(d)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    pid_file.write_text(f"{gone.pid}\n")
+    assert daemons.exited(d)
+    pid_file.write_text(f"{os.getpid()}\n")
+    assert not daemons.exited(d)
