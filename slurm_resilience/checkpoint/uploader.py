@@ -89,9 +89,11 @@ from slurm_resilience.checkpoint.staging import (
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.uploader")
+_URI_LOG = LogBudget(log, "refused run URIs")  # a job's user may register again and again
 
 MAX_EXCLUDED = 16  # corrupt steps one job may pass over (ckpt.restage)
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
@@ -243,7 +245,8 @@ class Uploader:
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
-            log.warning("run URI refused", job_id=rec["job_id"], uri=uri, error=str(exc))
+            _URI_LOG.log(f"job {rec['job_id']}", "checkpoint: register: run URI refused",
+                         job_id=rec["job_id"], uri=user_text(uri), error=user_text(exc))
             raise RequestError(str(exc)) from None
         with self.lock:
             if rec.get("uri") and rec["uri"] != str(run):
