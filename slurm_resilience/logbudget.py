@@ -14,6 +14,7 @@ tick). :func:`user_text` cuts a user's text short and escapes it for a log field
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -139,6 +140,15 @@ def _span(seconds: float) -> str:
 
 
 _BUDGETS: weakref.WeakSet[LogBudget] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A fork from the threaded agent may copy a budget's lock while another thread holds it.
+    for budget in list(_BUDGETS):
+        budget._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def flush_all() -> int:
