@@ -21,7 +21,7 @@ from slurm_resilience.config.heartbeat import ExchangeSection, HeartbeatSection
 from slurm_resilience.config.schema import JobTmpfsSection, NodeSection
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat import steps
-from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
+from slurm_resilience.heartbeat.exchange.credentials import CredentialError, MungeCredentials
 from slurm_resilience.heartbeat.exchange.rendezvous import NetworkRendezvous
 from slurm_resilience.heartbeat.watcher import HangWatcher
 from slurm_resilience.hooks.context import HookContext
@@ -154,3 +154,13 @@ def test_a_replayed_credential_is_decoded_once_and_logged_a_bounded_number_of_ti
     summary = events_saying(events, "refused messages of peer 127.0.0.1 in the last minute")
     assert [(e["count"], e["not_logged"]) for e in summary] == [(300, 290)]
     assert not any("PPPPPPPPPP" in str(e) for e in logged(events))
+
+
+def test_munged_refusing_a_replay_is_named_without_the_payload(munge_socket: str) -> None:
+    """unmunge prints a replayed credential's payload and no error; the refusal names the
+    status (an agent restarted has no digests yet, so munged itself sees the replay)."""
+    cred = MungeCredentials(socket=munge_socket).encode(b"USER-CHOSEN-" + b"P" * 3000)
+    assert MungeCredentials(socket=munge_socket).decode(cred).payload.startswith(b"USER")
+    with pytest.raises(CredentialError) as refused:
+        MungeCredentials(socket=munge_socket).decode(cred)
+    assert str(refused.value) == "munge refused the credential: Replayed credential (status 17)"
