@@ -8,6 +8,7 @@ import os
 import pwd
 import shutil
 import socket
+import struct
 import subprocess
 import textwrap
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PYTHON_SYS, as_user, events_saying, logged
+from prometheus_client import CollectorRegistry
 
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import ExchangeSection, HeartbeatSection
@@ -26,6 +28,7 @@ from slurm_resilience.heartbeat.exchange.rendezvous import NetworkRendezvous
 from slurm_resilience.heartbeat.watcher import HangWatcher
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.logbudget import flush_all
+from slurm_resilience.metrics import http as metrics_http
 from slurm_resilience.proc import Runner, Stats
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeRunner
@@ -164,3 +167,28 @@ def test_munged_refusing_a_replay_is_named_without_the_payload(munge_socket: str
     with pytest.raises(CredentialError) as refused:
         MungeCredentials(socket=munge_socket).decode(cred)
     assert str(refused.value) == "munge refused the credential: Replayed credential (status 17)"
+
+
+def test_connections_reset_mid_request_at_metrics_write_a_bounded_log(
+        events: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Connections reset halfway through their request headers cost at most 10 lines of the
+    log and no traceback on stderr (socketserver printed one per connection)."""
+    server = metrics_http.serve("127.0.0.1", 0, CollectorRegistry())
+    port = server.server_address[1]
+    try:
+        for _ in range(20):  # the headers never end: the server is reading when the reset comes
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        deadline = time.monotonic() + 30
+        while (server.in_use() or not events_saying(events, "couldn't answer")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the server's threads, not timing them
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+    lines = events_saying(events, "couldn't answer a connection")
+    failed = server.failed_log.stats().events
+    assert failed >= 1 and len(lines) == min(failed, 10)
+    assert all("ConnectionResetError" in e["error"] for e in lines)
