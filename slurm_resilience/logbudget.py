@@ -114,9 +114,10 @@ class LogBudget:
 
     def _take_due(self, now: float) -> list[tuple[str, _Window]]:
         due = []
-        for name, window in list(self._windows.items()):
+        while self._windows:  # oldest first: later entries started later
+            name, window = next(iter(self._windows.items()))
             if now - window.start < self.window_s:
-                break  # later entries started later
+                break
             del self._windows[name]
             if window.seen > window.logged:
                 due.append((name, window))
