@@ -14,6 +14,7 @@ from slurm_resilience.agent.service import AgentContext, Service
 from slurm_resilience.agent.services import SERVICES
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import flush_all
 
 log = get_logger("agent")
 
@@ -73,6 +74,7 @@ class Agent:
             except Exception:
                 self.tick_failures[svc.name] = self.tick_failures.get(svc.name, 0) + 1
                 log.exception("service tick failed", service=svc.name)
+        flush_all()  # the summary lines of user-triggered warnings held back
 
     def run(self) -> None:
         thread = threading.Thread(target=self.server.serve_forever, name="agent-socket",

@@ -30,6 +30,7 @@ from typing import Any
 
 from slurm_resilience.agent.service import Handler, Peer, RequestError, Response
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 
 log = get_logger("agent")
 
@@ -40,6 +41,7 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 1.0
 ROOT_RESERVE = 8  # connections only uid 0 (the hooks) may use once the others are taken
 _WARN_EVERY_S = 60.0  # one warning per kind of refusal and uid per minute: no log flood
+_REFUSED_PER_MINUTE = 10  # lines per uid a minute for refused requests, then a summary
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -84,7 +86,10 @@ class AgentServer:
         self.stats = ServerStats()
         self._open: Counter[int] = Counter()  # uid -> admitted connections now
         self._lock = threading.Lock()
-        self._warned: dict[tuple[str, int], float] = {}
+        self.connection_log = LogBudget(log, "refused or failed connections", lines=1,
+                                        window_s=_WARN_EVERY_S, clock=clock)
+        self.request_log = LogBudget(log, "refused requests", lines=_REFUSED_PER_MINUTE,
+                                     clock=clock)
         self._backoff = 0.0
         self._stop = threading.Event()
         self._stopped = threading.Event()
@@ -219,14 +224,7 @@ class AgentServer:
         conn.close()
 
     def _warn(self, kind: str, who: int, event: str, **fields: Any) -> None:
-        now = self.clock()
-        last = self._warned.get((kind, who))
-        if last is not None and now - last < _WARN_EVERY_S:
-            return
-        if len(self._warned) > 10000:  # many uids: forget, rather than grow
-            self._warned.clear()
-        self._warned[(kind, who)] = now
-        log.warning(event, **fields)
+        self.connection_log.log(f"uid {who} ({kind})", event, **fields)
 
     # -- one connection -------------------------------------------------------------------
 
@@ -296,9 +294,12 @@ class AgentServer:
         try:
             answer = handler(request, peer)
         except RequestError as exc:
-            log.warning("request refused", op=op, uid=peer.uid, pid=peer.pid, error=str(exc))
+            self.request_log.log(f"uid {peer.uid}", "agent: request refused", op=op,
+                                 uid=peer.uid, pid=peer.pid, error=user_text(exc))
             return {"ok": False, "error": str(exc)}
-        except Exception as exc:
-            log.exception("request handler failed", op=op, uid=peer.uid)
+        except Exception as exc:  # noqa: BLE001 - logged with its traceback and answered
+            self.request_log.log(f"uid {peer.uid}", "agent: request handler failed", op=op,
+                                 uid=peer.uid, error=user_text(f"{type(exc).__name__}: {exc}"),
+                                 level="error", exc_info=True)
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
         return {"ok": True, **answer}

@@ -89,9 +89,12 @@ from slurm_resilience.checkpoint.staging import (
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.uploader")
+# A job's user sends these requests as often as they like: lines per job are budgeted.
+_JOB_LOG = LogBudget(log, "refused or failed requests")
 
 MAX_EXCLUDED = 16  # corrupt steps one job may pass over (ckpt.restage)
 PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 is abandoned
@@ -243,7 +246,8 @@ class Uploader:
         try:
             run = check_run_uri(uri, self.ck.allowed_prefix, str(rec["user"]))
         except CheckpointError as exc:
-            log.warning("run URI refused", job_id=rec["job_id"], uri=uri, error=str(exc))
+            _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: register: run URI refused",
+                         job_id=rec["job_id"], uri=user_text(uri), error=user_text(exc))
             raise RequestError(str(exc)) from None
         with self.lock:
             if rec.get("uri") and rec["uri"] != str(run):
@@ -264,10 +268,11 @@ class Uploader:
             if lost and lost != rec.get("unreachable_nodes"):
                 # The job's word, about its own run only: shown, never acted on.
                 rec["unreachable_nodes"] = lost
-                log.error("checkpoint: the job's ranks couldn't reach the node agent on other "
-                          "nodes; checkpoints saved there stay there and no step of the run "
-                          "commits in S3 until those agents return", job_id=rec["job_id"],
-                          nodes=lost, uri=str(run))
+                _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: the job's ranks couldn't "
+                             "reach the node agent on other nodes; checkpoints saved there stay "
+                             "there and no step of the run commits in S3 until those agents "
+                             "return", level="error", job_id=rec["job_id"], nodes=lost,
+                             uri=user_text(run))
             self.journal.write(rec)
             if rec["stagein"].get("state") == "pending":
                 self._start_stagein(rec)
@@ -289,7 +294,8 @@ class Uploader:
         try:
             return {"ok": True, **fetch_for(self.fetcher, rec, request)}
         except CheckpointError as exc:
-            log.error("fetch failed", job_id=rec["job_id"], error=str(exc))
+            _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: fetch: failed", level="error",
+                         job_id=rec["job_id"], error=user_text(exc))
             raise RequestError(str(exc)) from None
 
     def on_restage(self, request: Request, peer: Peer) -> Response:

@@ -32,6 +32,7 @@ from slurm_resilience.heartbeat.store import IncidentStore
 from slurm_resilience.heartbeat.suspect import SuspectWatch, Verifier, verify
 from slurm_resilience.heartbeat.tune import TunedTimeouts
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.slurm.adapter import SlurmAdapter
 
 log = get_logger("heartbeat")
@@ -80,6 +81,10 @@ class HangWatcher:
                                      self.stopping.is_set)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
+        # A user decides how many of their slots are refused, and how often stragglers change.
+        self.slot_log = LogBudget(log, "refused heartbeat slots", clock=self.clock.monotonic)
+        self.straggler_log = LogBudget(log, "changes of straggler ranks",
+                                       clock=self.clock.monotonic)
         for progress in self.store.unfinished():
             self._spawn(-1 - len(self.threads), self.runner.resume, progress)
 
@@ -173,7 +178,8 @@ class HangWatcher:
         hb = self.cfg.heartbeat
         slots, errors = read_slots(self.cfg.node.run_dir, self.node, rec)
         for err in errors:
-            log.warning("refused heartbeat slot", job_id=rec.job_id, error=err)
+            self.slot_log.log(f"job {rec.job_id}", "heartbeat: slots: refused heartbeat slot",
+                              job_id=rec.job_id, error=user_text(err))
         alive = {v.rank: evidence.same_process(v.pid, v.pid_start, rec.uid) for v in slots}
         tuned = self.tuned.get(rec.job_id) if hb.auto_tune else None
         verdict = detect.judge(rec.job_id, slots, self.clock.monotonic(), hb, alive=alive,
@@ -190,7 +196,8 @@ class HangWatcher:
             self.jobs[rec.job_id] = view
         changed = previous is None or previous.verdict.stragglers != verdict.stragglers
         if changed and verdict.stragglers:
-            log.warning("straggler ranks", job_id=rec.job_id, ranks=list(verdict.stragglers))
+            self.straggler_log.log(f"job {rec.job_id}", "straggler ranks", job_id=rec.job_id,
+                                   ranks=list(verdict.stragglers)[:64])
         if verdict.mode != "off" and verdict.hung:
             self.start_incident(view, trigger="timeout")
         return view

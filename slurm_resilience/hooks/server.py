@@ -44,6 +44,7 @@ from slurm_resilience import config, log
 from slurm_resilience.config import Config, lastgood
 from slurm_resilience.config.paths import node_name
 from slurm_resilience.hooks import endpoint, runner, steps
+from slurm_resilience.logbudget import LogBudget
 
 REQUEST_TIMEOUT_S = 2.0
 # How often the package's files are looked at for an upgrade (stat of ~200 files: a few
@@ -54,6 +55,8 @@ POLL_S = 0.5
 _UCRED = struct.Struct("3i")
 
 logger = log.get_logger("hooks", hook="server")
+# Out of descriptors, accept fails on every poll: a few lines and a summary a minute.
+_ACCEPT_LOG = LogBudget(logger, "failed accepts or requests not received", lines=3)
 
 
 class Refused(Exception):
@@ -290,7 +293,7 @@ class HookServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # out of fds: the hook runs itself; don't spin
-            logger.warning("hook server: accept failed", error=str(exc))
+            _ACCEPT_LOG.log(exc.errno, "hook server: accept failed", error=str(exc))
             time.sleep(0.05)
             return
         fds: list[int] = []
@@ -309,7 +312,7 @@ class HookServer:
             conn.close()
             return
         except OSError as exc:
-            logger.warning("hook server: request not received", error=str(exc))
+            _ACCEPT_LOG.log(exc.errno, "hook server: request not received", error=str(exc))
             _close_fds(fds)
             conn.close()
             return

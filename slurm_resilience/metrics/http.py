@@ -10,6 +10,7 @@ at once (one more is closed at once, without a thread) and gives each connection
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
@@ -18,8 +19,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
+
 MAX_CONNECTIONS = 8
 IO_TIMEOUT_S = 10.0
+
+log = get_logger("metrics")
 
 
 class _Quiet(WSGIRequestHandler):
@@ -36,6 +42,8 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        # Anyone who reaches the port can reset connections mid-request, as often as they like.
+        self.failed_log = LogBudget(log, "connections that failed", level="info")
         super().server_activate()
 
     def in_use(self) -> int:
@@ -52,6 +60,15 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A budgeted line per peer, not socketserver's traceback on stderr each time."""
+        exc = sys.exc_info()[1]
+        peer = str(client_address[0]) if client_address else "unknown"
+        ours = not isinstance(exc, OSError)  # a client's reset is theirs; anything else ours
+        self.failed_log.log(f"peer {peer}", "metrics: http: couldn't answer a connection",
+                            level="error" if ours else None, exc_info=ours, peer=peer,
+                            error=user_text(f"{type(exc).__name__}: {exc}"))
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

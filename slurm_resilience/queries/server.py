@@ -9,9 +9,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.queries import wire
 
 log = get_logger("queries")
+_FAILED_LOG = LogBudget(log, "questions not answered", level="error")  # askers choose how often
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 # (job id, the asker's uid) -> the answer; raises Refused.
@@ -62,8 +64,9 @@ class QueryApp:
         except Refused as exc:
             return "404 Not Found", _no(str(exc))
         except Exception as exc:  # noqa: BLE001 - said to the asker and logged, never a crash
-            log.error("queries: couldn't answer", kind=kind, job_id=job_id,
-                      error=f"{type(exc).__name__}: {exc}")
+            _FAILED_LOG.log(f"uid {decoded.uid}", "queries: couldn't answer", kind=kind,
+                            job_id=job_id, uid=decoded.uid,
+                            error=user_text(f"{type(exc).__name__}: {exc}"))
             return "500 Internal Server Error", _no(f"{type(exc).__name__} on {self.node}")
 
 

@@ -116,3 +116,49 @@ def test_smart_critical_warning_and_wear_fail() -> None:
         "nvme critical warning 0x04 (expected 0)"]
     assert fails(run({**base, "smart": {"critical_warning": 0, "percentage_used": 99}})) == [
         "nvme 99% endurance used (expected <=95%)"]
+
+
+def _descend(root: Path, depth: int) -> int:
+    """A descriptor of the directory ``depth`` levels of "d" below ``root`` (none held above)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    return fd
+
+
+def test_a_tree_deeper_than_recursion_and_path_max_is_counted(tmp_path: Path) -> None:
+    """6,000 nested directories (a path far past PATH_MAX) are walked without recursion,
+    every file counted once and a symlink out of the tree not followed."""
+    depth = 6000
+    (tmp_path / "outside").write_bytes(b"x" * 4096)
+    root = tmp_path / "nvme"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for level in range(depth):
+        with open(os.open("f", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd), "wb") as fh:
+            fh.write(b"y" * (level % 3))
+        os.mkdir("d", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.symlink(tmp_path, "up", dir_fd=fd)
+    big = os.open("big", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd)
+    os.ftruncate(big, 95 << 30)  # sparse: its apparent size counts
+    os.close(big)
+    os.close(fd)
+    try:
+        snap = collector.collect(str(root), size_limit=100 << 30, active=False)
+        assert snap.free == (5 << 30) - sum(level % 3 for level in range(depth))
+    finally:  # pytest's own cleanup recurses: take the tree down from the bottom
+        fd = _descend(root, depth)
+        os.unlink("up", dir_fd=fd)
+        os.unlink("big", dir_fd=fd)
+        for _ in range(depth):
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            os.rmdir("d", dir_fd=fd)
+            os.unlink("f", dir_fd=fd)
+        os.close(fd)

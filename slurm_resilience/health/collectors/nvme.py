@@ -57,19 +57,74 @@ class NvmeSnapshot:
         return cls(**fields, smart=SmartLog(**smart) if smart is not None else None)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _used_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (apparent size), without following symlinks."""
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-        for name in filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
+    """Bytes of the regular files under ``path`` (apparent size), never following a symlink.
+
+    Users write under ``path``, so the tree may be as deep as they like: the walk is a loop
+    (no recursion limit) holding one descriptor, each directory opened by name from its
+    parent's (no PATH_MAX) and left through its ``..``, which must be the parent it came
+    from; a directory moved away meanwhile ends the walk with what was counted so far.
+    """
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return 0
+    try:
+        total, subdirs = _list_dir(fd)
+        pending, came_from = [subdirs], [_identity(fd)]
+        while pending:
+            if pending[-1]:
+                try:
+                    child = os.open(pending[-1].pop(), _DIR_FLAGS, dir_fd=fd)
+                except OSError:  # removed meanwhile, or replaced by a symlink
+                    continue
+                os.close(fd)
+                fd = child
+                size, subdirs = _list_dir(fd)
+                total += size
+                pending.append(subdirs)
+                came_from.append(_identity(fd))
                 continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            pending.pop()
+            came_from.pop()
+            if not pending:
+                break
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            if _identity(fd) != came_from[-1]:
+                break
+    except OSError:
+        pass  # ".." gone: what was counted stands
+    finally:
+        os.close(fd)
     return total
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _list_dir(fd: int) -> tuple[int, list[str]]:
+    """Bytes of the regular files in the directory ``fd``, and its subdirectories' names."""
+    size, subdirs = 0, []
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    elif entry.is_file(follow_symlinks=False):
+                        size += entry.stat(follow_symlinks=False).st_size
+                except OSError:  # removed while listed
+                    continue
+    except OSError:
+        return 0, []
+    return size, subdirs
 
 
 def _probe(path: str) -> tuple[float | None, str | None]:

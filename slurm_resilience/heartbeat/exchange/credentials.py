@@ -10,7 +10,10 @@ by binding the port before the agent) can't read it.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import re
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +22,11 @@ from slurm_resilience.proc import CommandError, Runner
 
 # What munge writes: "MUNGE:" base64 ":" — checked before any process is started for it.
 CREDENTIAL = re.compile(rb"^MUNGE:[A-Za-z0-9+/=]+:$")
+# Credentials remembered (by digest) so a replay is refused without running unmunge again.
+RECENT_CREDENTIALS = 16384
+# munge_err_t values unmunge --numeric reports in STATUS (munge.h) for refused credentials.
+_STATUS = {14: "Invalid credential", 15: "Expired credential", 16: "Rewound credential",
+           17: "Replayed credential", 18: "Unauthorized credential"}
 
 
 class CredentialError(ValueError):
@@ -58,6 +66,7 @@ class MungeCredentials:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.runner = runner or Runner()
+        self.seen = RecentDigests(RECENT_CREDENTIALS)
 
     def encode(self, payload: bytes) -> bytes:
         argv = [self.munge, *self.socket_args, f"--restrict-uid={self.restrict_uid}",
@@ -74,16 +83,59 @@ class MungeCredentials:
     def decode(self, credential: bytes) -> Decoded:
         if not CREDENTIAL.match(credential):
             raise CredentialError("not a munge credential")
+        if not self.seen.add(credential):
+            # munged refuses it too (replayed, or expired by now): no process for a replay.
+            raise CredentialError("munge refused the credential: Replayed credential "
+                                  "(seen before on this node; not decoded again)")
         argv = [self.unmunge, *self.socket_args, "--numeric"]
         try:
             out = self.runner.run(argv, timeout=self.timeout_s,
                                   input_text=credential.decode("ascii"))
         except CommandError as exc:
-            # unmunge's own words: "Replayed credential", "Expired credential", "Invalid
-            # credential", "Unauthorized credential for client UID=...".
-            detail = (exc.result.stderr.strip() if exc.result else str(exc)) or str(exc)
-            raise CredentialError(f"munge refused the credential: {detail}") from exc
+            if exc.result is None:  # unmunge didn't start or timed out: munged never saw it
+                self.seen.forget(credential)
+            raise CredentialError(f"munge refused the credential: {_refusal(exc)}") from exc
         return parse_unmunge(out.stdout)
+
+
+def _refusal(exc: CommandError) -> str:
+    """unmunge's own words ("Replayed credential", "Unauthorized credential for client
+    UID=..."), or the STATUS it printed; never its stdout whole, which ends with the
+    payload whoever made the credential chose (a replay prints it with STATUS 17)."""
+    if exc.result is None:
+        return str(exc)
+    words = exc.result.stderr.strip()
+    if words:
+        return words[:200]
+    match = re.search(r"^STATUS:\s*(\d+)", exc.result.stdout, re.MULTILINE)
+    if match:
+        code = int(match.group(1))
+        return f"{_STATUS.get(code, 'munge error')} (status {code})"
+    return f"unmunge exit status {exc.result.returncode}"
+
+
+class RecentDigests:
+    """The digests of the last ``size`` credentials seen, oldest forgotten first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._digests: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, credential: bytes) -> bool:
+        """Remember ``credential``; False when it was seen before."""
+        digest = hashlib.sha256(credential).digest()
+        with self._lock:
+            if digest in self._digests:
+                return False
+            self._digests[digest] = None
+            if len(self._digests) > self.size:
+                self._digests.popitem(last=False)
+            return True
+
+    def forget(self, credential: bytes) -> None:
+        with self._lock:
+            self._digests.pop(hashlib.sha256(credential).digest(), None)
 
 
 def parse_unmunge(text: str) -> Decoded:

@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 
 from slurm_resilience.heartbeat.exchange.wire import MessageError, read_frame
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 
 log = get_logger("heartbeat.exchange")
+# Anyone who can reach the port decides how often these happen.
+_UNREAD_LOG = LogBudget(log, "messages not read", level="info")
+_ACCEPT_LOG = LogBudget(log, "failed accepts", lines=1)
 
 Handler = Callable[[bytes, str], str]
 # accept() failing for lack of resources: pause (doubling up to the maximum), don't spin.
@@ -80,11 +84,11 @@ class Listener:
                 self.stats.paused += 1
                 self.stats.longest_pause_s = max(self.stats.longest_pause_s, pause)
                 if exc.errno in _RESOURCE_ERRORS:
-                    log.warning("exchange: accept: couldn't accept a connection; pausing",
-                                error=exc.strerror, pause_s=pause)
+                    _ACCEPT_LOG.log(exc.errno, "exchange: accept: couldn't accept a "
+                                    "connection; pausing", error=exc.strerror, pause_s=pause)
                 else:
-                    log.warning("exchange: accept: couldn't accept a connection",
-                                error=str(exc))
+                    _ACCEPT_LOG.log(exc.errno, "exchange: accept: couldn't accept a connection",
+                                    error=str(exc))
                 self.stopping.wait(pause)
                 pause = min(pause * 2, MAX_PAUSE_S)
                 continue
@@ -134,7 +138,8 @@ class Listener:
         except (OSError, MessageError) as exc:
             with self.lock:
                 self.stats.failed += 1
-            log.info("exchange: receive: couldn't read a message", peer=peer, error=str(exc))
+            _UNREAD_LOG.log(f"peer {peer}", "exchange: receive: couldn't read a message",
+                            peer=peer, error=user_text(exc))
         finally:
             self._release(conn, peer)
 

@@ -37,6 +37,7 @@ from slurm_resilience.heartbeat.exchange.wire import (
     send_frame,
 )
 from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.slurm.errors import SlurmError
 
 log = get_logger("heartbeat.exchange")
@@ -125,6 +126,7 @@ class NetworkRendezvous:
         self.closing = threading.Event()
         self.sent_bytes = 0
         self.refusals: collections.Counter[str] = collections.Counter()
+        self.refusal_log = LogBudget(log, "refused messages")  # anyone can send us frames
         self.senders: collections.Counter[str] = collections.Counter()  # accepted, by sender
         self.listener: Listener | None = None
         if listen:
@@ -380,7 +382,8 @@ class NetworkRendezvous:
     def _refuse(self, why: str, peer: str) -> str:
         with self.lock:
             self.refusals[why.split(":")[0]] += 1
-        log.warning("exchange: receive: refused a message", peer=peer, reason=why)
+        self.refusal_log.log(f"peer {peer}", "exchange: receive: refused a message", peer=peer,
+                             reason=user_text(why))
         return f"refused: {why}"
 
     def _receive(self, frame: bytes, peer: str) -> str:
