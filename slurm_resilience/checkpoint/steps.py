@@ -58,14 +58,16 @@ def prolog(ctx: HookContext, *, clock: Callable[[], float] = time.monotonic,
     return []
 
 
+# metrics.events.CKPT_AGENT, named here: checkpoint sits below metrics.
+CKPT_AGENT_UNREACHABLE = "ckpt_agent_unreachable"
+
+
 def _agent_unreachable(ctx: HookContext, hook: str, error: str) -> None:
     """The operator's event and count: this node's agent did not answer a hook."""
-    from slurm_resilience.metrics import events
-
     log.error("checkpoint: couldn't reach the node agent; the job's checkpoints on this node "
               "get no stage-in and are not uploaded to S3", hook=hook, error=error,
               job_id=ctx.job_id, node=ctx.node, waited_limit_s=ctx.cfg.agent.request_timeout_s)
-    events.count(events.path_for(ctx.cfg.node.state_dir, ctx.node), events.CKPT_AGENT, hook)
+    ctx.count_event(CKPT_AGENT_UNREACHABLE, hook)
 
 
 def epilog(ctx: HookContext) -> list[Problem]:

@@ -126,6 +126,13 @@ class HookContext:
             self._adapter.events_path = events.path_for(self.cfg.node.state_dir, self.node)
         return self._adapter
 
+    def count_event(self, kind: str, cause: str) -> None:
+        """Count an event of this node in its metrics (metrics.events), for steps of parts
+        that sit below metrics (checkpoint): they say what happened, hooks count it."""
+        from slurm_resilience.metrics import events
+
+        events.count(events.path_for(self.cfg.node.state_dir, self.node), kind, cause)
+
     @classmethod
     def from_env(cls, kind: HookKind, cfg: Config, env: Mapping[str, str] | None = None,
                  node: str = "", hook_pid: int | None = None) -> HookContext:

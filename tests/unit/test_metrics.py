@@ -438,3 +438,11 @@ def test_an_unreachable_checkpoint_agent_shows_in_the_metrics(tmp_path: Path) ->
     assert got[(P + "checkpoint_agent_unreachable_total", (("hook", "prolog"),))] == 1
     assert got[(P + "checkpoint_agent_unreachable_total", (("hook", "epilog"),))] == 1
     assert got[(P + "checkpoint_unreachable_agent_nodes", (("job_id", "42"),))] == 2
+
+
+def test_the_checkpoint_hooks_count_the_event_kind_metrics_knows() -> None:
+    """checkpoint.steps names metrics' CKPT_AGENT without importing metrics (no cycle)."""
+    from slurm_resilience.checkpoint import steps
+    from slurm_resilience.metrics import events
+
+    assert steps.CKPT_AGENT_UNREACHABLE == events.CKPT_AGENT
