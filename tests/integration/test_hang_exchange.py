@@ -109,9 +109,12 @@ body = {"v": 1, "kind": "pieces", "job": 999999, "run": 0, "from": other, "to": 
 cred = subprocess.run(["munge", f"--socket={munge_socket}"], input=json.dumps(body).encode(),
                       capture_output=True, check=True).stdout.strip()
 def send(frame):
-    with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
-        s.sendall(struct.pack(">I", len(frame)) + frame)
-        return s.makefile("rb").readline().decode().strip()
+    try:
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+            s.sendall(struct.pack(">I", len(frame)) + frame)
+            return s.makefile("rb").readline().decode().strip() or "(closed unread)"
+    except OSError as exc:
+        return f"(closed unread: {exc})"
 print("forged:", send(cred))
 print("replayed:", send(open(stolen, "rb").read()))
 """
@@ -119,8 +122,9 @@ print("replayed:", send(open(stolen, "rb").read()))
 
 def test_user_cannot_forge_or_replay_exchange_messages(
         sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """A user's own munge credential is refused by node1's agent (not uid 0), and an agent's
-    credential replayed by the user is refused by munge."""
+    """Root's message from a port below 1024 is accepted; a user's, from the only ports a
+    user may bind, is closed unread, whether it carries the user's own munge credential or
+    an agent's replayed (munge's own refusals are shown in tests/unit/test_exchange.py)."""
     _network_mode(sandbox)
     batch, other = sandbox.nodes[0], sandbox.nodes[1]
     port = sandbox.layout.agent_port(1)
@@ -132,7 +136,13 @@ def test_user_cannot_forge_or_replay_exchange_messages(
     stolen.chmod(0o644)
     probe = sandbox.run(["python3", "-c", "import socket,struct,sys\n"
                          "f=open(sys.argv[2],'rb').read()\n"
-                         "s=socket.create_connection(('127.0.0.1',int(sys.argv[1])))\n"
+                         "for p in range(1023,511,-1):\n"  # as an agent: a port below 1024
+                         "    s=socket.socket()\n"
+                         "    try:\n"
+                         "        s.bind(('127.0.0.1',p)); break\n"
+                         "    except OSError:\n"
+                         "        s.close()\n"
+                         "s.connect(('127.0.0.1',int(sys.argv[1])))\n"
                          "s.sendall(struct.pack('>I',len(f))+f)\n"
                          "print(s.makefile('rb').readline().decode().strip())",
                          str(port), str(stolen)], timeout=30).stdout
@@ -140,5 +150,5 @@ def test_user_cannot_forge_or_replay_exchange_messages(
     out = sandbox.run(["/usr/bin/python3", "-c", FORGER, str(sandbox.layout.munge_socket),
                        str(port), batch, other, str(stolen)], user=test_users[1],
                       timeout=60).stdout
-    assert re.search(r"forged: refused: credential of uid \d+, not an agent's", out), out
-    assert "replayed: refused: munge refused the credential" in out, out
+    assert "forged: (closed unread" in out, out
+    assert "replayed: (closed unread" in out, out
