@@ -7,11 +7,14 @@ scrape was answered. Here an asyncio loop reads each request head within one dea
 the whole of it (``request_timeout_s``, however it trickles) and only a complete request
 goes to a worker, which runs the WSGI app (the Prometheus registry, the agents' questions,
 see :mod:`slurm_resilience.queries`); the loop writes the answer within
-``write_timeout_s``. At ``max_connections`` a new connection evicts the oldest one still
-sending its request (or still taking its answer) of the peer holding the most such
-connections, so a scraper that sends its request at once is read however many idle
-connections others keep open. One peer has at most ``MAX_ANSWERING_PER_PEER`` requests
-with the workers; more are answered 503 at once.
+``write_timeout_s``. At ``max_connections`` a new connection evicts one still sending its
+request (or still taking its answer): of the peer address holding the most such
+connections, the oldest, preferring one that had ``EVICT_AFTER_S`` to send (a burst of
+new connections should not evict one accepted with them before its request was read).
+So a scraper on another address is never evicted by others' connections, and one on the
+same address only by a burst of ``max_connections`` in the moment before its request is
+read. One peer has at most ``MAX_ANSWERING_PER_PEER`` requests with the workers; more are
+answered 503 at once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ REQUEST_TIMEOUT_S = 5.0  # for the whole request head, not for each read
 WRITE_TIMEOUT_S = 10.0  # for the whole answer
 WORKERS = 4
 MAX_ANSWERING_PER_PEER = 2
+EVICT_AFTER_S = 0.05  # a younger connection's request may be on its way: evict older first
 MAX_HEAD_BYTES = 16 << 10  # a munge credential in a header is at most 4 KiB
 MAX_HEADERS = 64
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,64}$")
@@ -73,6 +77,7 @@ class HttpStats:
 class _Conn:
     peer: str
     writer: asyncio.StreamWriter
+    since: float
     stage: Stage = Stage.READING
     evicted: bool = False
 
@@ -234,8 +239,10 @@ class MetricsServer:
                 self.stats.refused += 1
                 return False
             most = held.most_common(1)[0][0]
-            key, victim = next((k, c) for k, c in self.open.items()
-                               if c.peer == most and c.stage is not Stage.ANSWERING)
+            mine = [(k, c) for k, c in self.open.items()
+                    if c.peer == most and c.stage is not Stage.ANSWERING]
+            old = conn.since - EVICT_AFTER_S
+            key, victim = next(((k, c) for k, c in mine if c.since <= old), mine[0])
             del self.open[key]
             victim.evicted = True
             self.stats.evicted += 1
@@ -247,7 +254,7 @@ class MetricsServer:
     async def _client(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
-        conn = _Conn(str(peername[0]) if peername else "?", writer)
+        conn = _Conn(str(peername[0]) if peername else "?", writer, self.loop.time())
         if not self._admit(conn):
             writer.transport.abort()
             return

@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
+from http import client as http_client
 
 import pytest
 from conftest import PYTHON_SYS, as_user
@@ -29,10 +29,17 @@ def server() -> Iterator[http.MetricsServer]:
     srv.server_close()
 
 
-def _scrape(srv: http.MetricsServer) -> str:
-    url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return str(resp.read().decode())
+def _scrape(srv: http.MetricsServer, source: str = "127.0.0.1") -> str:
+    """GET /metrics from ``source`` (127.0.0.2: as a Prometheus on another host would)."""
+    conn = http_client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30,
+                                      source_address=(source, 0))
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return resp.read().decode()
+    finally:
+        conn.close()
 
 
 def _until(check: object, what: str) -> None:
@@ -132,7 +139,8 @@ print(total, flush=True)
 def test_scrapes_are_answered_while_a_user_trickles_many_requests(
         server: http.MetricsServer, test_users: tuple[str, ...]) -> None:
     """An unprivileged user keeps twice the endpoint's cap of requests trickling in,
-    reopened as they are cut: five scrapes in a row are all answered meanwhile."""
+    reopened as they are cut: five scrapes in a row from another address are all
+    answered meanwhile (the user's own connections are the ones evicted)."""
     port = server.server_address[1]
     attacker = subprocess.Popen([PYTHON_SYS, "-c", TRICKLER, str(port), "8"],
                                 **as_user(test_users[0]), stdin=subprocess.PIPE,
@@ -141,7 +149,8 @@ def test_scrapes_are_answered_while_a_user_trickles_many_requests(
         assert attacker.stdout is not None
         assert attacker.stdout.readline().strip() == "trickling"
         _until(lambda: server.stats.evicted >= 4, "the flood filled the endpoint")
-        answered = [("slurm_resilience_agent_info" in _scrape(server)) for _ in range(5)]
+        answered = [("slurm_resilience_agent_info" in _scrape(server, "127.0.0.2"))
+                    for _ in range(5)]
         assert answered == [True] * 5
     finally:
         assert attacker.stdin is not None
