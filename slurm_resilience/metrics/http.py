@@ -47,6 +47,10 @@ MAX_ANSWERING_PER_PEER = 2
 EVICT_AFTER_S = 0.05  # a younger connection's request may be on its way: evict older first
 MAX_HEAD_BYTES = 16 << 10  # a munge credential in a header is at most 4 KiB
 MAX_HEADERS = 64
+# Connections waiting for accept(): a deep queue, so a flood of connects doesn't make a
+# scraper's SYN wait for a retransmit (1 s); but few accepted in one go.
+BACKLOG = 512
+ACCEPT_BATCH = 16
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,64}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 
@@ -181,7 +185,7 @@ class MetricsServer:
                  request_timeout_s: float = REQUEST_TIMEOUT_S,
                  write_timeout_s: float = WRITE_TIMEOUT_S, workers: int = WORKERS):
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        self.sock = socket.create_server((addr, port), family=family, backlog=128)
+        self.sock = socket.create_server((addr, port), family=family, backlog=BACKLOG)
         self.server_address: tuple[str, int] = self.sock.getsockname()[:2]
         self.app = app
         self.max_connections = max_connections
@@ -206,17 +210,27 @@ class MetricsServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        # asyncio accepts up to ``backlog`` connections in one go, then listen()s with it:
+        # a small batch (so a burst is admitted in steps, with reads between), then the
+        # deep queue again.
         server = self.loop.run_until_complete(asyncio.start_server(
-            self._client, sock=self.sock, limit=MAX_HEAD_BYTES))
+            self._client, sock=self.sock, limit=MAX_HEAD_BYTES, backlog=ACCEPT_BATCH))
+        self.sock.listen(BACKLOG)
         self._ready.set()
         try:
             self.loop.run_forever()
         finally:
             server.close()
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            # Connections accepted just before the stop start their tasks late: cancel in
+            # rounds until none is left; what they raise on the way out is of no interest.
+            self.loop.set_exception_handler(lambda loop, context: None)
+            for _ in range(10):
+                tasks = asyncio.all_tasks(self.loop)
+                if not tasks:
+                    break
+                for task in tasks:
+                    task.cancel()
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self.loop.close()
 
     def shutdown(self) -> None:

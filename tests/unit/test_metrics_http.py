@@ -89,8 +89,8 @@ def test_a_request_trickled_line_by_line_is_cut_at_its_deadline(
 
 def test_requests_the_endpoint_does_not_serve_get_an_answer_not_a_hang(
         server: http.MetricsServer) -> None:
-    """A POST, a request with a body and a line that is not HTTP are answered 405, 413 and
-    400 at once, by the server itself."""
+    """A POST, a request with a body, a line that is not HTTP and a head over the limit are
+    answered 405, 413, 400 and 431 at once, by the server itself."""
     port = server.server_address[1]
 
     def ask(raw: bytes) -> bytes:
@@ -102,7 +102,9 @@ def test_requests_the_endpoint_does_not_serve_get_an_answer_not_a_hang(
     assert ask(b"GET /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello").startswith(
         b"HTTP/1.1 413 ")
     assert ask(b"hello there\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert server.stats.bad == 3
+    huge = b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (http.MAX_HEAD_BYTES + 1)
+    assert ask(huge).startswith(b"HTTP/1.1 431 ")
+    assert server.stats.bad == 4
 
 
 # Keeps N connections sending one header line every 0.3 s (the attack: each read comes
