@@ -44,6 +44,7 @@ REQUEST_TIMEOUT_S = 5.0  # for the whole request head, not for each read
 WRITE_TIMEOUT_S = 10.0  # for the whole answer
 WORKERS = 4
 MAX_ANSWERING_PER_PEER = 2
+SUMMARY_EVERY_S = 60.0  # at most one log line a minute about cut or refused connections
 EVICT_AFTER_S = 0.05  # a younger connection's request may be on its way: evict older first
 MAX_HEAD_BYTES = 16 << 10  # a munge credential in a header is at most 4 KiB
 MAX_HEADERS = 64
@@ -198,6 +199,8 @@ class MetricsServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
         self._ready = threading.Event()
+        self._next_summary = 0.0
+        self._summarised: dict[str, int] = {}
 
     def start(self) -> MetricsServer:
         self.thread.start()
@@ -244,13 +247,27 @@ class MetricsServer:
 
     # -- on the loop's thread --------------------------------------------------------------
 
+    def _count(self, what: str) -> None:
+        """Count a connection cut or refused; log at once, then at most a line a minute
+        with the counts since (no line per connection: any user can make these)."""
+        setattr(self.stats, what, getattr(self.stats, what) + 1)
+        now = self.loop.time()
+        if now < self._next_summary:
+            return
+        self._next_summary = now + SUMMARY_EVERY_S
+        counts = {k: getattr(self.stats, k) for k in ("evicted", "timed_out", "refused", "bad")}
+        since = {k: v - self._summarised.get(k, 0) for k, v in counts.items()}
+        self._summarised = counts
+        log.warning("metrics: http: cut or refused connections (slow, idle or malformed "
+                    "clients) since the last such line", **since)
+
     def _admit(self, conn: _Conn) -> bool:
         """Take a slot, evicting if need be; False when every slot is with the workers."""
         if len(self.open) >= self.max_connections:
             held: Counter[str] = Counter(c.peer for c in self.open.values()
                                          if c.stage is not Stage.ANSWERING)
             if not held:
-                self.stats.refused += 1
+                self._count("refused")
                 return False
             most = held.most_common(1)[0][0]
             mine = [(k, c) for k, c in self.open.items()
@@ -259,7 +276,7 @@ class MetricsServer:
             key, victim = next(((k, c) for k, c in mine if c.since <= old), mine[0])
             del self.open[key]
             victim.evicted = True
-            self.stats.evicted += 1
+            self._count("evicted")
             victim.writer.transport.abort()
         self.open[id(conn)] = conn
         self.stats.peak_open = max(self.stats.peak_open, len(self.open))
@@ -284,7 +301,7 @@ class MetricsServer:
             self.stats.served += 1
             served = True
         except asyncio.TimeoutError:
-            self.stats.timed_out += 1
+            self._count("timed_out")
         except (ConnectionError, OSError):
             pass  # the client went, or was evicted
         finally:
@@ -300,21 +317,21 @@ class MetricsServer:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
                                           self.request_timeout_s)
         except asyncio.TimeoutError:
-            self.stats.timed_out += 1
+            self._count("timed_out")
             return None
         except asyncio.IncompleteReadError:
             return None  # closed before a whole request (or evicted)
         except asyncio.LimitOverrunError:
-            self.stats.bad += 1
+            self._count("bad")
             return _plain("431 Request Header Fields Too Large",
                           f"request head over {MAX_HEAD_BYTES} bytes")
         try:
             environ = parse_head(head, conn.peer, self.server_address)
         except _Bad as exc:
-            self.stats.bad += 1
+            self._count("bad")
             return _plain(exc.status, str(exc))
         if self.answering[conn.peer] >= MAX_ANSWERING_PER_PEER:
-            self.stats.bad += 1
+            self._count("bad")
             return _plain("503 Service Unavailable",
                           f"busy: {MAX_ANSWERING_PER_PEER} requests of {conn.peer} are "
                           "being answered")

@@ -4,6 +4,7 @@ forged, replayed or misaddressed messages, and users' own credentials, are refus
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pwd
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON_SYS, REPO, as_user
 
+from slurm_resilience import log
 from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
 from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
@@ -304,16 +306,18 @@ print(total, flush=True)
 
 
 def test_a_user_holding_connections_cant_keep_an_agents_message_out(
-        munge_socket: str, test_users: tuple[str, ...]) -> None:
+        munge_socket: str, test_users: tuple[str, ...], tmp_path: Path) -> None:
     """An unprivileged user keeps twice the listener's cap of idle connections open,
     reopened as they are cut: each is closed at once, unread (a source port above 1023),
-    and an agent's message, sent from a port below 1024, is delivered."""
+    and an agent's message, sent from a port below 1024, is delivered; the log has one
+    line about the user's connections, not one each."""
     nodes = ["b", "c1"]
     cfg = _cfg(nodes, max_connections=4, max_connections_per_peer=4, io_timeout_s=1.0,
                send_timeout_s=3.0)
     agents = _agents(cfg, nodes, munge_socket)
     b = agents["b"]
     assert b.listener is not None
+    log.configure(mode="json", level="info", file=str(tmp_path / "ev.jsonl"))
     holder = subprocess.Popen([PYTHON_SYS, "-c", HOLDER, str(cfg.port_of("b")), "8"],
                               **as_user(test_users[0]), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"})
@@ -323,16 +327,20 @@ def test_a_user_holding_connections_cant_keep_an_agents_message_out(
         while b.listener.stats.refused_port < 8:
             assert time.monotonic() < deadline  # the listener has seen the flood
             time.sleep(0.02)
+        log.reset()
         agents["c1"].publish(11, 0, "b", nodes, _piece("c1"))
         assert b.gather(11, 0, nodes, time.monotonic() + 5) == {"c1": _piece("c1")}
         assert b.senders == {"c1": 1} and b.listener.stats.failed == 0
         assert b.listener.stats.refused_cap == b.listener.stats.refused_peer_cap == 0
     finally:
+        log.reset()
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(60)
         for a in agents.values():
             a.close()
+    said = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [e["count"] for e in said if "source ports above 1023" in e["event"]] == [1]
 
 
 def test_privileged_connect_explains_a_port_it_may_not_bind(

@@ -3,16 +3,19 @@ many, don't keep a scrape from being answered, and each request has one deadline
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from http import client as http_client
+from pathlib import Path
 
 import pytest
 from conftest import PYTHON_SYS, as_user
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from slurm_resilience import log
 from slurm_resilience.metrics import http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 
@@ -50,21 +53,27 @@ def _until(check: object, what: str) -> None:
 
 
 def test_idle_connections_past_the_cap_are_evicted_and_a_scrape_is_answered(
-        server: http.MetricsServer) -> None:
+        server: http.MetricsServer, tmp_path: Path) -> None:
     """Eight idle connections on a 4-connection endpoint: each new one evicts the oldest
-    that is still sending, so the first four are closed and a scrape is answered."""
+    that is still sending, so the first four are closed and a scrape is answered; the log
+    has one line about it, not one per connection."""
     port = server.server_address[1]
+    log.configure(mode="json", level="info", file=str(tmp_path / "ev.jsonl"))
     held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(8)]
     try:
         _until(lambda: server.stats.evicted == 4, "the loop admitted all eight")
+        log.reset()
         for s in held[:4]:
             assert s.recv(1) == b""  # closed, unanswered
         assert "slurm_resilience_agent_info" in _scrape(server)
         assert server.stats.evicted == 5 and server.stats.served == 1
         assert server.stats.peak_open == 4
     finally:
+        log.reset()
         for s in held:
             s.close()
+    said = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [e["evicted"] for e in said if e["event"].startswith("metrics: http: cut")] == [1]
 
 
 def test_a_request_trickled_line_by_line_is_cut_at_its_deadline(

@@ -30,6 +30,7 @@ Handler = Callable[[bytes, str], str]
 _RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 PAUSE_S, MAX_PAUSE_S = 0.05, 1.0
 MAX_REPLY = 200
+SUMMARY_EVERY_S = 60.0
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Listener:
         self.io_timeout_s = io_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.privileged_only = privileged_only
+        self._next_summary = 0.0
+        self._summarised = 0
         self.stats = ListenerStats()
         self.lock = threading.Lock()
         self.open = 0
@@ -101,6 +104,7 @@ class Listener:
                 if self.privileged_only and int(addr[1]) >= 1024:
                     self.stats.refused_port += 1
                     refused = True
+                    self._summarise_ports(peer)
                 elif self.open >= self.max_connections:
                     self.stats.refused_cap += 1
                     refused = True
@@ -123,6 +127,18 @@ class Listener:
                 log.warning("exchange: accept: couldn't start a connection thread",
                             error=str(exc))
                 self._release(conn, peer)
+
+    def _summarise_ports(self, peer: str) -> None:
+        """Log the first connection from an unprivileged port, then at most a line a
+        minute with the count since (any user can make these: no line per connection)."""
+        now = time.monotonic()
+        if now < self._next_summary:
+            return
+        self._next_summary = now + SUMMARY_EVERY_S
+        log.warning("exchange: accept: closed connections from source ports above 1023 "
+                    "(not an agent), unread", count=self.stats.refused_port - self._summarised,
+                    last_peer=peer)
+        self._summarised = self.stats.refused_port
 
     def _release(self, conn: socket.socket, peer: str) -> None:
         conn.close()
