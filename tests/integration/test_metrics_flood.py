@@ -1,5 +1,6 @@
-"""The agent's /metrics endpoint on real loopback sockets: slow or idle clients, however
-many, don't keep a scrape from being answered, and each request has one deadline."""
+"""The agent's /metrics endpoint under floods, on real loopback sockets: slow or idle
+clients, however many, don't keep a scrape from being answered, and each request has one
+deadline (for the whole request, not for each read)."""
 
 from __future__ import annotations
 
