@@ -52,7 +52,8 @@ class Agent:
         self.server = AgentServer(node_path(a.socket, ctx.node), max_bytes=a.max_request_bytes,
                                   io_timeout=a.request_timeout_s,
                                   max_connections=a.max_connections,
-                                  max_per_uid=a.max_connections_per_uid)
+                                  max_per_uid=a.max_connections_per_uid,
+                                  newcomer_reserve=a.newcomer_reserve)
         for svc in services:
             for op, handler in svc.handlers().items():
                 self.server.route(op, handler)

@@ -7,8 +7,10 @@ Everything a local user can grow is bounded: connections in total and per uid (a
 connection over a cap is answered "busy" and closed at once, without a thread), the
 time to send one request and to take its answer (a deadline per connection, not per
 read), and the request's size. Root (the hooks) has a few slots of its own, so a
-user's flood can't shut out a prolog. At fd exhaustion the accept loop backs off
-instead of spinning, and the clients already in are served.
+user's flood can't shut out a prolog, and the last ``newcomer_reserve`` slots go only to
+users who have no connection open, so a few users' floods can't shut out another. At fd
+exhaustion the accept loop backs off instead of spinning, and the clients already in are
+served.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 1.0
 ROOT_RESERVE = 8  # connections only uid 0 (the hooks) may use once the others are taken
+NEWCOMER_RESERVE = 16  # of max_connections, only for a uid with none open
 _WARN_EVERY_S = 60.0  # one warning per kind of refusal and uid per minute: no log flood
 _REFUSED_PER_MINUTE = 10  # lines per uid a minute for refused requests, then a summary
 
@@ -72,7 +75,8 @@ class AgentServer:
 
     def __init__(self, path: str, *, max_bytes: int = 65536, io_timeout: float = 30.0,
                  max_connections: int = 128, max_per_uid: int = 32,
-                 root_reserve: int = ROOT_RESERVE, backlog: int = 256,
+                 root_reserve: int = ROOT_RESERVE, newcomer_reserve: int = NEWCOMER_RESERVE,
+                 backlog: int = 256,
                  clock: Callable[[], float] = time.monotonic):
         self.path = path
         self.max_bytes = max_bytes
@@ -80,6 +84,7 @@ class AgentServer:
         self.max_connections = max_connections
         self.max_per_uid = max_per_uid
         self.root_reserve = root_reserve
+        self.newcomer_reserve = max(0, min(newcomer_reserve, max_connections - 1))
         self.clock = clock
         self.routes: dict[str, Handler] = {}
         self.routes_lock = threading.Lock()
@@ -200,7 +205,16 @@ class AgentServer:
             total = sum(self._open.values())
             if uid != 0 and self._open[uid] >= self.max_per_uid:
                 return f"{self._open[uid]} connections from uid {uid} (cap {self.max_per_uid})"
-            cap = self.max_connections + (self.root_reserve if uid == 0 else 0)
+            if uid == 0:
+                cap = self.max_connections + self.root_reserve
+            elif self._open[uid]:  # the reserve is for users with nothing open
+                cap = self.max_connections - self.newcomer_reserve
+                if total >= cap:
+                    return (f"{total} connections in all, {self._open[uid]} of them uid "
+                            f"{uid}'s (cap {cap}; {self.newcomer_reserve} more are kept for "
+                            "users with none open)")
+            else:
+                cap = self.max_connections
             if total >= cap:
                 return f"{total} connections in all (cap {cap})"
             self._open[uid] += 1

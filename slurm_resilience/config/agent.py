@@ -31,3 +31,13 @@ class AgentSection:
         32, min=1, max=1024,
         help="connections one non-root uid may have open at once (a job's ranks, its CLI)",
     )
+    newcomer_reserve: int = setting(
+        16, min=0, max=4096,
+        help="of max_connections, connections kept for users who have none open: a user "
+             "with one open can't take these, so a few users' floods can't shut out another",
+    )
+
+    def validate(self) -> None:
+        if self.newcomer_reserve >= self.max_connections:
+            raise ValueError(f"newcomer_reserve={self.newcomer_reserve} must be below "
+                             f"max_connections={self.max_connections}")

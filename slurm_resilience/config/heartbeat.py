@@ -59,7 +59,14 @@ class ExchangeSection:
     max_connections_per_peer: int = setting(
         8, min=1, max=4096, help="connections from one address served at once")
     io_timeout_s: float = setting(
-        5.0, min=0.1, max=120, help="deadline of one connection: connect, send, receive, answer")
+        5.0, min=0.1, max=120,
+        help="deadline of one connection, for the whole of it (connect, send, receive, "
+             "answer), not for each read")
+    privileged_ports: bool = setting(
+        True,
+        help="agents send from a source port below 1024 (only root may bind one) and the "
+             "listener closes a connection from any other port at once, unread, so no user "
+             "can hold its slots; agents not run as root need CAP_NET_BIND_SERVICE")
     max_message_bytes: ByteSize = setting(
         ByteSize(768 << 10),
         help="largest message (munge credential) sent or accepted; several pieces are "

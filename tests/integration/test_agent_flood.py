@@ -116,3 +116,40 @@ def test_a_flooders_slots_come_back_when_it_goes(agent: AgentServer,
     ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], **as_user(flooder),
                          capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(ask.stdout)["ok"]
+
+
+def test_users_with_connections_open_leave_the_newcomer_reserve_free(
+        test_users: tuple[str, ...]) -> None:
+    """When users' floods hold every slot they may (here one user allowed the whole total,
+    as four users of 32 fill 128), a user with no connection open and root are still
+    answered: the last slots are kept for them."""
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip(f"{SYSTEM_PYTHON} missing")
+    flooder, other = test_users
+    base = Path(tempfile.mkdtemp(prefix="sr-flood-", dir="/tmp"))
+    base.chmod(0o755)
+    srv = AgentServer(str(base / "run" / "agent.sock"), io_timeout=120, max_per_uid=TOTAL,
+                      max_connections=TOTAL, newcomer_reserve=4, root_reserve=0)
+    srv.route("whoami", lambda req, peer: {"uid": peer.uid})
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    flood = subprocess.Popen([SYSTEM_PYTHON, "-c", FLOOD, srv.path, str(TOTAL + 8)],
+                             **as_user(flooder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert flood.stdout is not None and int(flood.stdout.readline()) > 0
+        done = threading.Event()
+        for _ in range(3000):  # the accept loop admits or refuses the whole flood
+            if srv.stats.admitted + srv.stats.busy >= TOTAL + 8:
+                break
+            done.wait(0.01)
+        assert srv.connections() == TOTAL - 4 and srv.stats.busy == 12
+        ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, srv.path], **as_user(other),
+                             capture_output=True, text=True, timeout=60, check=True)
+        assert json.loads(ask.stdout) == {"ok": True, "uid": pwd.getpwnam(other).pw_uid}
+        assert client.call(srv.path, "whoami", timeout=30) == {"ok": True, "uid": 0}
+    finally:
+        flood.kill()
+        flood.wait()
+        srv.shutdown()
+        srv.server_close()
+        shutil.rmtree(base, ignore_errors=True)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import PYTHON_SYS, as_user
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.sandbox import control, faults
@@ -98,3 +99,52 @@ def cluster_view(box: Sandbox) -> dict[str, Any]:
     assert out.returncode in (0, 1), out.stderr
     view: dict[str, Any] = json.loads(out.stdout)
     return view
+
+
+# Keeps N connections to each port trickling a request, one header line every 2 s (each
+# read well within any per-read timeout), reopening each as it is cut, until stdin closes
+# (at most 120 s); prints "trickling" once all are open.
+TRICKLER = """
+import select, socket, sys, time
+ports, n = [int(p) for p in sys.argv[1].split(",")], int(sys.argv[2])
+def opened(port):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /metrics HTTP/1.1\\r\\n")
+    except OSError:
+        pass
+    return s
+conns = [(p, opened(p)) for p in ports for _ in range(n)]
+print("trickling", flush=True)
+end = time.monotonic() + 120
+while time.monotonic() < end and not select.select([sys.stdin], [], [], 2)[0]:
+    for i, (p, s) in enumerate(conns):
+        try:
+            s.sendall(b"X-Slow: 1\\r\\n")
+        except OSError:
+            s.close()
+            conns[i] = (p, opened(p))
+"""
+
+
+def test_status_answers_while_a_user_trickles_requests_at_every_agent(
+        box: Sandbox, test_users: tuple[str, ...]) -> None:
+    """An unprivileged user keeps 16 requests trickling in at each agent's /metrics (twice
+    what once held every endpoint): `status --cluster` still hears from every agent."""
+    ports = ",".join(str(box.layout.metrics_port(i)) for i in range(1, len(box.nodes) + 1))
+    for i in range(1, len(box.nodes) + 1):
+        scrape(box.layout.metrics_url(i))  # every agent listens
+    attacker = subprocess.Popen([PYTHON_SYS, "-c", TRICKLER, ports, "16"],
+                                **as_user(test_users[0]), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"})
+    try:
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline().strip() == "trickling"
+        view = cluster_view(box)
+        assert (view["agents_scraped"], view["agents_total"]) == (len(box.nodes),) * 2, view
+    finally:
+        assert attacker.stdin is not None
+        attacker.stdin.close()
+        attacker.wait(60)

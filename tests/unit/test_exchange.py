@@ -4,6 +4,7 @@ forged, replayed or misaddressed messages, and users' own credentials, are refus
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pwd
 import shutil
@@ -15,13 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import as_user
+from conftest import PYTHON_SYS, REPO, as_user
 
+from slurm_resilience import log
 from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
 from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
 from slurm_resilience.heartbeat.exchange.tree import Tree
-from slurm_resilience.heartbeat.exchange.wire import LENGTH, Kind, Message
+from slurm_resilience.heartbeat.exchange.wire import LENGTH, Kind, Message, connect
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 
@@ -62,7 +64,8 @@ def _piece(node: str) -> bytes:
 
 
 def _send_raw(port: int, frame: bytes) -> str:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    """Send one frame as an agent does: from a source port below 1024 (this test is root)."""
+    with connect(("127.0.0.1", port), time.monotonic() + 5, privileged=True) as s:
         s.sendall(LENGTH.pack(len(frame)) + frame)
         return s.makefile("rb").readline().decode().strip()
 
@@ -143,9 +146,10 @@ print("unmunge:", r.returncode, r.stderr.decode().strip())
 def test_user_forged_and_replayed_messages_are_refused(
         munge_socket: str, test_users: tuple[str, ...], tmp_path: Path) -> None:
     """An unprivileged user's own munge credential is refused (wrong uid); an agent's
-    credential replayed by the user is refused by munged, and the user can't even read it."""
+    credential replayed by the user is refused by munged, and the user can't even read it
+    (with privileged_ports off, so the user's messages are read at all)."""
     nodes = ["b", "c1"]
-    cfg = _cfg(nodes)
+    cfg = _cfg(nodes, privileged_ports=False)
     b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket))
     creds = MungeCredentials(socket=munge_socket)
     try:
@@ -240,7 +244,7 @@ def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> N
     """Connections past the per-peer cap are closed unread, an oversized frame is refused,
     and idle connections are cut at their deadline, so the listener is free again."""
     cfg = _cfg(["b"], max_connections_per_peer=2, io_timeout_s=0.5,
-               max_message_bytes=64 << 10, max_piece_bytes=16 << 10)
+               max_message_bytes=64 << 10, max_piece_bytes=16 << 10, privileged_ports=False)
     b = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(socket=munge_socket))
     assert b.listener is not None
     port = cfg.port_of("b")
@@ -261,6 +265,99 @@ def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> N
         for s in idle:
             s.close()
         b.close()
+
+
+# Holds N idle connections to the listener, reopening each as it is cut, for up to
+# 30 s or until stdin closes; prints "holding" once the first N are open, then how many
+# connections it opened in all.
+HOLDER = """
+import select, socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+def opened():
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        pass
+    return s
+held = [opened() for _ in range(n)]
+total = n
+print("holding", flush=True)
+end = time.monotonic() + 30
+while time.monotonic() < end:
+    if select.select([sys.stdin], [], [], 0)[0]:
+        break
+    for i, s in enumerate(held):
+        try:
+            s.setblocking(False)
+            gone = s.recv(1) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            s.close()
+            held[i] = opened()
+            total += 1
+    time.sleep(0.01)
+print(total, flush=True)
+"""
+
+
+def test_a_user_holding_connections_cant_keep_an_agents_message_out(
+        munge_socket: str, test_users: tuple[str, ...], tmp_path: Path) -> None:
+    """An unprivileged user keeps twice the listener's cap of idle connections open,
+    reopened as they are cut: each is closed at once, unread (a source port above 1023),
+    and an agent's message, sent from a port below 1024, is delivered; the log has one
+    line about the user's connections, not one each."""
+    nodes = ["b", "c1"]
+    cfg = _cfg(nodes, max_connections=4, max_connections_per_peer=4, io_timeout_s=1.0,
+               send_timeout_s=3.0)
+    agents = _agents(cfg, nodes, munge_socket)
+    b = agents["b"]
+    assert b.listener is not None
+    log.configure(mode="json", level="info", file=str(tmp_path / "ev.jsonl"))
+    holder = subprocess.Popen([PYTHON_SYS, "-c", HOLDER, str(cfg.port_of("b")), "8"],
+                              **as_user(test_users[0]), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        deadline = time.monotonic() + 30
+        while b.listener.stats.refused_port < 8:
+            assert time.monotonic() < deadline  # the listener has seen the flood
+            time.sleep(0.02)
+        log.reset()
+        agents["c1"].publish(11, 0, "b", nodes, _piece("c1"))
+        assert b.gather(11, 0, nodes, time.monotonic() + 5) == {"c1": _piece("c1")}
+        assert b.senders == {"c1": 1} and b.listener.stats.failed == 0
+        assert b.listener.stats.refused_cap == b.listener.stats.refused_peer_cap == 0
+    finally:
+        log.reset()
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+        for a in agents.values():
+            a.close()
+    said = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [e["count"] for e in said if "source ports above 1023" in e["event"]] == [1]
+
+
+def test_privileged_connect_explains_a_port_it_may_not_bind(
+        test_users: tuple[str, ...]) -> None:
+    """An agent not allowed a port below 1024 fails with a message that says what to do,
+    not with a bare permission error."""
+    probe = ("import sys, time\n"
+             "from slurm_resilience.heartbeat.exchange.wire import connect\n"
+             "try:\n"
+             "    connect(('127.0.0.1', 9), time.monotonic() + 5, privileged=True)\n"
+             "except OSError as exc:\n"
+             "    print(exc)\n")
+    out = subprocess.run([PYTHON_SYS, "-c", probe], **as_user(test_users[0]),
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert "couldn't bind a source port below 1024" in out.stdout, out.stderr
+    assert "privileged_ports: false" in out.stdout
 
 
 class ScontrolNodes:

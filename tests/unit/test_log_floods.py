@@ -12,6 +12,7 @@ import struct
 import subprocess
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,10 @@ def test_a_replayed_credential_is_decoded_once_and_logged_a_bounded_number_of_ti
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         ports = {"b": s.getsockname()[1]}
+    # privileged_ports off: the user's replays reach the credential check (with it on they
+    # are closed unread, test_exchange).
     cfg = ExchangeSection(bind="127.0.0.1", ports=ports, addresses={"b": "127.0.0.1"},
-                          io_timeout_s=5.0)
+                          io_timeout_s=5.0, privileged_ports=False)
     stats = Stats()
     agent = NetworkRendezvous(cfg, "b", credentials=MungeCredentials(
         socket=munge_socket, runner=Runner(stats=stats)))
@@ -171,8 +174,9 @@ def test_munged_refusing_a_replay_is_named_without_the_payload(munge_socket: str
 
 def test_connections_reset_mid_request_at_metrics_write_a_bounded_log(
         events: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """Connections reset halfway through their request headers cost at most 10 lines of the
-    log and no traceback on stderr (socketserver printed one per connection)."""
+    """Connections reset halfway through their request headers write no traceback and no
+    line each (the old socketserver printed one per connection); the endpoint still
+    answers a scrape after them."""
     server = metrics_http.serve("127.0.0.1", 0, CollectorRegistry())
     port = server.server_address[1]
     try:
@@ -181,14 +185,12 @@ def test_connections_reset_mid_request_at_metrics_write_a_bounded_log(
                 s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         deadline = time.monotonic() + 30
-        while (server.in_use() or not events_saying(events, "couldn't answer")) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)  # waiting for the server's threads, not timing them
+        while server.in_use() and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the server to see the resets, not timing it
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            assert resp.status == 200
     finally:
         server.shutdown()
         server.server_close()
     assert "Traceback" not in capfd.readouterr().err
-    lines = events_saying(events, "couldn't answer a connection")
-    failed = server.failed_log.stats().events
-    assert failed >= 1 and len(lines) == min(failed, 10)
-    assert all("ConnectionResetError" in e["error"] for e in lines)
+    assert len(events_saying(events, "metrics: http")) <= 1  # at most the minute's summary

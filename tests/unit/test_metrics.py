@@ -388,42 +388,6 @@ def test_goodput_ratio_and_losses_per_running_job(tmp_path: Path) -> None:
     assert "job_goodput_ratio{" not in generate_latest(registry).decode()
 
 
-def test_the_endpoint_caps_connections_and_serves_again_when_they_go() -> None:
-    """Connections over the cap are closed at once (no thread); held ones don't stop the
-    endpoint for good."""
-    import time
-
-    from slurm_resilience.metrics import http
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(AgentCollector(AgentSources(node="n1", events_path="", nccl_path="")))
-    server = http.serve("127.0.0.1", 0, registry, max_connections=2)
-    port = server.server_address[1]
-    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
-    try:
-        deadline = time.monotonic() + 30
-        while server.in_use() < 2:  # both admitted (the accept loop is a thread)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
-            assert extra.recv(1) == b""  # closed without an answer
-        assert server.refused == 1
-    finally:
-        for s in held:
-            s.close()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-                assert "slurm_resilience_agent_info" in r.read().decode()
-                break
-        except (ConnectionError, OSError):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    server.shutdown()
-    server.server_close()
-
-
 def test_an_unreachable_checkpoint_agent_shows_in_the_metrics(tmp_path: Path) -> None:
     """A hook that found this node's agent unreachable is counted by hook, and a job whose
     ranks couldn't reach other nodes' agents shows how many per job."""

@@ -3,6 +3,11 @@
 Bounds: connections open at once (total and per peer address; past a cap a connection is
 closed at once, unread), one deadline per connection covering the whole read, a maximum
 frame size, and a pause instead of a spin when accept fails for lack of descriptors.
+
+A peer address is shared by every user of a node, so caps per address can't keep users
+from holding the slots. With ``privileged_only`` a connection from a source port at or
+above 1024 (one any user can bind; agents send from below, see ``wire.connect``) is closed
+at once, unread: only root on a node can take a slot at all.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ Handler = Callable[[bytes, str], str]
 _RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 PAUSE_S, MAX_PAUSE_S = 0.05, 1.0
 MAX_REPLY = 200
+SUMMARY_EVERY_S = 60.0
 
 
 @dataclass
@@ -38,6 +44,7 @@ class ListenerStats:
     accepted: int = 0
     refused_cap: int = 0
     refused_peer_cap: int = 0
+    refused_port: int = 0  # from an unprivileged source port (privileged_only)
     failed: int = 0
     paused: int = 0
     longest_pause_s: float = 0.0
@@ -51,12 +58,15 @@ class Listener:
 
     def __init__(self, bind: str, port: int, handle: Handler, *, max_connections: int,
                  max_per_peer: int, io_timeout_s: float, max_frame_bytes: int,
-                 backlog: int = 128):
+                 privileged_only: bool = False, backlog: int = 128):
         self.handle = handle
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
         self.io_timeout_s = io_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.privileged_only = privileged_only
+        self._next_summary = 0.0
+        self._summarised = 0
         self.stats = ListenerStats()
         self.lock = threading.Lock()
         self.open = 0
@@ -95,7 +105,11 @@ class Listener:
             pause = PAUSE_S
             peer = str(addr[0])
             with self.lock:
-                if self.open >= self.max_connections:
+                if self.privileged_only and int(addr[1]) >= 1024:
+                    self.stats.refused_port += 1
+                    refused = True
+                    self._summarise_ports(peer)
+                elif self.open >= self.max_connections:
                     self.stats.refused_cap += 1
                     refused = True
                 elif self.stats.open_by_peer[peer] >= self.max_per_peer:
@@ -117,6 +131,18 @@ class Listener:
                 log.warning("exchange: accept: couldn't start a connection thread",
                             error=str(exc))
                 self._release(conn, peer)
+
+    def _summarise_ports(self, peer: str) -> None:
+        """Log the first connection from an unprivileged port, then at most a line a
+        minute with the count since (any user can make these: no line per connection)."""
+        now = time.monotonic()
+        if now < self._next_summary:
+            return
+        self._next_summary = now + SUMMARY_EVERY_S
+        log.warning("exchange: accept: closed connections from source ports above 1023 "
+                    "(not an agent), unread", count=self.stats.refused_port - self._summarised,
+                    last_peer=peer)
+        self._summarised = self.stats.refused_port
 
     def _release(self, conn: socket.socket, peer: str) -> None:
         conn.close()

@@ -15,7 +15,6 @@ receiver, a node of the run, a nonce not seen before and a time near this node's
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from slurm_resilience.heartbeat.exchange.wire import (
     Kind,
     Message,
     MessageError,
+    connect,
     parse_message,
     send_frame,
 )
@@ -134,7 +134,8 @@ class NetworkRendezvous:
                 cfg.bind, cfg.port_of(node), self._receive,
                 max_connections=cfg.max_connections,
                 max_per_peer=cfg.max_connections_per_peer, io_timeout_s=cfg.io_timeout_s,
-                max_frame_bytes=int(cfg.max_message_bytes)).start()
+                max_frame_bytes=int(cfg.max_message_bytes),
+                privileged_only=cfg.privileged_ports).start()
             log.info("exchange: listening", node=node, bind=cfg.bind, port=self.listener.port)
 
     # -- the Rendezvous protocol -------------------------------------------------------------
@@ -366,8 +367,7 @@ class NetworkRendezvous:
         return False
 
     def _exchange(self, addr: tuple[str, int], cred: bytes, deadline: float) -> str:
-        with socket.create_connection(addr, timeout=max(0.01, deadline - time.monotonic())
-                                      ) as sock:
+        with connect(addr, deadline, privileged=self.cfg.privileged_ports) as sock:
             send_frame(sock, cred, deadline)
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             reply = sock.makefile("rb").readline(256)

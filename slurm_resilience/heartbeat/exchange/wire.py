@@ -8,6 +8,7 @@ payload is checked field by field against what this node expects (:func:`parse_m
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import secrets
@@ -23,6 +24,11 @@ LENGTH = struct.Struct(">I")
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
 MAX_NODES = 65536
+# Source ports an agent sends from: below 1024 only root (or CAP_NET_BIND_SERVICE) may
+# bind, so a listener can drop a user's connection before reading a byte. 512-1023, as
+# rresvport(3) uses, leaves the well-known services below alone.
+PRIVILEGED_PORTS = range(512, 1024)
+_PORT_TRIES = 64
 
 
 class Kind(str, Enum):
@@ -148,3 +154,35 @@ def read_frame(sock: socket.socket, *, max_bytes: int, deadline: float) -> bytes
 def send_frame(sock: socket.socket, data: bytes, deadline: float) -> None:
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     sock.sendall(LENGTH.pack(len(data)) + data)
+
+
+def connect(addr: tuple[str, int], deadline: float, *, privileged: bool) -> socket.socket:
+    """A TCP connection to ``addr`` made before ``deadline``; ``privileged``: from a source
+    port below 1024 (tried from a random start; one taken is skipped)."""
+    if not privileged:
+        return socket.create_connection(addr, timeout=max(0.01, deadline - time.monotonic()))
+    infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
+    start = secrets.randbelow(len(PRIVILEGED_PORTS))
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        for i in range(_PORT_TRIES):
+            port = PRIVILEGED_PORTS[(start + i) % len(PRIVILEGED_PORTS)]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))  # noqa: S104 - the route picks the address
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+                if exc.errno == errno.EACCES:
+                    raise OSError(exc.errno, "couldn't bind a source port below 1024 (only "
+                                  "root may): run the agents as root, or set "
+                                  "heartbeat.exchange.privileged_ports: false") from exc
+                if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    break  # refused, unreachable, timed out: not the port's fault
+            if time.monotonic() >= deadline:
+                break
+    raise last or OSError(errno.EADDRNOTAVAIL, f"couldn't resolve {addr[0]}")
