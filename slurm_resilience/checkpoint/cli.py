@@ -87,7 +87,9 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from slurm_resilience.checkpoint.stagein import remote_steps, verify_remote
+    from slurm_resilience.checkpoint.pullverify import verify_remote
+    from slurm_resilience.checkpoint.stagein import remote_steps
+    from slurm_resilience.progress import ByteBar
 
     uri = _uri(args.uri)
     s3 = _client(args)
@@ -103,7 +105,7 @@ def run_verify(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as scratch:
         for step in steps:
             try:
-                problems = verify_remote(s3, uri, step, Path(scratch))
+                problems = verify_remote(s3, uri, step, Path(scratch), ByteBar)
             except CheckpointError as exc:
                 problems = [str(exc)]
             if problems:
@@ -117,9 +119,10 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from slurm_resilience.checkpoint.stagein import pull
+    from slurm_resilience.checkpoint.pullverify import pull
+    from slurm_resilience.progress import ByteBar
 
-    step = pull(_client(args), _uri(args.uri), Path(args.dest), args.step)
+    step = pull(_client(args), _uri(args.uri), Path(args.dest), args.step, ByteBar)
     print(f"{step_name(step)} -> {Path(args.dest) / step_name(step)}")
     return 0
 

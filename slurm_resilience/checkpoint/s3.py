@@ -631,7 +631,8 @@ class S3:
 
     # -- download ---------------------------------------------------------------------------
 
-    def download_fd(self, bucket: str, key: str, size: int, fd: int) -> str:
+    def download_fd(self, bucket: str, key: str, size: int, fd: int,
+                    progress: Callable[[int], None] | None = None) -> str:
         """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the bytes
         received (each range's CRC32C, combined: no second pass over the file).
 
@@ -668,6 +669,8 @@ class S3:
             crc = self.call(f"get {key} bytes {start}-{end}",
                             functools.partial(get_range, start, end))
             crcs[n] = (crc, end - start + 1)
+            if progress is not None:  # a whole range, once (a retried one is not counted twice)
+                progress(end - start + 1)
 
         os.ftruncate(fd, size)
         self._run_parallel(fetch, list(range((size + part - 1) // part)) if size else [])

@@ -16,7 +16,6 @@ import contextlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -26,8 +25,6 @@ from slurm_resilience.checkpoint.commit import (
     Crc32c,
     Manifest,
     check_save_ids,
-    crc_hex,
-    fsync_dir,
     parse_rank,
     parse_step,
     rank_name,
@@ -52,6 +49,7 @@ from slurm_resilience.checkpoint.stagein_retry import SystemClock as SystemClock
 from slurm_resilience.checkpoint.stagein_retry import retrying as retrying
 from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
 from slurm_resilience.log import get_logger
+from slurm_resilience.progress import BarFactory, quiet
 
 log = get_logger("checkpoint.stagein")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/
@@ -106,14 +104,17 @@ def _create_owned(dir_fd: int, name: str, uid: int, gid: int) -> int:
     return fd
 
 
-def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int) -> None:
-    """Download every rank of ``step`` into ``.stagein-step-N/``, verify, rename into place."""
+def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int,
+                  bar: BarFactory = quiet) -> None:
+    """Download every rank of ``step`` into ``.stagein-step-N/``, verify, rename into place;
+    ``bar``: progress a person watches (``ckpt pull``)."""
     sname = step_name(step)
     tmp = f".stagein-{sname}"
     with contextlib.suppress(FileNotFoundError):
         remove_at(job_fd, tmp)
     marker, manifests = read_remote_step(s3, uri, step)
     tfd = _mkdir_owned(job_fd, tmp, uid, gid)
+    advance = bar(sum(f.size for m in manifests.values() for f in m.files), sname)
     try:
         for rank, m in manifests.items():
             rfd = _mkdir_owned(tfd, rank_name(rank), uid, gid)
@@ -127,7 +128,7 @@ def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int
                         os.close(pfd)
                     try:
                         crc = s3.download_fd(uri.bucket, uri.join(sname, rank_name(rank), f.path),
-                                             f.size, fd)
+                                             f.size, fd, advance)
                         if crc != f.crc32c or os.fstat(fd).st_size != f.size:
                             raise CheckpointError(
                                 f"checkpoint: stage-in: {uri}/{sname}/{rank_name(rank)}/{f.path}: "
@@ -144,6 +145,8 @@ def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int
         os.close(tfd)
         remove_at(job_fd, tmp)
         raise
+    finally:
+        advance.close()
     os.close(tfd)
     with contextlib.suppress(FileNotFoundError):
         remove_at(job_fd, sname)  # a local copy that did not verify
@@ -543,49 +546,3 @@ def replace_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> No
     finally:
         os.close(fd)
     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-
-def pull(s3: S3, uri: S3Uri, dest: Path, step: int | None = None) -> int:
-    """``ckpt pull``: download the newest (or given) complete step as the calling user."""
-    steps = sorted(remote_steps(s3, uri), reverse=True)
-    if step is not None:
-        steps = [s for s in steps if s == step]
-    if not steps:
-        raise CheckpointError(f"checkpoint: pull: no complete step in {uri}")
-    dest.mkdir(parents=True, exist_ok=True)
-    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for s in steps:
-            try:
-                download_step(s3, uri, s, dfd, os.getuid(), os.getgid())
-            except CheckpointError as exc:
-                print(f"checkpoint: pull: step {s} does not verify ({exc}); trying the previous")
-                continue
-            fsync_dir(dest)
-            return s
-    finally:
-        os.close(dfd)
-    raise CheckpointError(f"checkpoint: pull: no step of {uri} verifies")
-
-
-def verify_remote(s3: S3, uri: S3Uri, step: int, scratch: Path) -> list[str]:
-    """Download-free structural check plus a full CRC check via a scratch download."""
-    marker, manifests = read_remote_step(s3, uri, step)
-    problems = []
-    objs = remote_steps(s3, uri).get(step, {})
-    for rank, m in manifests.items():
-        for f in m.files:
-            rel = f"{rank_name(rank)}/{f.path}"
-            if objs.get(rel) != f.size:
-                problems.append(f"{rel}: size {objs.get(rel)} in S3, manifest says {f.size}")
-                continue
-            path = scratch / f"verify-{os.getpid()}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                crc = s3.download_fd(uri.bucket, uri.join(step_name(step), rel), f.size, fd)
-            finally:
-                os.close(fd)
-                os.unlink(path)
-            if crc != f.crc32c:
-                problems.append(f"{rel}: crc32c {crc} in S3, manifest says {f.crc32c}")
-    _ = (marker, parse_rank, crc_hex)
-    return problems

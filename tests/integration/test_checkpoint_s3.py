@@ -160,6 +160,48 @@ def test_upload_commit_last_then_new_job_stages_in_and_verifies(env: tuple[Endpo
     assert up.s3.parts_sent > 0
 
 
+def _on_a_terminal(argv: list[str]) -> str:
+    """What ``argv`` shows a person at a terminal: its stdout and stderr on a pty."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer has closed the pty
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+def test_ckpt_pull_and_verify_show_progress_on_a_terminal_only(env: tuple[Endpoint, Path],
+                                                               tmp_path: Path) -> None:
+    """`ckpt verify` and `ckpt pull` draw a byte progress bar on a terminal, and print only
+    their results when piped."""
+    ep, base = env
+    up = Uploader(_cfg(ep, base), "n1")
+    d = _job(up, base, 21, "s3://ckpt/root/bar")
+    _save(d, 5, mb=12, value=5.0)  # over part_size: several ranges, so the bar moves
+    up.run_pass()
+    cli = [sys.executable, "-m", "slurm_resilience", "--config", str(_cfg_file(ep, base)),
+           "ckpt"]
+    shown = _on_a_terminal([*cli, "verify", "s3://ckpt/root/bar"])
+    assert "step-00000005: 100%" in shown and "12.0M/12.0M" in shown, shown
+    shown = _on_a_terminal([*cli, "pull", "s3://ckpt/root/bar", str(tmp_path / "pulled")])
+    assert "100%" in shown and "step-00000005 ->" in shown, shown
+    piped = subprocess.run([*cli, "verify", "s3://ckpt/root/bar"], capture_output=True,
+                           text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == "step-00000005: ok\n", piped
+    assert piped.stderr == "", piped.stderr
+
+
 def _cfg_file(ep: Endpoint, base: Path) -> Path:
     p = base / "conf.yaml"
     p.write_text(f"checkpoint:\n  s3_endpoint: {ep.url}\n  s3_credentials_file: {base}/s3-keys\n"
@@ -433,6 +475,7 @@ def test_bytes_that_do_not_match_the_manifest_are_never_uploaded(env: tuple[Endp
     S3, step rejected; a wrong block CRC is caught; a small file too, and
     the step's files already sent are deleted."""
     from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
+    from slurm_resilience.checkpoint.crc_combine import combine_parts
 
     ep, base = env
     up = _uploader(ep, base)
@@ -442,7 +485,10 @@ def test_bytes_that_do_not_match_the_manifest_are_never_uploaded(env: tuple[Endp
     _forge_step(d, 1, {"big.bin": (size, "1badc0de", ())})
     blocks = [zero_block] * (size // BLOCK_SIZE)
     blocks[1] = "0badb10c"
-    _forge_step(d, 2, {"big.bin": (size, "1badc0de", tuple(blocks))})
+    # A manifest consistent in itself (its block CRCs add up to its file CRC, else it is
+    # refused before any byte is read): the bytes of block 1 disagree with it.
+    consistent = f"{combine_parts([(int(b, 16), BLOCK_SIZE) for b in blocks]):08x}"
+    _forge_step(d, 2, {"big.bin": (size, consistent, tuple(blocks))})
     _forge_step(d, 3, {"good.bin": (1000, f"{google_crc32c.value(bytes(1000)):08x}", ()),
                        "small.bin": (1000, "1badc0de", ())})  # good.bin goes up, then away
     _forge_step(d, 4, {"evil.bin": (size, "0\r\nx-amz-acl: public-read", ())})

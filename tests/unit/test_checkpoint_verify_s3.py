@@ -25,9 +25,10 @@ from slurm_resilience.checkpoint.commit import (
 from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.checkpoint.prefix import parse_uri
+from slurm_resilience.checkpoint.pullverify import verify_remote
 from slurm_resilience.checkpoint.ranges import ByteRange
 from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in, verify_remote
+from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
 from slurm_resilience.checkpoint.staging import create_job_dir, open_job_dir, set_aside_step
 
 N = 300_000  # float32: 4 whole 256 KiB blocks and a short fifth
