@@ -46,6 +46,8 @@ class NvmeSnapshot:
     probe_ms: float | None = None
     probe_error: str | None = None
     smart: SmartLog | None = None
+    reclaimable: int = 0  # bytes the checkpoint agent's eviction gives back
+    reclaim_note: str | None = None  # why its record was not taken
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,7 +127,8 @@ def _smart(device: str, timeout: float) -> SmartLog:
 
 
 def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool = True,
-            device: str = "/dev/nvme0", timeout: float = 5.0) -> NvmeSnapshot:
+            device: str = "/dev/nvme0", timeout: float = 5.0,
+            reclaim_dir: str = "") -> NvmeSnapshot:
     """Mount, space, and (``active``) a write probe and the SMART log of ``path``'s disk."""
     snap = NvmeSnapshot(path)
     try:
@@ -149,6 +152,10 @@ def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool 
         snap.size_limited = True
     snap.total = total
     snap.free = free
+    if reclaim_dir:
+        from slurm_resilience.checkpoint import reclaim_record
+
+        snap.reclaimable, snap.reclaim_note = reclaim_record.read(reclaim_dir)
     if active and snap.exists:
         snap.probe_ms, snap.probe_error = _probe(path)
     if active and smart:
