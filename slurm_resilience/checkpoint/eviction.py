@@ -32,7 +32,7 @@ class StagedStep:
     over_quota: bool = False  # the job's dir is past its quota: no grace for its steps
 
 
-def _protected(s: StagedStep, steps: list[StagedStep]) -> bool:
+def protected(s: StagedStep, steps: list[StagedStep]) -> bool:
     """A running job's newest step, or one of its local-only steps."""
     if s.job_ended_at is not None:
         return False
@@ -44,7 +44,7 @@ def evictable(steps: list[StagedStep], now: float, grace_s: float) -> list[Stage
     """Steps eviction may take at ``now``, in eviction order."""
     out = []
     for s in steps:
-        if _protected(s, steps):
+        if protected(s, steps):
             continue
         if (not s.in_s3 and s.job_ended_at is not None and not s.over_quota
                 and now - s.job_ended_at < grace_s):
@@ -56,7 +56,7 @@ def evictable(steps: list[StagedStep], now: float, grace_s: float) -> list[Stage
 def reclaimable(steps: list[StagedStep]) -> int:
     """Bytes eviction frees without any job's help, counting local-only steps whose
     grace still runs (they go when it ends)."""
-    return sum(s.nbytes for s in steps if not _protected(s, steps))
+    return sum(s.nbytes for s in steps if not protected(s, steps))
 
 
 def plan_eviction(steps: list[StagedStep], free: int, target_free: int, now: float,

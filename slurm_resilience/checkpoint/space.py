@@ -13,7 +13,6 @@ never counted as reclaimable, so they can still make the gate drain.
 from __future__ import annotations
 
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,10 +21,11 @@ from slurm_resilience.checkpoint import quota as quotas
 from slurm_resilience.checkpoint import reclaim_record
 from slurm_resilience.checkpoint.commit import COMMIT, step_name
 from slurm_resilience.checkpoint.errors import CheckpointError
-from slurm_resilience.checkpoint.eviction import StagedStep, plan_eviction, reclaimable
+from slurm_resilience.checkpoint.eviction import StagedStep, plan_eviction, protected
 from slurm_resilience.checkpoint.journal import JobRecord
+from slurm_resilience.checkpoint.reclaim_record import tree_bytes_at
 from slurm_resilience.checkpoint.rootfs import committed_steps_at
-from slurm_resilience.checkpoint.staging import open_dir_at, open_job_dir, remove_at
+from slurm_resilience.checkpoint.staging import open_job_dir, remove_at
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.config.schema import Config
 from slurm_resilience.log import get_logger
@@ -33,7 +33,6 @@ from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.space")
 
-MAX_WALK_ENTRIES = 1_000_000  # per dir measured; a user can make a tree arbitrarily big
 IN_S3 = ("committed", "pruned")
 
 
@@ -41,37 +40,6 @@ IN_S3 = ("committed", "pruned")
 class DiskSpace:
     total: int
     free: int
-
-
-def tree_bytes_at(parent_fd: int, name: str, *, apparent: bool,
-                  max_entries: int = MAX_WALK_ENTRIES) -> int:
-    """Bytes under ``name`` (a dir of ``parent_fd``), never following a symlink; an
-    iterative walk (no recursion) of at most ``max_entries`` entries."""
-    total, seen = 0, 0
-    stack = [open_dir_at(parent_fd, name)]
-    try:
-        while stack:
-            dfd = stack.pop()
-            try:
-                for entry in os.listdir(dfd):
-                    seen += 1
-                    if seen > max_entries:
-                        raise CheckpointError(f"checkpoint: space: {name} has more than "
-                                              f"{max_entries:,} entries; not measured")
-                    try:
-                        st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(open_dir_at(dfd, entry))
-                    elif stat.S_ISREG(st.st_mode):
-                        total += st.st_size if apparent else st.st_blocks * 512
-            finally:
-                os.close(dfd)
-    finally:
-        for dfd in stack:
-            os.close(dfd)
-    return total
 
 
 def disk_space(root: str, size_limit: int) -> DiskSpace:
@@ -169,7 +137,9 @@ class SpaceKeeper:
         if not self.gated:
             return evicted
         try:
-            reclaim_record.write(self.state_dir, reclaimable(left), self.root, now)
+            reclaim_record.write(self.state_dir, self.root, [
+                (f"job-{s.job_id}", step_name(s.step)) for s in left
+                if not protected(s, left)], now)
         except OSError as exc:
             log.error("checkpoint: space: couldn't write the reclaimable record; the health "
                       "gate judges the disk by its real free space", error=str(exc))

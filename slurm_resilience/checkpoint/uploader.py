@@ -340,6 +340,7 @@ class Uploader:
             rec["state"], rec["ended_at"] = JobState.ENDED, time.time()
             self.journal.write(rec)
             self.backoff.pop(int(rec["job_id"]), None)  # try at once
+            self.space_due = 0.0  # its steps may be reclaimable now: tell the gate soon
             return {"ok": True, "pending": pending_steps(rec), "uri": rec.get("uri")}
 
     # -- stage-in ---------------------------------------------------------------------------

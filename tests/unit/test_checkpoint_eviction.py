@@ -103,17 +103,29 @@ def test_quota_refuses_a_save_naming_the_quota_the_usage_and_the_setting() -> No
     assert not quota.over_quota(50 * GiB, q) and quota.over_quota(50 * GiB + 1, q)
 
 
-def test_reclaimable_record_is_taken_only_fresh_and_root_owned(tmp_path: Path) -> None:
-    """The gate takes a fresh root-owned record; a stale or mangled one counts as nothing
-    and says why."""
-    reclaim_record.write(str(tmp_path), 7 * GiB, "/x", NOW)
-    assert reclaim_record.read(str(tmp_path), NOW + 10) == (7 * GiB, None)
-    value, why = reclaim_record.read(str(tmp_path), NOW + reclaim_record.MAX_AGE_S + 1)
+def test_reclaimable_record_is_measured_at_check_time_and_taken_only_fresh(
+        tmp_path: Path) -> None:
+    """The gate measures the recorded steps when it checks (bytes added since count, a
+    symlinked step counts nothing); a stale or mangled record counts as nothing and says
+    why."""
+    root, state = tmp_path / "nvme", str(tmp_path / "state")
+    _step(root, 3, 1, 2 * GiB)
+    _step(root, 3, 2, GiB)
+    os.symlink("/", root / "job-3" / step_name(9))
+    reclaim_record.write(state, str(root), [("job-3", step_name(1)), ("job-3", step_name(9)),
+                                            ("job-4", step_name(1))], NOW)
+    size = 2 * GiB + len(json.dumps({"step": 1}))
+    assert reclaim_record.read(state, apparent=True, now=NOW + 10) == (size, None)
+    with open(root / "job-3" / step_name(1) / "more", "wb") as fh:
+        fh.truncate(GiB)
+    assert reclaim_record.read(state, apparent=True, now=NOW + 10) == (size + GiB, None)
+    value, why = reclaim_record.read(state, apparent=True,
+                                     now=NOW + reclaim_record.MAX_AGE_S + 1)
     assert value == 0 and why and "old" in why
-    Path(reclaim_record.path(str(tmp_path))).write_text("{nope")
-    value, why = reclaim_record.read(str(tmp_path), NOW)
+    Path(reclaim_record.path(state)).write_text("{nope")
+    value, why = reclaim_record.read(state, apparent=True, now=NOW)
     assert value == 0 and why and "unreadable" in why
-    assert reclaim_record.read(str(tmp_path / "none"), NOW) == (0, None)
+    assert reclaim_record.read(str(tmp_path / "none"), apparent=True, now=NOW) == (0, None)
 
 
 def test_nvme_check_counts_reclaimable_bytes() -> None:
@@ -160,7 +172,8 @@ def _rec(tmp_path: Path, job: int, ended: float | None) -> JobRecord:
 
 def _gate(tmp_path: Path, now: float) -> list[str]:
     snap = collector.collect(f"{tmp_path}/nvme", size_limit=100 * GiB, active=False)
-    snap.reclaimable, snap.reclaim_note = reclaim_record.read(f"{tmp_path}/state", now)
+    snap.reclaimable, snap.reclaim_note = reclaim_record.read(f"{tmp_path}/state",
+                                                              apparent=True, now=now)
     found = nvme_check.check(snap, NvmeCheckSection(min_free=ByteSize(10 * GiB)), {}).findings
     return [f.message for f in found if f.severity is not Severity.OK]
 
@@ -181,7 +194,7 @@ def test_ended_jobs_local_step_filling_the_disk_never_fails_the_gate(tmp_path: P
     assert [(s.job_id, s.step) for s in keeper.run(recs, set())] == [(4, 1)]
     assert not (root / "job-4" / step_name(1)).exists()
     assert (root / "job-5" / step_name(1)).exists()
-    assert reclaim_record.read(f"{tmp_path}/state", now[0]) == (0, None)
+    assert reclaim_record.read(f"{tmp_path}/state", apparent=True, now=now[0]) == (0, None)
     assert _gate(tmp_path, now[0]) == []
 
 

@@ -155,7 +155,8 @@ def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool 
     if reclaim_dir:
         from slurm_resilience.checkpoint import reclaim_record
 
-        snap.reclaimable, snap.reclaim_note = reclaim_record.read(reclaim_dir)
+        snap.reclaimable, snap.reclaim_note = reclaim_record.read(reclaim_dir,
+                                                                   apparent=size_limit > 0)
     if active and snap.exists:
         snap.probe_ms, snap.probe_error = _probe(path)
     if active and smart:
