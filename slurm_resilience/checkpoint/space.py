@@ -112,6 +112,8 @@ class SpaceKeeper:
         """Measure, decide, evict; the evicted steps. ``busy``: jobs whose upload runs
         now (their steps are measured but not evicted this pass)."""
         ck = self.cfg.checkpoint
+        if not os.path.isdir(self.root):
+            return []  # no job has staged here yet: nothing to measure or reclaim
         apparent = bool(self.size_limit)  # the sandbox's stand-in counts apparent sizes
         space = disk_space(self.root, self.size_limit)
         limit = quotas.job_quota(space.total, ck.job_quota_fraction)

@@ -217,3 +217,8 @@ def test_running_job_filling_the_disk_keeps_its_step_and_the_gate_fails(
     keeper = SpaceKeeper(_cfg(tmp_path, fraction=1.0), "n1", clock=lambda: NOW)
     assert keeper.run([_rec(tmp_path, 8, None)], set()) == []
     assert _gate(tmp_path, NOW) == ["nvme 5.0GiB free of 100.0GiB (expected >=10.0GiB)"]
+
+
+def test_a_node_without_a_staging_root_yet_has_nothing_to_do(tmp_path: Path) -> None:
+    """Before any job staged on the node the pass evicts nothing and raises nothing."""
+    assert SpaceKeeper(_cfg(tmp_path), "n1", clock=lambda: NOW).run([], set()) == []
