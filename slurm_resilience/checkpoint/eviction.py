@@ -6,7 +6,9 @@ A step is evictable when losing its local copy loses nothing a job still needs:
 * a step already in S3 goes at once (a restart stages it back in);
 * a local-only step of a finished job goes ``grace_s`` after the job ended (a requeue
   that starts within the grace still finds it), at once if the job is over its quota;
-* a running job's older local-only steps stay (``keep_local`` retention handles them).
+* a running job's older local-only steps stay (``keep_local`` retention handles them);
+* a step of a job with a run URI that S3 does not hold yet stays: it is on its way there,
+  and the uploader's journal still expects it.
 
 Order: steps already in S3 first, then local-only ones, each oldest commit first, and
 only as many as bring free space back to the target. ``reclaimable`` is what eviction
@@ -30,10 +32,14 @@ class StagedStep:
     in_s3: bool
     job_ended_at: float | None  # None: the job still runs
     over_quota: bool = False  # the job's dir is past its quota: no grace for its steps
+    uploading: bool = False  # the job has a run URI and S3 does not hold the step yet
 
 
 def protected(s: StagedStep, steps: list[StagedStep]) -> bool:
-    """A running job's newest step, or one of its local-only steps."""
+    """A step still to be uploaded, a running job's newest step, or one of its
+    local-only steps."""
+    if s.uploading:
+        return True
     if s.job_ended_at is not None:
         return False
     newest = max(o.step for o in steps if o.job_id == s.job_id)

@@ -84,9 +84,10 @@ def measure_job(rec: JobRecord, jfd: int, *, apparent: bool, over_limit: int) ->
             nbytes = tree_bytes_at(jfd, sname, apparent=apparent)
         except FileNotFoundError:
             continue
-        steps.append(StagedStep(job_id, step, nbytes, at,
-                                bool(rec.get("uri")) and str(step) in uploaded,
-                                float(ended) if ended is not None else None, over))
+        in_s3 = str(step) in uploaded
+        steps.append(StagedStep(job_id, step, nbytes, at, bool(rec.get("uri")) and in_s3,
+                                float(ended) if ended is not None else None, over,
+                                uploading=bool(rec.get("uri")) and not in_s3))
     return JobUsage(job_id, used, steps)
 
 

@@ -77,6 +77,13 @@ def test_only_as_much_as_the_pressure_needs() -> None:
     assert ids(plan) == [(1, 0), (1, 1)]
 
 
+def test_a_step_still_to_be_uploaded_is_never_evicted() -> None:
+    """An ended job's step that S3 does not hold yet stays, however full the disk."""
+    steps = [StagedStep(1, 3, GiB, NOW - 5000, False, NOW - 4000, True, uploading=True)]
+    assert plan_eviction(steps, 0, 10 * GiB, NOW, grace_s=0) == []
+    assert reclaimable(steps) == 0
+
+
 def test_a_job_over_its_quota_loses_the_grace() -> None:
     """A local-only step of an ended job over its quota goes at once, grace or not."""
     steps = [st(9, 1, 90 * GiB, NOW - 5, ended=NOW - 3, over=True)]
