@@ -229,3 +229,24 @@ def test_running_job_filling_the_disk_keeps_its_step_and_the_gate_fails(
 def test_a_node_without_a_staging_root_yet_has_nothing_to_do(tmp_path: Path) -> None:
     """Before any job staged on the node the pass evicts nothing and raises nothing."""
     assert SpaceKeeper(_cfg(tmp_path), "n1", clock=lambda: NOW).run([], set()) == []
+
+
+def test_ckpt_status_names_a_job_over_its_staging_quota(tmp_path: Path) -> None:
+    """After the agent's pass found a job over its quota, the job's ckpt.status says so
+    with usage, quota and setting; a job within its quota gets None."""
+    from slurm_resilience.agent.service import Peer
+    from slurm_resilience.checkpoint.uploader import Uploader
+
+    _step(tmp_path / "nvme", 7, 1, 60 * GiB)
+    _step(tmp_path / "nvme", 8, 1, GiB)
+    up = Uploader(_cfg(tmp_path), "n1")
+    try:
+        up.jobs = {7: _rec(tmp_path, 7, None), 8: _rec(tmp_path, 8, None)}
+        up.keep_space()
+        peer = Peer(pid=1, uid=os.getuid(), gid=os.getgid())
+        over = str(up.on_status({"op": "ckpt.status", "job_id": 7}, peer)["staging_quota"])
+        assert over.startswith(f"checkpoint: staging quota: job 7 uses {60 * GiB + 11:,} bytes")
+        assert "job_quota_fraction=0.5" in over
+        assert up.on_status({"op": "ckpt.status", "job_id": 8}, peer)["staging_quota"] is None
+    finally:
+        up.close()
