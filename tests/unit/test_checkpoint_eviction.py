@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,18 @@ def test_ckpt_status_names_a_job_over_its_staging_quota(tmp_path: Path) -> None:
         assert up.on_status({"op": "ckpt.status", "job_id": 8}, peer)["staging_quota"] is None
     finally:
         up.close()
+
+
+def test_the_collector_measures_reclaimable_steps_only_when_the_disk_is_short(
+        tmp_path: Path) -> None:
+    """With enough free space the collector leaves the record alone (no walk on the
+    healthy path); short of space it measures the recorded steps."""
+    root, state = tmp_path / "nvme", str(tmp_path / "state")
+    _step(root, 3, 1, 95 * GiB)
+    reclaim_record.write(state, str(root), [("job-3", step_name(1))], time.time())
+    roomy = collector.collect(str(root), size_limit=100 * GiB, active=False,
+                              reclaim_dir=state, reclaim_below=GiB)
+    assert roomy.reclaimable == 0
+    short = collector.collect(str(root), size_limit=100 * GiB, active=False,
+                              reclaim_dir=state, reclaim_below=10 * GiB)
+    assert short.reclaimable == 95 * GiB + len(json.dumps({"step": 1}))

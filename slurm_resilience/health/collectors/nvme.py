@@ -128,7 +128,7 @@ def _smart(device: str, timeout: float) -> SmartLog:
 
 def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool = True,
             device: str = "/dev/nvme0", timeout: float = 5.0,
-            reclaim_dir: str = "") -> NvmeSnapshot:
+            reclaim_dir: str = "", reclaim_below: int | None = None) -> NvmeSnapshot:
     """Mount, space, and (``active``) a write probe and the SMART log of ``path``'s disk."""
     snap = NvmeSnapshot(path)
     try:
@@ -152,7 +152,9 @@ def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool 
         snap.size_limited = True
     snap.total = total
     snap.free = free
-    if reclaim_dir:
+    # What checkpoint eviction can reclaim is measured only when the disk is short
+    # (``reclaim_below``: the check's min_free), so the healthy prolog does no walk.
+    if reclaim_dir and (reclaim_below is None or free < reclaim_below):
         from slurm_resilience.checkpoint import reclaim_record
 
         snap.reclaimable, snap.reclaim_note = reclaim_record.read(reclaim_dir,
