@@ -25,6 +25,7 @@ with the reason; the pass goes on.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -78,6 +79,7 @@ from slurm_resilience.checkpoint.s3 import (
     TransientS3Error,
     error_code,
 )
+from slurm_resilience.checkpoint.space import SpaceKeeper
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
     open_job_dir,
@@ -101,6 +103,7 @@ PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 i
 ORPHAN_AGE_S = 24 * 3600.0
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
+SPACE_EVERY_S = 10.0  # staging-disk passes (quota, eviction, the reclaimable record)
 
 
 class SaveSuperseded(CheckpointError):
@@ -144,6 +147,9 @@ class Uploader:
         self.stopping = threading.Event()
         self.stale_due = True  # .stale/ may hold what a killed agent or the epilog left
         self.cleaning: threading.Thread | None = None
+        self.space = SpaceKeeper(cfg, node)  # quota and eviction (space.py)
+        self.spacing: threading.Thread | None = None
+        self.space_due = 0.0
         self.fetcher = make_fetcher(cfg, lambda: self.s3)
         for rec in self.jobs.values():
             if rec.get("stagein", {}).get("state") == "running":
@@ -286,7 +292,8 @@ class Uploader:
             error = rec.get("error")
         return {"ok": True, **answer, "failed": failed, "upload_error": error,
                 "fetch": self.fetcher.stats(int(rec["job_id"])),
-                "unreachable_nodes": list(rec.get("unreachable_nodes") or [])}
+                "unreachable_nodes": list(rec.get("unreachable_nodes") or []),
+                "staging_quota": self.space.over_quota.get(int(rec["job_id"]))}
 
     def on_fetch(self, request: Request, peer: Peer) -> Response:
         """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""
@@ -339,6 +346,7 @@ class Uploader:
             rec["state"], rec["ended_at"] = JobState.ENDED, time.time()
             self.journal.write(rec)
             self.backoff.pop(int(rec["job_id"]), None)  # try at once
+            self.space_due = 0.0  # its steps may be reclaimable now: tell the gate soon
             return {"ok": True, "pending": pending_steps(rec), "uri": rec.get("uri")}
 
     # -- stage-in ---------------------------------------------------------------------------
@@ -375,6 +383,12 @@ class Uploader:
                                                  daemon=True)
                 self.cleaning.start()
             self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+            if time.monotonic() >= self.space_due and not (self.spacing
+                                                          and self.spacing.is_alive()):
+                self.space_due = time.monotonic() + SPACE_EVERY_S
+                self.spacing = threading.Thread(target=self.keep_space, name="ckpt-space",
+                                                daemon=True)
+                self.spacing.start()
             for rec in self._due():
                 if len(self.syncing) >= MAX_JOB_THREADS:
                     break
@@ -398,6 +412,7 @@ class Uploader:
         one synchronous pass); the agent calls ``tick`` instead."""
         if self.stale_due:
             self.clean_stale()
+        self.keep_space()
         with self.lock:
             self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
             due = self._due()
@@ -407,6 +422,16 @@ class Uploader:
                                 thread_name_prefix="ckpt-job") as pool:
             for _ in pool.map(self._sync_guarded, due):
                 pass
+
+    def keep_space(self) -> None:
+        """Quota, eviction under pressure, the reclaimable record (space.py)."""
+        with self.lock:
+            jobs = [copy.deepcopy(r) for r in self.jobs.values()]  # sync threads change them
+            busy = {j for j, t in self.syncing.items() if t.is_alive()}
+        try:
+            self.space.run(jobs, busy)
+        except (CheckpointError, OSError) as exc:
+            log.error("checkpoint: space: couldn't check the staging disk", error=str(exc))
 
     def _sync_guarded(self, rec: JobRecord) -> None:
         """Sync one job; whatever goes wrong stays with this job."""

@@ -62,6 +62,21 @@ class CheckpointSection:
         86400.0, min=0, max=30 * 86400,
         help="how long the staging dir of an ended job without a run URI (its only copy) is "
              "kept for a requeue before the agent removes it")
+    job_quota_fraction: float = setting(
+        0.5, min=0.01, max=1.0,
+        help="share of the staging disk one job's staging dir may use; the agent measures "
+             "every job's dir each pass, and a job past it loses the grace of its local-only "
+             "steps and is named in ckpt.status and the agent's log")
+    eviction_grace_s: float = setting(
+        600.0, min=0, max=86400,
+        help="under space pressure, a local-only step of an ended job is evicted this long "
+             "after the job ended (steps already in S3 go at once; a running job's newest "
+             "step never goes); local_only_keep_s applies only while space lasts")
+    eviction_free_target: ByteSize = setting(
+        ByteSize(0), min=0,
+        help="the agent evicts committed steps while the staging disk has less free than "
+             "this; 0: health.nvme.min_free, so the health gate never drains for space "
+             "that eviction can give back")
     remove_max_entries: int = setting(
         200_000, min=100,
         help="entries the agent removes from one staging dir per pass; the rest waits for "

@@ -200,7 +200,9 @@ def _collectors(cfg: Config, node: str, active: bool, wanted: list[str]
         jobs["nvme"] = functools.partial(
             nvme.collect_json, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
             active=active and h.nvme.probe, smart=active and h.nvme.smart,
-            device=h.nvme.device, timeout=h.collector_timeout_s)
+            device=h.nvme.device, timeout=h.collector_timeout_s,
+            reclaim_dir=node_path(cfg.node.state_dir, node) if cfg.checkpoint.enabled else "",
+            reclaim_below=int(h.nvme.min_free))
     if "mounts" in wanted:
         jobs["mounts"] = functools.partial(
             mounts.collect_json, [node_path(p, node) for p in h.mounts.paths],

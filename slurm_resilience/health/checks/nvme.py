@@ -32,10 +32,18 @@ def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: dict[str, Any]) -> C
     if snap.read_only:
         out.append(fail(NAME, "nvme", f"nvme {path} read-only (expected writable)"))
     free, total = snap.free, snap.total
-    if free is not None and free < cfg.min_free:
-        out.append(fail(NAME, "nvme", f"nvme {human_size(free)} free of {human_size(total or 0)} "
+    # Committed checkpoint steps the agent evicts under pressure are our own retention,
+    # not a shortage: they count as free (a stale or forged record counts as nothing).
+    usable = None if free is None else free + snap.reclaimable
+    if usable is not None and usable < cfg.min_free:
+        extra = (f" (+{human_size(snap.reclaimable)} reclaimable by checkpoint eviction)"
+                 if snap.reclaimable else "")
+        out.append(fail(NAME, "nvme", f"nvme {human_size(free or 0)} free{extra} of "
+                                      f"{human_size(total or 0)} "
                                       f"(expected >={human_size(cfg.min_free)})",
-                        free=free, total=total))
+                        free=free, total=total, reclaimable=snap.reclaimable))
+    if snap.reclaim_note:
+        out.append(warn(NAME, "nvme", f"nvme {snap.reclaim_note}"))
     if snap.probe_error:
         out.append(fail(NAME, "nvme", f"nvme {snap.probe_error}"))
     probe = snap.probe_ms
@@ -63,5 +71,7 @@ def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: dict[str, Any]) -> C
                                             f"(expected >={floor}%)"))
     if not out:
         out.append(ok(NAME, "nvme", f"nvme {path} {human_size(free or 0)} free"
+                                    + (f" (+{human_size(snap.reclaimable)} reclaimable by "
+                                       "checkpoint eviction)" if snap.reclaimable else "")
                                     + (f", probe {probe:.1f}ms" if probe is not None else "")))
     return CheckResult(out, state)

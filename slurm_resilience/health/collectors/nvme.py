@@ -46,6 +46,8 @@ class NvmeSnapshot:
     probe_ms: float | None = None
     probe_error: str | None = None
     smart: SmartLog | None = None
+    reclaimable: int = 0  # bytes the checkpoint agent's eviction gives back
+    reclaim_note: str | None = None  # why its record was not taken
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,7 +182,8 @@ def _smart(device: str, timeout: float) -> SmartLog:
 
 
 def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool = True,
-            device: str = "/dev/nvme0", timeout: float = 5.0) -> NvmeSnapshot:
+            device: str = "/dev/nvme0", timeout: float = 5.0,
+            reclaim_dir: str = "", reclaim_below: int | None = None) -> NvmeSnapshot:
     """Mount, space, and (``active``) a write probe and the SMART log of ``path``'s disk."""
     snap = NvmeSnapshot(path)
     try:
@@ -204,6 +207,13 @@ def collect(path: str, *, size_limit: int = 0, active: bool = True, smart: bool 
         snap.size_limited = True
     snap.total = total
     snap.free = free
+    # What checkpoint eviction can reclaim is measured only when the disk is short
+    # (``reclaim_below``: the check's min_free), so the healthy prolog does no walk.
+    if reclaim_dir and (reclaim_below is None or free < reclaim_below):
+        from slurm_resilience.checkpoint import reclaim_record
+
+        snap.reclaimable, snap.reclaim_note = reclaim_record.read(reclaim_dir,
+                                                                   apparent=size_limit > 0)
     if active and snap.exists:
         snap.probe_ms, snap.probe_error = _probe(path)
     if active and smart:
