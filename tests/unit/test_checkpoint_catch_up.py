@@ -25,6 +25,7 @@ from moto_s3 import copy_step, upload_step
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.commit import step_name
+from slurm_resilience.checkpoint.journal import Journal, new_record
 from slurm_resilience.checkpoint.manager import CheckpointError, CheckpointManager
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.stage_agreed import on_stage
@@ -197,3 +198,17 @@ def test_ckpt_stage_takes_only_the_jobs_owner_a_step_number_and_a_run_uri(
         with pytest.raises(RequestError, match="found step 10 corrupt"):
             on_stage(up, {"job_id": JOB, "step": 10}, owner)
         assert up.jobs[JOB].get("stagein_wanted") is None
+
+
+def test_a_journal_record_keeps_a_wanted_step_and_drops_a_misshaped_one(
+        tmp_path: Path) -> None:
+    """The step ``ckpt.stage`` asked for survives an agent restart; anything but a step
+    number there is dropped (and the record quarantined), so stage-in takes the newest."""
+    d = tmp_path / "journal"
+    d.mkdir(mode=0o700)
+    for job, wanted in ((1, 10), (2, "ten"), (3, -1)):
+        rec = {**new_record(job, 1000, 1000, "alice", "/nvme"), "uri": "s3://b/alice/r",
+               "stagein_wanted": wanted}
+        (d / f"job-{job}.json").write_text(json.dumps(rec))
+    recs = Journal(d).load_all()
+    assert [recs[j].get("stagein_wanted") for j in (1, 2, 3)] == [10, None, None]
