@@ -6,8 +6,11 @@ whose local leader died before writing its commit marker: step 10 on one node, 5
 another), each rank's view is gathered and one pure decision is taken here:
 
 * the newest step was staged in from S3 on some node: it is committed in S3, so it is
-  the step to resume from; the nodes whose stage-in chose another are named in the
-  error (nothing older is taken, since the newer step is whole);
+  the step to resume from. The nodes whose stage-in chose an older one (their agent
+  listed S3 before the step's commit landed, or fetching it failed transiently) are
+  named in ``fetch``: their agents stage exactly that step in (``ckpt.stage``, see
+  catch_up.py), with a warning naming both steps and those nodes. Nothing older is
+  taken, since the newer step is whole; if the fetch fails, the load raises naming why;
 * otherwise the newest step exists only on some nodes, outside S3: it is incomplete.
   The newest step committed on every node is taken instead, with a warning naming
   both steps and the nodes that lack the newer one (on every rank's stderr and in the
@@ -44,6 +47,7 @@ class Agreement:
     error: str = ""
     warning: str = ""
     passed_over: tuple[int, ...] = ()  # steps above ``step`` some node has: never loaded
+    fetch: tuple[str, ...] = ()  # nodes whose agent must stage ``step`` in from S3 first
 
 
 def _where(views: list[RankView]) -> str:
@@ -64,11 +68,11 @@ def agree(views: list[RankView]) -> Agreement:
     having = [v for v in views if v not in lacking]
     if any(v.from_s3 and v.candidate == newest for v in views):
         behind = ", ".join(f"step {c}" for c in sorted({v.candidate for v in lacking}))
-        return Agreement(None, newest, error=(
+        fetch = tuple(sorted({v.node for v in lacking}))
+        return Agreement(newest, newest, fetch=fetch, warning=(
             f"step {newest} is committed in S3 (staged in for {_where(having)}) but the "
-            f"stage-in for {_where(lacking)} chose {behind}; not resuming from an older "
-            "step while a newer one is whole. Run the job again: every node's stage-in "
-            f"then takes step {newest}"))
+            f"stage-in for {_where(lacking)} chose {behind}; fetching step {newest} from S3 "
+            f"on {', '.join(fetch)} so that every rank resumes from step {newest}"))
     common = set.intersection(*usable)
     if not common:
         per_node = "; ".join(

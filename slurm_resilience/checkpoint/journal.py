@@ -142,6 +142,7 @@ class JobRecord(_JobRecordBase, total=False):
     error: str
     failed_at: float
     stagein_excluded: dict[str, str]  # step -> why the restore passed it over
+    stagein_wanted: int  # the step the job's ranks agreed on (ckpt.stage): staged, no other
     allow_older_step: bool  # the job's opt-in (ckpt.register): see stagein.StepStillUploading
     unreachable_nodes: list[str]  # the job's other nodes whose agent its ranks couldn't reach
 
@@ -239,6 +240,10 @@ def check_record(doc: object, job_id: int) -> tuple[JobRecord, list[str]]:
     if not isinstance(doc.get("allow_older_step", False), bool):
         rec.pop("allow_older_step", None)
         problems.append("allow_older_step is not a bool")
+    wanted = doc.get("stagein_wanted", 0)
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 0:
+        rec.pop("stagein_wanted", None)
+        problems.append("stagein_wanted is not a step number")
     lost = doc.get("unreachable_nodes", [])
     if not isinstance(lost, list) or not all(isinstance(n, str) for n in lost):
         rec.pop("unreachable_nodes", None)

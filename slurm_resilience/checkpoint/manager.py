@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_resilience.checkpoint.agree import RankView, agree
 from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
+from slurm_resilience.checkpoint.catch_up import agree_ranks, pass_over
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
@@ -40,9 +40,13 @@ from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
-from slurm_resilience.checkpoint.stagein_status import Fallen, StageinStatus, warn_fallbacks
+from slurm_resilience.checkpoint.stagein_status import (
+    Fallen,
+    StageinStatus,
+    wait_stagein,
+    warn_fallbacks,
+)
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
-from slurm_resilience.log import get_logger
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
@@ -427,34 +431,7 @@ class CheckpointManager:
         """Wait until the agent finished staging this job's newest step in."""
         if self.agent_socket is None or self.job_id is None:
             return StageinStatus("none")
-        from slurm_resilience.agent.client import AgentUnavailable, call
-
-        deadline = time.monotonic() + self.stagein_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                status = call(self.agent_socket, "ckpt.status", job_id=self.job_id)
-            except AgentUnavailable as exc:
-                return StageinStatus("unavailable", error=str(exc))
-            state = str(status.get("stagein", "none"))
-            if state in ("done", "failed", "none"):
-                step = status.get("step")
-                error = status.get("error")
-                raw = status.get("fallbacks")
-                fallen = tuple(Fallen(int(f["step"]), str(f.get("reason", "")),
-                                      str(f.get("opt_in") or ""))
-                               for f in (raw if isinstance(raw, list) else [])
-                               if isinstance(f, dict) and isinstance(f.get("step"), int))
-                return StageinStatus(state, int(step) if isinstance(step, int) else None,
-                                     str(error) if error is not None else None, fallen,
-                                     str(status.get("source") or "") or None)
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
-                                      f"{self.stagein_timeout_s:.0f}s (checkpoint."
-                                      "stagein_timeout_s); what it waits for: "
-                                      f"slurm-resilience ckpt status {self.job_id}")
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        return wait_stagein(self.agent_socket, self.job_id, self.stagein_timeout_s)
 
     def _fresh_or_raise(self, message: str) -> None:
         if not self.allow_fresh_start:
@@ -492,7 +469,7 @@ class CheckpointManager:
             self._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
             return None
         if hi != lo:  # every rank takes this branch: hi and lo are the same everywhere
-            agreed = self._agree(candidate, status, local)
+            agreed = agree_ranks(self, candidate, status, local)
             if agreed is None:
                 return None
             hi = agreed
@@ -518,27 +495,6 @@ class CheckpointManager:
             return None
         self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
         return hi
-
-    def _agree(self, candidate: int, status: StageinStatus, local: list[int]) -> int | None:
-        """Ranks named different newest steps: the newest every node can load (agree.py)."""
-        import torch.distributed as dist
-
-        node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-        mine = RankView(self.rank, node, candidate, status.source == "s3", tuple(local))
-        views: list[Any] = [None] * self.world_size
-        dist.all_gather_object(views, mine, group=self._group)
-        result = agree(views)
-        if result.step is None:
-            self._fresh_or_raise(f"checkpoint: load: ranks disagree on the newest committed "
-                                 f"step: {result.error}")
-            return None
-        _warn(f"checkpoint: load: WARNING: {result.warning}")
-        for step in result.passed_over:  # a later save(step) sets it aside, never skips it
-            self._passed_over[step] = f"not committed on every node; resumed from {result.step}"
-        get_logger("checkpoint.restore").warning(
-            "ranks disagree on the newest committed step; resuming from an older one",
-            step=result.step, newest=result.newest, rank=self.rank, detail=result.warning)
-        return result.step
 
     def load_latest(self, state: dict[str, Any] | None = None, *, model: Any = None,
                     optimizer: Any = None, scheduler: Any = None) -> Loaded | None:
@@ -580,7 +536,7 @@ class CheckpointManager:
                 corrupt = corrupt_message(exc)
                 if corrupt is not None and len(bad) < MAX_FALLBACKS:
                     bad[step] = corrupt
-                    self._pass_over(step, corrupt)
+                    pass_over(self, step, corrupt)
                     continue
                 self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
                                      f"{failure_cause(exc)}")
@@ -591,26 +547,6 @@ class CheckpointManager:
             state.update({k: loaded[k] for k in state})
             loaded = state
         return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
-
-    def _pass_over(self, step: int, why: str) -> None:
-        """Only a failed verification falls back: say so loudly, and have every node's agent
-        stage in the next older step (``ckpt.restage``) before any rank asks again."""
-        self._trusted.discard(step)
-        self._passed_over[step] = why
-        if self.rank == 0:
-            print(f"checkpoint: load: WARNING: committed step {step} does not verify; falling "
-                  f"back to an older step: {why}", file=sys.stderr, flush=True)
-        if self.local_leader and self.agent_socket is not None and self.job_id is not None:
-            from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
-
-            try:
-                call(self.agent_socket, "ckpt.restage", job_id=self.job_id, step=step,
-                     reason=why[:500], timeout=30.0)
-            except (AgentRefused, AgentUnavailable) as exc:
-                # latest_step() then fails with the cause, on every rank.
-                print(f"checkpoint: load: couldn't ask the node agent to stage an older step: "
-                      f"{exc}", file=sys.stderr, flush=True)
-        self._all_max([0])  # a barrier: every agent is restaging before anyone reads status
 
     def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
         from torch.distributed.checkpoint import state_dict_loader

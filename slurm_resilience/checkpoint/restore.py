@@ -20,6 +20,7 @@ from slurm_resilience.checkpoint.journal import (
 )
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.checkpoint.stage_agreed import stage_step
 from slurm_resilience.checkpoint.stagein import (
     Fallback,
     StageinPolicy,
@@ -80,10 +81,15 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                                f"stage-in passed over step {step}: {why}")
                 up.abandon_step(rec, step, f"passed over by stage-in and set aside: {why}")
 
-            res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]), int(rec["gid"]),
-                           policy(up.cfg), upload_local=upload_local,
-                           exclude=excluded_steps(rec), set_aside=set_aside,
-                           allow_older=lambda: rec.get("allow_older_step") is True)
+            wanted = rec.get("stagein_wanted")
+            if wanted is not None and uri is not None and wanted not in excluded_steps(rec):
+                res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]), wanted,
+                                 policy(up.cfg))  # ckpt.stage: that step or an error
+            else:
+                res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]),
+                               int(rec["gid"]), policy(up.cfg), upload_local=upload_local,
+                               exclude=excluded_steps(rec), set_aside=set_aside,
+                               allow_older=lambda: rec.get("allow_older_step") is True)
         result: StageinDoc = {
             "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,

@@ -335,7 +335,7 @@ def stage_in(s3: S3 | None, uri: S3Uri | None, job_fd: int, uid: int, gid: int,
                     "environment to take the newest complete older step after this wait",
                     step)
         try:
-            remote, mode, nbytes = _stage_remote(s3, uri, step, listing.committed[step], job_fd,
+            remote, mode, nbytes = stage_remote(s3, uri, step, listing.committed[step], job_fd,
                                                  uid, gid, policy, clock)
         except StageinFailed:
             raise
@@ -443,7 +443,7 @@ def _wait_for_commit(s3: S3, uri: S3Uri, step: int, listing: RunListing,
     return listing
 
 
-def _stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: int, uid: int,
+def stage_remote(s3: S3, uri: S3Uri, step: int, objs: dict[str, int], job_fd: int, uid: int,
                   gid: int, policy: StageinPolicy, clock: Clock
                   ) -> tuple[RemoteStep, str, int]:
     marker, manifests = retrying(f"read the manifests of step {step}",

@@ -4,7 +4,10 @@ side sees it, and the warnings a resume from an older step prints."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+
+from slurm_resilience.checkpoint.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -38,3 +41,35 @@ def warn_fallbacks(status: StageinStatus) -> None:
         else:
             print(f"checkpoint: load: WARNING: stage-in passed over step {f.step} for step "
                   f"{status.step}: {f.reason}", file=sys.stderr, flush=True)
+
+
+def wait_stagein(socket: str, job_id: int, timeout_s: float) -> StageinStatus:
+    """Wait until the node agent finished this job's stage-in (``ckpt.status``), at most
+    ``timeout_s`` (checkpoint.stagein_timeout_s), then raise naming what it waits for."""
+    from slurm_resilience.agent.client import AgentUnavailable, call
+
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            status = call(socket, "ckpt.status", job_id=job_id)
+        except AgentUnavailable as exc:
+            return StageinStatus("unavailable", error=str(exc))
+        state = str(status.get("stagein", "none"))
+        if state in ("done", "failed", "none"):
+            step = status.get("step")
+            error = status.get("error")
+            raw = status.get("fallbacks")
+            fallen = tuple(Fallen(int(f["step"]), str(f.get("reason", "")),
+                                  str(f.get("opt_in") or ""))
+                           for f in (raw if isinstance(raw, list) else [])
+                           if isinstance(f, dict) and isinstance(f.get("step"), int))
+            return StageinStatus(state, int(step) if isinstance(step, int) else None,
+                                 str(error) if error is not None else None, fallen,
+                                 str(status.get("source") or "") or None)
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint: load: stage-in still {state} after "
+                                  f"{timeout_s:.0f}s (checkpoint.stagein_timeout_s); what it "
+                                  f"waits for: slurm-resilience ckpt status {job_id}")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)

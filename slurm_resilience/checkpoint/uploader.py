@@ -80,6 +80,7 @@ from slurm_resilience.checkpoint.s3 import (
     error_code,
 )
 from slurm_resilience.checkpoint.space import SpaceKeeper
+from slurm_resilience.checkpoint.stage_agreed import on_stage
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
     open_job_dir,
@@ -169,7 +170,8 @@ class Uploader:
         return {"ckpt.job_start": self.on_job_start, "ckpt.register": self.on_register,
                 "ckpt.status": self.on_status, "ckpt.job_end": self.on_job_end,
                 "ckpt.fetch": self.on_fetch, "ckpt.restage": self.on_restage,
-                "ckpt.cleanup": self.on_cleanup}
+                "ckpt.cleanup": self.on_cleanup,
+                "ckpt.stage": lambda request, peer: on_stage(self, request, peer)}
 
     def on_cleanup(self, request: Request, peer: Peer) -> Response:
         """``ckpt.cleanup`` (root): remove what is set aside under ``.stale/``, in the
@@ -233,6 +235,7 @@ class Uploader:
             else:  # a requeued job on the same node
                 rec["state"], rec["ended_at"] = JobState.ACTIVE, None
                 rec["stagein"] = {"state": StageinState.PENDING}
+                rec.pop("stagein_wanted", None)  # a new run of the job: its newest step
             if uri and not rec.get("uri"):
                 rec["uri"] = uri
             self.jobs[job_id] = rec

@@ -55,13 +55,15 @@ def test_agree_takes_the_newest_step_on_every_node_naming_both() -> None:
     assert "not for rank 2 on b, and not in S3" in got.warning
 
 
-def test_agree_never_falls_back_past_a_step_committed_in_s3() -> None:
-    """A newer step another node staged in from S3 is whole: an error naming both, no
-    older step."""
-    got = agree([_view(0, "a", 10, (10,), from_s3=True), _view(1, "b", 5, (5, 10))])
-    assert got.step is None
-    assert "step 10 is committed in S3 (staged in for rank 0 on a)" in got.error
-    assert "stage-in for rank 1 on b chose step 5" in got.error
+def test_agree_takes_a_step_committed_in_s3_and_names_the_nodes_to_fetch_it() -> None:
+    """A newer step another node staged in from S3 is whole: that step, fetched on the
+    lagging nodes, with a warning naming both steps and those nodes; never an older one."""
+    got = agree([_view(0, "a", 10, (10,), from_s3=True), _view(1, "a", 10, (10,)),
+                 _view(2, "b", 5, (5,)), _view(3, "c", 7, (5, 7))])
+    assert (got.step, got.newest, got.fetch, got.error) == (10, 10, ("b", "c"), "")
+    assert "step 10 is committed in S3 (staged in for ranks 0, 1 on a)" in got.warning
+    assert "stage-in for rank 2 on b; rank 3 on c chose step 5, step 7" in got.warning
+    assert "fetching step 10 from S3 on b, c" in got.warning
 
 
 def test_agree_ignores_steps_above_a_nodes_stagein_choice() -> None:
