@@ -39,6 +39,7 @@ from slurm_resilience.checkpoint.dcp_failures import corrupt_message, failure_ca
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
+from slurm_resilience.checkpoint.quota import check_before_save
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
 from slurm_resilience.checkpoint.stagein_status import (
     Fallen,
@@ -91,8 +92,10 @@ class CheckpointManager:
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
                  ranges: RangeSource | None = None, allow_fresh_start: bool = False,
                  keep_buffers: bool = True, allow_older_step: bool = False,
-                 arrival_timeout_s: float = 30.0):
+                 arrival_timeout_s: float = 30.0, quota_fraction: float | None = None):
         self.job_dir = Path(job_dir)
+        # checkpoint.job_quota_fraction: a save past the job's share of the disk is refused.
+        self.quota_fraction = quota_fraction
         self.rank = rank
         self.world_size = world_size
         self.local_leader = rank == 0 if local_leader is None else local_leader
@@ -191,7 +194,8 @@ class CheckpointManager:
                   job_id=job_id, agent_socket=agent_socket,
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
                   allow_fresh_start=allow_fresh, allow_older_step=allow_older,
-                  arrival_timeout_s=ck.save_arrival_timeout_s)
+                  arrival_timeout_s=ck.save_arrival_timeout_s,
+                  quota_fraction=ck.job_quota_fraction)
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
                           cfg.agent.request_timeout_s)
@@ -260,6 +264,9 @@ class CheckpointManager:
             state = resolve_stateful(train_state(state_dict, model=model, optimizer=optimizer,
                                                  scheduler=scheduler))
             check_state(state)
+            if self.quota_fraction is not None:
+                check_before_save(str(self.job_dir), self.job_id or 0, state,
+                                  self.quota_fraction)
         except CheckpointError as exc:
             problem = exc
         # One decision for every rank: a node that already holds the step committed, or a

@@ -10,7 +10,10 @@ answer says so; :func:`check_save` is the same decision before a save writes.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from slurm_resilience.checkpoint.errors import CheckpointError
 
@@ -46,3 +49,39 @@ def check_save(job_id: int, used: int, incoming: int, quota: Quota) -> None:
     if used + incoming > quota.limit:
         raise CheckpointError(describe(job_id, used, quota, incoming)
                               + "; free older steps or raise the setting")
+
+
+def state_bytes(state: Mapping[Any, Any]) -> int:
+    """The bytes a save of ``state`` writes on this rank: its tensors' local shards."""
+    total = 0
+    stack: list[Any] = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        else:
+            local = getattr(value, "_local_tensor", value)  # a DTensor writes its shard
+            nbytes = getattr(local, "nbytes", None)
+            if isinstance(nbytes, int):
+                total += nbytes
+    return total
+
+
+def check_before_save(job_dir: str, job_id: int, state: Mapping[Any, Any],
+                      fraction: float) -> None:
+    """The training side of the quota: refuse a save that would take the job's staging dir
+    past its share of the disk, before anything is written (the agent holds every job to
+    the same share at its passes, which also catches bytes a job writes by itself)."""
+    from slurm_resilience.checkpoint.reclaim_record import tree_bytes_at
+
+    vfs = os.statvfs(job_dir)
+    parent, base = os.path.split(os.path.abspath(job_dir))
+    pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        used = tree_bytes_at(pfd, base, apparent=False)
+    finally:
+        os.close(pfd)
+    check_save(job_id, used, state_bytes(state), job_quota(vfs.f_blocks * vfs.f_frsize,
+                                                            fraction))

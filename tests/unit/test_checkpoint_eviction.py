@@ -266,3 +266,29 @@ def test_the_collector_measures_reclaimable_steps_only_when_the_disk_is_short(
     short = collector.collect(str(root), size_limit=100 * GiB, active=False,
                               reclaim_dir=state, reclaim_below=10 * GiB)
     assert short.reclaimable == 95 * GiB + len(json.dumps({"step": 1}))
+
+
+def test_a_save_past_the_jobs_share_of_the_disk_is_refused_before_it_writes(
+        tmp_path: Path) -> None:
+    """The training side holds a save to checkpoint.job_quota_fraction: one that would take
+    the job's staging dir past it raises, naming the quota and the setting, and writes
+    nothing; a save within it commits."""
+    import torch
+
+    from slurm_resilience.checkpoint.manager import CheckpointManager
+
+    job = tmp_path / "job-7"
+    job.mkdir()
+    vfs = os.statvfs(job)
+    disk = vfs.f_blocks * vfs.f_frsize
+    roomy = CheckpointManager(job, job_id=7, quota_fraction=0.5)
+    roomy.save(1, {"w": torch.zeros(1024)})
+    roomy.close()
+    tight = CheckpointManager(job, job_id=7, quota_fraction=64 * 1024 / disk)
+    with pytest.raises(CheckpointError, match=r"staging quota: job 7 uses .*quota "
+                                              r"\(checkpoint\.job_quota_fraction=.*this save "
+                                              r"adds 262,144 bytes"):
+        tight.save(2, {"w": torch.zeros(65536)})
+    tight.close()
+    assert sorted(p.name for p in job.iterdir() if p.name.startswith("step-")) == [
+        "step-00000001"]
