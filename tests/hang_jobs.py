@@ -4,6 +4,7 @@ examples/train.py as a test user, wait, and read the incident reports of a job."
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +20,13 @@ PYTHON = REPO / ".venv" / "bin" / "python"
 
 
 def submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 2,
-           tasks: int = 2, extra_env: str = "") -> int:
-    """Submit examples/train.py as ``user`` the way the docs say: requeueable, appending."""
+           tasks: int = 2, extra_env: str = "", train: Path = TRAIN) -> int:
+    """Submit examples/train.py (or a copy at ``train``) as ``user`` the way the docs say:
+    requeueable, appending."""
     uri = f"s3://ckpt/{user}/{workdir.name}"
     script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{extra_env}"
-              f"srun --kill-on-bad-exit=1 -N{nodes} -n{tasks} {PYTHON} -u {TRAIN} "
-              f"--state-mb 1 {args}\n")
+              f"srun --kill-on-bad-exit=1 -N{nodes} -n{tasks} {PYTHON} -u "
+              f"{shlex.quote(str(train))} --state-mb 1 {args}\n")
     return sandbox.sbatch(script, user=user, args=[
         f"-N{nodes}", f"-n{tasks}", "--requeue", "--open-mode=append",
         f"--output={workdir}/slurm-%j.out"])

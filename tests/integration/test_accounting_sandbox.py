@@ -28,12 +28,13 @@ our reason lives in the AdminComment, which scontrol shows.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, cast
 
 import pytest
 from conftest import SandboxFactory
-from hang_jobs import acting, job_clock, output, reports, submit, wait_for
+from hang_jobs import TRAIN, acting, job_clock, output, reports, submit, wait_for
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -47,8 +48,13 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     box: Sandbox = sandbox_factory(nodes=3, leaves=1, with_accounting=True)
     user = test_users[0]
     work = box.user_dir(user, "acct")
+    # The user names the script: an OSC title, a screen clear and a forged line in its path
+    # reach the report's stacks, which must show them escaped.
+    hostile = work / "tr\x1b]0;owned\x07ain\x1b[2J\nSR: fake line.py"
+    hostile.write_bytes(TRAIN.read_bytes())
+    os.chown(hostile, work.stat().st_uid, work.stat().st_gid)
     job_id = submit(box, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
-                                     "--hang-rank 1", nodes=1, tasks=2)
+                                     "--hang-rank 1", nodes=1, tasks=2, train=hostile)
     wait_for(lambda: acting(reports(box, job_id), 0), 120, "the requeue decision")
     final = box.wait_job(job_id, timeout=180)
     assert final.state == "COMPLETED"
@@ -72,14 +78,17 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     assert "allocation times of 2 run(s) from Slurm accounting (sacct)" in b["notes"]
     assert not [n for n in b["notes"] if "couldn't ask" in n or "no record" in n], b["notes"]
     assert len(b["runs"]) == 2
-    check_goodput(box, job_id, b, output(work, job_id))
     # Its hang report, the same way: the owner gets it, another user the same refusal as
     # for a job without one.
     mine = box.run([*cli, "report", str(job_id)], user=user)
     assert f"job {job_id}" in mine.stdout and "requeue" in mine.stdout, mine.stdout
+    assert "\\x1b]0;owned\\x07ain" in mine.stdout, mine.stdout  # the stack names the script
+    assert "\x1b" not in mine.stdout and "\x07" not in mine.stdout
+    assert not any(line.startswith("SR: fake") for line in mine.stdout.splitlines())
     theirs = box.run([*cli, "report", str(job_id)], user=test_users[1], check=False)
     assert theirs.returncode == 1 and theirs.stdout == "", theirs
     assert f"no hang report of job {job_id} for you" in theirs.stderr, theirs.stderr
+    check_goodput(box, job_id, b, output(work, job_id))
     check_hold_in_sacct(box, user)
 
     idle = next(n for n in box.nodes if n not in final.nodes)
