@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -49,6 +50,26 @@ def wait_resumed(box: Sandbox, node: str, timeout: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+def wait_health_check_since(box: Sandbox, node: str, since: float, timeout: float = 40.0
+                            ) -> None:
+    """Wait until a HealthCheckProgram run on ``node`` that started after ``since`` (a
+    ``time.time()``) has ended, as its "hook ok" event in the log says."""
+    log = box.state_dir / "log" / "slurm-resilience.jsonl"
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in log.read_text().split("\n")[:-1]:  # whole lines: one may be half written
+            e = json.loads(line)
+            if (e.get("node"), e.get("hook"), e.get("event")) != (node, "healthcheck",
+                                                                  "hook ok"):
+                continue
+            ended = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            if ended - float(e["seconds"]) > since:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no health check on {node} ended within {timeout:g}s")
+        time.sleep(0.5)
+
+
 def test_xid79_drains_node_and_the_job_completes_elsewhere_then_node_resumes(box: Sandbox
                                                                            ) -> None:
     """Xid 79 on node1's GPU 3: the prolog drains node1 naming GPU, Xid and meaning, the
@@ -66,13 +87,14 @@ def test_xid79_drains_node_and_the_job_completes_elsewhere_then_node_resumes(box
     assert "node1" not in info.nodes and len(info.nodes) == 2
     assert sorted(box.output(job).split()) == sorted(info.nodes)
 
+    drained_at = time.time()
     box.run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=maintenance"])
     print(faults.heal(box.state_dir, "node1"))
     started = time.monotonic()
     wait_resumed(box, "node1", timeout=90)
     print(f"node1 resumed by the HealthCheckProgram {time.monotonic() - started:.0f}s "
           "after healing")
-    time.sleep(11)  # at least one more health check on node3 after node1's resume
+    wait_health_check_since(box, "node3", drained_at)
     node3 = box.adapter().show_node("node3")
     assert node3.drained and node3.reason == "maintenance"
 

@@ -133,8 +133,16 @@ def test_prepared_node_passes_every_new_check(node: tuple[Path, config.Config]) 
         "correctable": 0, "nonfatal": 0, "fatal": 0}
 
 
-# fault, times injected, the drain reason (the first blocking finding) it must give
+# fault, times injected, the drain reason (the first blocking finding) it must give. Every
+# class is judged here; tests/integration/test_health_parity_sandbox.py drains one of each
+# family through the real HealthCheckProgram.
 PARITY = [
+    ("nvlink-errors:2", 1, "gpu2 NVLink recovery errors +1 (expected <=0)"),
+    ("gpu-recovery:1", 1, "gpu1 NVML recovery action DRAIN_AND_RESET (expected NONE)"),
+    ("sram-ecc:0", 1, "gpu0 1 SRAM uncorrectable errors (expected <=0)"),
+    ("fabric-unhealthy", 1, "fabric health UNHEALTHY: degraded bandwidth (expected HEALTHY)"),
+    ("hbm-degraded:3", 1, "gpu3 ECC corrected 6000000/h (expected <=10000/h; degrading "
+                        "memory)"),
     ("pcie-aer:2", 1, "gpu2 PCIe AER nonfatal +1 (expected <=0)"),
     ("pcie-replay:1", 1, "gpu1 PCIe replays +100000 in 1min (expected <=8)"),
     ("gpu-persistence-off:0", 1, "gpu0 persistence mode off (expected on)"),
@@ -168,6 +176,7 @@ def test_parity_fault_drains_with_measured_against_expected_and_heals(
         faults.inject(state, "node1", fault)
     got = _reason(cfg)
     assert reason in got, got
+    assert "(expected " in got or "(tolerated " in got
     faults.heal(state, "node1")
     assert _reason(cfg) == ""
 
