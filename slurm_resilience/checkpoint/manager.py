@@ -283,6 +283,18 @@ class CheckpointManager:
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
 
+    def prepare(self, state_dict: Mapping[str, Any]) -> None:
+        """Allocate the snapshot buffers for ``state_dict`` now, so the first ``save()``
+        stalls only for a copy into them, as later saves do. Optional; memory: the one
+        host copy of this rank's state that ``save()`` keeps anyway. Tensors added or
+        reshaped after ``prepare`` get new buffers in the next save (which then stalls
+        longer once); what can't be saved raises here, as in ``save()``."""
+        self.wait()
+        state = resolve_stateful(state_dict)
+        check_state(state)
+        self._snap.take(state)  # allocates and writes every page: none faults in a save
+        from slurm_resilience.checkpoint import dcp_writer  # noqa: F401 - not in the stall
+
     def _set_aside_or_raise(self, step: int, here: bool) -> None:
         """A committed ``step`` that this run neither loaded nor saved: a save must neither
         skip (the new state would never be written) nor overwrite it. One this run's restore
