@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -218,6 +219,13 @@ def bench_local(mb: int, base: Path, runs: int) -> list[str]:
     return out
 
 
+def cpu_s() -> float:
+    """CPU seconds used so far by this process (all threads) and its waited-for children."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), \
+        resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def s5cmd_version(s5cmd: str) -> str:
     got = subprocess.run([s5cmd, "version"], capture_output=True, text=True, check=False)
     return f"s5cmd {got.stdout.strip() or '?'}"
@@ -299,25 +307,31 @@ def bench_s3(mb: int, base: Path, runs: int, part_mb: int, concurrency: int) -> 
                             str(part_mb), "s3://bench/s5.bin", str(dst)], check=True, env=env,
                            capture_output=True)
 
-        ups: list[float] = []
-        s5_ups: list[float] = []
-        downs: list[float] = []
-        s5_downs: list[float] = []
-        for run in range(runs):  # alternating which goes first
-            pairs = [(ours_up, ups), (s5_up, s5_ups)]
-            for fn, into in pairs if run % 2 == 0 else pairs[::-1]:
-                into.append(timed(fn))
-        for run in range(runs):
-            pairs = [(ours_down, downs), (s5_down, s5_downs)]
-            for fn, into in pairs if run % 2 == 0 else pairs[::-1]:
-                into.append(timed(fn))
+        times: dict[str, list[float]] = {"up": [], "s5_up": [], "down": [], "s5_down": []}
+        cpu: dict[str, list[float]] = {k: [] for k in times}
+        for ours, ref, fns in (("up", "s5_up", (ours_up, s5_up)),
+                               ("down", "s5_down", (ours_down, s5_down))):
+            for run in range(runs):  # alternating which goes first
+                pairs = list(zip((ours, ref), fns, strict=True))
+                for name, fn in pairs if run % 2 == 0 else pairs[::-1]:
+                    before = cpu_s()
+                    times[name].append(timed(fn))
+                    cpu[name].append(cpu_s() - before)
         drop_file(dst)
         mib = size / 2**20
+
+        def cpu_line(ours: str, ref: str) -> str:
+            return (f"{'  client CPU seconds (user+sys)':<40} ours {median(cpu[ours]):6.2f} s  "
+                    f"s5cmd {median(cpu[ref]):6.2f} s")
+
         return [
             f"S3: {mib:.0f} MiB object, rclone serve s3 on loopback, part {part_mb} MiB, "
             f"concurrency {concurrency}, {s5cmd_version(s5cmd)}",
-            line("S3 upload time vs s5cmd cp", ups, s5_ups, "<= 1.0"),
-            line("S3 download time (+crc) vs s5cmd cp", downs, s5_downs, "<= 1.0"),
+            line("S3 upload time vs s5cmd cp", times["up"], times["s5_up"], "<= 1.0"),
+            cpu_line("up", "s5_up"),
+            line("S3 download time (+crc) vs s5cmd cp", times["down"], times["s5_down"],
+                 "<= 1.0"),
+            cpu_line("down", "s5_down"),
         ]
     finally:
         proc.terminate()
@@ -329,14 +343,16 @@ def main() -> int:
     p.add_argument("--mb", type=int, default=1024, help="state dict size in MiB")
     p.add_argument("--s3-mb", type=int, default=1024, help="S3 object size in MiB")
     p.add_argument("--dir", default="/var/tmp", help="directory on the disk to test")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--part-mb", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--skip-s3", action="store_true")
+    p.add_argument("--runs", type=int, default=5, help="measured runs (medians are reported)")
+    p.add_argument("--part-mb", type=int, default=64, help="S3 part size in MiB, ours and s5cmd")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="parallel S3 requests, ours and s5cmd")
+    p.add_argument("--skip-s3", action="store_true", help="only the local figures")
+    p.add_argument("--skip-local", action="store_true", help="only the S3 figures")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="bench-ckpt-") as tmp:
         base = Path(tmp)
-        lines = bench_local(a.mb, base, a.runs)
+        lines = [] if a.skip_local else bench_local(a.mb, base, a.runs)
         if not a.skip_s3:
             lines += bench_s3(a.s3_mb, base, a.runs, a.part_mb, a.concurrency)
     print("\n".join(lines))

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from slurm_resilience.checkpoint.commit import CheckpointError, CorruptStep, FileEntry
-from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
+from slurm_resilience.checkpoint.crc import address_of, crc32c_at, crc32c_extend, crc_hex
 
 TASK_BYTES = 8 * 1024 * 1024  # one thread's share at a time: big enough to amortise Python
 READ_BYTES = 1024 * 1024  # one pread; its blocks are checked while still in cache
@@ -48,6 +48,7 @@ class BlockCheck:
         self.checked: set[int] = set()
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # block -> (at, n, crc)
         self._lock = threading.Lock()
+        self._want = [int(b, 16) for b in entry.blocks]
 
     def span(self, index: int) -> tuple[int, int]:
         """(offset, length) of block ``index``."""
@@ -55,17 +56,28 @@ class BlockCheck:
         return index * bs, min(bs, self.entry.size - index * bs)
 
     def piece(self, offset: int, view: memoryview) -> None:
-        """Bytes ``view`` read at ``offset``, within one block."""
-        index = offset // self.entry.block_size
-        start, length = self.span(index)
-        crc = crc32c_extend(0, view)
-        if offset == start and len(view) == length:
-            self._compare(index, crc)
-            with self._lock:
-                self.checked.add(index)
-            return
-        with self._lock:
-            self._pieces.setdefault(index, []).append((offset - start, len(view), crc))
+        """Bytes ``view`` read at ``offset``."""
+        self.landed(offset, address_of(view), len(view))
+
+    def landed(self, offset: int, address: int, length: int) -> None:
+        """``length`` bytes of the file from ``offset`` are now at ``address``: check each
+        block they hold whole, keep the CRC32C of each piece of a block for ``finish``."""
+        bs, size, want = self.entry.block_size, self.entry.size, self._want
+        pos, end = offset, offset + length
+        while pos < end:
+            index = pos // bs
+            start = index * bs
+            stop = min(start + bs, size)
+            cut = min(end, stop)
+            crc = crc32c_at(0, address + pos - offset, cut - pos)
+            if pos == start and cut == stop:
+                if index >= len(want) or crc != want[index]:
+                    self._compare(index, crc)
+                self.checked.add(index)  # one set.add: atomic under the GIL
+            else:
+                with self._lock:
+                    self._pieces.setdefault(index, []).append((pos - start, cut - pos, crc))
+            pos = cut
 
     def finish(self, fd: int) -> None:
         """Check each block read only in pieces: read it whole, check it, then each piece."""
@@ -144,15 +156,14 @@ class FileReads:
 
     def _task(self, task: Run) -> None:
         view, offset, bs = task.view, task.offset, self.block_size
+        address = address_of(view) if self.check is not None else 0
         pos = 0
         while pos < len(view):
             at = offset + pos
-            # One pread of up to READ_BYTES, ending on a block boundary where it can.
+            # One pread of up to READ_BYTES, ending on a block boundary where it can; its
+            # blocks are checked right away, while the bytes are still in cache.
             end = min(len(view), pos + max(READ_BYTES // bs, 1) * bs - at % bs)
             pread_full(self.fd, view[pos:end], at, self.step, self.relpath)
             if self.check is not None:
-                while pos < end:
-                    cut = min(end, pos + bs - (offset + pos) % bs)
-                    self.check.piece(offset + pos, view[pos:cut])
-                    pos = cut
+                self.check.landed(at, address + pos, end - pos)
             pos = end
