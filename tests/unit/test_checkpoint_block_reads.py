@@ -91,3 +91,35 @@ def test_a_piece_that_differs_from_its_verified_block_is_caught(tmp_path: Path) 
             check.finish(fd)
     finally:
         os.close(fd)
+
+
+def test_restore_into_every_kind_of_destination_in_small_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore whose destinations are a strided view, another dtype and plain tensors,
+    with one item per batch of scratch buffers, loads every value and checks every block
+    of the data file once."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_resilience.checkpoint import dcp_reader
+    from slurm_resilience.checkpoint.commit import read_manifest
+    from slurm_resilience.checkpoint.manager import CheckpointManager
+
+    monkeypatch.setattr(dcp_reader, "SCRATCH_BYTES", 1)
+    monkeypatch.setattr(block_reads, "TASK_BYTES", 64 * 1024)
+    saved = {"a": torch.randn(300, 500), "b": torch.randn(700, 3), "c": torch.arange(5.0),
+             "meta": {"lr": 0.5}}
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(3, saved)
+    mgr.close()
+    strided = torch.zeros(500, 300).t()
+    dest = {"a": strided, "b": torch.zeros(700, 3, dtype=torch.float64),
+            "c": torch.zeros(5), "meta": {"lr": 0.0}}
+    reader = mgr.storage_reader(3)
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    assert torch.equal(strided, saved["a"]) and torch.equal(dest["c"], saved["c"])
+    assert torch.equal(dest["b"], saved["b"].double())
+    assert dest["meta"] == {"lr": 0.5}
+    entry = next(f for f in read_manifest(tmp_path / "step-00000003" / "rank-00000").files
+                 if f.path == "data.distcp")
+    assert reader.blocks_verified == len(entry.blocks)
