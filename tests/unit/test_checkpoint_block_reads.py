@@ -99,7 +99,7 @@ def test_restore_into_every_kind_of_destination_in_small_batches(
     with one item per batch of scratch buffers, loads every value and checks every block
     of the data file once."""
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     from slurm_resilience.checkpoint import dcp_reader
     from slurm_resilience.checkpoint.commit import read_manifest
@@ -107,18 +107,16 @@ def test_restore_into_every_kind_of_destination_in_small_batches(
 
     monkeypatch.setattr(dcp_reader, "SCRATCH_BYTES", 1)
     monkeypatch.setattr(block_reads, "TASK_BYTES", 64 * 1024)
-    saved = {"a": torch.randn(300, 500), "b": torch.randn(700, 3), "c": torch.arange(5.0),
-             "meta": {"lr": 0.5}}
+    a, b, c = torch.randn(300, 500), torch.randn(700, 3), torch.arange(5.0)
     mgr = CheckpointManager(tmp_path)
-    mgr.save(3, saved)
+    mgr.save(3, {"a": a, "b": b, "c": c, "meta": {"lr": 0.5}})
     mgr.close()
-    strided = torch.zeros(500, 300).t()
-    dest = {"a": strided, "b": torch.zeros(700, 3, dtype=torch.float64),
-            "c": torch.zeros(5), "meta": {"lr": 0.0}}
+    strided, wide, plain = (torch.zeros(500, 300).t(), torch.zeros(700, 3, dtype=torch.float64),
+                            torch.zeros(5))
+    dest = {"a": strided, "b": wide, "c": plain, "meta": {"lr": 0.0}}
     reader = mgr.storage_reader(3)
-    dcp.load(dest, storage_reader=reader, no_dist=True)
-    assert torch.equal(strided, saved["a"]) and torch.equal(dest["c"], saved["c"])
-    assert torch.equal(dest["b"], saved["b"].double())
+    load(dest, storage_reader=reader, no_dist=True)
+    assert torch.equal(strided, a) and torch.equal(plain, c) and torch.equal(wide, b.double())
     assert dest["meta"] == {"lr": 0.5}
     entry = next(f for f in read_manifest(tmp_path / "step-00000003" / "rank-00000").files
                  if f.path == "data.distcp")
