@@ -298,6 +298,19 @@ class CheckpointManager:
         if self._arrival is not None:  # before any collective: see arrival.py
             self._arrival.meet(f"save-{step}", f"save({step})")
 
+    def prepare(self, state_dict: Mapping[str, Any] | None = None, *, model: Any = None,
+                optimizer: Any = None, scheduler: Any = None) -> None:
+        """Allocate the snapshot buffers now (the arguments as ``save()`` takes them), so the
+        first ``save()`` stalls only for a copy, as later saves do. Optional; memory: the
+        host copy of this rank's state ``save()`` keeps anyway. What can't be saved raises
+        here, as in ``save()``; tensors added or reshaped later get buffers then."""
+        self.wait()
+        state = resolve_stateful(train_state(state_dict, model=model, optimizer=optimizer,
+                                             scheduler=scheduler))
+        check_state(state)
+        self._snap.take(state)  # allocates and writes every page: none faults in a save
+        from slurm_resilience.checkpoint import dcp_writer  # noqa: F401 - not in the stall
+
     def _set_aside_or_raise(self, step: int, here: bool) -> None:
         """A committed ``step`` that this run neither loaded nor saved: a save must neither
         skip (the new state would never be written) nor overwrite it. One this run's restore
