@@ -430,7 +430,10 @@ class Uploader:
         """Quota, eviction under pressure, the reclaimable record (space.py)."""
         with self.lock:
             jobs = [copy.deepcopy(r) for r in self.jobs.values()]  # sync threads change them
-            busy = {j for j, t in self.syncing.items() if t.is_alive()}
+            # A job uploading now keeps its steps this pass; a job without a run URI has
+            # nothing to upload, so its sync never holds its steps back.
+            busy = {j for j, t in self.syncing.items() if t.is_alive()
+                    and j in self.jobs and self.jobs[j].get("uri")}
         try:
             self.space.run(jobs, busy)
         except (CheckpointError, OSError) as exc:
