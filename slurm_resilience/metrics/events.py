@@ -14,13 +14,13 @@ Light on purpose: the prolog imports this (json, os, fcntl only).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import time
 from typing import TypedDict
 
+from slurm_resilience import lockedjson
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
 
@@ -148,18 +148,7 @@ def _number(value: object) -> bool:
 
 def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None = None,
             out: tuple[str, OutDoc | None] | None = None) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    lock_fd = os.open(os.path.join(directory, f".{FILENAME}.lock"),
-                      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        try:
-            doc = read(path)
-        except (OSError, ValueError) as exc:
-            log.warning("metrics: events file unreadable; counting from zero", path=path,
-                        error=str(exc))
-            doc = empty()
+    def apply(doc: EventsDoc) -> None:
         for key, n in change.items():
             if key in doc["counters"] or len(doc["counters"]) < MAX_KEYS:
                 doc["counters"][key] = doc["counters"].get(key, 0) + n
@@ -173,14 +162,10 @@ def _update(path: str, change: dict[str, int], gate: dict[str, GateLast] | None 
                 doc["out"].pop(node, None)
             elif node not in doc["out"]:  # the first sighting stays
                 doc["out"][node] = now_out
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, path)
-    finally:
-        os.close(lock_fd)
+
+    lockedjson.update(path, f".{FILENAME}.lock", read, empty, apply,
+                      lambda exc: log.warning("metrics: events file unreadable; counting "
+                                              "from zero", path=path, error=str(exc)))
 
 
 def count(path: str, kind: str, cause: str, n: int = 1) -> None:

@@ -12,12 +12,12 @@ Light on purpose: the prolog may import this (json, os, fcntl only).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 from typing import TypedDict
 
+from slurm_resilience import lockedjson
 from slurm_resilience.log import get_logger
 
 log = get_logger("slurm")
@@ -82,27 +82,11 @@ def record(path: str, action: str, target: str, detail: str, now: float | None =
     at = time.time() if now is None else now
     detail = " ".join(detail.split())[:MAX_DETAIL]
     try:
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, f".{FILENAME}.lock"),
-                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            try:
-                doc = read(path)
-            except (OSError, ValueError) as exc:
-                log.warning("observe: decisions file unreadable; starting anew", path=path,
-                            error=str(exc))
-                doc = empty()
-            _merge(doc, action, target, detail, at)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh)
-            os.replace(tmp, path)
-        finally:
-            os.close(lock_fd)
+        lockedjson.update(
+            path, f".{FILENAME}.lock", read, empty,
+            lambda doc: _merge(doc, action, target, detail, at),
+            lambda exc: log.warning("observe: decisions file unreadable; starting anew",
+                                    path=path, error=str(exc)))
     except OSError as exc:
         log.warning("observe: couldn't record a decision", path=path, action=action,
                     target=target, error=str(exc))
