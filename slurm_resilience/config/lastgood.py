@@ -126,6 +126,12 @@ def load(path: str | None = None, store: str | None = None) -> Loaded:
                 pass  # a copy that no longer loads (an upgrade removed a key): defaults
         return Loaded(Config(), source, exc, BUILT_IN)
     if text is not None:
-        with contextlib.suppress(OSError):  # a read-only /var/lib must not stop the gate
+        try:
             save(source, text, store)
+        except OSError as exc:  # a read-only /var/lib must not stop the gate; said, though
+            from slurm_resilience.log import get_logger
+
+            get_logger("config").warning(
+                "config: couldn't keep a last good copy; a later broken file gates with the "
+                "built-in defaults instead", source=source, error=str(exc))
     return Loaded(cfg, source)
