@@ -20,6 +20,7 @@ from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.metrics import events
 from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
+from slurm_resilience.slurm.parse import JOB_FINAL_STATES
 
 if TYPE_CHECKING:
     from slurm_resilience.config import Config
@@ -396,10 +397,18 @@ def _release_held(ctx: HookContext, failed_jobs: list[int]) -> None:
             except SlurmError as exc:
                 logger.warning("couldn't release held job", job_id=job_id, error=str(exc))
                 keep.append(job_id)
-        elif job.state == "PENDING" and job.restarts == 0:
-            keep.append(job_id)  # not requeued yet: look again next run
-        elif job.state == "PENDING":  # requeued without a hold (nohold_on_prolog_fail)
+        elif job.restarts > 0 and job.state not in JOB_FINAL_STATES:
+            # Requeued without a hold (nohold_on_prolog_fail), or on its way back
+            # (REQUEUED, COMPLETING): a requeue all the same.
             events.count(ctx.adapter.events_path, events.REQUEUE, "prolog")
+        elif job.state not in JOB_FINAL_STATES:
+            # Not requeued yet (slurmctld may still be taking it off the node, seen as
+            # REQUEUED, COMPLETING or CONFIGURING): look again next run. Dropping it here
+            # lost the requeue whenever a health-check pass came in that window.
+            keep.append(job_id)
+        else:
+            logger.info("job our prolog failed ended without a requeue", job_id=job_id,
+                        state=job.state)
     _bookkeeping(ctx, "record the jobs still held", lambda: _keep_failed(ctx, keep), None)
 
 

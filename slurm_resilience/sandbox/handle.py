@@ -20,10 +20,9 @@ from slurm_resilience.sandbox.control import S3Info
 from slurm_resilience.sandbox.layout import Layout
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
-from slurm_resilience.slurm.parse import JobInfo
+from slurm_resilience.slurm.parse import JOB_FINAL_STATES, JobInfo
 
-FINISHED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                      "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+FINISHED = JOB_FINAL_STATES
 
 
 class Sandbox:

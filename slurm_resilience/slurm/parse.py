@@ -137,6 +137,11 @@ def parse_node(line: str) -> NodeInfo:
     )
 
 
+# Job states a job never leaves (scontrol's JobState base names).
+JOB_FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                              "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """One job as Slurm reports it."""

@@ -11,6 +11,7 @@ import yaml
 from slurm_resilience import config, log
 from slurm_resilience.health import steps
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.metrics import events
 from slurm_resilience.sandbox import faults, hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeRunner, completed
@@ -176,3 +177,35 @@ def test_a_lost_gpu_blocks_even_when_the_state_dir_is_unusable(
     said = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert "hook step crashed" not in said
     assert any("couldn't record" in e for e in said), said  # the bookkeeping failure is said
+
+
+JOB = ("JobId=42 JobName=t UserId=alice(1000) JobState={state} Reason={reason} "
+       "Restarts={restarts} NodeList=node1")
+
+
+@pytest.mark.parametrize(("state", "reason", "restarts", "kept", "counted", "released"), [
+    # slurmctld still taking it off the node: a health-check pass in this window used to
+    # drop the job, and its requeue was never counted
+    ("REQUEUED", "None", 0, True, 0, False),
+    ("COMPLETING", "None", 0, True, 0, False),
+    ("CONFIGURING", "None", 0, True, 0, False),
+    ("PENDING", "None", 0, True, 0, False),  # not requeued yet
+    ("PENDING", "launch_failed_requeued_held", 1, False, 1, True),  # held: let go
+    ("PENDING", "ReqNodeNotAvail", 1, False, 1, False),  # nohold_on_prolog_fail
+    ("RUNNING", "None", 1, False, 1, False),  # requeued, already running elsewhere
+    ("CANCELLED", "None", 0, False, 0, False),  # ended without a requeue
+])
+def test_a_job_our_prolog_failed_is_counted_once_when_requeued(
+        cfg_path: Path, state: str, reason: str, restarts: int, kept: bool, counted: int,
+        released: bool) -> None:
+    """A failed job stays on the list until it is seen requeued (counted once, released if
+    held) or ended; a pass while it is being requeued keeps it."""
+    runner = FakeRunner({"scontrol": [completed(JOB.format(state=state, reason=reason,
+                                                           restarts=restarts))]})
+    c = ctx(cfg_path, "healthcheck", runner)
+    c.adapter.events_path = str(cfg_path.parent / "events.json")
+    steps._release_held(c, [42])
+    assert steps._store(c).load(steps.OURS).get("failed_jobs") == ([42] if kept else [])
+    assert events.read(c.adapter.events_path)["counters"].get("requeue|prolog", 0) == counted, \
+        events.read(c.adapter.events_path)
+    assert (["scontrol", "release", "42"] in runner.calls) is released, runner.calls
