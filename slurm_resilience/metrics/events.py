@@ -55,7 +55,9 @@ DRAIN_CAUSES = ("health", "nccl", "checkpoint", "heartbeat", "hooks", "hang", "h
 KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     DRAIN: DRAIN_CAUSES,
     RESUME: DRAIN_CAUSES,
-    REQUEUE: ("hang", "prolog"),
+    # node_fault: the epilog requeued a job a fault of its node killed (health.faultrequeue);
+    # time_limit, preempt: planned restarts the training side asked for (ahead of a limit).
+    REQUEUE: ("hang", "prolog", "node_fault", "time_limit", "preempt"),
     HOLD: ("hang",),
     CANCEL: ("hang",),
     # heartbeat.records.Action values an incident is counted with (skip is a repeat)
