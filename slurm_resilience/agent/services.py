@@ -7,6 +7,7 @@ SERVICES: list[str] = [
     "slurm_resilience.hooks.supervisor:factory",  # first: hooks are fast from the start
     "slurm_resilience.heartbeat.watcher:factory",
     "slurm_resilience.heartbeat.stale:factory",  # removes job run dirs set aside by hooks
+    "slurm_resilience.heartbeat.limits:factory",  # warns ranks ahead of the time limit
     "slurm_resilience.checkpoint.uploader:factory",
     "slurm_resilience.metrics.service:factory",  # last: it reads the others' state
 ]

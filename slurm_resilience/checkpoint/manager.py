@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint import interrupt
 from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
 from slurm_resilience.checkpoint.catch_up import agree_ranks, pass_over
@@ -199,6 +200,7 @@ class CheckpointManager:
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
                           cfg.agent.request_timeout_s)
+        interrupt.arm(mgr, env, cfg.agent.request_timeout_s)
         return mgr
 
     def _make_group(self, timeout_s: float) -> Any:
@@ -236,6 +238,21 @@ class CheckpointManager:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return [int(v) for v in t.tolist()]
+
+    # -- stopping ahead of a time limit or at preemption (interrupt.py) --------------------
+
+    def stop_requested(self, step: int, every: int = 1) -> interrupt.Stop | None:
+        """Call at each step boundary: not None when the job was warned ahead of its time
+        limit or preempted, the same answer on every rank (one small all-reduce, made only
+        at steps that are a multiple of ``every``)."""
+        return None if every > 1 and step % every else interrupt.agree(self)
+
+    def stop(self, step: int, why: interrupt.Stop, state_dict: Mapping[str, Any] | None = None,
+             *, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> str:
+        """Save ``step``, wait for its commit everywhere, and have the job requeued ahead of
+        its time limit; then leave the training loop. Returns what happened, as printed."""
+        return interrupt.stop(self, step, why, state_dict, model=model, optimizer=optimizer,
+                              scheduler=scheduler)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -593,8 +610,10 @@ class CheckpointManager:
         return state
 
     def close(self) -> None:
-        """Finish the pending save (call before exiting)."""
+        """Finish the pending save (call before exiting); a warning ahead of the time limit
+        arriving from now on is ignored."""
         self.wait()
+        interrupt.disarm()
 
 
 def _warn(message: str) -> None:

@@ -44,8 +44,9 @@ BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly bud
 # A node suspected by several users' jobs got the deeper verification: cleared or failed.
 SUSPICION = "suspicion"
 CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
+PLANNED = "planned"  # a job saved and stopped ahead of its time limit or on preemption
 KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION,
-         CKPT_AGENT)
+         CKPT_AGENT, PLANNED)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -68,6 +69,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
     CKPT_AGENT: ("prolog", "epilog"),
+    PLANNED: ("time_limit", "preempt"),  # heartbeat.limits.CAUSES
 }
 
 
