@@ -128,12 +128,14 @@ def requested() -> int:
 
 
 def agree(mgr: CheckpointManager) -> Stop | None:
-    """Every rank's flag folded into one answer (one small all-reduce); None: go on."""
-    code = mgr._all_max([_got[0]])[0]
+    """Every rank's flag folded into one answer (one small all-reduce); None: go on. The
+    time left is reckoned from the latest warning any rank got (the nodes' agents send
+    theirs on their own ticks)."""
+    deadline = int(_at[0] + _lead[0]) if _got[0] == TIME_LIMIT and _lead[0] else 0
+    code, latest = mgr._all_max([_got[0], deadline], mgr._stop_group)
     if code == NONE:
         return None
-    left = _lead[0] - (time.time() - _at[0]) if _got[0] == TIME_LIMIT and _lead[0] else None
-    return Stop(CAUSES[code], left)
+    return Stop(CAUSES[code], latest - time.time() if latest else None)
 
 
 def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] | None,

@@ -121,6 +121,7 @@ class CheckpointManager:
         self._future: Any = None
         self._error: BaseException | None = None
         self._group: Any = None
+        self._stop_group: Any = None
         self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self._save_report_failed = False
         self.last_saved: int | None = None
@@ -136,6 +137,9 @@ class CheckpointManager:
             self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
             self.local_leader = self.rank == 0 if local_leader is None else local_leader
             self._group = self._make_group(barrier_timeout_s)
+            # stop_requested()'s agreement runs at every step, while a save's collectives may
+            # be running on _group in the background: a group of its own.
+            self._stop_group = self._make_group(barrier_timeout_s)
             self._arrival = for_group(self._group, self.rank, self.world_size,
                                       arrival_timeout_s, _warn)
         elif world_size > 1:
@@ -228,15 +232,16 @@ class CheckpointManager:
             self.agent_socket = None
             self._agent_lost = lost
 
-    def _all_max(self, values: list[int]) -> list[int]:
-        """Element-wise max of ``values`` over all ranks (our own group)."""
-        if self._group is None:
+    def _all_max(self, values: list[int], group: Any = None) -> list[int]:
+        """Element-wise max of ``values`` over all ranks (our own group, or ``group``)."""
+        group = self._group if group is None else group
+        if group is None:
             return values
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return [int(v) for v in t.tolist()]
 
     # -- stopping ahead of a time limit or at preemption (interrupt.py) --------------------
