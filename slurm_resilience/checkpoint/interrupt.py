@@ -145,6 +145,7 @@ def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] 
     line rank 0 printed on stderr (other ranks: the same text without the agent's answer)."""
     from slurm_resilience import heartbeat
 
+    heartbeat.stopping()
     if step not in mgr._trusted:
         with heartbeat.section("checkpoint"):
             mgr.save(step, state, **parts)

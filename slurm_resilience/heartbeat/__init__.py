@@ -41,7 +41,7 @@ from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.writer import Heartbeat
 
 __all__ = ["Heartbeat", "beat", "checkpointed", "current", "done", "init", "section",
-           "stopped"]
+           "stopped", "stopping"]
 
 ENV_TIMEOUT = "SLURM_RESILIENCE_HANG_TIMEOUT"
 ENV_MODE = "SLURM_RESILIENCE_HANG"
@@ -166,6 +166,14 @@ def done() -> None:
     hb = current()
     if hb is not None:
         hb.done()
+
+
+def stopping() -> None:
+    """The loop saves to stop ahead of a time limit or at preemption: set before the save,
+    so the agent sees it however soon the job is gone."""
+    hb = current()
+    if hb is not None:
+        hb.stopping()
 
 
 def stopped() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,9 @@ from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
-STEPS = 40
+# 48 s of steps: more than any one-minute run leaves after its start, so every job meets
+# its limit at least once whatever the load.
+STEPS = 96
 TORCHRUN = PYTHON.parent / "torchrun"
 
 
@@ -37,9 +38,9 @@ def counted(box: Sandbox, kind: str, cause: str) -> int:
 def check_planned_restarts(box: Sandbox, job_id: int, out: str) -> list[tuple[int, int]]:
     """Each run that stopped saved step S and the next run resumed from S; returns
     (run, S) per stop."""
-    stops = [(int(m.group(1)), int(m.group(2))) for m in re.finditer(
+    stops = [(int(m.group(1)), int(m.group(2).replace(",", ""))) for m in re.finditer(
         r"stopped step=(\d+) cause=time_limit at=[\d.]+: time limit in \d+ s: saved step "
-        r"(\d+), requeued", out.replace(",", ""))]
+        r"([\d,]+), requeued", out)]
     runs = sorted({int(r) for r in re.findall(r"rank 0 running step=\d+ at=[\d.]+ restarts=(\d+)",
                                               out)})
     assert stops, out
@@ -62,9 +63,9 @@ def run_past_limits(sandbox: Sandbox, user: str, name: str, launcher: str = "",
     before = counted(sandbox, events.REQUEUE, "time_limit")
     hangs = counted(sandbox, events.REQUEUE, "hang")
     job_id = submit(sandbox, user, work, f"--steps {STEPS} --ckpt-every 100000 "
-                                         "--step-seconds 0.25", sbatch_args=("--time=1",),
+                                         "--step-seconds 0.5", sbatch_args=("--time=1",),
                     launcher=launcher, extra_env=extra_env)
-    final = sandbox.wait_job(job_id, timeout=900, poll=1.0)
+    final = sandbox.wait_job(job_id, timeout=1500, poll=1.0)
     out = output(work, job_id)
     print(out)
     assert final.state == "COMPLETED", out
@@ -106,11 +107,9 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
     work = sandbox.user_dir(user, "preempt")
     hangs = counted(sandbox, events.REQUEUE, "hang")
     before = counted(sandbox, events.PLANNED, "preempt")
-    job_id = submit(sandbox, user, work, "--steps 40 --ckpt-every 100000 --step-seconds 0.25")
-    wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 180,
+    job_id = submit(sandbox, user, work, "--steps 100 --ckpt-every 100000 --step-seconds 0.5")
+    wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 300,
              "the job's first step")
-    wait_for(lambda: sandbox.job(job_id).state == "RUNNING" and "checkpoint" not in
-             output(work, job_id) and time.sleep(3) is None, 60, "a few steps")
     nodes = sandbox.job(job_id).nodes
     urgent = sandbox.sbatch(["sleep", "1"], args=["-p", "urgent", f"-N{len(nodes)}",
                                                  f"--nodelist={','.join(nodes)}"])
@@ -120,11 +119,11 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
     print(out)
     assert final.state == "COMPLETED", out
     m = re.search(r"stopped step=(\d+) cause=preempt at=[\d.]+: preempted: saved step "
-                  r"(\d+)", out.replace(",", ""))
-    assert m and m.group(1) == m.group(2), out
-    saved = int(m.group(2))
+                  r"([\d,]+)", out)
+    assert m and int(m.group(1)) == int(m.group(2).replace(",", "")), out
+    saved = int(m.group(1))
     assert re.search(rf"rank 0 running step={saved + 1} at=[\d.]+ restarts=1 ", out), out
-    assert re.search(rf"done step=40 resumed_from={saved} restarts=1", out), out
+    assert re.search(rf"done step=100 resumed_from={saved} restarts=1", out), out
     assert final.restarts == 1
     assert planned_count(final.admin_comment)[0] == 1, final.admin_comment
     assert parse_ledger(final.admin_comment) is None
