@@ -136,7 +136,9 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
     first = _clip(r.first_step_at, r.start, r.end)
     losses["stagein"] = min(r.stagein_s, first - r.start)
     losses["before_first_step"] = first - r.start - losses["stagein"]
-    failed = r.hang is not None or (ended and not r.done and not ok)
+    # A planned stop flags itself before its save: the tick that sees the save's end (done)
+    # may never come before the requeue ends the run.
+    failed = r.hang is not None or (ended and not r.done and not ok and not r.planned)
     last = _clip(r.last_progress_at if r.last_progress_at is not None else first, first, r.end)
     stop = r.end
     kept = r.steps

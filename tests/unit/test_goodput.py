@@ -396,3 +396,24 @@ def test_a_run_stopped_ahead_of_its_time_limit_is_a_planned_restart_not_a_failur
     assert b.losses["lost_since_checkpoint"] == 0.0 and b.losses["restart"] == 0.0
     assert b.productive_s == 159.0
     assert "planned restart" in compute.render(b)
+
+
+def test_the_ledger_marks_a_run_whose_ranks_stopped_on_purpose(tmp_path: Path) -> None:
+    """A rank's stopping flag (set before its save at a time limit) makes the run a
+    planned one in the node's ledger, and its end a planned restart."""
+    ledger = Ledger(str(tmp_path / "goodput"), str(tmp_path / "incidents"))
+
+    def vs(step: int, at: float, flags: int) -> list[S.SlotView]:
+        return [S.SlotView(**{**slot(rank, step, 1.0, 7).__dict__, "restart_count": 0,
+                              "last_beat": at, "beats": step, "flags": flags,
+                              "created": at - step}) for rank in range(2)]
+
+    for t in range(0, 60):
+        v = view(7, vs(min(t, 50), float(min(t, 50)), 0 if t < 50 else S.FLAG_STOPPED))
+        object.__setattr__(v.record, "started", 0.0)
+        ledger.observe([v], float(t))
+    ledger.observe([], 70.0)
+    saved = ledger.load(7)
+    assert saved is not None and saved.runs[0].planned
+    b = compute.breakdown(7, [r.to_run() for r in saved.runs.values()], last_over=True)
+    assert b.losses["planned_restart"] > 0 and b.losses["restart"] == 0
