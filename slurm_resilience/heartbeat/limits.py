@@ -182,6 +182,10 @@ class LimitWatch:
             job = self.adapter.show_job(job_id)
         except SlurmError as exc:
             raise RequestError(f"couldn't read job {job_id}: {exc}") from exc
+        if cause == "preempt" and job.state == "CANCELLED":
+            # scancel sends SIGTERM too: the step is saved, but no restart follows.
+            log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
+            return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
         requeue = bool(request.get("requeue")) and cause == "time_limit"
         why = ""
         if requeue and job.state != "RUNNING":

@@ -170,3 +170,11 @@ def test_stop_saves_the_step_and_the_next_run_resumes_from_it(
     interrupt.reset()
     loaded = CheckpointManager(tmp_path).load_latest(model=torch.nn.Linear(3, 3))
     assert loaded is not None and loaded.step == 4
+
+
+def test_a_cancelled_job_that_saved_is_not_counted_as_planned(tmp_path: Path) -> None:
+    watch, adapter = service(tmp_path, job(state="CANCELLED"), [0.0], [])
+    answer = watch.handle_stopped({"job_id": 7, "step": 1200, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer == {"requeued": False, "text": "cancelled: saved step 1,200", "why": ""}
+    assert adapter.calls == []
