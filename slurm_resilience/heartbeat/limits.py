@@ -94,6 +94,18 @@ def end_time(job: JobInfo) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
+def preempted(job: JobInfo) -> bool:
+    """Whether Slurm chose the job for preemption (its PreemptTime is set)."""
+    raw: Any = job.raw
+    text = raw.get("PreemptTime")
+    if isinstance(text, str):
+        return text not in ("", "None", "Unknown")
+    value = raw.get("preempt_time")
+    if isinstance(value, dict):
+        return bool(value.get("set", True)) and bool(value.get("number"))
+    return isinstance(value, (int, float)) and value > 0
+
+
 def planned_count(admin_comment: str) -> tuple[int, int]:
     """(planned stops so far, the job's Restarts at the last one), from the AdminComment."""
     m = _TOKEN.search(admin_comment)
@@ -187,6 +199,10 @@ class LimitWatch:
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
             return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
         requeue = bool(request.get("requeue")) and cause == "time_limit"
+        if cause == "preempt" and preempted(job) and "REQUEUE" in self._preempt_mode():
+            # A job that ends within its grace time ends by its exit code, not requeued:
+            # the job saved, so it goes back to the queue now. Under CANCEL it just ends.
+            requeue = True
         why = ""
         if requeue and job.state != "RUNNING":
             requeue, why = False, f"the job is {job.state}"
@@ -213,6 +229,14 @@ class LimitWatch:
         log.warning(f"limits: job {job_id}: {text}" + (f" (not requeued: {why})" if why else ""),
                     job_id=job_id, step=step, cause=cause)
         return {"requeued": requeue, "text": text, "why": why}
+
+    def _preempt_mode(self) -> str:
+        """The cluster's PreemptMode (``REQUEUE``, ``CANCEL``...; "" when unreadable)."""
+        try:
+            return self.adapter.show_config().get("PreemptMode", "").upper()
+        except SlurmError as exc:
+            log.warning("limits: couldn't read PreemptMode", error=str(exc))
+            return ""
 
     # -- the tick ----------------------------------------------------------------------------
 

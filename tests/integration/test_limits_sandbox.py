@@ -111,8 +111,9 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
     wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 300,
              "the job's first step")
     nodes = sandbox.job(job_id).nodes
+    # --exclusive: the training job's tasks leave cores free, which a job could share.
     urgent = sandbox.sbatch(["sleep", "1"], args=["-p", "urgent", f"-N{len(nodes)}",
-                                                 f"--nodelist={','.join(nodes)}"])
+                                                 "--exclusive", f"--nodelist={','.join(nodes)}"])
     assert sandbox.wait_job(urgent, timeout=300, poll=1.0).state == "COMPLETED"
     final = sandbox.wait_job(job_id, timeout=600, poll=1.0)
     out = output(work, job_id)

@@ -48,6 +48,9 @@ class FakeAdapter:
     def set_admin_comment(self, job_id: int, text: str) -> None:
         self.calls.append(("comment", text))
 
+    def show_config(self) -> dict[str, str]:
+        return {"PreemptMode": "REQUEUE"}
+
 
 def job(state: str = "RUNNING", end: str = "2030-01-01T00:01:00", requeue: bool = True,
         admin: str = "", restarts: int = 0) -> JobInfo:
@@ -178,3 +181,13 @@ def test_a_cancelled_job_that_saved_is_not_counted_as_planned(tmp_path: Path) ->
                                   Peer(os.getpid(), UID, 0))
     assert answer == {"requeued": False, "text": "cancelled: saved step 1,200", "why": ""}
     assert adapter.calls == []
+
+
+def test_a_job_preempted_under_requeue_that_saved_is_requeued_at_once(tmp_path: Path) -> None:
+    """Ending within its grace time, a job would end by its exit code, not requeued."""
+    j = replace(job(), raw={"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"})
+    watch, adapter = service(tmp_path, j, [0.0], [])
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
+    assert adapter.calls[0] == ("requeue", "preempt")
