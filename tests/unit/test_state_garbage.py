@@ -217,10 +217,10 @@ def test_heartbeat_state_garbage_is_ignored_with_a_word(tmp_path: Path, events: 
     """The agent's hang-handling state (suspicions, tuned timeouts, incident progress, job
     records, incident reports, the checkpoint facts it reads from the journal): garbage in
     any of them reads as nothing, with a log event or an error line, never a crash."""
-    from slurm_resilience.heartbeat import ckptfacts, incident, jobrecord
-    from slurm_resilience.heartbeat.store import IncidentStore
-    from slurm_resilience.heartbeat.suspect import SuspectHistory
-    from slurm_resilience.heartbeat.tune import TunedTimeouts
+    from slurm_resilience.hang import ckptfacts, incident, jobrecord
+    from slurm_resilience.hang.store import IncidentStore
+    from slurm_resilience.hang.suspect import SuspectHistory
+    from slurm_resilience.hang.tune import TunedTimeouts
 
     state = tmp_path / "hb"
     state.mkdir(mode=0o700)
@@ -448,7 +448,7 @@ def test_metrics_events_garbage_counts_from_zero_and_is_said(
         tmp_path: Path, events: Path, kind: str) -> None:
     """metrics-events.json: counting goes on from zero with a warning; the collector never
     sees an exception other than the ones it reports."""
-    from slurm_resilience.metrics import events as metric_events
+    from slurm_resilience import events as metric_events
 
     path = _spoiled(tmp_path / "state" / metric_events.FILENAME, kind, "events")
     with contextlib.suppress(OSError, ValueError):  # the documented ways to refuse a file

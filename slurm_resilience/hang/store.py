@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TypedDict
 
-from slurm_resilience.heartbeat import safefs
-from slurm_resilience.heartbeat.actions import Step, StepDoc, step_from_json
-from slurm_resilience.heartbeat.blame import Blame
+from slurm_resilience import safefs
+from slurm_resilience.hang.actions import Step, StepDoc, step_from_json
+from slurm_resilience.hang.blame import Blame
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.store")

@@ -21,14 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from slurm_resilience.config.heartbeat import ExchangeSection
-from slurm_resilience.heartbeat.exchange.credentials import (
+from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
+from slurm_resilience.slurm.errors import SlurmError
+from slurm_resilience.transport.credentials import (
     CredentialError,
     Credentials,
     MungeCredentials,
 )
-from slurm_resilience.heartbeat.exchange.listener import Listener
-from slurm_resilience.heartbeat.exchange.tree import Tree
-from slurm_resilience.heartbeat.exchange.wire import (
+from slurm_resilience.transport.listener import Listener
+from slurm_resilience.transport.tree import Tree
+from slurm_resilience.transport.wire import (
     Kind,
     Message,
     MessageError,
@@ -36,9 +39,6 @@ from slurm_resilience.heartbeat.exchange.wire import (
     parse_message,
     send_frame,
 )
-from slurm_resilience.log import get_logger
-from slurm_resilience.logbudget import LogBudget, user_text
-from slurm_resilience.slurm.errors import SlurmError
 
 log = get_logger("heartbeat.exchange")
 

@@ -20,9 +20,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slurm_resilience.heartbeat.exchange.wire import MessageError, read_frame
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
+from slurm_resilience.transport.wire import MessageError, read_frame
 
 log = get_logger("heartbeat.exchange")
 # Anyone who can reach the port decides how often these happen.

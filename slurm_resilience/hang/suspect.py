@@ -31,15 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from slurm_resilience import events, safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import policy, safefs
-from slurm_resilience.heartbeat.records import Clock
+from slurm_resilience.hang import policy
+from slurm_resilience.hang.incidentrecords import Clock
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import ForeignDrain, SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
+from slurm_resilience.slurm.reasons import cause_of
 
 if TYPE_CHECKING:
     from slurm_resilience.config.nccl import NcclSection
@@ -341,7 +342,7 @@ class SuspectWatch:
             return "couldn't read node state"
         ours_out = (info.drained or info.down) and self.adapter.ours(info.reason)
         events.observe_drain(self.adapter.events_path, self.node,
-                             events.cause_of(info.reason, self.adapter.prefix) if ours_out
+                             cause_of(info.reason, self.adapter.prefix) if ours_out
                              else None, self.clock.time())
         parsed = policy.parse_reason(info.reason) if info.drained else None
         if parsed is None or not parsed.suspect or not self.adapter.ours(info.reason):

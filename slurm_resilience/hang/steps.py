@@ -2,7 +2,7 @@
 
 Prolog: ``<run_dir>/job-<id>`` for the job's user, mode 0700, created under the
 root-owned run directory without following links: a tmpfs of its own, limited in
-size and inodes (``node.job_tmpfs``, see :mod:`~slurm_resilience.heartbeat.jobfs`), or a
+size and inodes (``node.job_tmpfs``, see :mod:`~slurm_resilience.hang.jobfs`), or a
 plain directory; plus the root-owned job record the agent trusts. A leftover of the
 same name (a requeue, or another user's job under a reused id) is set aside under
 ``.stale/`` for the agent: a rename, never a drain. Epilog: the tmpfs is detached, what
@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from slurm_resilience import safefs
 from slurm_resilience.config.budgets import run_dir_remove_s
-from slurm_resilience.heartbeat import jobfs, jobrecord, safefs
+from slurm_resilience.hang import jobfs, jobrecord
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger

@@ -58,7 +58,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     REQUEUE: ("hang", "prolog"),
     HOLD: ("hang",),
     CANCEL: ("hang",),
-    # heartbeat.records.Action values an incident is counted with (skip is a repeat)
+    # hang.incidentrecords.Action values an incident is counted with (skip is a repeat)
     INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
     STRAGGLER: ("step_time", "node_step_time"),
     BUDGET: ("incident", "straggler"),
@@ -207,16 +207,3 @@ def observe_drain(path: str, node: str, cause: str | None, now: float) -> None:
                                {"cause": label(cause), "since": now}))
     except (OSError, ValueError) as exc:
         log.warning("metrics: couldn't record the node's drain", path=path, error=str(exc))
-
-
-def cause_of(reason: str, prefix: str) -> str:
-    """The cause of one of our Slurm reasons: its owner tags (``health``, ``nccl``,
-    ``hang``...), else ``other``."""
-    from slurm_resilience.slurm.reasons import parse
-
-    own = parse(reason, prefix)
-    if own is not None:
-        return ",".join(sorted(own.owners))
-    if "hang" in reason:
-        return "hang_suspect" if "suspect" in reason else "hang"
-    return "other"

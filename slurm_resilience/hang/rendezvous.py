@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import safefs
-from slurm_resilience.heartbeat.records import MAX_PIECE_BYTES
-from slurm_resilience.heartbeat.steps import remove_tree
+from slurm_resilience.hang.incidentrecords import MAX_PIECE_BYTES
+from slurm_resilience.hang.steps import remove_tree
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.rendezvous")
@@ -209,7 +209,7 @@ def make(cfg: Config, node: str,
     hb = cfg.heartbeat
     mode = hb.rendezvous
     if mode == "network":
-        from slurm_resilience.heartbeat import exchange
+        from slurm_resilience.hang import netrendezvous as exchange
 
         try:
             made: Rendezvous = exchange.from_config(hb.exchange, node, resolver)

@@ -37,11 +37,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     if args.node:
         return _one(cfg, args)
-    from slurm_resilience.heartbeat.exchange.credentials import for_queries
     from slurm_resilience.queries.client import ask_all
     from slurm_resilience.queries.urls import agent_urls
     from slurm_resilience.slurm.adapter import from_config
     from slurm_resilience.slurm.jobfacts import slurm_facts
+    from slurm_resilience.transport.credentials import for_queries
 
     facts = slurm_facts(from_config(cfg), args.job_id)
     nodes = facts.nodes()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from slurm_resilience.agent.service import Peer, Request, RequestError, Response
-from slurm_resilience.heartbeat import incident
-from slurm_resilience.heartbeat.localpiece import JobView
+from slurm_resilience.hang import incident
+from slurm_resilience.hang.localpiece import JobView
 
 
 def job_id_of(value: object, what: str = "job_id") -> int:

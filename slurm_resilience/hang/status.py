@@ -2,7 +2,7 @@
 
 Drains carrying our prefix, jobs whose AdminComment holds our hang ledger
 (requeued or held, with the reason), and the incident reports this node's
-agent wrote. Pure assembly here; :mod:`slurm_resilience.heartbeat.cli` prints it.
+agent wrote. Pure assembly here; :mod:`slurm_resilience.statuscli` prints it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import incident, policy
-from slurm_resilience.heartbeat import requeue as R
-from slurm_resilience.heartbeat import suspect as S
-from slurm_resilience.heartbeat.suspect import DeepDoc
+from slurm_resilience.hang import incident, policy
+from slurm_resilience.hang import requeue as R
+from slurm_resilience.hang import suspect as S
+from slurm_resilience.hang.suspect import DeepDoc
 from slurm_resilience.slurm import observed
 from slurm_resilience.slurm.observed import Decision
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo

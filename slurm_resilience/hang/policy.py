@@ -23,12 +23,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import requeue as R
-from slurm_resilience.heartbeat import takeouts as T
-from slurm_resilience.heartbeat.actions import Step, StepKind
-from slurm_resilience.heartbeat.blame import Blame
-from slurm_resilience.heartbeat.records import Action, Decision, NodeCall, NodeVerdict
-from slurm_resilience.heartbeat.takeouts import HangReason as HangReason
+from slurm_resilience.hang import requeue as R
+from slurm_resilience.hang import takeouts as T
+from slurm_resilience.hang.actions import Step, StepKind
+from slurm_resilience.hang.blame import Blame
+from slurm_resilience.hang.incidentrecords import Action, Decision, NodeCall, NodeVerdict
+from slurm_resilience.hang.takeouts import HangReason as HangReason
 from slurm_resilience.slurm.parse import NodeInfo
 
 # Our reasons and the take-out record live in takeouts (actions reads them too).

@@ -12,7 +12,7 @@ from typing import Any
 from slurm_resilience import config
 from slurm_resilience.config import lastgood
 from slurm_resilience.config.paths import node_name, node_path
-from slurm_resilience.heartbeat import status as st
+from slurm_resilience.hang import status as st
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.errors import SlurmError
 
@@ -66,7 +66,7 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         errors.append(f"stragglers: {exc.filename}: permission denied (root only)")
     result["suite_mode"] = cfg.mode
     if cfg.mode == "observe":
-        from slurm_resilience.metrics import events
+        from slurm_resilience import events
         from slurm_resilience.slurm import observed
 
         try:

@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from slurm_resilience import events
 from slurm_resilience.config import Config
-from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat import ckptfacts, incident, localpiece, policy
-from slurm_resilience.heartbeat.actions import (
+from slurm_resilience.hang import blame as B
+from slurm_resilience.hang import ckptfacts, incident, localpiece, policy
+from slurm_resilience.hang.actions import (
     Clocked,
     DeadlinePassed,
     Step,
@@ -25,7 +26,7 @@ from slurm_resilience.heartbeat.actions import (
     execute,
     retry,
 )
-from slurm_resilience.heartbeat.records import (
+from slurm_resilience.hang.incidentrecords import (
     Action,
     BlameDoc,
     Clock,
@@ -39,10 +40,9 @@ from slurm_resilience.heartbeat.records import (
     piece_from_bytes,
     piece_to_bytes,
 )
-from slurm_resilience.heartbeat.rendezvous import Rendezvous
-from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress, ProgressState
+from slurm_resilience.hang.rendezvous import Rendezvous
+from slurm_resilience.hang.store import ClaimBasis, IncidentStore, Progress, ProgressState
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
 from slurm_resilience.slurm.parse import JobInfo

@@ -1,9 +1,9 @@
 """The agent's hang watcher service: reads every job's heartbeat slots on this node each
 tick, judges them (pure), and hands a hang to one incident thread
-(:mod:`~slurm_resilience.heartbeat.handling`). It also starts incidents other nodes
-announced through the :class:`~slurm_resilience.heartbeat.rendezvous.Rendezvous`, verifies
-this node when an incident made it a suspect (:mod:`~slurm_resilience.heartbeat.suspect`),
-answers socket requests (:mod:`~slurm_resilience.heartbeat.handlers`) and cleans up.
+(:mod:`~slurm_resilience.hang.incidentflow`). It also starts incidents other nodes
+announced through the :class:`~slurm_resilience.hang.rendezvous.Rendezvous`, verifies
+this node when an incident made it a suspect (:mod:`~slurm_resilience.hang.suspect`),
+answers socket requests (:mod:`~slurm_resilience.hang.socketapi`) and cleans up.
 
 The tick only reads small files; everything slow runs in threads, one per incident (at most
 one per job at a time) and one for verification.
@@ -20,17 +20,17 @@ from typing import Any
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import detect, evidence, handlers, jobrecord
+from slurm_resilience.hang import detect, evidence, jobrecord, socketapi
+from slurm_resilience.hang import rendezvous as RV
+from slurm_resilience.hang.incidentflow import IncidentRunner
+from slurm_resilience.hang.incidentrecords import Clock, SystemClock
+from slurm_resilience.hang.live import LiveConfig
+from slurm_resilience.hang.localpiece import JobView
+from slurm_resilience.hang.slotreader import read_slots
+from slurm_resilience.hang.store import IncidentStore
+from slurm_resilience.hang.suspect import SuspectWatch, Verifier, verify
+from slurm_resilience.hang.tune import TunedTimeouts
 from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat import rendezvous as RV
-from slurm_resilience.heartbeat.handling import IncidentRunner
-from slurm_resilience.heartbeat.live import LiveConfig
-from slurm_resilience.heartbeat.localpiece import JobView
-from slurm_resilience.heartbeat.records import Clock, SystemClock
-from slurm_resilience.heartbeat.slots import read_slots
-from slurm_resilience.heartbeat.store import IncidentStore
-from slurm_resilience.heartbeat.suspect import SuspectWatch, Verifier, verify
-from slurm_resilience.heartbeat.tune import TunedTimeouts
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -113,7 +113,7 @@ class HangWatcher:
         nodes): the hang rendezvous itself in network mode; in directory mode one of its own
         on the same port and munge settings, refusing hang pieces, made on first use; None
         in mode none (the site runs no exchange between agents)."""
-        from slurm_resilience.heartbeat import exchange
+        from slurm_resilience.hang import netrendezvous as exchange
 
         if isinstance(self.rdv, exchange.NetworkRendezvous):
             return self.rdv
@@ -265,20 +265,20 @@ class HangWatcher:
         """Jobs watched on this node: root sees all, a user only their own."""
         with self.lock:
             views = list(self.jobs.values())
-        return handlers.status(views, self.node, self.cfg.heartbeat.mode, peer,
+        return socketapi.status(views, self.node, self.cfg.heartbeat.mode, peer,
                                self.suspects.last)
 
     def handle_report(self, request: Request, peer: Peer) -> Response:
         """A job's own process reports a stall it detected itself: handled like a timeout."""
         with self.lock:
             jobs = dict(self.jobs)
-        view = handlers.owned(jobs, self.node, request, peer)
+        view = socketapi.owned(jobs, self.node, request, peer)
         started = self.start_incident(view, trigger=f"reported by uid {peer.uid} pid {peer.pid}")
         return {"ok": True, "job_id": view.record.job_id, "started": started}
 
     def handle_fetch(self, request: Request, peer: Peer) -> Response:
         """The reports of a job, for its owner or root."""
-        return handlers.fetch(self.incident_dir, self.node, request, peer,
+        return socketapi.fetch(self.incident_dir, self.node, request, peer,
                               self.cfg.heartbeat.max_report_bytes)
 
     def handlers(self) -> dict[str, Handler]:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypedDict
 
-from slurm_resilience.heartbeat.blame import RankObservation
+from slurm_resilience.hang.blame import RankObservation
 
 MAX_PIECE_BYTES = 64 << 10
 
