@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "nccl-test": "slurm_resilience.nccl.cli",
     "status": "slurm_resilience.statuscli",
     "report": "slurm_resilience.hang.reportcli",
-    "ckpt": "slurm_resilience.checkpoint.cli",
+    "ckpt": "slurm_resilience.uploader.cli",
     "check": "slurm_resilience.health.cli",
     "xid-repaired": "slurm_resilience.health.repaircli",
     "topology": "slurm_resilience.topology.cli",

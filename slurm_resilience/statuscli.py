@@ -75,7 +75,7 @@ def collect(cfg: config.Config, node: str) -> st.StatusDoc:
         except (OSError, ValueError) as exc:
             errors.append(f"observed decisions: {exc}")
     if cfg.checkpoint.enabled:
-        from slurm_resilience.checkpoint import upload_status
+        from slurm_resilience.uploader import upload_status
 
         uploads = upload_status.collect(upload_status.journal_dir(cfg, node))
         result["uploads"] = uploads
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                            cfg.stragglers.record_window_s,
                                            result.get("stragglers_judged")))
         if "uploads" in result:
-            from slurm_resilience.checkpoint import upload_status
+            from slurm_resilience.uploader import upload_status
 
             sys.stdout.write(upload_status.render(result["uploads"]))
     return 1 if result.get("errors") or not loaded.valid else 0

@@ -22,7 +22,7 @@ from slurm_resilience.slurm.observed import Decision
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
 if TYPE_CHECKING:
-    from slurm_resilience.checkpoint.upload_status import UploadReport
+    from slurm_resilience.uploader.upload_status import UploadReport
 
 
 class DrainRow(TypedDict):

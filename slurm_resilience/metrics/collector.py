@@ -23,7 +23,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from slurm_resilience import __version__, events
-from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending_steps
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
@@ -33,6 +32,7 @@ from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import jobs_of, users_of
+from slurm_resilience.uploader.journal import StepState, failed_steps, pending_steps
 
 log = get_logger("metrics")
 
@@ -74,7 +74,7 @@ class AgentSources:
     nccl_path: str
     started: float = field(default_factory=time.time)
     watcher: Any = None  # hang.watcher.HangWatcher
-    uploader: Any = None  # checkpoint.uploader.Uploader
+    uploader: Any = None  # uploader.service.Uploader
     steps: StepWatch | None = None
     nodes: Any = None  # stragglers.nodeexchange.NodeExchange
     ledger: Ledger | None = None

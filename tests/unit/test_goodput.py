@@ -254,7 +254,7 @@ def test_ckpt_status_links_to_goodput(capsys: pytest.CaptureFixture[str]) -> Non
     import tempfile
     import threading
 
-    from slurm_resilience.checkpoint.cli import run_status
+    from slurm_resilience.uploader.cli import run_status
 
     short = tempfile.mkdtemp(prefix="sr-ck-")  # a Unix socket path is at most 107 bytes
     sock_path = os.path.join(short, "agent.sock")

@@ -406,8 +406,8 @@ def test_an_unreachable_checkpoint_agent_shows_in_the_metrics(tmp_path: Path) ->
 
 
 def test_the_checkpoint_hooks_count_the_event_kind_metrics_knows() -> None:
-    """checkpoint.steps names metrics' CKPT_AGENT without importing metrics (no cycle)."""
+    """uploader.steps names metrics' CKPT_AGENT without importing metrics (no cycle)."""
     from slurm_resilience import events
-    from slurm_resilience.checkpoint import steps
+    from slurm_resilience.uploader import steps
 
     assert steps.CKPT_AGENT_UNREACHABLE == events.CKPT_AGENT

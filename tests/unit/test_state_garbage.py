@@ -193,8 +193,8 @@ def test_checkpoint_journal_garbage_is_quarantined_and_the_agent_goes_on(
     """A garbage journal record is quarantined with an error event; the agent starts, and
     the next job's start works; `status` lists the quarantined file."""
     from slurm_resilience.agent.service import Peer
-    from slurm_resilience.checkpoint import upload_status
-    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.uploader import upload_status
+    from slurm_resilience.uploader.service import Uploader
 
     cfg = _nccl_cfg(tmp_path)
     jdir = upload_status.journal_dir(cfg, "n1")
@@ -274,7 +274,7 @@ def test_intent_record_garbage_is_refused_by_name(kind: str) -> None:
     """An intent record (read back from S3 by every node of a run) that is garbage is
     refused with an error naming where it was, never taken for a node's intent."""
     from slurm_resilience.checkpoint.commit import CheckpointError
-    from slurm_resilience.checkpoint.intent import Intent
+    from slurm_resilience.uploader.intent import Intent
 
     with pytest.raises(CheckpointError, match="run/step-00000005/x: not a valid intent"):
         Intent.from_json(garbage(kind), "run/step-00000005/x")
@@ -404,7 +404,7 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
         for svc in services:
             svc.close()
     said = [e for e in logged(events) if "couldn't start" in str(e["event"])]
-    assert said and said[0]["service"] == "slurm_resilience.checkpoint.uploader:factory"
+    assert said and said[0]["service"] == "slurm_resilience.uploader.service:factory"
 
 
 # -- the state files added later: stragglers, metrics events, NCCL drains, goodput, idle diag --

@@ -29,10 +29,10 @@ from slurm_resilience.checkpoint.commit import (
     check_save_id,
     step_name,
 )
-from slurm_resilience.checkpoint.journal import JobRecord, StepDoc
 from slurm_resilience.checkpoint.prefix import S3Uri, parse_uri
-from slurm_resilience.checkpoint.s3 import S3, S3Error, error_code
 from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.journal import JobRecord, StepDoc
+from slurm_resilience.uploader.s3 import S3, S3Error, error_code
 
 log = get_logger("checkpoint.intent")
 

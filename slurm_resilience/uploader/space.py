@@ -21,15 +21,15 @@ from slurm_resilience.checkpoint import quota as quotas
 from slurm_resilience.checkpoint import reclaim_record
 from slurm_resilience.checkpoint.commit import COMMIT, step_name
 from slurm_resilience.checkpoint.errors import CheckpointError
-from slurm_resilience.checkpoint.eviction import StagedStep, plan_eviction, protected
-from slurm_resilience.checkpoint.journal import JobRecord
 from slurm_resilience.checkpoint.reclaim_record import tree_bytes_at
-from slurm_resilience.checkpoint.rootfs import committed_steps_at
 from slurm_resilience.checkpoint.staging import open_job_dir, remove_at
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.config.schema import Config
 from slurm_resilience.log import get_logger
 from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
+from slurm_resilience.uploader.eviction import StagedStep, plan_eviction, protected
+from slurm_resilience.uploader.journal import JobRecord
+from slurm_resilience.uploader.rootfs import committed_steps_at
 
 log = get_logger("checkpoint.space")
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from slurm_resilience.agent.service import Peer, Request, RequestError, Response
 from slurm_resilience.checkpoint.prefix import S3Uri
-from slurm_resilience.checkpoint.s3 import S3, S3Error
-from slurm_resilience.checkpoint.stagein import (
+from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.s3 import S3, S3Error
+from slurm_resilience.uploader.stagein import (
     StageinFailed,
     StageinPolicy,
     StageinResult,
@@ -25,10 +26,9 @@ from slurm_resilience.checkpoint.stagein import (
     retrying,
     stage_remote,
 )
-from slurm_resilience.log import get_logger
 
 if TYPE_CHECKING:
-    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.uploader.service import Uploader
 
 log = get_logger("checkpoint.stagein")
 

@@ -42,8 +42,6 @@ from slurm_resilience.agent.service import (
     int_arg,
     str_arg,
 )
-from slurm_resilience.checkpoint import intent
-from slurm_resilience.checkpoint.agent_link import node_names
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
@@ -55,32 +53,7 @@ from slurm_resilience.checkpoint.commit import (
     rank_name,
     step_name,
 )
-from slurm_resilience.checkpoint.journal import (
-    DONE_STATES,
-    JobRecord,
-    JobState,
-    Journal,
-    StageinState,
-    StepState,
-    failed_steps,
-    new_record,
-    pending_steps,
-)
 from slurm_resilience.checkpoint.prefix import S3Uri, check_run_uri, parse_uri
-from slurm_resilience.checkpoint.restore import fetch_for, make_fetcher, run_stagein, stagein_status
-from slurm_resilience.checkpoint.retention import plan_remote_retention
-from slurm_resilience.checkpoint.rootfs import committed_steps_at, read_small, read_step
-from slurm_resilience.checkpoint.s3 import (
-    S3,
-    ContentMismatch,
-    PermanentS3Error,
-    S3Error,
-    S3Settings,
-    TransientS3Error,
-    error_code,
-)
-from slurm_resilience.checkpoint.space import SpaceKeeper
-from slurm_resilience.checkpoint.stage_agreed import on_stage
 from slurm_resilience.checkpoint.staging import (
     open_dir_at,
     open_job_dir,
@@ -94,6 +67,33 @@ from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
+from slurm_resilience.uploader import intent
+from slurm_resilience.uploader.journal import (
+    DONE_STATES,
+    JobRecord,
+    JobState,
+    Journal,
+    StageinState,
+    StepState,
+    failed_steps,
+    new_record,
+    pending_steps,
+)
+from slurm_resilience.uploader.registration import node_names
+from slurm_resilience.uploader.restore import fetch_for, make_fetcher, run_stagein, stagein_status
+from slurm_resilience.uploader.retention import plan_remote_retention
+from slurm_resilience.uploader.rootfs import committed_steps_at, read_small, read_step
+from slurm_resilience.uploader.s3 import (
+    S3,
+    ContentMismatch,
+    PermanentS3Error,
+    S3Error,
+    S3Settings,
+    TransientS3Error,
+    error_code,
+)
+from slurm_resilience.uploader.space import SpaceKeeper
+from slurm_resilience.uploader.stage_agreed import on_stage
 
 log = get_logger("checkpoint.uploader")
 # A job's user sends these requests as often as they like: lines per job are budgeted.

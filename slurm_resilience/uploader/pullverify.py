@@ -14,9 +14,9 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
 )
 from slurm_resilience.checkpoint.prefix import S3Uri
-from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import download_step, read_remote_step, remote_steps
 from slurm_resilience.progress import Advance, BarFactory, quiet
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.stagein import download_step, read_remote_step, remote_steps
 
 
 def pull(s3: S3, uri: S3Uri, dest: Path, step: int | None = None,

@@ -37,12 +37,14 @@ from slurm_resilience.checkpoint.commit import (
     parse_rank,
     step_name,
 )
-from slurm_resilience.checkpoint.fairpool import FairPool
 from slurm_resilience.checkpoint.prefix import S3Uri
 from slurm_resilience.checkpoint.ranges import ByteRange
-from slurm_resilience.checkpoint.rootfs import read_step
-from slurm_resilience.checkpoint.s3 import S3, S3Error, TransientS3Error
-from slurm_resilience.checkpoint.stagein import (
+from slurm_resilience.checkpoint.staging import open_job_dir
+from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.fairpool import FairPool
+from slurm_resilience.uploader.rootfs import read_step
+from slurm_resilience.uploader.s3 import S3, S3Error, TransientS3Error
+from slurm_resilience.uploader.stagein import (
     RemoteStep,
     StageinFailed,
     StageinPolicy,
@@ -51,8 +53,6 @@ from slurm_resilience.checkpoint.stagein import (
     read_remote_step,
     retrying,
 )
-from slurm_resilience.checkpoint.staging import open_job_dir
-from slurm_resilience.log import get_logger
 
 log = get_logger("checkpoint.fetch")
 

@@ -144,8 +144,8 @@ def remove_or_hand_off(root: str, job_id: int, sock: str, *, budget_s: float, ti
 
 def _has_steps(root: str, job_id: int) -> bool:
     """Whether a local-only job left committed steps (kept: they are the only copy)."""
-    from slurm_resilience.checkpoint.rootfs import committed_steps_at
     from slurm_resilience.checkpoint.staging import open_job_dir
+    from slurm_resilience.uploader.rootfs import committed_steps_at
 
     try:
         with open_job_dir(root, job_id) as jfd:

@@ -57,8 +57,8 @@ def _guarded(fn: Any) -> Any:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from slurm_resilience.checkpoint.s3 import S3
-    from slurm_resilience.checkpoint.uploader import s3_settings
+    from slurm_resilience.uploader.s3 import S3
+    from slurm_resilience.uploader.service import s3_settings
 
     settings = s3_settings(config.load(args.config))
     if settings.credentials_file and not os.access(settings.credentials_file, os.R_OK):
@@ -73,7 +73,7 @@ def _uri(text: str) -> Any:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from slurm_resilience.checkpoint.stagein import remote_steps
+    from slurm_resilience.uploader.stagein import remote_steps
 
     uri = _uri(args.uri)
     steps = remote_steps(_client(args), uri)
@@ -87,9 +87,9 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from slurm_resilience.checkpoint.pullverify import verify_remote
-    from slurm_resilience.checkpoint.stagein import remote_steps
     from slurm_resilience.progress import ByteBar
+    from slurm_resilience.uploader.pullverify import verify_remote
+    from slurm_resilience.uploader.stagein import remote_steps
 
     uri = _uri(args.uri)
     s3 = _client(args)
@@ -119,8 +119,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from slurm_resilience.checkpoint.pullverify import pull
     from slurm_resilience.progress import ByteBar
+    from slurm_resilience.uploader.pullverify import pull
 
     step = pull(_client(args), _uri(args.uri), Path(args.dest), args.step, ByteBar)
     print(f"{step_name(step)} -> {Path(args.dest) / step_name(step)}")

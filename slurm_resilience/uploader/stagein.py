@@ -31,25 +31,25 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
 )
 from slurm_resilience.checkpoint.dcp_verify import check_manifest
-from slurm_resilience.checkpoint.deadline import endpoint_name
-from slurm_resilience.checkpoint.intent import PREFIX, Intent, is_intent
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_OLDER
 from slurm_resilience.checkpoint.prefix import S3Uri
-from slurm_resilience.checkpoint.rootfs import (
+from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
+from slurm_resilience.log import get_logger
+from slurm_resilience.progress import BarFactory, quiet
+from slurm_resilience.uploader.deadline import endpoint_name
+from slurm_resilience.uploader.intent import PREFIX, Intent, is_intent
+from slurm_resilience.uploader.rootfs import (
     committed_steps_at,
     read_small,
     read_step,
     verify_step_at,
 )
-from slurm_resilience.checkpoint.s3 import S3, S3Error, error_code
-from slurm_resilience.checkpoint.stagein_retry import Clock as Clock
-from slurm_resilience.checkpoint.stagein_retry import StageinFailed as StageinFailed
-from slurm_resilience.checkpoint.stagein_retry import StageinPolicy as StageinPolicy
-from slurm_resilience.checkpoint.stagein_retry import SystemClock as SystemClock
-from slurm_resilience.checkpoint.stagein_retry import retrying as retrying
-from slurm_resilience.checkpoint.staging import open_dir_at, remove_at
-from slurm_resilience.log import get_logger
-from slurm_resilience.progress import BarFactory, quiet
+from slurm_resilience.uploader.s3 import S3, S3Error, error_code
+from slurm_resilience.uploader.stagein_retry import Clock as Clock
+from slurm_resilience.uploader.stagein_retry import StageinFailed as StageinFailed
+from slurm_resilience.uploader.stagein_retry import StageinPolicy as StageinPolicy
+from slurm_resilience.uploader.stagein_retry import SystemClock as SystemClock
+from slurm_resilience.uploader.stagein_retry import retrying as retrying
 
 log = get_logger("checkpoint.stagein")
 METADATA = ".metadata"  # DCP's Metadata, written by the coordinator into rank-00000/

@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 from typing import TypedDict
 
-from slurm_resilience.checkpoint.journal import (
+from slurm_resilience.config import Config
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.uploader.journal import (
     MAX_RECORD_BYTES,
     BadRecord,
     JobState,
@@ -20,8 +22,6 @@ from slurm_resilience.checkpoint.journal import (
     failed_steps,
     pending_steps,
 )
-from slurm_resilience.config import Config
-from slurm_resilience.config.paths import node_path
 
 
 class JobUploads(TypedDict):

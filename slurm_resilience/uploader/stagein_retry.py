@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from slurm_resilience.checkpoint.commit import CheckpointError
-from slurm_resilience.checkpoint.deadline import DeadlineExceeded, run_within
-from slurm_resilience.checkpoint.s3 import TransientS3Error
 from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.deadline import DeadlineExceeded, run_within
+from slurm_resilience.uploader.s3 import TransientS3Error
 
 log = get_logger("checkpoint.stagein")
 T = TypeVar("T")

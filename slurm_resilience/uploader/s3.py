@@ -45,10 +45,10 @@ from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.commit import CheckpointError
 from slurm_resilience.checkpoint.crc import crc32c_extend, crc_hex
 from slurm_resilience.checkpoint.crc_combine import combine_parts
-from slurm_resilience.checkpoint.deadline import endpoint_name, note_failure, seconds_left
-from slurm_resilience.checkpoint.fairpool import FairPool
-from slurm_resilience.checkpoint.journal import FileDoc, PartDoc
 from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.deadline import endpoint_name, note_failure, seconds_left
+from slurm_resilience.uploader.fairpool import FairPool
+from slurm_resilience.uploader.journal import FileDoc, PartDoc
 
 log = get_logger("checkpoint.s3")
 T = TypeVar("T")

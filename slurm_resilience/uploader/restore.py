@@ -8,9 +8,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
 from slurm_resilience.checkpoint.commit import CheckpointError, step_name
-from slurm_resilience.checkpoint.deadline import endpoint_name
-from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
-from slurm_resilience.checkpoint.journal import (
+from slurm_resilience.checkpoint.prefix import parse_uri
+from slurm_resilience.checkpoint.staging import open_job_dir, set_aside_step
+from slurm_resilience.config import Config
+from slurm_resilience.log import get_logger
+from slurm_resilience.uploader.deadline import endpoint_name
+from slurm_resilience.uploader.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
+from slurm_resilience.uploader.journal import (
     FallbackDoc,
     JobRecord,
     StageinDoc,
@@ -18,22 +22,18 @@ from slurm_resilience.checkpoint.journal import (
     StepState,
     pending_steps,
 )
-from slurm_resilience.checkpoint.prefix import parse_uri
-from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stage_agreed import stage_step
-from slurm_resilience.checkpoint.stagein import (
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.stage_agreed import stage_step
+from slurm_resilience.uploader.stagein import (
     Fallback,
     StageinPolicy,
     StepStillUploading,
     stage_in,
 )
-from slurm_resilience.checkpoint.staging import open_job_dir, set_aside_step
-from slurm_resilience.config import Config
-from slurm_resilience.log import get_logger
 
 if TYPE_CHECKING:
     from slurm_resilience.agent.service import Request
-    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.uploader.service import Uploader
 
 log = get_logger("checkpoint.stagein")
 
