@@ -10,7 +10,7 @@ waits for it (bounded) instead of silently taking an older step.
 Each intent record names its save (commit.py: save ids), and before it the agent writes
 ``step-N/SAVE-<save id>`` (empty): one LIST of ``step-N/SAVE-`` tells an agent which
 saves of the step exist, without reading any record. An upload whose save is older
-than another one listed there stops (uploader.py), so a node that comes back with an
+than another one listed there stops (service.py), so a node that comes back with an
 old upload of step N never writes into a newer save of N.
 """
 

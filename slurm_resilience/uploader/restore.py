@@ -1,5 +1,5 @@
 """The checkpoint service's restore side: run a job's stage-in, answer ``ckpt.status``'s
-stage-in fields and ``ckpt.fetch`` (the upload side lives in uploader.py)."""
+stage-in fields and ``ckpt.fetch`` (the upload side lives in service.py)."""
 
 from __future__ import annotations
 
