@@ -40,6 +40,9 @@ from slurm_resilience.sandbox.catalogue import (
     EXTRAS as EXTRAS,
 )
 from slurm_resilience.sandbox.catalogue import (
+    Extra as Extra,
+)
+from slurm_resilience.sandbox.catalogue import (
     _program_of as _program_of,
 )
 from slurm_resilience.sandbox.catalogue import (
@@ -52,6 +55,9 @@ from slurm_resilience.sandbox.catalogue import (
     munged as munged,
 )
 from slurm_resilience.sandbox.catalogue import (
+    s3_extra as s3_extra,
+)
+from slurm_resilience.sandbox.catalogue import (
     slurmctld as slurmctld,
 )
 from slurm_resilience.sandbox.catalogue import (
@@ -62,6 +68,12 @@ from slurm_resilience.sandbox.errors import SandboxError as SandboxError
 from slurm_resilience.sandbox.errors import failed
 from slurm_resilience.sandbox.errors import tail as tail
 from slurm_resilience.sandbox.layout import BUCKET, Layout
+from slurm_resilience.sandbox.prereqs import (
+    PACKAGES as PACKAGES,
+)
+from slurm_resilience.sandbox.prereqs import (
+    PROGRAMS as PROGRAMS,
+)
 from slurm_resilience.sandbox.prereqs import SANDBOX_ENV as SANDBOX_ENV
 from slurm_resilience.sandbox.prereqs import SYSTEM_PATH as SYSTEM_PATH
 from slurm_resilience.sandbox.prereqs import (
@@ -78,11 +90,20 @@ from slurm_resilience.sandbox.prereqs import (
 )
 from slurm_resilience.sandbox.prereqs import missing_programs as missing_programs
 from slurm_resilience.sandbox.prereqs import (
+    rclone_path as rclone_path,
+)
+from slurm_resilience.sandbox.prereqs import (
     tool as tool,
 )
 from slurm_resilience.sandbox.prereqs import user_env as user_env
+from slurm_resilience.sandbox.prereqs import (
+    venv_bin as venv_bin,
+)
 from slurm_resilience.sandbox.statefiles import (
     LAYOUT_FILE as LAYOUT_FILE,
+)
+from slurm_resilience.sandbox.statefiles import (
+    S3Info as S3Info,
 )
 from slurm_resilience.sandbox.statefiles import (
     load_layout as load_layout,
