@@ -5,7 +5,7 @@ Two signals reach a rank:
 
 * the warning, sent by the node agent ``checkpoint.limit_lead_s`` before the job's time
   limit to the ranks that armed it (``SIGUSR1``; ``SLURM_RESILIENCE_LIMIT_SIGNAL`` picks
-  ``USR2`` or ``URG``; see :mod:`slurm_resilience.heartbeat.limits` for why not Slurm's
+  ``USR2`` or ``URG``; see :mod:`slurm_resilience.hang.limits` for why not Slurm's
   ``--signal``);
 * ``SIGTERM``, which Slurm sends at preemption (``PreemptMode=REQUEUE`` or ``CANCEL``, with a
   ``GraceTime``) and at the limit itself.
@@ -155,8 +155,6 @@ def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] 
     heartbeat.checkpointed(step)
     mgr._all_max([0])  # every node's commit is written: the step can be resumed from
     heartbeat.stopped()  # silence from here on is the stop, not a hang
-    from slurm_resilience.heartbeat.limits import stop_text
-
     text = stop_text(why.cause, step, why.seconds_left, False)
     if mgr.rank != 0:
         return text
@@ -179,10 +177,18 @@ def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] 
     return text
 
 
+def stop_text(cause: str, step: int, seconds_left: float | None, requeued: bool) -> str:
+    """``time limit in 120 s: saved step 4,812, requeued``."""
+    what = "time limit" if cause == "time_limit" else "preempted"
+    if cause == "time_limit" and seconds_left is not None:
+        what += f" in {max(0, round(seconds_left))} s"
+    return f"{what}: saved step {step:,}" + (", requeued" if requeued else "")
+
+
 def reset() -> None:
     """Forget a received signal (tests, and a process that trains again after a stop)."""
     _got[0], _at[0] = NONE, 0.0
 
 
 __all__ = ["ENV_SIGNAL", "ENV_WARN", "Stop", "agree", "arm", "disarm", "requested", "reset",
-           "stop"]
+           "stop", "stop_text"]

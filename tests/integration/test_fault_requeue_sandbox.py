@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from slurm_resilience import events
+from slurm_resilience.hang.requeue import parse_ledger
 from slurm_resilience.health.faultrequeue import parse_ledger as fault_ledger
-from slurm_resilience.heartbeat.requeue import parse_ledger
-from slurm_resilience.metrics import events
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
 

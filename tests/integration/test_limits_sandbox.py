@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hang_jobs import PYTHON, TRAIN, output, submit, wait_for
 
-from slurm_resilience.heartbeat.limits import planned_count
-from slurm_resilience.heartbeat.requeue import parse_ledger
-from slurm_resilience.metrics import events
+from slurm_resilience import events
+from slurm_resilience.hang.limits import planned_count
+from slurm_resilience.hang.requeue import parse_ledger
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,

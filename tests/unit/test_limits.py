@@ -1,5 +1,5 @@
 """Planned stops: the agent's warning ahead of a job's time limit and its requeue once the
-job saved (heartbeat.limits), and the training side's flag (checkpoint.interrupt)."""
+job saved (hang.limits), and the training side's flag (checkpoint.interrupt)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import pytest
 
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint import interrupt
+from slurm_resilience.checkpoint.interrupt import stop_text
 from slurm_resilience.config import Config
 from slurm_resilience.config.schema import NodeSection
-from slurm_resilience.heartbeat import jobrecord
-from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat.limits import (
+from slurm_resilience.hang import jobrecord
+from slurm_resilience.hang.limits import (
     LimitWatch,
     end_time,
     merge_comment,
     planned_count,
-    stop_text,
 )
+from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.slurm.parse import JobInfo
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job records are root-owned")
