@@ -346,3 +346,44 @@ def test_gpu_findings_carry_the_gpus_pci_address_and_serial(node: Path) -> None:
     first = report.verdict.blocking[0]
     assert report.verdict.reason().startswith(
         f"{first.message} [0000:5D:00.0 sn 1650124031595]")
+
+
+def test_a_crashed_check_never_passes_the_node(node: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A bug in one check (here: a TypeError raised by the mounts check) is no pass: the
+    gate names the crash in a failed finding, the node is not healthy, and the other checks
+    are judged as usual."""
+    import dataclasses
+
+    from slurm_resilience.health import registry
+    from slurm_resilience.health.checks import mounts
+
+    def broken(snap: object, state: object, facts: object) -> Any:
+        raise TypeError("unsupported operand")
+
+    specs = tuple(dataclasses.replace(s, judge=broken) if s is mounts.SPEC else s
+                  for s in registry.SPECS)
+    monkeypatch.setattr(registry, "SPECS", specs)
+    report = gate.run(load(node), NODE, "healthcheck")
+    assert not report.verdict.healthy
+    assert blocking(report) == ["mounts check crashed: TypeError: unsupported operand"]
+    assert {"gpu", "xid", "infiniband", "nvme"} <= {f.check for f in report.findings}
+
+
+def test_registry_declares_every_check_once() -> None:
+    """The gate knows checks only through the registry: one spec per name, each with its
+    config section, and the reason order the drain reasons have always had."""
+    from slurm_resilience.health import registry
+
+    assert gate.CHECKS == ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services",
+                           "diag", "gdr")
+    assert len(set(registry.NAMES)) == len(registry.NAMES)
+    assert gate.ACTIVE == ("diag", "gdr")
+    by_rank = sorted(registry.SPECS, key=lambda s: s.rank)
+    assert [s.name for s in by_rank] == ["xid", "gpu", "diag", "kernel", "services",
+                                         "infiniband", "gdr", "nvme", "mounts"]
+    cfg = Config()
+    for spec in registry.SPECS:
+        assert spec.section(cfg.health).enabled
+        assert spec.source in registry.NAMES
+        assert registry.BY_NAME[spec.source].collect is not None
