@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import logged
 
 from slurm_resilience import config
 from slurm_resilience.config import Config
@@ -387,3 +388,22 @@ def test_registry_declares_every_check_once() -> None:
         assert spec.section(cfg.health).enabled
         assert spec.source in registry.NAMES
         assert registry.BY_NAME[spec.source].collect is not None
+
+
+def test_a_state_field_of_the_wrong_type_resets_that_check_only(tmp_path: Path,
+                                                                 events: Path) -> None:
+    """Saved state is read into each check's record at the store: a field of the wrong type
+    sets that check's file aside (said, naming it) and gives it an empty record; another
+    check's history is read as it was."""
+    from slurm_resilience.health.checks import gpu, infiniband
+
+    store = gate.StateStore(str(tmp_path / "health"))
+    store.save("gpu", {"gpus": {"GPU-1": {"streak": "many", "throttle": [], "counters": {}}}})
+    store.save("infiniband", {"counters": {"mlx5_0/1": {"symbol_error": 3}}})
+    assert store.load_state("gpu", gpu.GpuState) == gpu.GpuState()
+    assert store.load_state("infiniband", infiniband.IbState).counters == {
+        "mlx5_0/1": {"symbol_error": 3}}
+    assert store.quarantined == {"gpu"}
+    assert (tmp_path / "health" / "gpu.json.corrupt").exists()
+    said = [e for e in logged(events) if str(e.get("path", "")).endswith("gpu.json")]
+    assert said and "gpus['GPU-1'].streak is 'many', not an integer" in said[0]["reason"]
