@@ -17,7 +17,7 @@ import pytest
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import NodeSection
-from slurm_resilience.heartbeat.suspect import SuspectWatch, backed_off, poll_interval
+from slurm_resilience.hang.suspect import SuspectWatch, backed_off, poll_interval
 from slurm_resilience.proc import CommandTimeout, Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import Answer, FakeRunner, completed

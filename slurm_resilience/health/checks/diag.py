@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from slurm_resilience import gpu_models
 from slurm_resilience.config.health import DiagCheckSection
-from slurm_resilience.health import gpu_models
 from slurm_resilience.health.checks.spec import CheckSpec, Collect, Judged, RunFacts, num
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 

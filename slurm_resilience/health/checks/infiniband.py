@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from slurm_resilience import gpu_models
 from slurm_resilience.config.health import InfinibandCheckSection
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.health import gpu_models
 from slurm_resilience.health.checks.spec import (
     CheckSpec,
     Collect,
