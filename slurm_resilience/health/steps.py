@@ -25,6 +25,7 @@ from slurm_resilience.slurm.parse import JOB_FINAL_STATES
 
 if TYPE_CHECKING:
     from slurm_resilience.config import Config
+    from slurm_resilience.health.gate import StateStore
 
 STEP = "health"
 OURS = "drains"  # state file: reasons we drained with, jobs our prolog failed
@@ -88,12 +89,12 @@ def job_gpus(env: dict[str, str] | Any) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def _store(ctx: HookContext) -> Any:
+def _store(ctx: HookContext) -> StateStore:
     """One store per hook run, so what one read found unusable is known to the next."""
     from slurm_resilience.health.gate import StateStore, state_dir
 
     store = ctx.notes.get("health_store")
-    if store is None:
+    if not isinstance(store, StateStore):
         store = ctx.notes["health_store"] = StateStore(state_dir(ctx.cfg, ctx.node))
     return store
 
