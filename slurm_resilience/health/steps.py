@@ -204,6 +204,11 @@ def epilog(ctx: HookContext) -> list[Problem]:
     d = ctx.cfg.health.diag
     if d.enabled and d.after_failure and gpu_failed(report):
         problems += _diag_after_failure(ctx)
+    if problems:
+        from slurm_resilience.health.faultrequeue import after_fault
+
+        # A fault that drains the node may have killed the job: it restarts elsewhere.
+        after_fault(ctx, problems[0].reason)
     return problems
 
 
