@@ -16,6 +16,9 @@ from slurm_resilience.sandbox.layout import Layout
 CPUS_PER_NODE = 2
 MEMORY_MB = 2048
 CRED_EXPIRE_S = 10
+# Short, so a drain or a resume by the health check (resume_after_passes passes) takes
+# seconds, not tens of seconds, in the sandbox's tests.
+HEALTH_CHECK_INTERVAL_S = 5
 
 
 def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
@@ -67,7 +70,7 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
         f"Prolog={L.hook('prolog')}",
         f"Epilog={L.hook('epilog')}",
         f"HealthCheckProgram={L.healthcheck_wrapper}",
-        "HealthCheckInterval=10",
+        f"HealthCheckInterval={HEALTH_CHECK_INTERVAL_S}",
         "HealthCheckNodeState=ANY",
         "PrologEpilogTimeout=120",
         "TopologyPlugin=topology/tree",
