@@ -237,7 +237,7 @@ def test_users() -> tuple[str, ...]:
             _unavailable("useradd not found")
         made = subprocess.run([str(useradd), "-m", "-s", "/bin/sh", name],
                               capture_output=True, text=True, timeout=30)
-        # Another pytest-xdist worker may have made it just before: that is no failure.
+        # A test run beside this one may have made it just before: that is no failure.
         if made.returncode != 0 and not _user_exists(name):
             raise AssertionError(f"useradd {name} exited {made.returncode}: {made.stderr}")
     return TEST_USERS
