@@ -16,9 +16,10 @@ from slurm_resilience.sandbox.layout import Layout
 CPUS_PER_NODE = 2
 MEMORY_MB = 2048
 CRED_EXPIRE_S = 10
-# Short, so a drain or a resume by the health check (resume_after_passes passes) takes
-# seconds, not tens of seconds, in the sandbox's tests.
-HEALTH_CHECK_INTERVAL_S = 5
+# 5 s would halve the waits for a drain or a resume by the health check, but also double
+# the chance that the health check finds a fault meant for a job's prolog (an Xid) and
+# drains the node before that prolog runs (test_prometheus_sandbox then waits in vain).
+HEALTH_CHECK_INTERVAL_S = 10
 
 
 def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
