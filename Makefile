@@ -69,7 +69,7 @@ integration: setup
 	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
 
 test: setup lint typecheck
-	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=30 $(PYTEST_ARGS)
 
 # The host's Slurm is bookworm's 22.05 (`make test`); these run the Slurm-facing tests
 # (.ci/leg-tests) against other Slurm versions, each in a cached Debian root (.ci/test-leg).
@@ -81,6 +81,13 @@ test-leg: setup
 
 test-legs: setup
 	@for s in $(LEG_SUITES); do $(MAKE) --no-print-directory test-leg SUITE=$$s || exit 1; done
+
+# One target per leg, so that `make -j -O test-leg-trixie test-leg-sid test-ansible` (.ci/run)
+# runs them side by side, each one's output kept in one piece.
+LEG_TARGETS := $(addprefix test-leg-,$(LEG_SUITES))
+.PHONY: $(LEG_TARGETS)
+$(LEG_TARGETS): test-leg-%: setup
+	.ci/test-leg $* $(PYTEST_ARGS)
 
 # ansible-lint, then site.yml applied twice to a fresh debootstrap root (second run
 # changed=0), then the sandbox inside that root gated by the hooks the role installed.

@@ -216,6 +216,14 @@ def sandbox_factory() -> Iterator[SandboxFactory]:
         _finish(box)
 
 
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def test_users() -> tuple[str, ...]:
     """Two unprivileged local users (created with useradd when missing) for isolation tests."""
@@ -223,13 +231,15 @@ def test_users() -> tuple[str, ...]:
         _unavailable("creating test users needs root")
     useradd = shutil.which("useradd", path="/usr/sbin:/usr/bin:/sbin:/bin")
     for name in TEST_USERS:
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            if useradd is None:
-                _unavailable("useradd not found")
-            subprocess.run([str(useradd), "-m", "-s", "/bin/sh", name], check=True,
-                           capture_output=True, timeout=30)
+        if _user_exists(name):
+            continue
+        if useradd is None:
+            _unavailable("useradd not found")
+        made = subprocess.run([str(useradd), "-m", "-s", "/bin/sh", name],
+                              capture_output=True, text=True, timeout=30)
+        # A test run beside this one may have made it just before: that is no failure.
+        if made.returncode != 0 and not _user_exists(name):
+            raise AssertionError(f"useradd {name} exited {made.returncode}: {made.stderr}")
     return TEST_USERS
 
 

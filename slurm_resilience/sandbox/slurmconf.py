@@ -18,6 +18,10 @@ CPUS_PER_NODE = 2
 MEMORY_MB = 2048
 CRED_EXPIRE_S = 10
 GRACE_TIME_S = 30  # a job preempted in partition debug has this long to save
+# 5 s would halve the waits for a drain or a resume by the health check, but also double
+# the chance that the health check finds a fault meant for a job's prolog (an Xid) and
+# drains the node before that prolog runs (test_prometheus_sandbox then waits in vain).
+HEALTH_CHECK_INTERVAL_S = 10
 
 
 def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
@@ -69,7 +73,7 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
         f"Prolog={L.hook('prolog')}",
         f"Epilog={L.hook('epilog')}",
         f"HealthCheckProgram={L.healthcheck_wrapper}",
-        "HealthCheckInterval=10",
+        f"HealthCheckInterval={HEALTH_CHECK_INTERVAL_S}",
         "HealthCheckNodeState=ANY",
         "PrologEpilogTimeout=120",
         "TopologyPlugin=topology/tree",

@@ -235,7 +235,8 @@ def test_unusable_state_dir_never_hides_a_finding_and_jobs_still_run(
         assert any(cause in json.dumps(e) for e in log.events("node3")), texts
     faults.heal(sandbox.state_dir, "node3")
     # The drain's memory was lost with the state; a clean healthcheck looks at the node
-    # every LOOK_EVERY_PASSES passes (slurmd runs it too, every 10 s): run it until then.
+    # every LOOK_EVERY_PASSES passes (slurmd runs it too, each HealthCheckInterval): run it
+    # until then.
     for _ in range(2 * LOOK_EVERY_PASSES):
         if resumed(sandbox, "node3"):
             break

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.sandbox
 ROUNDS = [
     # NVML counters and the PCIe AER sysfs counters judged as a rise between runs, the
     # GPU software's consistency, and the throttle judged as a rate: hw_slowdown fails on
-    # the third health check within the hour (throttle_fail_runs, ~30 s at
-    # HealthCheckInterval=10).
+    # the third health check within the hour (throttle_fail_runs: three of the sandbox's
+    # HealthCheckInterval passes).
     {"node1": ("nvlink-errors:2", "gpu2 NVLink recovery errors +1 (expected <=0)"),
      "node2": ("pcie-aer:2", "gpu2 PCIe AER nonfatal +1 (expected <=0)"),
      "node3": ("gpu-driver:550.127.05", "driver 550.127.05 (expected 565.*)"),

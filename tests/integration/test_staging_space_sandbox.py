@@ -12,10 +12,13 @@ import pytest
 from slurm_resilience.checkpoint import reclaim_record
 from slurm_resilience.checkpoint.commit import step_name
 from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.sandbox.slurmconf import HEALTH_CHECK_INTERVAL_S
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
-HEALTH_INTERVAL_S = 10.0  # the sandbox's HealthCheckInterval
+HEALTH_INTERVAL_S = float(HEALTH_CHECK_INTERVAL_S)  # the sandbox's HealthCheckInterval
+# The running job outlives several health-check passes, with room for a loaded machine.
+JOB_S = 30
 
 
 def test_finished_jobs_step_filling_the_nvme_does_not_drain_the_node(
@@ -75,7 +78,7 @@ def test_node_drained_for_a_running_jobs_step_returns_once_the_job_ends(
     script = ("#!/bin/sh\nset -e\n"
               f"d={nvme}/job-$SLURM_JOB_ID/{step_name(1)}\nmkdir -p $d\n"
               "truncate -s 95G $d/rank-00000.bin\necho '{}' > $d/COMMIT.json\n"
-              f"sleep {3 * HEALTH_INTERVAL_S:.0f}\n")
+              f"sleep {JOB_S}\n")
     job = sandbox.sbatch(script, user=user, args=[f"--nodelist={node}", "-N1",
                                                    f"--output={wd}/slurm-%j.out"])
     ctl = sandbox.adapter()

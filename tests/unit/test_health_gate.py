@@ -196,13 +196,14 @@ def test_ib_errors_fail_against_the_previous_run(node: Path) -> None:
 
 
 def test_hung_collector_is_a_failure_and_the_gate_returns(node: Path) -> None:
-    """An NVML call that never returns is killed at the timeout and fails the node."""
+    """An NVML call that never returns is killed at the timeout and fails the node. (5 s,
+    not less: the other collectors must answer within it on a loaded machine.)"""
     scen = nvml.read_scenario(str(hardware.locate(node, NODE).scenario))
     assert scen is not None
     scen["hang"] = {"function": "nvmlDeviceGetCount", "seconds": 60}
     nvml.write_scenario(str(hardware.locate(node, NODE).scenario), scen)
-    report = gate.run(load(node, collector_timeout_s=0.5, mounts={"paths": []}), NODE, "prolog")
-    assert blocking(report) == ["gpu collector hung: no answer within 0.5s"]
+    report = gate.run(load(node, collector_timeout_s=5, mounts={"paths": []}), NODE, "prolog")
+    assert blocking(report) == ["gpu collector hung: no answer within 5s"]
 
 
 def test_kill_switch_skips_a_check(node: Path) -> None:
