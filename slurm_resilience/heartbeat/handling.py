@@ -156,8 +156,11 @@ class IncidentRunner:
         missing = [n for n in nodes if n not in pieces]
         ranks = sorted((r for p in pieces.values() for r in p.ranks), key=lambda r: r.rank)
         evidence = {n: p.evidence for n, p in pieces.items()}
-        obs = [o for p in pieces.values() for o in p.observations]
-        blamed = B.blame(rec.job_id, obs, {n: list(p.findings) for n, p in pieces.items()})
+        # Under a launcher only the step's nodes are judged: a spare's own findings (it
+        # failed the idle checks while waiting) say nothing about the step's hang.
+        judged = {n: p for n, p in pieces.items() if launch is None or n in launch.nodes}
+        obs = [o for p in judged.values() for o in p.observations]
+        blamed = B.blame(rec.job_id, obs, {n: list(p.findings) for n, p in judged.items()})
         blame_json = _blame_json(blamed, missing)
         report = self._report(view, piece, run, trigger, replace(
             timings, hang_started_at=first_hang(ranks)), ranks=tuple(ranks),
