@@ -111,7 +111,8 @@ def step_env(base: Mapping[str, str], alloc: Allocation, place: Placement) -> di
     env[A.ENV_RELAUNCH] = str(place.relaunch)
     env[A.ENV_RESTART_COUNT] = str(alloc.restarts + place.relaunch)
     env[A.ENV_JOINED] = ",".join(place.joined)
-    # The batch step's own counts would contradict the step's size.
-    for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES_STEP"):
+    # The batch step's own counts would contradict the step's size; SLURM_NO_KILL would
+    # keep a step whose node failed running (it must end, to be relaunched).
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_NO_KILL"):
         env.pop(name, None)
     return env
