@@ -49,8 +49,10 @@ def one(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     work = box.user_dir(user, f"{'spare' if spare else 'requeue'}-{n}")
     job_id = (submit_launch(box, user, work, ARGS) if spare
               else submit(box, user, work, ARGS))
-    report = wait_for(lambda: acting(reports(box, job_id), 0), 300, "the decision")
+    wait_for(lambda: acting(reports(box, job_id), 0), 300, "the decision")
     final = box.wait_job(job_id, timeout=400)
+    report = acting(reports(box, job_id), 0)  # the final copy, with the action's time
+    assert report is not None
     out = output(work, job_id)
     if final.state != "COMPLETED":
         raise RuntimeError(f"job {job_id} ended {final.state}:\n{out}")

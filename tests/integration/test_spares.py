@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hang_jobs import TRAIN, acting, output, reports, submit_launch, wait_for
+from hang_jobs import PYTHON, TRAIN, acting, output, reports, submit_launch, wait_for
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -40,8 +40,10 @@ def test_hang_is_relaunched_on_the_spare_inside_the_allocation(
                                                 "--hang-rank 1")
     running = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=120)
     assert len(running.nodes) == 3, running
-    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
+    wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
     final = sandbox.wait_job(job_id, timeout=240)
+    report = acting(reports(sandbox, job_id), 0)  # the final copy, with the action's time
+    assert report is not None
     out = output(work, job_id)
     assert report["decision"]["action"] == "relaunch", report  # type: ignore[index]
     assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
@@ -111,3 +113,35 @@ def test_a_spare_that_fails_the_gate_is_not_used(
     finally:
         sandbox.run(["scancel", str(job_id)])
         faults.heal(sandbox.layout.state_dir, spare)
+
+
+# Each task runs torchrun with one worker; the static rendezvous's port is the job's, the
+# cluster's and the relaunch's (a relaunched step must not meet the old one's store).
+TORCHRUN_WRAPPER = """#!/bin/sh
+port=$({python} -c 'import os, zlib; e = os.environ; print(20000 + zlib.crc32("/".join(
+    [e.get("SLURM_CLUSTER_NAME", ""), e["SLURM_JOB_ID"], e["SLURM_RESILIENCE_RELAUNCH"],
+     "torchrun"]).encode()) % 12000)')
+exec {torchrun} --nnodes="$SLURM_NNODES" --nproc-per-node=1 --node-rank="$SLURM_NODEID" \\
+    --master-addr=127.0.0.1 --master-port="$port" "$@"
+"""
+
+
+def test_srun_torchrun_under_launch_is_relaunched_on_the_spare(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """``launch -- torchrun ...``: torchrun's workers are the ranks; a hung worker is
+    relaunched on the spare with a fresh torchrun rendezvous, and the job finishes from
+    step 10 without a requeue."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "torchrun")
+    wrapper = work / "torchrun.sh"
+    wrapper.write_text(TORCHRUN_WRAPPER.format(python=PYTHON,
+                                               torchrun=PYTHON.parent / "torchrun"))
+    wrapper.chmod(0o755)
+    job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                                "--hang-rank 1", runner=str(wrapper))
+    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 240, "the decision")
+    final = sandbox.wait_job(job_id, timeout=300)
+    out = output(work, job_id)
+    assert report["decision"]["action"] == "relaunch", (report, out)  # type: ignore[index]
+    assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
+    assert re.search(r"done step=30 resumed_from=10 restarts=1 ", out), out
