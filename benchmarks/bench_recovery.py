@@ -8,7 +8,8 @@ alternate the two so machine noise hits both. Reported per path: fault (the hang
 time) to the first step after the restore (the first ``running`` line of the next run,
 printed after ``load_latest()``), and for the spare path its parts: detection (hang to
 the agent's incident), decision and evidence (to the relaunch order), teardown (order
-to the old step gone, the launcher's stamps), relaunch and restore (to running again).
+to the old step gone, the launcher's stamps), srun to the ranks' processes, their Python
+and torch start-up with the process group, and the restore (to running again).
 
 Goal (issue 23): the spare path at most half the requeue path's time. Run as root (the
 sandbox needs it) with a test user that exists (the sandbox tests create srtest1)::
@@ -66,7 +67,14 @@ def one(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     if spare:
         ended = _stamp(r"step of relaunch 0 ended at=([\d.]+)", out)
         parts["teardown"] = ended - float(report["timings"]["action_at"])  # type: ignore[index]
-        parts["relaunch+restore"] = again - ended
+        # The relaunched ranks' own stamps (examples/train.py): process start (before torch
+        # is imported) and the process group up; the earliest rank of the relaunch.
+        up = [(float(a), float(b)) for a, b in re.findall(
+            r"started at=([\d.]+) distributed_at=([\d.]+)", out) if float(a) > ended]
+        started, distributed = min(a for a, _ in up), min(b for _, b in up)
+        parts["srun to process"] = started - ended
+        parts["import+pg init"] = distributed - started
+        parts["restore"] = again - distributed
     return parts
 
 
@@ -99,7 +107,8 @@ def main() -> int:
     s = med[True]
     print(f"  spare path          {s['total']:6.1f}  {s['total'] / med[False]['total']:.2f}x "
           f"reference")
-    for part in ("detect", "decide", "teardown", "relaunch+restore"):
+    for part in ("detect", "decide", "teardown", "srun to process", "import+pg init",
+                 "restore"):
         print(f"    {part:18s}{s[part]:6.1f}")
     ok = s["total"] <= 0.5 * med[False]["total"]
     print(f"goal: spare path <= 0.5x the requeue path: {'met' if ok else 'NOT met'}")

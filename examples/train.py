@@ -38,11 +38,13 @@ import sys
 import time
 import zlib
 
-import torch
-import torch.distributed as dist
+STARTED = time.time()  # before torch's import: a restart's figures split start-up from restore
 
-from slurm_resilience import heartbeat
-from slurm_resilience.checkpoint import CheckpointManager
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from slurm_resilience import heartbeat  # noqa: E402
+from slurm_resilience.checkpoint import CheckpointManager  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,6 +123,7 @@ def build(state_mb: float, steps: int) -> tuple[torch.nn.Module, torch.optim.Opt
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     rank, _world = init_distributed()
+    print(f"rank {rank} started at={STARTED:.3f} distributed_at={time.time():.3f}", flush=True)
     # Requeues plus relaunches inside the allocation (slurm-resilience launch sets it).
     restarts = _env_int("SLURM_RESILIENCE_RESTART_COUNT", "SLURM_RESTART_COUNT")
     faulty = restarts == 0 or a.fault_every_run
