@@ -36,14 +36,14 @@ def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, node
                   spares: int = 1, launch_args: str = "", train: Path = TRAIN,
                   runner: str = "") -> int:
     """Submit examples/train.py under ``slurm-resilience launch --spares``: one task per
-    node, requeueable (the fallback), appending, and surviving a node failure. ``runner``:
+    node, requeueable (the fallback) and appending, as the README says. ``runner``:
     what each task runs the script with (default: the venv's python)."""
     uri = f"s3://ckpt/{user}/{workdir.name}"
     script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n"
               f"exec {PYTHON} -m slurm_resilience launch --spares {spares} {launch_args} -- "
               f"{runner or f'{PYTHON} -u'} {shlex.quote(str(train))} --state-mb 1 {args}\n")
     return sandbox.sbatch(script, user=user, args=[
-        f"-N{nodes}", "--ntasks-per-node=1", "--requeue", "--no-kill", "--open-mode=append",
+        f"-N{nodes}", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
         f"--output={workdir}/slurm-%j.out"])
 
 
