@@ -11,12 +11,12 @@ import pytest
 
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.agree import RankView, agree
+from slurm_resilience.hang import policy
+from slurm_resilience.hang import relaunch as RL
+from slurm_resilience.hang.actions import StepKind, run_step
+from slurm_resilience.hang.incidentrecords import Action, Decision, NodeCall, NodeVerdict
+from slurm_resilience.hang.launches import STALE_S, Launch, Launches, Order
 from slurm_resilience.heartbeat import attempt as A
-from slurm_resilience.heartbeat import policy
-from slurm_resilience.heartbeat import relaunch as RL
-from slurm_resilience.heartbeat.actions import StepKind, run_step
-from slurm_resilience.heartbeat.launches import STALE_S, Launch, Launches, Order
-from slurm_resilience.heartbeat.records import Action, Decision, NodeCall, NodeVerdict
 from slurm_resilience.launch import plan as P
 from slurm_resilience.launch.supervise import Launcher, Settings
 
