@@ -24,8 +24,9 @@ Run it under srun, e.g.::
         "srun --kill-on-bad-exit=1 python examples/train.py --steps 100 --ckpt-every 5"
 
 Fault flags (``--crash-at-step``, ``--hang-at-step``) fire only on the first run
-(``SLURM_RESTART_COUNT`` unset or 0) unless ``--fault-every-run`` is given, so a
-requeued job can finish. The last line is ``done step=N resumed_from=M restarts=R at=T``;
+(``SLURM_RESILIENCE_RESTART_COUNT``, else ``SLURM_RESTART_COUNT``, unset or 0) unless
+``--fault-every-run`` is given, so a requeued or relaunched job can finish. The last
+line is ``done step=N resumed_from=M restarts=R at=T``;
 the ``at=`` stamps (Unix time) let a test check the goodput breakdown against the job's
 own clock.
 """
@@ -40,11 +41,13 @@ import sys
 import time
 import zlib
 
-import torch
-import torch.distributed as dist
+STARTED = time.time()  # before torch's import: a restart's figures split start-up from restore
 
-from slurm_resilience import heartbeat
-from slurm_resilience.checkpoint import CheckpointManager
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from slurm_resilience import heartbeat  # noqa: E402
+from slurm_resilience.checkpoint import CheckpointManager  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-after", type=int, default=-1,
                    help="hang this many steps after the step resumed from")
     p.add_argument("--hang-rank", type=int, default=0, help="the rank that hangs")
+    p.add_argument("--hang-on-file", default="",
+                   help="hang at the first step after this file exists (a test's trigger)")
     p.add_argument("--checkpoint-seconds", type=float, default=0.0,
                    help="make the first checkpoint section last this long (a slow save)")
     p.add_argument("--fault-every-run", action="store_true",
@@ -76,16 +81,19 @@ def _env_int(*names: str, default: int = 0) -> int:
 
 
 def init_distributed() -> tuple[int, int]:
-    """Rendezvous from Slurm's variables: MASTER_ADDR/MASTER_PORT if set, else the job's
+    """Rendezvous from Slurm's variables: MASTER_ADDR/MASTER_PORT if set, else the step's
     first node (or loopback when node names do not resolve, as in a one-host sandbox)."""
     rank = _env_int("RANK", "SLURM_PROCID")
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     job = _env_int("SLURM_JOB_ID")
     restarts = _env_int("SLURM_RESTART_COUNT")
+    relaunch = _env_int("SLURM_RESILIENCE_RELAUNCH")  # set by slurm-resilience launch
     addr = os.environ.get("MASTER_ADDR", "")
     if not addr:
         addr = "127.0.0.1"
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        # The step's first node: a relaunched step may have left the job's first node.
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get(
+            "SLURM_JOB_NODELIST", "")
         if nodelist:
             import hostlist
 
@@ -98,7 +106,7 @@ def init_distributed() -> tuple[int, int]:
     # Same on every rank, different per job, run and cluster (sandboxes share one host).
     # Below Linux's ephemeral range (32768 and up by default): a port the kernel handed to
     # some client socket there makes rank 0's store fail with EADDRINUSE.
-    seed = f"{os.environ.get('SLURM_CLUSTER_NAME', '')}/{job}/{restarts}".encode()
+    seed = f"{os.environ.get('SLURM_CLUSTER_NAME', '')}/{job}/{restarts}/{relaunch}".encode()
     port = int(os.environ.get("MASTER_PORT") or 20000 + zlib.crc32(seed) % 12000)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world)
@@ -118,7 +126,9 @@ def build(state_mb: float, steps: int) -> tuple[torch.nn.Module, torch.optim.Opt
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     rank, _world = init_distributed()
-    restarts = _env_int("SLURM_RESTART_COUNT")
+    print(f"rank {rank} started at={STARTED:.3f} distributed_at={time.time():.3f}", flush=True)
+    # Requeues plus relaunches inside the allocation (slurm-resilience launch sets it).
+    restarts = _env_int("SLURM_RESILIENCE_RESTART_COUNT", "SLURM_RESTART_COUNT")
     faulty = restarts == 0 or a.fault_every_run
     model, opt, sched = build(a.state_mb, a.steps)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -141,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if faulty and step == a.crash_at_step:
             print(f"rank {rank} crashing at step={step}", flush=True)
             os._exit(17)
-        if faulty and step == hang_at and rank == a.hang_rank:
+        triggered = bool(a.hang_on_file) and os.path.exists(a.hang_on_file)
+        if faulty and (step == hang_at or triggered) and rank == a.hang_rank:
             print(f"rank {rank} hanging at step={step} at={time.time():.3f}", flush=True)
             while True:  # no progress, like a rank stuck in a dead collective
                 time.sleep(3600)

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "install": "slurm_resilience.install.cli",
     "goodput": "slurm_resilience.goodput.cli",
     "doctor": "slurm_resilience.doctor.cli",
+    "launch": "slurm_resilience.launch.cli",
 }
 
 

@@ -62,7 +62,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     HOLD: ("hang",),
     CANCEL: ("hang",),
     # hang.incidentrecords.Action values an incident is counted with (skip is a repeat)
-    INCIDENT: ("requeue", "hold", "cancel", "leave", "report", "none"),
+    INCIDENT: ("requeue", "relaunch", "hold", "cancel", "leave", "report", "none"),
     STRAGGLER: ("step_time", "node_step_time"),
     BUDGET: ("incident", "straggler"),
     SUSPICION: ("cleared", "failed"),

@@ -35,6 +35,21 @@ def submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int 
         f"--output={workdir}/slurm-%j.out", *sbatch_args])
 
 
+def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 3,
+                  spares: int = 1, launch_args: str = "", train: Path = TRAIN,
+                  runner: str = "") -> int:
+    """Submit examples/train.py under ``slurm-resilience launch --spares``: one task per
+    node, requeueable (the fallback) and appending, as the README says. ``runner``:
+    what each task runs the script with (default: the venv's python)."""
+    uri = f"s3://ckpt/{user}/{workdir.name}"
+    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n"
+              f"exec {PYTHON} -m slurm_resilience launch --spares {spares} {launch_args} -- "
+              f"{runner or f'{PYTHON} -u'} {shlex.quote(str(train))} --state-mb 1 {args}\n")
+    return sandbox.sbatch(script, user=user, args=[
+        f"-N{nodes}", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
+        f"--output={workdir}/slurm-%j.out"])
+
+
 def output(workdir: Path, job_id: int) -> str:
     path = workdir / f"slurm-{job_id}.out"
     return path.read_text() if path.exists() else ""
@@ -61,11 +76,11 @@ def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
 
 
 def acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | None:
-    """The report of restart ``run`` that decided to requeue or hold, if any."""
+    """The report of restart ``run`` that decided to requeue, relaunch or hold, if any."""
     for r in reports:
         decision = r.get("decision", {})
         if r.get("restart") == run and decision.get("action") in (  # type: ignore[union-attr]
-                "requeue", "hold"):
+                "requeue", "relaunch", "hold"):
             return r
     return None
 

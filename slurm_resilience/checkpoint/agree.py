@@ -16,6 +16,10 @@ another), each rank's view is gathered and one pure decision is taken here:
   both steps and the nodes that lack the newer one (on every rank's stderr and in the
   log). Like stage-in passing over a partial local step, this needs no opt-in: the
   newer step can't be loaded anywhere, and the older one loses less than a fresh start;
+* a relaunch inside the allocation (``slurm-resilience launch``): the nodes lacking the
+  newest step are all spares that just joined, and the nodes that kept running committed
+  it (a commit on any node means every rank's save returned): the spares fetch their share
+  of it (``ckpt.stage`` waits for its upload to land), the others read their own NVMe;
 * no step is committed on every node: an error naming each node's newest step.
 """
 
@@ -36,6 +40,7 @@ class RankView:
     candidate: int
     from_s3: bool
     committed: tuple[int, ...]
+    joined: bool = False  # the node joined the step at a relaunch (a spare)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,14 @@ def agree(views: list[RankView]) -> Agreement:
             f"step {newest} is committed in S3 (staged in for {_where(having)}) but the "
             f"stage-in for {_where(lacking)} chose {behind}; fetching step {newest} from S3 "
             f"on {', '.join(fetch)} so that every rank resumes from step {newest}"))
+    if lacking and having and all(v.joined for v in lacking):
+        # A relaunch inside the allocation: the nodes that kept running committed the
+        # step, so every rank saved it before the fault; the spares fetch their share.
+        fetch = tuple(sorted({v.node for v in lacking}))
+        return Agreement(newest, newest, fetch=fetch, warning=(
+            f"step {newest} is committed for {_where(having)}; {_where(lacking)} joined "
+            f"the step at a relaunch: fetching their share of step {newest} on "
+            f"{', '.join(fetch)}"))
     common = set.intersection(*usable)
     if not common:
         per_node = "; ".join(

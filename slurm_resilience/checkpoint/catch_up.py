@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from slurm_resilience.checkpoint.agree import Agreement, RankView, agree
 from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.checkpoint.stagein_status import StageinStatus
+from slurm_resilience.heartbeat.attempt import ENV_JOINED
 from slurm_resilience.log import get_logger
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
     import torch.distributed as dist
 
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-    mine = RankView(mgr.rank, node, candidate, status.source == "s3", tuple(local))
+    joined = node in os.environ.get(ENV_JOINED, "").split(",")
+    mine = RankView(mgr.rank, node, candidate, status.source == "s3", tuple(local), joined)
     views: list[Any] = [None] * mgr.world_size
     dist.all_gather_object(views, mine, group=mgr.group)
     result = agree(views)

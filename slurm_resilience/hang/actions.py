@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from slurm_resilience.hang import takeouts as T
+from slurm_resilience.heartbeat.attempt import restarts_of
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import (
@@ -41,6 +42,7 @@ class StepKind(enum.Enum):
     EXCLUDE = "exclude"  # nodes
     RELEASE = "release"
     CANCEL = "cancel"
+    RELAUNCH = "relaunch"  # target: the relaunch number, nodes: the step's, text: the order
 
 
 class StepDoc(TypedDict):
@@ -68,6 +70,8 @@ class Step:
             return f"record the take-out of {self.target}"
         if self.kind is StepKind.EXCLUDE:
             return f"exclude {','.join(self.nodes)} from job {job_id}"
+        if self.kind is StepKind.RELAUNCH:
+            return f"relaunch job {job_id}'s step on {','.join(self.nodes)}"
         return f"{self.kind.value} job {job_id}"
 
 
@@ -127,11 +131,20 @@ def _held(reason: str) -> bool:
     return "held" in reason.lower() and reason != "JobHeldUser"
 
 
+# Hands a RELAUNCH step to the job's launcher; what was done.
+Relauncher = Callable[[Step], str]
+
+
 def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step, *,
-             released: bool = False) -> str:
+             released: bool = False, relaunch: Relauncher | None = None) -> str:
     """One step, once; returns what was done (raises SlurmError to be retried).
-    ``released``: the plan releases the job after its requeue-hold (a requeue)."""
+    ``released``: the plan releases the job after its requeue-hold (a requeue).
+    ``run``: the incident's attempt (:mod:`attempt`)."""
     k = step.kind
+    if k is StepKind.RELAUNCH:
+        if relaunch is None:
+            raise ValueError("a relaunch step needs the agent's launcher registry")
+        return relaunch(step)
     if k is StepKind.DRAIN:
         try:
             return f"drained {step.target}: {adapter.drain(step.target, step.text)}"
@@ -144,9 +157,10 @@ def run_step(adapter: SlurmAdapter, job_id: int, run: int, step: Step, *,
         return f"set the AdminComment of job {job_id}"
     if k in (StepKind.REQUEUE, StepKind.REQUEUE_HOLD, StepKind.CANCEL):
         job = adapter.show_job(job_id)
-        if job.restarts != run or job.state not in ("RUNNING", "SUSPENDED", "CONFIGURING"):
-            return (f"job {job_id} is {job.state} with Restarts={job.restarts}: run {run} "
-                    f"already ended, no {k.value}")
+        if job.restarts != restarts_of(run) or job.state not in ("RUNNING", "SUSPENDED",
+                                                                 "CONFIGURING"):
+            return (f"job {job_id} is {job.state} with Restarts={job.restarts}: run "
+                    f"{restarts_of(run)} already ended, no {k.value}")
         if k is StepKind.REQUEUE:
             adapter.requeue(job_id)
             return f"requeued job {job_id}"
@@ -223,7 +237,8 @@ def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
 
 def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], done: int,
             deadline: float, clock: Clocked,
-            progress: Callable[[int], None]) -> tuple[list[str], bool]:
+            progress: Callable[[int], None],
+            relaunch: Relauncher | None = None) -> tuple[list[str], bool]:
     """Run ``plan[done:]``; ``progress(i)`` after each step. Returns (what happened, whether
     every step ran)."""
     actions: list[str] = []
@@ -236,7 +251,8 @@ def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], 
         try:
             actions.append(said + retry(step.describe(job_id),
                                         lambda s=step: run_step(adapter, job_id, run, s,  # type: ignore[misc]
-                                                                released=released),
+                                                                released=released,
+                                                                relaunch=relaunch),
                                         deadline, clock))
         except DeadlinePassed as exc:
             actions.append(str(exc))

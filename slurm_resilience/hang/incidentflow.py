@@ -18,13 +18,16 @@ from slurm_resilience import events
 from slurm_resilience.config import Config
 from slurm_resilience.hang import blame as B
 from slurm_resilience.hang import ckptfacts, incident, localpiece, policy
+from slurm_resilience.hang import relaunch as RL
 from slurm_resilience.hang.actions import (
     Clocked,
     DeadlinePassed,
     Step,
+    StepKind,
     Stopping,
     execute,
     retry,
+    run_step,
 )
 from slurm_resilience.hang.incidentrecords import (
     Action,
@@ -40,8 +43,10 @@ from slurm_resilience.hang.incidentrecords import (
     piece_from_bytes,
     piece_to_bytes,
 )
+from slurm_resilience.hang.launches import Launches
 from slurm_resilience.hang.rendezvous import Rendezvous
 from slurm_resilience.hang.store import ClaimBasis, IncidentStore, Progress, ProgressState
+from slurm_resilience.heartbeat.attempt import RELAUNCH_STRIDE, relaunch_of, restarts_of
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import JobNotFound
@@ -73,7 +78,8 @@ class IncidentRunner:
     def __init__(self, cfg: Callable[[], Config], node: str, adapter: SlurmAdapter,
                  rendezvous: Rendezvous, store: IncidentStore, clock: Clock,
                  sleep: Callable[[float], object], incident_dir: str,
-                 stopping: Callable[[], bool] = lambda: False):
+                 stopping: Callable[[], bool] = lambda: False,
+                 launches: Launches | None = None):
         self.cfg = cfg
         self.node = node
         self.adapter = adapter
@@ -82,6 +88,7 @@ class IncidentRunner:
         self.clock = clock
         self.clocked = Clocked(clock.time, sleep, stopping)
         self.incident_dir = incident_dir
+        self.launches = launches  # the launchers on this node (slurm-resilience launch)
 
     def _report(self, view: localpiece.JobView, piece: Piece, run: int, trigger: str,
                 timings: Timings, **kw: Any) -> Report:
@@ -120,11 +127,21 @@ class IncidentRunner:
                 self._count(Action.NONE)
             return self.finish(self._report(view, piece, run, trigger, timings, actions=(
                 f"couldn't read job {rec.job_id}: {exc}",)))
-        if run_hint is not None and run_hint != job.restarts:
+        if run_hint is not None and restarts_of(run_hint) != job.restarts:
             log.info("ignored hang observations of an earlier run", job_id=rec.job_id,
                      run=run_hint, current=job.restarts)
             return self._report(view, piece, run_hint, trigger, timings)
-        run = job.restarts
+        # The attempt: Slurm's Restarts and the relaunch inside the allocation (attempt.py);
+        # on the batch host the relaunch its own launcher registry holds.
+        launch = self.launches.live(rec.job_id) if self.launches is not None else None
+        relaunch = relaunch_of(run if run_hint is None else run_hint)
+        if launch is not None:
+            if relaunch < launch.relaunch:
+                log.info("ignored hang observations of an earlier relaunch", job_id=rec.job_id,
+                         relaunch=relaunch, current=launch.relaunch)
+                return self._report(view, piece, run, trigger, timings)
+            relaunch = launch.relaunch
+        run = job.restarts + RELAUNCH_STRIDE * relaunch
         nodes = job.nodes or rec.nodes
         self.rdv.publish(rec.job_id, run, job.batch_host, nodes, piece_to_bytes(piece))
         if job.batch_host != self.node:
@@ -139,15 +156,20 @@ class IncidentRunner:
         missing = [n for n in nodes if n not in pieces]
         ranks = sorted((r for p in pieces.values() for r in p.ranks), key=lambda r: r.rank)
         evidence = {n: p.evidence for n, p in pieces.items()}
-        obs = [o for p in pieces.values() for o in p.observations]
-        blamed = B.blame(rec.job_id, obs, {n: list(p.findings) for n, p in pieces.items()})
+        # Under a launcher only the step's nodes are judged: a spare's own findings (it
+        # failed the idle checks while waiting) say nothing about the step's hang.
+        judged = {n: p for n, p in pieces.items() if launch is None or n in launch.nodes}
+        obs = [o for p in judged.values() for o in p.observations]
+        blamed = B.blame(rec.job_id, obs, {n: list(p.findings) for n, p in judged.items()})
         blame_json = _blame_json(blamed, missing)
         report = self._report(view, piece, run, trigger, replace(
             timings, hang_started_at=first_hang(ranks)), ranks=tuple(ranks),
             evidence=evidence, blame=blame_json)
+        order: Step | None = None
         try:
             decision = self.decide(cfg, job, view.verdict.mode, blamed,
-                                   trigger.startswith("reported"), deadline)
+                                   trigger.startswith("reported"), deadline, run=run)
+            decision, order = self._relaunch(job, decision, run, deadline)
         except (DeadlinePassed, JobNotFound) as exc:
             self._count(Action.NONE)
             return self.finish(replace(report, actions=(f"couldn't decide: {exc}",)))
@@ -164,7 +186,8 @@ class IncidentRunner:
         self._count(decision.action)  # once: the claim is persisted, a restart won't count
         if decision.budget_note.startswith("hang budget spent"):  # policy.node_calls' note
             events.count(self.adapter.events_path, events.BUDGET, "incident")
-        steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain)
+        steps = policy.plan(rec.job_id, decision, job.admin_comment, drain=hb.drain,
+                            relaunch=order)
         notes = self._notes(cfg, rec.job_id, decision)
         path = self._write(report)
         done = self._execute(Progress(rec.job_id, run, ProgressState.ACTING, steps, 0, deadline,
@@ -193,13 +216,46 @@ class IncidentRunner:
             self.store.save(progress)
         done, complete = execute(self.adapter, progress.job_id, progress.run, progress.plan,
                                  progress.done, progress.deadline, self.clocked,
-                                 lambda i: self.store.save(replace(progress, done=i)))
+                                 lambda i: self.store.save(replace(progress, done=i)),
+                                 lambda step: self._give(progress.job_id, progress.run, step))
+
         self.store.save(replace(progress, done=len(progress.plan) if complete else progress.done,
                                 state=ProgressState.DONE if complete else ProgressState.GAVE_UP))
         return done
 
+    def _relaunch(self, job: JobInfo, decision: Decision, run: int, deadline: float
+                  ) -> tuple[Decision, Step | None]:
+        """A requeue becomes a relaunch inside the allocation when the job's launcher is
+        alive on this node (the batch host) with a spare that passes the gate now."""
+        launch = self.launches.live(job.job_id) if self.launches is not None else None
+        if launch is None or decision.action is not Action.REQUEUE:
+            return decision, None
+        unusable: dict[str, str] = {}
+        for spare in launch.spares:
+            if spare not in job.nodes:
+                unusable[spare] = "not in the job's allocation"
+                continue
+            info = retry(f"read spare {spare}", lambda s=spare: self.adapter.show_node(s),  # type: ignore[misc]
+                         deadline, self.clocked)
+            why = RL.gate_reason(info.drained, info.down, info.state, info.reason)
+            if why:
+                unusable[spare] = why
+        decision, order = RL.choose(decision, launch, job_nodes=job.nodes, unusable=unusable,
+                                    run=run, admin_comment=job.admin_comment)
+        return decision, RL.order_step(order) if order is not None else None
+
+    def _give(self, job_id: int, run: int, step: Step) -> str:
+        """Hand a relaunch order to the job's launcher; when it is gone meanwhile (its
+        batch host lost, the script ended) the job is requeued as without one."""
+        order = RL.order_of(step)
+        if self.launches is not None and self.launches.give(job_id, order):
+            return (f"ordered the launcher of job {job_id} to relaunch its step (relaunch "
+                    f"{order.relaunch}) on {','.join(order.nodes)}")
+        done = run_step(self.adapter, job_id, run, Step(StepKind.REQUEUE))
+        return f"the launcher of job {job_id} is gone: {done}"
+
     def decide(self, cfg: Config, job: JobInfo, mode: str, blamed: B.Blame,
-               self_reported: bool, deadline: float) -> Decision:
+               self_reported: bool, deadline: float, run: int | None = None) -> Decision:
         """Gather the root-side facts (node reasons for the budget, committed checkpoint
         steps), then the pure policy."""
         hb = cfg.heartbeat
@@ -216,7 +272,8 @@ class IncidentRunner:
             note = (note + "; " if note else "") + ("reported by the job itself: no node taken "
                                                     "out of service without health findings")
         ckpt = ckptfacts.committed_step(cfg, self.node, job.job_id)
-        return policy.decide(job.job_id, run=job.restarts, user=job.user,
+        return policy.decide(job.job_id, run=job.restarts if run is None else run,
+                             user=job.user,
                              requeue_allowed=job.requeue, admin_comment=job.admin_comment,
                              ckpt_step=ckpt.step, mode=mode, cfg=hb, calls=calls,
                              budget_note=note, required=job.req_nodes)
@@ -264,13 +321,13 @@ class IncidentRunner:
         try:
             job: JobInfo = retry("read the job", lambda: self.adapter.show_job(job_id),
                                  deadline, self.clocked)
-            if job.restarts != run:
+            if job.restarts != restarts_of(run):
                 self.store.save(replace(progress, state=ProgressState.DONE))
                 log.warning("heartbeat: resume: the job left the claimed run; nothing to do",
                             job_id=job_id, run=run, current=job.restarts)
                 return
             decision = self.decide(cfg, job, basis.mode, basis.blame, basis.self_reported,
-                                   deadline)
+                                   deadline, run=run)
         except (DeadlinePassed, JobNotFound) as exc:
             self._drop(progress, str(exc))
             return

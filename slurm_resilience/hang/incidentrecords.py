@@ -41,6 +41,7 @@ class Action(enum.Enum):
     """What the batch host does about a hang of a job."""
 
     REQUEUE = "requeue"
+    RELAUNCH = "relaunch"  # the step relaunched inside the allocation (slurm-resilience launch)
     HOLD = "hold"
     CANCEL = "cancel"
     LEAVE = "leave"  # --no-requeue job left running (policy)

@@ -211,12 +211,13 @@ def decide(job_id: int, *, run: int, user: str, requeue_allowed: bool, admin_com
                     budget_note)
 
 
-def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool
-         ) -> tuple[Step, ...]:
+def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool,
+         relaunch: Step | None = None) -> tuple[Step, ...]:
     """The Slurm steps of a decision, in order: nodes first (so no other job lands on a node
-    under suspicion), then the job's ledger, then the job."""
+    under suspicion), then the job's ledger, then the job. ``relaunch``: the step that hands
+    a RELAUNCH decision's order to the job's launcher (see :mod:`relaunch`)."""
     steps: list[Step] = []
-    if decision.action in (Action.REQUEUE, Action.HOLD) and drain:
+    if decision.action in (Action.REQUEUE, Action.HOLD, Action.RELAUNCH) and drain:
         # Each suspect take-out is then recorded in the node's Comment, where it outlives a
         # resume and keeps counting against the hourly budgets; drains on evidence are not
         # budgeted, so not recorded.
@@ -236,6 +237,10 @@ def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool
                       Step(StepKind.RELEASE)]
         else:
             steps.append(Step(StepKind.REQUEUE))
+    elif decision.action is Action.RELAUNCH:
+        if relaunch is None:
+            raise ValueError("a relaunch decision needs its launcher's order")
+        steps += [Step(StepKind.COMMENT, text=comment), relaunch]
     elif decision.action is Action.HOLD:
         steps.append(Step(StepKind.REQUEUE_HOLD, text=comment))
         if decision.exclude:

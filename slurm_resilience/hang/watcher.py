@@ -24,6 +24,7 @@ from slurm_resilience.hang import detect, evidence, jobrecord, socketapi
 from slurm_resilience.hang import rendezvous as RV
 from slurm_resilience.hang.incidentflow import IncidentRunner
 from slurm_resilience.hang.incidentrecords import Clock, SystemClock
+from slurm_resilience.hang.launches import Launches
 from slurm_resilience.hang.live import LiveConfig
 from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.slotreader import read_slots
@@ -76,9 +77,10 @@ class HangWatcher:
         self._side_exchange: Any = None
         # Set by close(): retry waits end at once and incidents are left for the next start.
         self.stopping = threading.Event()
+        self.launches = Launches(self.clock.monotonic)
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
                                      self.clock, sleep or self.stopping.wait, self.incident_dir,
-                                     self.stopping.is_set)
+                                     self.stopping.is_set, self.launches)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
         # A user decides how many of their slots are refused, and how often stragglers change.
@@ -167,6 +169,7 @@ class HangWatcher:
             for job_id in set(self.jobs) - seen:
                 del self.jobs[job_id]
                 self.tuned.forget(job_id)
+            self.launches.forget(seen)
             self.threads = {k: t for k, t in self.threads.items() if t.is_alive()}
         self.suspects.tick()
         if self.clock.monotonic() >= self.next_cleanup:
@@ -281,9 +284,23 @@ class HangWatcher:
         return socketapi.fetch(self.incident_dir, self.node, request, peer,
                               self.cfg.heartbeat.max_report_bytes)
 
+    def handle_launch_register(self, request: Request, peer: Peer) -> Response:
+        """A job's launcher (slurm-resilience launch) says which nodes its step runs on and
+        which spares it holds; only for the caller's own job watched on this node."""
+        job_id = socketapi.job_id_of(request.get("job_id"))
+        with self.lock:
+            view = self.jobs.get(job_id)
+        return self.launches.register(request, peer,
+                                      view.record.uid if view is not None else None)
+
+    def handle_launch_poll(self, request: Request, peer: Peer) -> Response:
+        """The relaunch order for the caller's job, if an incident decided one."""
+        return self.launches.poll(request, peer)
+
     def handlers(self) -> dict[str, Handler]:
         return {"hang.status": self.handle_status, "hang.report": self.handle_report,
-                "hang.fetch": self.handle_fetch}
+                "hang.fetch": self.handle_fetch, "launch.register": self.handle_launch_register,
+                "launch.poll": self.handle_launch_poll}
 
     def wait(self, timeout: float = 60.0) -> None:
         """Wait until the incidents and the verification running now have ended."""

@@ -37,6 +37,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 
+from slurm_resilience.heartbeat import attempt
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.writer import Heartbeat
 
@@ -108,7 +109,7 @@ def init(env: Mapping[str, str] | None = None) -> Heartbeat | None:
         _current = Heartbeat(
             os.path.join(directory, S.slot_filename(rank)), rank=rank,
             world_size=max(world, 1), local_rank=_int(env, "LOCAL_RANK", "SLURM_LOCALID"),
-            job_id=job_id, restart_count=_int(env, "SLURM_RESTART_COUNT"),
+            job_id=job_id, restart_count=attempt.from_env(env),
             step_timeout_s=timeout, flags=S.FLAG_OBSERVE if mode == "observe" else 0,
         )
     except OSError as exc:

@@ -44,6 +44,7 @@ __all__ = ["MAX_REASON", "SlurmAdapter", "clean_reason", "from_config"]
 
 log = get_logger("slurm")
 
+_STEP_ID = re.compile(r"^\d+\.\d+$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
 _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
 _VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.\d+)?\b")
@@ -317,6 +318,25 @@ class SlurmAdapter:
                                      "-X", "-n", "-P", "-o",
                                      "JobID,State,Start,End,NodeList"])
         return parse_sacct_runs(out.stdout)
+
+    def job_steps(self, job_id: int | str) -> list[tuple[str, str]]:
+        """The job's running steps as (``JOB.STEP``, name); the job's own launcher reads
+        them (as the job's user) to end the step it started."""
+        jid = _check_job_id(job_id)
+        out = self._run("list job steps", ["squeue", "--steps", f"--jobs={jid}",
+                                           "--noheader", "--format=%i|%j"])
+        steps = []
+        for line in out.stdout.splitlines():
+            step, _, name = line.strip().partition("|")
+            if _STEP_ID.match(step):
+                steps.append((step, name))
+        return steps
+
+    def signal_step(self, step_id: str, signal: str = "KILL") -> None:
+        """Send ``signal`` to every task of one step (the caller's own: scancel checks)."""
+        if not _STEP_ID.match(step_id) or not signal.isalnum():
+            raise ValueError(f"slurm: {step_id!r} is not a step id or {signal!r} a signal")
+        self._run("signal job step", ["scancel", f"--signal={signal}", step_id])
 
     def requeue(self, job_id: int | str, cause: str = "hang") -> None:
         """Put a running job back in the queue; it restarts with Restarts+1. ``cause``: what

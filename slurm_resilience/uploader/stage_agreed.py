@@ -37,10 +37,17 @@ def stage_step(s3: S3, uri: S3Uri, job_fd: int, uid: int, gid: int, step: int,
                policy: StageinPolicy) -> StageinResult:
     """Bring what a restore of ``step`` needs from S3, or raise naming why it can't."""
     clock = SystemClock()
-    listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
-    if step not in listing.committed:
-        raise StageinFailed(f"checkpoint: stage-in: step {step} is not committed in {uri} "
-                            "(no COMMIT.json)")
+    # A node that joined a relaunch asks as soon as the step restarts: the other nodes'
+    # uploads of the step may still be landing, so its commit is waited for (bounded).
+    deadline = clock.monotonic() + policy.intent_wait_s
+    while True:
+        listing = retrying(f"list {uri}", lambda: list_run(s3, uri), policy, clock)
+        if step in listing.committed:
+            break
+        if clock.monotonic() >= deadline:
+            raise StageinFailed(f"checkpoint: stage-in: step {step} is not committed in {uri} "
+                                f"(no COMMIT.json after {policy.intent_wait_s:g}s)")
+        clock.sleep(policy.poll_s)
     try:
         remote, mode, nbytes = stage_remote(s3, uri, step, listing.committed[step], job_fd,
                                             uid, gid, policy, clock)

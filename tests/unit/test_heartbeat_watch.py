@@ -537,3 +537,47 @@ def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None
     watcher.wait()
     assert [c for c in runner.calls if c[1:3] != ["show", "node"]] == []
     assert not watcher.store.seen
+
+
+class SpareRunner(FakeRunner):
+    """The job holds node1 and node2 (its spare)."""
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        done = super().run(argv, timeout=timeout, check=check, input_text=input_text, env=env)
+        return replace(done, stdout=done.stdout.replace("NodeList=node1 NumNodes=1",
+                                                        "NodeList=node[1-2] NumNodes=2"))
+
+
+def test_a_registered_launcher_is_ordered_to_relaunch_instead_of_a_requeue(
+        tmp_path: Path) -> None:
+    """With the job's launcher registered (a spare in the job, passing the gate), the hang
+    is decided as a relaunch: no requeue, an order for relaunch 1 on the spare, and the
+    ledger records the attempt; the launcher's next registration ends the order."""
+    cfg = _cfg(tmp_path)
+    runner = SpareRunner(42, NODE)
+    clock = FakeClock()
+    watcher = _watcher(cfg, runner, clock)
+    proc = _hanging_job(tmp_path, cfg)
+    owner = Peer(pid=1, uid=0, gid=0)  # the job's user here (the prolog ran it as uid 0)
+    try:
+        watcher.tick()
+        watcher.handle_launch_register({"job_id": 42, "relaunch": 0, "nodes": ["node1"],
+                                        "spares": ["node2"], "max_restarts": 3}, owner)
+        clock.advance(1.3)
+        watcher.tick()
+        watcher.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [c for c in runner.calls if c[1] in ("requeue", "requeuehold")], runner.calls
+    report = json.loads(next((tmp_path / "state" / "incidents").glob("*.json")).read_text())
+    assert report["decision"]["action"] == "relaunch", report["decision"]
+    order = watcher.handle_launch_poll({"job_id": 42}, owner)["order"]
+    assert isinstance(order, dict) and order["relaunch"] == 1
+    blamed = [c["node"] for c in report["decision"]["nodes"]]
+    assert order["nodes"] == (["node2"] if blamed == ["node1"] else ["node1"]), report
+    assert "restart=0]" in report["decision"]["ledger"]
+    watcher.handle_launch_register({"job_id": 42, "relaunch": 1, "nodes": order["nodes"],
+                                    "spares": [], "max_restarts": 3}, owner)
+    assert watcher.handle_launch_poll({"job_id": 42}, owner) == {"order": None}

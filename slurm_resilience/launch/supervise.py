@@ -1,0 +1,145 @@
+"""The launcher's loop: start the step with srun, ask the node agent for an order about once
+a second, and when an incident of this job was decided as a relaunch, end the step (bounded)
+and start it again on the nodes the order names, inside the same allocation.
+
+The agent on the batch host is the only one that decides (the launcher never judges a hang
+itself): it takes the bad node out as it would for a requeue (drained on evidence, or a
+suspect verified and returned), and hands the launcher an order instead of requeueing the
+job. Without a usable spare, with ``--max-restarts`` spent, or when this launcher stops
+polling (its batch host lost), the agent requeues the job as it does for any job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from slurm_resilience.launch import plan as P
+
+
+class Agent(Protocol):
+    """The batch host's agent as the launcher uses it (``launch.register``/``launch.poll``)."""
+
+    def register(self, place: P.Placement, max_restarts: int) -> None: ...
+
+    def poll(self) -> Mapping[str, object] | None: ...
+
+
+class Step(Protocol):
+    """A running srun (subprocess.Popen's methods the loop uses)."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Settings:
+    spares: int
+    max_restarts: int
+    poll_s: float = 1.0
+    end_timeout_s: float = 60.0  # from the order to the old step gone
+
+
+def say(message: str) -> None:
+    print(f"slurm-resilience launch: {message}", file=sys.stderr, flush=True)
+
+
+class Launcher:
+    def __init__(self, alloc: P.Allocation, command: Sequence[str], settings: Settings,
+                 agent: Agent, start: Callable[[list[str], dict[str, str]], Step],
+                 end_step: Callable[[int], None], env: Mapping[str, str], srun: str = "srun",
+                 clock: Callable[[], float] = time.monotonic):
+        self.alloc = alloc
+        self.command = list(command)
+        self.settings = settings
+        self.agent = agent
+        self.start = start
+        self.end_step = end_step
+        self.env = env
+        self.srun = srun
+        self.clock = clock
+        self.place = P.first(alloc, settings.spares)
+        self.agent_ok = True
+
+    def _register(self) -> None:
+        try:
+            self.agent.register(self.place, self.settings.max_restarts)
+            self.agent_ok = True
+        except Exception as exc:  # noqa: BLE001 - the step runs on; said, not hidden
+            if self.agent_ok:
+                say(f"WARNING: couldn't register with the node agent ({exc}): an incident "
+                    "of this job takes the requeue path until it answers")
+            self.agent_ok = False
+
+    def _poll(self) -> Mapping[str, object] | None:
+        try:
+            order = self.agent.poll()
+        except Exception as exc:  # noqa: BLE001 - agent restarted: register again
+            if self.agent_ok:
+                say(f"WARNING: the node agent didn't answer ({exc}); registering again")
+            self._register()
+            return None
+        return order
+
+    def run(self) -> int:
+        """Run until the step ends without an order; its exit status."""
+        while True:
+            argv = P.srun_argv(self.srun, self.alloc, self.place, self.command)
+            say(f"relaunch {self.place.relaunch}: {' '.join(self.place.nodes)}"
+                + (f" (spares {' '.join(self.place.spares)})" if self.place.spares else "")
+                + f" at={time.time():.3f}")
+            self._register()
+            step = self.start(argv, P.step_env(self.env, self.alloc, self.place))
+            order = self._supervise(step)
+            if order is None:
+                code = step.wait()
+                order = self._poll()  # a decision that raced the step's end
+                if order is None:
+                    return code
+            say(f"order for relaunch {order.get('relaunch')} at={time.time():.3f}")
+            self._end(step)
+            say(f"step of relaunch {self.place.relaunch} ended at={time.time():.3f}")
+            self._follow(order)
+
+    def _supervise(self, step: Step) -> Mapping[str, object] | None:
+        while step.poll() is None:
+            order = self._poll()
+            if order is not None:
+                return order
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                step.wait(timeout=self.settings.poll_s)
+        return None
+
+    def _end(self, step: Step) -> None:
+        """End the old step: its tasks are killed through Slurm, then srun is waited for,
+        up to ``end_timeout_s`` (then srun itself is killed)."""
+        if step.poll() is not None:
+            return
+        try:
+            self.end_step(self.place.relaunch)
+        except Exception as exc:  # noqa: BLE001 - killing srun below still ends it
+            say(f"WARNING: couldn't signal the step through Slurm ({exc}); killing srun")
+            step.kill()
+        try:
+            step.wait(timeout=self.settings.end_timeout_s)
+        except subprocess.TimeoutExpired:
+            say(f"WARNING: the step did not end within {self.settings.end_timeout_s:g}s; "
+                "killing srun")
+            step.kill()
+            step.wait()
+
+    def _follow(self, order: Mapping[str, object]) -> None:
+        relaunch, nodes = order.get("relaunch"), order.get("nodes")
+        if not isinstance(relaunch, int) or not isinstance(nodes, list) or \
+                relaunch != self.place.relaunch + 1:
+            raise P.PlanError(f"the node agent's order is not the next relaunch: {order}")
+        self.place = P.after(self.place, relaunch, [str(n) for n in nodes])
+        say(f"incident: {order.get('reason', '')}")

@@ -1,0 +1,147 @@
+"""Hot spares end to end in the sandbox: ``slurm-resilience launch --spares`` in the batch
+script of a real job, real slurmctld/slurmd, one agent per node, real PyTorch (gloo, CPU)
+ranks of an unprivileged test user.
+
+The figures (hang -> relaunch ordered, hang -> training running again) are printed; run
+with ``-s`` to see them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hang_jobs import PYTHON, TRAIN, acting, output, reports, submit_launch, wait_for
+
+from slurm_resilience.sandbox import faults
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
+              pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
+
+
+def _node_of(out: str, rank: int, restarts: int) -> str:
+    m = re.search(rf"rank {rank} running step=\d+ at=[\d.]+ restarts={restarts} node=(\w+)",
+                  out)
+    assert m, out
+    return m.group(1)
+
+
+def test_hang_is_relaunched_on_the_spare_inside_the_allocation(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A 2-node job with one spare (3-node allocation): rank 1 wedges at step 12. The batch
+    host's agent takes rank 1's node out (a suspect), the launcher ends the step and starts
+    it on the survivor plus the spare; the job is never requeued (Restarts=0), resumes from
+    step 10 (the newest committed) and finishes; the suspect is verified and returned once
+    the job has left it."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "spare")
+    job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                                "--hang-rank 1")
+    running = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=120)
+    assert len(running.nodes) == 3, running
+    wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
+    final = sandbox.wait_job(job_id, timeout=240)
+    report = acting(reports(sandbox, job_id), 0)  # the final copy, with the action's time
+    assert report is not None
+    out = output(work, job_id)
+    assert report["decision"]["action"] == "relaunch", report  # type: ignore[index]
+    assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
+    assert re.search(r"done step=30 resumed_from=10 restarts=1 ", out), out
+
+    hung = _node_of(out, 1, 0)
+    survivor = _node_of(out, 0, 0)
+    spare = (set(running.nodes) - {hung, survivor}).pop()
+    assert _node_of(out, 1, 1) == spare and _node_of(out, 0, 1) == survivor, out
+    assert [(c["node"], c["verdict"]) for c in report["decision"]["nodes"]] == [  # type: ignore[index]
+        (hung, "suspect")]
+    assert f"relaunch 1: {survivor} {spare} at=" in out, out
+    # Survivors read their own copy; the spare's share came through its agent (S3).
+    assert "joined the step at a relaunch" in out or "committed in S3" in out or \
+        "resumed_from=10" in out
+    # Handled as today: verified once the job left it, then back in service.
+    wait_for(lambda: not sandbox.adapter().show_node(hung).drained, 180,
+             "the suspect's return to service")
+    hang_at = float(re.search(r"rank 1 hanging at step=12 at=([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    again = float(re.search(r"rank \d running step=\d+ at=([\d.]+) restarts=1", out).group(1))  # type: ignore[union-attr]
+    ordered = float(report["timings"]["action_at"])  # type: ignore[index]
+    print(f"\nspare path: hang -> relaunch ordered {ordered - hang_at:.1f}s, -> training "
+          f"running again {again - hang_at:.1f}s")
+    assert hang_at < ordered < again
+
+
+def test_without_a_spare_the_job_is_requeued_as_before(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """``--spares 0``: the blamed node can't be replaced inside the allocation, so the agent
+    requeues the job as it does without a launcher; the requeued script launches again and
+    the job finishes from its checkpoint."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "nospare")
+    job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                                "--hang-rank 1", nodes=2, spares=0)
+    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
+    final = sandbox.wait_job(job_id, timeout=240)
+    out = output(work, job_id)
+    assert report["decision"]["action"] == "requeue", report  # type: ignore[index]
+    assert "no usable spare" in report["decision"]["reason"], report  # type: ignore[index]
+    assert final.state == "COMPLETED" and final.restarts == 1, (final, out)
+    assert re.search(r"done step=30 resumed_from=10 restarts=1 ", out), out
+
+
+def test_a_spare_that_fails_the_gate_is_not_used(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """The spare loses a GPU (Xid 79) while it waits: the idle health check drains it, so
+    the hang is not relaunched on it; the job takes the requeue path, and the report says
+    why the spare was not used."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "badspare")
+    trigger = work / "hang-now"
+    job_id = submit_launch(sandbox, user, work, f"--steps 100000 --ckpt-every 5 --hang-rank 1 "
+                                                f"--hang-on-file {trigger}")
+    running = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=120)
+    out = wait_for(lambda: re.search(r"relaunch 0: \S+ \S+ \(spares (\S+)\) at=",
+                                     output(work, job_id)), 120, "the launcher's first line")
+    spare = out.group(1)
+    assert spare in running.nodes
+    try:
+        faults.inject(sandbox.layout.state_dir, spare, "gpu-xid:3:79")
+        wait_for(lambda: sandbox.adapter().show_node(spare).drained, 120, "the spare drained")
+        trigger.write_text("")  # only now: the gate has spoken before the hang
+        report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 240, "the decision")
+        assert report["decision"]["action"] == "requeue", report  # type: ignore[index]
+        assert f"spare {spare} not used" in report["decision"]["reason"], report  # type: ignore[index]
+    finally:
+        sandbox.run(["scancel", str(job_id)])
+        faults.heal(sandbox.layout.state_dir, spare)
+
+
+# Each task runs torchrun with one worker; the static rendezvous's port is the job's, the
+# cluster's and the relaunch's (a relaunched step must not meet the old one's store).
+TORCHRUN_WRAPPER = """#!/bin/sh
+port=$({python} -c 'import os, zlib; e = os.environ; print(20000 + zlib.crc32("/".join(
+    [e.get("SLURM_CLUSTER_NAME", ""), e["SLURM_JOB_ID"], e["SLURM_RESILIENCE_RELAUNCH"],
+     "torchrun"]).encode()) % 12000)')
+exec {torchrun} --nnodes="$SLURM_NNODES" --nproc-per-node=1 --node-rank="$SLURM_NODEID" \\
+    --master-addr=127.0.0.1 --master-port="$port" "$@"
+"""
+
+
+def test_srun_torchrun_under_launch_is_relaunched_on_the_spare(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """``launch -- torchrun ...``: torchrun's workers are the ranks; a hung worker is
+    relaunched on the spare with a fresh torchrun rendezvous, and the job finishes from
+    step 10 without a requeue."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "torchrun")
+    wrapper = work / "torchrun.sh"
+    wrapper.write_text(TORCHRUN_WRAPPER.format(python=PYTHON,
+                                               torchrun=PYTHON.parent / "torchrun"))
+    wrapper.chmod(0o755)
+    job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
+                                                "--hang-rank 1", runner=str(wrapper))
+    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 240, "the decision")
+    final = sandbox.wait_job(job_id, timeout=300)
+    out = output(work, job_id)
+    assert report["decision"]["action"] == "relaunch", (report, out)  # type: ignore[index]
+    assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
+    assert re.search(r"done step=30 resumed_from=10 restarts=1 ", out), out
