@@ -9,11 +9,11 @@ agent tick (heartbeat.interval_s = 0.5 s) plus the stamp's distance from the eve
 
 * lost since checkpoint: from the checkpoint of step 10 to the hang before step 12, 1.0 s;
 * hung before detection: from the printed hang to the report's detection time, 1.5 s;
-* checkpoint stalls: the printed stall_ms of every save the runs kept, 0.5 s in all;
+* checkpoint stalls: the printed stall_ms of every save the runs kept, 1.0 s in all;
 * stage-in + before the first step of run 1: at most the time from the hang's detection to
   run 1's "running" line (its allocation starts in between), and more than 0;
-* productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: between 2.8 s
-  and 14 s.
+* productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: at least
+  2.8 s, at most the time the job's own clock shows it stepping (plus 1 s).
 
 The allocation times come from the agents here (no accounting in this sandbox); the
 accounting sandbox checks the rest against sacct's run times.
@@ -145,9 +145,11 @@ def api(base: str, path: str, **params: str) -> Any:
 
 
 def query(base: str, promql: str) -> list[dict[str, Any]]:
+    """The query's result; [] while the server can't answer yet (a Prometheus still
+    starting answers 503 with a text body, not JSON)."""
     try:
         return list(api(base, "query", query=promql)["result"])
-    except urllib.error.URLError:
+    except (urllib.error.URLError, ValueError):
         return []
 
 
@@ -181,9 +183,15 @@ def near(values: dict[str, float], want: dict[str, float]) -> bool:
 
 
 def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: str,
-                              other: str) -> None:
+                              other: str, pinned: int) -> None:
     """Evaluate every dashboard expression and alert rule; assert what the faults made:
-    ``idle`` drained for an Xid, ``other`` for a failed NCCL test."""
+    ``idle`` drained for an Xid, ``other`` for a failed NCCL test.
+
+    ``pinned`` is the job submitted to ``idle`` after the Xid. Its prolog normally finds
+    the Xid first and fails it (a requeue, cause prolog); a HealthCheckProgram pass that
+    falls between the injection and that prolog drains the node first, and the job then
+    waits for it without a requeue. Which one happened is read from the job's restarts,
+    and the requeue count must match it exactly."""
     # HealthCheckProgram passes find the Xid again and drain the drained node again.
     fails = (f'increase(slurm_resilience_gate_check_results_total{{check="xid",'
              f'result="fail"}}[1h]) {J}')
@@ -195,9 +203,15 @@ def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: s
     wait_for(lambda: instant(prom, f'slurm_resilience_nccl_test_passed{{variant="all"}} {J}'
                              ).get(f"node={other},variant=all") == 0, 90,
              "the failed NCCL test in the metrics")
-    wait_for(lambda: instant(prom, 'sum(increase(slurm_resilience_job_requeues_total'
-                                   '{cause="prolog"}[1h]))').get("-", 0) > 0.9, 90,
-             "the job our prolog failed for the Xid released by a health-check pass")
+    # Settled: pending again after the prolog's requeue, or pending all along.
+    wait_for(lambda: sandbox.job(pinned).state == "PENDING", 120,
+             "the job pinned to the drained node pending")
+    by_prolog = 1 if sandbox.job(pinned).restarts > 0 else 0
+    print(f"job {pinned} on {idle}: requeued by our prolog: {bool(by_prolog)}")
+    if by_prolog:
+        wait_for(lambda: instant(prom, 'sum(increase(slurm_resilience_job_requeues_total'
+                                       '{cause="prolog"}[1h]))').get("-", 0) > 0.9, 120,
+                 "the job our prolog failed for the Xid released by a health-check pass")
     prom.gone.shutdown()  # the stand-in agent stops answering
     nodes = sandbox.nodes
     up = {**{f"node={n}": 1.0 for n in nodes}, f"node={GONE}": 0.0}
@@ -232,7 +246,7 @@ def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: s
     assert near(panel("Incidents by decision (1h)", "{{decision}}"),
                 {"decision=requeue": 1}), got
     requeued = panel("Requeues and holds (1h)", "requeued {{cause}}")
-    assert near(requeued, {"cause=hang": 1, "cause=prolog": 1}), requeued
+    assert near(requeued, {"cause=hang": 1, "cause=prolog": by_prolog}), requeued
     assert near(panel("Requeues and holds (1h)", "held {{cause}}"), {}), got
     assert near(panel("Requeues and holds (1h)", "cancelled {{cause}}"), {}), got
     assert near(panel("Hang budget spent (1h)", "{{node}} {{by}}"), {}), got
@@ -295,7 +309,7 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     # An Xid on a node the job is not on now: its prolog drains it.
     idle, other = [n for n in sandbox.nodes if n not in final.nodes][:2]
     print(faults.inject(sandbox.state_dir, idle, "gpu-xid:2:79"))
-    sandbox.sbatch("true\n", args=["-w", idle])
+    pinned = sandbox.sbatch("true\n", args=["-w", idle])
     # A wrong all-reduce sum on the other: the NCCL test of its whole-node job drains it.
     print(faults.inject(sandbox.state_dir, other, "nccl-wrong:1"))
     sandbox.update_resilience_config({"nccl": {"enabled": True, "idle_verify": False}})
@@ -314,7 +328,7 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     assert any(r["metric"]["instance"].endswith(f":{port}") for r in got["drain"]), got
     ratios = [float(r["value"][1]) for r in got["goodput"]]
     assert ratios and all(0 < r <= 1 for r in ratios), got["goodput"]
-    check_dashboard_and_rules(sandbox, prometheus, job_id, idle, other)
+    check_dashboard_and_rules(sandbox, prometheus, job_id, idle, other, pinned)
 
     # goodput over the nodes of both runs (the requeued run avoids the suspect node)
     runs = re.findall(r"rank \d running step=\d+ at=[\d.]+ restarts=(\d) node=(\w+)", out)
@@ -332,9 +346,13 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     losses = b["losses_s"]
     want = {"lost_since_checkpoint": (hung_at - clock["checkpoints"][10][0], 1.0),
             "hung_before_detection": (detected - hung_at, 1.5),
-            "checkpoint_stall": (sum(s for _, s in clock["checkpoints"].values()), 0.5)}
+            # one agent tick (0.5 s) of rounding either way
+            "checkpoint_stall": (sum(s for _, s in clock["checkpoints"].values()), 1.0)}
     for kind, (known_s, tol) in want.items():
         assert abs(losses[kind] - known_s) <= tol, (kind, losses[kind], known_s, tol)
     r1 = b["runs"][1]["losses"]
     assert 0 < r1["stagein"] + r1["before_first_step"] <= clock["running"][1] - detected, b
-    assert 28 * 0.1 <= b["productive_s"] <= 28 * 0.5, b
+    # at least the steps' sleeps; at most the time the job's own clock shows it stepping
+    # (run 0 from its first step to the hang, run 1 from its first step to done)
+    stepping = (hung_at - clock["running"][0]) + (clock["done"] - clock["running"][1])
+    assert 28 * 0.1 <= b["productive_s"] <= stepping + 1.0, (b, stepping)
