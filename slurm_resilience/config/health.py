@@ -346,6 +346,12 @@ class GdrCheckSection:
              "figure (it ships 380/360), the others the same 90% of line rate")
 
 
+# The module each ``health.backend`` loads (by name, with importlib): production code never
+# imports the hardware stand-in; only this configuration names it. A stand-in has pynvml's
+# interface plus ``use_scenario(path)`` and ``scenario_path(dir, node)``.
+NVML_MODULES = {"nvml": "pynvml", "fake": "slurm_resilience.fakes.nvml"}
+
+
 @dataclass(frozen=True)
 class HealthSection:
     """The node health gate run by the prolog, epilog and HealthCheckProgram."""
@@ -367,6 +373,11 @@ class HealthSection:
     release_held_jobs: bool = setting(
         True, help="HealthCheckProgram releases jobs held 'launch failed requeued held' on a "
                    "node we drained (for sites that cannot set nohold_on_prolog_fail)")
+    fault_requeue_max: int = setting(
+        3, min=0, max=100,
+        help="the epilog requeues a requeueable job that ended non-zero on a node it finds "
+             "faulty (away from the node) at most this many times per job; its own cap, "
+             "apart from the hang requeues; 0: never")
     gpu: GpuCheckSection = setting(default_factory=GpuCheckSection, help="GPU checks")
     xid: XidCheckSection = setting(default_factory=XidCheckSection, help="Xid checks")
     kernel_log: KernelLogCheckSection = setting(

@@ -22,17 +22,17 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slurm_resilience import __version__
-from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending_steps
+from slurm_resilience import __version__, events
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events, observe
+from slurm_resilience.metrics import observe
 from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import jobs_of, users_of
+from slurm_resilience.uploader.journal import StepState, failed_steps, pending_steps
 
 log = get_logger("metrics")
 
@@ -43,8 +43,12 @@ EVENT_FAMILIES = {
                    "(a node already in one of our drains is not counted again)", "cause"),
     events.RESUME: ("node_returns", "nodes returned to service (our drains resumed)", "cause"),
     events.REQUEUE: ("job_requeues", "jobs sent back to the queue: by hang handling (a "
-                     "requeue held while its exclusions are set included), or after our "
-                     "prolog failed them", "cause"),
+                     "requeue held while its exclusions are set included), after our "
+                     "prolog failed them, after a node fault killed them (node_fault), or "
+                     "ahead of their time limit once they saved (time_limit)", "cause"),
+    events.PLANNED: ("planned_stops", "jobs that saved their newest step and stopped on a "
+                     "warning ahead of their time limit or on preemption, by cause: planned "
+                     "restarts, never counted against the hang requeue cap", "cause"),
     events.HOLD: ("job_holds", "jobs requeued and left held by hang handling", "cause"),
     events.CANCEL: ("job_cancels", "hung jobs cancelled (no_requeue_policy: cancel)", "cause"),
     events.INCIDENT: ("hang_incidents", "hang incidents decided on this node (the job's batch "
@@ -73,8 +77,8 @@ class AgentSources:
     events_path: str
     nccl_path: str
     started: float = field(default_factory=time.time)
-    watcher: Any = None  # heartbeat.watcher.HangWatcher
-    uploader: Any = None  # checkpoint.uploader.Uploader
+    watcher: Any = None  # hang.watcher.HangWatcher
+    uploader: Any = None  # uploader.service.Uploader
     steps: StepWatch | None = None
     nodes: Any = None  # stragglers.nodeexchange.NodeExchange
     ledger: Ledger | None = None
@@ -237,7 +241,7 @@ class AgentCollector(Collector):
         for job_id in open_:
             inc.add_metric([str(job_id)], 1)
         yield inc
-        suspects = getattr(w, "suspects", None)  # heartbeat.suspect.SuspectWatch
+        suspects = getattr(w, "suspects", None)  # hang.suspect.SuspectWatch
         if suspects is not None:
             g = _gauge("node_suspicion_users", "users whose jobs made this node a hang suspect "
                        "within heartbeat.suspect_window_s (each suspicion verified; at "

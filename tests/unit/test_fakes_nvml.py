@@ -15,6 +15,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import GpuCheckSection
 from slurm_resilience.fakes import nvml as fake
+from slurm_resilience.fakes import nvml_captures
 from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.collectors import nvml as collector
 from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
@@ -30,7 +31,7 @@ def collect(tmp_path: Path, scenario: dict[str, Any], node: str = "n1") -> NvmlS
 
 
 def smi(name: str) -> dict[str, Any]:
-    return fake.scenario_from_nvidia_smi((SMI / name).read_text())
+    return nvml_captures.scenario_from_nvidia_smi((SMI / name).read_text())
 
 
 def test_constants_and_error_codes_match_pynvml() -> None:
@@ -103,7 +104,8 @@ def test_real_captures_give_the_documented_verdict(tmp_path: Path, capture: str,
                                                    expected: list[str]) -> None:
     """Collector + check on a scenario built from each real capture find what it shows."""
     snap = collect(tmp_path, smi(capture))
-    findings = gpu_check.check(snap, GpuCheckSection(), {}, kind="healthcheck").findings
+    findings = gpu_check.check(snap, GpuCheckSection(), gpu_check.GpuState(),
+                               kind="healthcheck").findings
     got = [f.message for f in findings if f.severity is Severity.FAIL]
     assert [m.replace(m.split()[0], "gpu?", 1) for m in got] == expected
 
@@ -119,14 +121,14 @@ def test_real_captures_detail(tmp_path: Path) -> None:
     assert gh200.gpus[0].ecc_aggregate_uncorrected == 1
     cfg = GpuCheckSection(max_aggregate_uncorrectable_ecc=0)
     assert any(f.severity is Severity.FAIL
-               for f in gpu_check.check(gh200, cfg, {}).findings)
+               for f in gpu_check.check(gh200, cfg, gpu_check.GpuState()).findings)
 
 
 def test_sw_thermal_capture_warns_when_sustained(tmp_path: Path) -> None:
     """The capture with one GPU in SW thermal slowdown warns once it lasts."""
     snap = collect(tmp_path, smi(
         "nvidia-smi-q_h100-80gb-hbm3-x8_drv535.183_one-gpu-sw-thermal-powercap.txt"))
-    state: dict[str, Any] = {}
+    state = gpu_check.GpuState()
     for _ in range(3):
         result = gpu_check.check(snap, GpuCheckSection(), state)
         state = result.state
@@ -185,7 +187,7 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
     """The collector against the stand-in with scenario_from_nvml_raw(nvml-raw.json) gives
     the snapshot the same collector took of the real H200 (nvml-snapshot.json)."""
     raw = _capture("nvml-raw.json")
-    fake.write_scenario(str(tmp_path / "vm.json"), fake.scenario_from_nvml_raw(raw))
+    fake.write_scenario(str(tmp_path / "vm.json"), nvml_captures.scenario_from_nvml_raw(raw))
     modules, pci = _capture_node(tmp_path)
     got = collector.collect("fake", str(tmp_path), "vm", modules, pci).to_json()
     want = _capture("nvml-snapshot.json")
@@ -265,7 +267,7 @@ def test_raw_capture_errors_other_than_not_supported_are_answered_alike(
 
 
 def _answers_as_recorded(tmp_path: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    scenario = fake.scenario_from_nvml_raw(raw)
+    scenario = nvml_captures.scenario_from_nvml_raw(raw)
     fake.write_scenario(str(tmp_path / "vm.json"), scenario)
     fake.use_scenario(str(tmp_path / "vm.json"))
     unc, cor = fake.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, fake.NVML_MEMORY_ERROR_TYPE_CORRECTED
