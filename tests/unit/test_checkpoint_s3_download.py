@@ -16,7 +16,7 @@ import google_crc32c
 import pytest
 
 from slurm_resilience.checkpoint.crc import crc_hex
-from slurm_resilience.checkpoint.s3 import S3, MiB, S3Settings, TransientS3Error, read_into
+from slurm_resilience.uploader.s3 import S3, MiB, S3Settings, TransientS3Error, read_into
 
 SIZE = 3 * MiB + 1000  # four ranges of 1 MiB, the last short
 
