@@ -216,13 +216,21 @@ def bench_local(mb: int, base: Path, runs: int) -> list[str]:
             os.close(fd)
 
     loads, preads = [], []
+    load_cpu, pread_cpu = [], []
+
+    def load() -> None:
+        before = cpu_s()
+        loads.append(timed(lambda: reader.load_latest(state)))
+        load_cpu.append(cpu_s() - before)
+
+    def pread() -> None:
+        before = cpu_s()
+        preads.append(timed(raw_pread))
+        pread_cpu.append(cpu_s() - before)
+
     for run in range(runs):
-        if run % 2:
-            loads.append(timed(lambda: reader.load_latest(state)))
-            preads.append(timed(raw_pread))
-        else:
-            preads.append(timed(raw_pread))
-            loads.append(timed(lambda: reader.load_latest(state)))
+        for fn in (load, pread) if run % 2 else (pread, load):
+            fn()
     shutil.rmtree(job)
 
     out.append(line("first save() stall (prepare) vs copy_", firsts, first_copies, "<= 1.5"))
@@ -237,6 +245,8 @@ def bench_local(mb: int, base: Path, runs: int) -> list[str]:
     out.append(f"{'  of which waiting for the previous write':<40} "
                f"{median(b2b_wait) * 1e3:9.1f} ms")
     out.append(line("load_latest (warm cache) vs 4-thread pread", loads, preads, "<= 1.3"))
+    out.append(f"{'  CPU seconds (user+sys)':<40} ours {median(load_cpu):6.3f} s  pread "
+               f"{median(pread_cpu):6.3f} s (verify + read: every byte is read twice)")
     out.append(f"{'resident after saves (state ' + f'{mib:.0f} MiB)':<40} +{rss_saved:.0f} MiB "
                f"with the reused buffers, +{rss_released:.0f} MiB after release_buffers()")
     return out

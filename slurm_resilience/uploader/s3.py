@@ -636,27 +636,29 @@ class S3:
         """Download into ``fd`` with parallel ranged GETs; returns the CRC32C of the bytes
         received (each range's CRC32C, combined: no second pass over the file).
 
-        Each range streams to the file in ``_STREAM_CHUNK`` pieces as it arrives (no
-        whole part in memory), and a range that fails mid-body is fetched again.
+        Each range streams through one reused ``_STREAM_CHUNK`` buffer per thread (read
+        into it, CRC32C and ``pwrite`` while it is in cache; no allocation per chunk),
+        and a range that fails or ends short is fetched again, then raises.
         """
         part = self.settings.part_size
         crcs: dict[int, tuple[int, int]] = {}
+        local = threading.local()
 
         def get_range(start: int, end: int) -> int:
+            view: memoryview | None = getattr(local, "view", None)
+            if view is None:
+                view = local.view = memoryview(bytearray(_STREAM_CHUNK))
             resp = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
             body = resp["Body"]
             crc, pos = 0, start
             try:
                 while pos <= end:
-                    chunk = body.read(min(_STREAM_CHUNK, end + 1 - pos))
-                    if not chunk:
+                    n = read_into(body, view[:min(len(view), end + 1 - pos)])
+                    if not n:
                         break
-                    crc = crc32c_extend(crc, chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        written = os.pwrite(fd, view, pos)
-                        view = view[written:]
-                        pos += written
+                    crc = crc32c_extend(crc, view[:n])
+                    pwrite_all(fd, view[:n], pos)
+                    pos += n
             finally:
                 body.close()
             if pos != end + 1:
@@ -677,7 +679,25 @@ class S3:
         return crc_hex(combine_parts([crcs[n] for n in sorted(crcs)]))
 
 
-_STREAM_CHUNK = 4 * MiB
+# Small enough to stay in a core's cache between the read, its CRC32C and the pwrite.
+_STREAM_CHUNK = 1 * MiB
+
+
+def read_into(body: Any, view: memoryview) -> int:
+    """Read up to ``len(view)`` bytes of a response body into ``view``; 0 at its end.
+    botocore's ``readinto`` where it has one (newer releases), else ``read`` and a copy."""
+    readinto = getattr(body, "readinto", None)
+    if readinto is not None:
+        return int(readinto(view))
+    data = body.read(len(view))
+    view[:len(data)] = data
+    return len(data)
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 class _Checker:
