@@ -276,7 +276,7 @@ def _record_diag_repairs(store: StateStore, gpu_by_pci: dict[str, int], covered:
         for pci, index in sorted(gpu_by_pci.items()):
             if index in covered:
                 xid_repairs.record(store.directory, xid_repairs.Repair(
-                    pci, now, "active diagnostic passed"))
+                    pci, now, xid_repairs.DIAG_EVIDENCE, xid_repairs.DIAG))
     except OSError as exc:
         return [warn("xid", "repairs", f"clean diagnostic not recorded as a repair: {exc}")]
     return []
@@ -336,7 +336,8 @@ def _check(name: str, snap: dict[str, Any], prev: dict[str, Any], facts: _RunFac
         return xid_check.check(
             klog, h.xid, prev, now=now, gpu_by_pci=facts.gpu_by_pci,
             job_start=facts.job_start if facts.kind == "epilog" else None, repairs=repairs,
-            gpus_ok=_gpus_ok(gpu_snap, facts.gpu_by_pci)), extra
+            gpus_ok=_gpus_ok(gpu_snap, facts.gpu_by_pci),
+            recovery=xid_check.recovery_by_pci(gpu_snap.gpus if gpu_snap else [])), extra
     if name == "infiniband":
         model = next((g.name for g in gpu_snap.gpus if g.name), None) if gpu_snap else None
         return ib_check.check(IbSnapshot.from_json(snap), h.infiniband, prev,
