@@ -358,3 +358,31 @@ def test_gpu_findings_carry_the_gpus_pci_address_and_serial(node: Path) -> None:
     first = report.verdict.blocking[0]
     assert report.verdict.reason().startswith(
         f"{first.message} [0000:5D:00.0 sn 1650124031595]")
+
+
+def test_health_readme_sandbox_snippet_holds(node: Path) -> None:
+    """The health README's sandbox walk-through, run on a stand-in node: Xid 79 drains
+    with 'reboot required', `gpu-reset` leaves the drain (its comment says so), `heal`
+    (a reboot) ends it."""
+    readme = (Path(__file__).resolve().parents[2] / "slurm_resilience" / "health"
+              / "README.md").read_text()
+    block = readme.split("## Trying it in the sandbox", 1)[1].split("```", 2)[1]
+    steps = [ln.split("#", 1)[0].split() for ln in block.splitlines()
+             if ln.startswith("slurm-resilience sandbox ") and " up" not in ln]
+    reset_comment = " ".join(ln.split("#", 1)[1].strip() for ln in
+                             block.split("gpu-reset:3", 1)[1].split("heal")[0].splitlines())
+    assert [s[2:] for s in steps] == [["inject", "node1", "gpu-xid:3:79"],
+                                      ["inject", "node1", "gpu-reset:3"], ["heal", "node1"]]
+    assert "the drain stays" in reset_comment, reset_comment
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    seen = []
+    for step in steps:
+        if step[2] == "inject":
+            faults.inject(node, NODE, step[4])
+        else:
+            faults.heal(node, NODE)
+        seen.append(gate.run(cfg, NODE, "prolog").verdict)
+    assert [v.healthy for v in seen] == [False, False, True]
+    assert all("gpu3 XID 79" in v.reason() and "reboot required" in v.reason()
+               for v in seen[:2])
