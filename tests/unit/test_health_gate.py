@@ -370,7 +370,8 @@ def test_health_readme_sandbox_snippet_holds(node: Path) -> None:
     steps = [ln.split("#", 1)[0].split() for ln in block.splitlines()
              if ln.startswith("slurm-resilience sandbox ") and " up" not in ln]
     reset_comment = " ".join(ln.split("#", 1)[1].strip() for ln in
-                             block.split("gpu-reset:3", 1)[1].split("heal")[0].splitlines())
+                             block.split("gpu-reset:3", 1)[1].split("heal")[0].splitlines()
+                             if "#" in ln)
     assert [s[2:] for s in steps] == [["inject", "node1", "gpu-xid:3:79"],
                                       ["inject", "node1", "gpu-reset:3"], ["heal", "node1"]]
     assert "the drain stays" in reset_comment, reset_comment
