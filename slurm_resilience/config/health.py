@@ -409,3 +409,8 @@ class HealthSection:
         if self.mounts.paths and self.mounts.timeout_s >= self.collector_timeout_s:
             raise ValueError("health.mounts.timeout_s must be below "
                              "health.collector_timeout_s (the mounts collector's own limit)")
+        unknown_aer = set(self.kernel_log.max_pcie_aer_errors) - {"fatal", "nonfatal",
+                                                                   "correctable"}
+        if unknown_aer:
+            raise ValueError(f"health.kernel_log.max_pcie_aer_errors: {sorted(unknown_aer)} "
+                             "are none of fatal, nonfatal, correctable")
