@@ -312,6 +312,11 @@ class DiagCheckSection:
     timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
     memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
     memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    dcgm_setting_severity: Literal["warn", "fail"] = setting(
+        "warn", help="a DCGM failure that is a setting (persistence mode off, ECC off, a "
+                     "CUDA environment variable, Fabric Manager not running: DCGM error 29, "
+                     "55, 28, 108...) is reported naming the setting and its fix (warn) or "
+                     "drains (fail); hardware and reset-requiring errors always drain")
     after_failure: bool = setting(
         False, help="the epilog runs the diagnostics when its own checks failed on a GPU "
                     "(a gpu or xid finding that drains); counted in the epilog's budget")

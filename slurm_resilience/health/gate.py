@@ -349,7 +349,7 @@ def _check(name: str, snap: dict[str, Any], prev: dict[str, Any], facts: _RunFac
 
         if "dcgm" in snap:
             report = dcgm.from_json(snap["dcgm"])
-            result = diag_check.check_dcgm(report, prev, now)
+            result = diag_check.check_dcgm(report, prev, now, h.diag)
             covered = {r.gpu for r in report.results if r.gpu is not None}
         else:
             memtest = cuda_memtest.from_json(snap["memtest"])

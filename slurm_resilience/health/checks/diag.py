@@ -20,15 +20,41 @@ def _by_model(table: dict[str, float], name: str) -> float | None:
     return next((v for m, v in table.items() if gpu_models.matches(m, name)), None)
 
 
-def check_dcgm(report: DiagReport, state: dict[str, Any], now: float) -> CheckResult:
+def check_dcgm(report: DiagReport, state: dict[str, Any], now: float,
+               cfg: DiagCheckSection | None = None) -> CheckResult:
+    """DCGM's verdicts, each failure judged by its error ids (:mod:`dcgm_errors`):
+    hardware drains, a reset-requiring error drains with that action, a setting is a
+    finding naming the setting and fix (``dcgm_setting_severity``), a test DCGM could not
+    run is "could not check". The reason names the error id and DCGM's advice."""
+    from slurm_resilience.health import dcgm_errors
+
     if report.error:
         return CheckResult([unknown(NAME, "dcgmi", f"couldn't run DCGM diagnostics: "
                                                    f"{report.error}")], state)
+    setting = (cfg or DiagCheckSection()).dcgm_setting_severity
     out: list[Finding] = []
     for r in report.results:
         subject = f"gpu{r.gpu}" if r.gpu is not None else "node"
         detail = f": {r.warnings[0][:120]}" if r.warnings else ""
-        if r.status == "fail":
+        if r.status == "fail" and r.error_ids:
+            codes = [dcgm_errors.code(i, r.error_severities.get(i)) for i in r.error_ids]
+            worst = dcgm_errors.worst(codes)
+            ids = ",".join(str(i) for i in r.error_ids)
+            name = f" {worst.name}" if worst.name else ""
+            need = ", reset required" if worst.kind is dcgm_errors.Kind.RESET else ""
+            what = (f"{subject} DCGM {r.test} Fail, error {ids}{name}: {worst.action}{need}"
+                    f"{detail}")[:230] + " (expected Pass)"
+            data = {"error_ids": r.error_ids, "dcgm_kind": worst.kind.value,
+                    "dcgm_action": worst.action}
+            if worst.kind is dcgm_errors.Kind.SETTING:
+                out.append((fail if setting == "fail" else warn)(NAME, subject, what, **data))
+            elif worst.kind is dcgm_errors.Kind.TOOLING:
+                out.append(unknown(NAME, subject, what, **data))
+            elif worst.kind is dcgm_errors.Kind.MONITOR:
+                out.append(warn(NAME, subject, what, **data))
+            else:
+                out.append(fail(NAME, subject, what, **data))
+        elif r.status == "fail":
             out.append(fail(NAME, subject, f"{subject} DCGM {r.test} Fail{detail} "
                                            "(expected Pass)", error_ids=r.error_ids))
         elif r.status == "warn":
