@@ -267,8 +267,9 @@ def _gpus_ok(snap: NvmlSnapshot | None, known: dict[str, int]) -> dict[str, bool
 
 def _record_diag_repairs(store: StateStore, gpu_by_pci: dict[str, int], covered: set[int],
                          now: float) -> list[Finding]:
-    """A clean active diagnostic ends the fatal Xids of the GPUs it tested: each goes into
-    the repair ledger, read by the Xid check of this run and every later one."""
+    """A clean active diagnostic is recorded for the GPUs it tested (kind ``diag``) in the
+    repair ledger, read by the Xid check of this run and every later one: it ends what a
+    diagnostic can clear (repeat requests), never a reset- or reboot-requiring Xid."""
     if not store.directory:
         return [warn("xid", "repairs", "clean diagnostic not recorded as a repair: no state "
                                        "directory")]

@@ -94,5 +94,5 @@ def check_memtest(report: MemtestReport, cfg: DiagCheckSection, state: dict[str,
 def _done(out: list[Finding], passed: str, state: dict[str, Any], now: float) -> CheckResult:
     if out:
         return CheckResult(out, state)
-    # A clean active diagnostic is evidence of repair (e.g. for a fatal Xid's drain).
+    # A clean active diagnostic ends what a diagnostic can clear (an Xid repeat request).
     return CheckResult([ok(NAME, "diag", passed)], {**state, "last_clean": now})
