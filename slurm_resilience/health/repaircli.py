@@ -72,5 +72,5 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"xid-repaired: couldn't record the repair in {directory}: "
                              f"{exc.strerror} (run as root on the node)") from None
         print(f"{node}: {xid_repairs.pci_key(pci)} repaired ({args.evidence}); the next gate "
-              "run ends its fatal Xids logged before now")
+              "run ends its fatal Xids logged before now that a reset ends")
     return 0
