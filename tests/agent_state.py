@@ -10,8 +10,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import detect, jobrecord
-from slurm_resilience.heartbeat.localpiece import JobView
+from slurm_resilience.hang import detect, jobrecord
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.synthetic import steps

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_resilience.agent import client
 from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -180,11 +181,16 @@ def _restart_agent(sandbox: Sandbox, node: str, sig: int = signal.SIGTERM) -> No
     daemons.spawn(extra.argv, log_file=sandbox.layout.log_dir / f"{extra.daemon.name}.log",
                   pid_file=extra.daemon.pid_file,
                   env={**control.daemon_env(sandbox.layout), **extra.env})
-    sock = Path(str(sandbox.layout.node_dir(node) / "run" / "agent.sock"))
-    deadline = time.monotonic() + 20
+    # The old agent's socket file can outlive it (SIGKILL): only an answer to a ping says
+    # the new one listens (a job started before that would find no agent).
+    sock = str(sandbox.layout.node_dir(node) / "run" / "agent.sock")
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if sock.exists() and extra.daemon.pid() is not None:
-            return
+        try:
+            if extra.daemon.pid() is not None and client.call(sock, "ping", timeout=2)["ok"]:
+                return
+        except (OSError, client.AgentUnavailable, client.AgentRefused):
+            pass
         time.sleep(0.1)
     raise AssertionError(f"agent on {node} did not come back")
 
