@@ -12,7 +12,10 @@ same on GPUs) and uses:
   the optimizer (its moments and learning rate) and the LR scheduler;
 * ``slurm_resilience.heartbeat``: one ``beat(step)`` per iteration and a
   ``section("checkpoint")`` around saves, so the agent can tell a hang from a
-  slow phase.
+  slow phase;
+* ``ckpt.stop_requested(step)`` at each step boundary: warned ahead of the time limit
+  (or preempted), every rank saves the same step with ``ckpt.stop(...)`` and the job is
+  requeued, resuming from that step.
 
 Run it under srun, e.g.::
 
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     d = model[0].in_features
     gen = torch.Generator().manual_seed(1234 + rank)
 
+    stopped = False
     for step in range(start + 1, a.steps + 1):
         if faulty and step == a.crash_at_step:
             print(f"rank {rank} crashing at step={step}", flush=True)
@@ -150,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
         time.sleep(a.step_seconds)
         heartbeat.beat(step)
+        # -- warned ahead of the time limit, or preempted: save this step and stop ---------
+        stop = ckpt.stop_requested(step)  # the same answer on every rank
+        if stop is not None:
+            said = ckpt.stop(step, stop, model=ddp, optimizer=opt, scheduler=sched)
+            if rank == 0:
+                print(f"stopped step={step} cause={stop.cause} at={time.time():.3f}: {said}",
+                      flush=True)
+            stopped = True
+            break
         # -- checkpoint -------------------------------------------------------------------
         if step % a.ckpt_every == 0:
             with heartbeat.section("checkpoint"):
@@ -164,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"at={time.time():.3f}", flush=True)
 
     ckpt.close()  # the last save is committed before we report done
+    if stopped:  # requeued (time limit) or ended by Slurm (preemption): nothing more to do
+        dist.destroy_process_group()
+        return 0
     heartbeat.done()
     dist.barrier()
     dist.destroy_process_group()

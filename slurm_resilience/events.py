@@ -44,8 +44,9 @@ BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly bud
 # A node suspected by several users' jobs got the deeper verification: cleared or failed.
 SUSPICION = "suspicion"
 CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
+PLANNED = "planned"  # a job saved and stopped ahead of its time limit or on preemption
 KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION,
-         CKPT_AGENT)
+         CKPT_AGENT, PLANNED)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -55,7 +56,9 @@ DRAIN_CAUSES = ("health", "nccl", "checkpoint", "heartbeat", "hooks", "hang", "h
 KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     DRAIN: DRAIN_CAUSES,
     RESUME: DRAIN_CAUSES,
-    REQUEUE: ("hang", "prolog"),
+    # node_fault: the epilog requeued a job a fault of its node killed (health.faultrequeue);
+    # time_limit, preempt: planned restarts the training side asked for (ahead of a limit).
+    REQUEUE: ("hang", "prolog", "node_fault", "time_limit", "preempt"),
     HOLD: ("hang",),
     CANCEL: ("hang",),
     # hang.incidentrecords.Action values an incident is counted with (skip is a repeat)
@@ -66,6 +69,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     # health.gate.CHECKS
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
     CKPT_AGENT: ("prolog", "epilog"),
+    PLANNED: ("time_limit", "preempt"),  # hang.limits.CAUSES
 }
 
 

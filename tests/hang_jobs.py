@@ -20,16 +20,19 @@ PYTHON = REPO / ".venv" / "bin" / "python"
 
 
 def submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 2,
-           tasks: int = 2, extra_env: str = "", train: Path = TRAIN) -> int:
+           tasks: int = 2, extra_env: str = "", train: Path = TRAIN,
+           sbatch_args: tuple[str, ...] = (), launcher: str = "") -> int:
     """Submit examples/train.py (or a copy at ``train``) as ``user`` the way the docs say:
-    requeueable, appending."""
+    requeueable, appending. ``launcher``: what srun starts instead of the venv's python
+    (e.g. torchrun with its options), given the script and its arguments."""
     uri = f"s3://ckpt/{user}/{workdir.name}"
+    start = launcher or f"{PYTHON} -u"
     script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{extra_env}"
-              f"srun --kill-on-bad-exit=1 -N{nodes} -n{tasks} {PYTHON} -u "
+              f"srun --kill-on-bad-exit=1 -N{nodes} -n{tasks} {start} "
               f"{shlex.quote(str(train))} --state-mb 1 {args}\n")
     return sandbox.sbatch(script, user=user, args=[
         f"-N{nodes}", f"-n{tasks}", "--requeue", "--open-mode=append",
-        f"--output={workdir}/slurm-%j.out"])
+        f"--output={workdir}/slurm-%j.out", *sbatch_args])
 
 
 def output(workdir: Path, job_id: int) -> str:

@@ -7,6 +7,7 @@ SERVICES: list[str] = [
     "slurm_resilience.hooks.supervisor:factory",  # first: hooks are fast from the start
     "slurm_resilience.hang.watcher:factory",
     "slurm_resilience.hang.stale:factory",  # removes job run dirs set aside by hooks
+    "slurm_resilience.hang.limits:factory",  # warns ranks ahead of the time limit
     "slurm_resilience.uploader.service:factory",
     "slurm_resilience.metrics.service:factory",  # last: it reads the others' state
 ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint import interrupt
 from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
 from slurm_resilience.checkpoint.catch_up import agree_ranks, pass_over
@@ -120,6 +121,7 @@ class CheckpointManager:
         self._future: Any = None
         self._error: BaseException | None = None
         self._group: Any = None
+        self._stop_group: Any = None
         self._agent_lost: str | None = None  # why the agent of a run with a URI is unreachable
         self._save_report_failed = False
         self.last_saved: int | None = None
@@ -135,6 +137,9 @@ class CheckpointManager:
             self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
             self.local_leader = self.rank == 0 if local_leader is None else local_leader
             self._group = self._make_group(barrier_timeout_s)
+            # stop_requested()'s agreement runs at every step, while a save's collectives may
+            # be running on _group in the background: a group of its own.
+            self._stop_group = self._make_group(barrier_timeout_s)
             self._arrival = for_group(self._group, self.rank, self.world_size,
                                       arrival_timeout_s, _warn)
         elif world_size > 1:
@@ -199,6 +204,7 @@ class CheckpointManager:
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
                           cfg.agent.request_timeout_s)
+        interrupt.arm(mgr, env, cfg.agent.request_timeout_s)
         return mgr
 
     def _make_group(self, timeout_s: float) -> Any:
@@ -226,16 +232,32 @@ class CheckpointManager:
             self.agent_socket = None
             self._agent_lost = lost
 
-    def _all_max(self, values: list[int]) -> list[int]:
-        """Element-wise max of ``values`` over all ranks (our own group)."""
-        if self._group is None:
+    def _all_max(self, values: list[int], group: Any = None) -> list[int]:
+        """Element-wise max of ``values`` over all ranks (our own group, or ``group``)."""
+        group = self._group if group is None else group
+        if group is None:
             return values
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return [int(v) for v in t.tolist()]
+
+    # -- stopping ahead of a time limit or at preemption (interrupt.py) --------------------
+
+    def stop_requested(self, step: int, every: int = 1) -> interrupt.Stop | None:
+        """Call at each step boundary: not None when the job was warned ahead of its time
+        limit or preempted, the same answer on every rank (one small all-reduce, made only
+        at steps that are a multiple of ``every``)."""
+        return None if every > 1 and step % every else interrupt.agree(self)
+
+    def stop(self, step: int, why: interrupt.Stop, state_dict: Mapping[str, Any] | None = None,
+             *, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> str:
+        """Save ``step``, wait for its commit everywhere, and have the job requeued ahead of
+        its time limit; then leave the training loop. Returns what happened, as printed."""
+        return interrupt.stop(self, step, why, state_dict, model=model, optimizer=optimizer,
+                              scheduler=scheduler)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -593,8 +615,10 @@ class CheckpointManager:
         return state
 
     def close(self) -> None:
-        """Finish the pending save (call before exiting)."""
+        """Finish the pending save (call before exiting); a warning ahead of the time limit
+        arriving from now on is ignored."""
         self.wait()
+        interrupt.disarm()
 
 
 def _warn(message: str) -> None:

@@ -37,6 +37,12 @@ class CheckpointSection:
              "5TiB); larger parts mean fewer requests",
     )
     concurrency: int = setting(8, min=1, max=128, help="parallel part uploads/downloads per file")
+    limit_lead_s: float = setting(
+        180.0, min=0, max=86400,
+        help="the agent warns the ranks of a job with a run URI this long before its time "
+             "limit (they save at the next step boundary and the job is requeued): at least "
+             "one step, the save's stall, its write and commit, and the requeue; 0: no "
+             "warning")
     rate_limit: ByteSize = setting(
         ByteSize(0), min=0, help="upload bandwidth cap in bytes/s per node; 0: unlimited"
     )

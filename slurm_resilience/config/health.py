@@ -396,6 +396,11 @@ class HealthSection:
     release_held_jobs: bool = setting(
         True, help="HealthCheckProgram releases jobs held 'launch failed requeued held' on a "
                    "node we drained (for sites that cannot set nohold_on_prolog_fail)")
+    fault_requeue_max: int = setting(
+        3, min=0, max=100,
+        help="the epilog requeues a requeueable job that ended non-zero on a node it finds "
+             "faulty (away from the node) at most this many times per job; its own cap, "
+             "apart from the hang requeues; 0: never")
     gpu: GpuCheckSection = setting(default_factory=GpuCheckSection, help="GPU checks")
     xid: XidCheckSection = setting(default_factory=XidCheckSection, help="Xid checks")
     kernel_log: KernelLogCheckSection = setting(

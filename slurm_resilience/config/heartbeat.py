@@ -212,6 +212,12 @@ class HeartbeatSection:
     verify_window_s: float = setting(
         600.0, min=1, max=86400, help="how long after an incident the agent polls as above"
     )
+    verify_calls_per_s: float = setting(
+        10.0, min=0.1, max=10000,
+        help="slurmctld calls per second the agents of one incident may make together while "
+             "they poll as above: a job on more than verify_calls_per_s * verify_poll_s nodes "
+             "polls every (its node count / verify_calls_per_s) seconds instead",
+    )
     verify_idle_poll_s: float = setting(
         600.0, min=1, max=86400,
         help="how often an agent checks for a suspect drain of its node at other times "

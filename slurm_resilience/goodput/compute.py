@@ -13,7 +13,10 @@ Its losses, in the order they happen:
 * ``restart``: from the detection (or the last progress, for a run that ended without an
   incident while not done) to the end of the allocation: evidence, decision, requeue;
 * ``after_last_step``: a run that ended well, from its last progress to the end of the
-  allocation (the last save's commit, shutdown, epilog).
+  allocation (the last save's commit, shutdown, epilog);
+* ``planned_restart``: a run that saved and stopped on purpose, warned ahead of its time
+  limit or preempted, from its last progress to the end of the allocation (the save at
+  the stop, its commit, the requeue). Such a run loses no work: it is no failure.
 
 Productive time is measured on its own, from step times: the steps a run kept (all of them,
 or for a failed run those up to its last checkpoint, not counting the first step, whose
@@ -32,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 CATEGORIES = ("before_first_step", "stagein", "checkpoint_stall", "lost_since_checkpoint",
-              "hung_before_detection", "restart", "after_last_step")
+              "hung_before_detection", "restart", "after_last_step", "planned_restart")
 EXPLAINED_MIN = 0.95  # productive + losses cover at least this share of the allocation
 
 
@@ -59,6 +62,7 @@ class Run:
     steps: int | None = None  # steps completed after the first one (None: not recorded)
     steps_at_checkpoint: int | None = None  # of those, the ones the last checkpoint kept
     step_time_s: float | None = None  # the run's median step time
+    planned: bool = False  # stopped on purpose (time limit ahead, preemption) after a save
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,9 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
     first = _clip(r.first_step_at, r.start, r.end)
     losses["stagein"] = min(r.stagein_s, first - r.start)
     losses["before_first_step"] = first - r.start - losses["stagein"]
-    failed = r.hang is not None or (ended and not r.done and not ok)
+    # A planned stop flags itself before its save: the tick that sees the save's end (done)
+    # may never come before the requeue ends the run.
+    failed = r.hang is not None or (ended and not r.done and not ok and not r.planned)
     last = _clip(r.last_progress_at if r.last_progress_at is not None else first, first, r.end)
     stop = r.end
     kept = r.steps
@@ -152,7 +158,7 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
         losses["lost_since_checkpoint"] = last - ckpt
         stop = ckpt
     elif ended:
-        losses["after_last_step"] = r.end - last
+        losses["planned_restart" if r.planned else "after_last_step"] = r.end - last
         stop = last
     losses["checkpoint_stall"] = min(r.checkpoint_stall_s, max(0.0, stop - first))
     rest = max(0.0, allocated - sum(losses.values()))

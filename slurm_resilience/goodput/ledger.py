@@ -57,6 +57,7 @@ class RunTimes:
     stagein_s: float = 0.0
     checkpoint_stall_s: float = 0.0
     done: bool = False
+    planned: bool = False  # the loop saved and stopped ahead of a time limit or preemption
     in_section_since: float | None = None  # wall time the lowest rank entered "checkpoint"
     stall_reported: bool = False  # checkpoint_stall_s comes from save() itself
     hang_started_at: float | None = None  # from this node's hang report of the run
@@ -80,7 +81,7 @@ class RunTimes:
             step_time = statistics.median(self.step_times) if self.step_times else 0.0
         return Run(self.run, self.start, self.end, self.first_step_at, self.last_progress_at,
                    self.last_checkpoint_at, self.stagein_s, self.checkpoint_stall_s, self.done,
-                   hang, steps, kept, step_time)
+                   hang, steps, kept, step_time, self.planned)
 
 
 @dataclass
@@ -128,6 +129,7 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
             m.stagein_s = max(m.stagein_s, r.stagein_s)
             m.checkpoint_stall_s = max(m.checkpoint_stall_s, r.checkpoint_stall_s)
             m.done = m.done or r.done
+            m.planned = m.planned or r.planned
             m.hang_started_at = _pick(min, m.hang_started_at, r.hang_started_at)
             m.hang_detected_at = _pick(min, m.hang_detected_at, r.hang_detected_at)
             if r.steps_recorded and (not m.steps_recorded or r.beats > m.beats):
@@ -290,6 +292,9 @@ class Ledger:
             done = all(v.flags & S.FLAG_DONE for v in slots)
             if done != r.done:
                 r.done, changed = done, True
+            planned = any(v.flags & S.FLAG_STOPPED for v in slots)
+            if planned and not r.planned:
+                r.planned, changed = True, True
             if r.stall_reported:
                 pass
             elif lead.section == CKPT_SECTION:

@@ -60,6 +60,8 @@ class HangJobRow(TypedDict):
     hang_requeues: int
     held: bool
     admin_comment: str
+    planned_restarts: int  # saved and requeued ahead of a time limit, or preempted
+    fault_requeues: int  # requeued after a node fault killed it
 
 
 class IncidentRow(TypedDict, total=False):
@@ -135,16 +137,23 @@ def suspicion(heartbeat_dir: str, hb: HeartbeatSection, now: float) -> Suspicion
 
 
 def hang_jobs(jobs: Sequence[JobInfo]) -> list[HangJobRow]:
-    """Jobs with a hang ledger: requeue count, and whether they are held and why."""
+    """Jobs we restarted: hang requeues (and whether they are held and why), planned
+    restarts (time limit, preemption) and node-fault requeues, each counted apart."""
+    from slurm_resilience.hang.limits import planned_count
+    from slurm_resilience.health.faultrequeue import parse_ledger as fault_ledger
+
     out: list[HangJobRow] = []
     for j in jobs:
         ledger = R.parse_ledger(j.admin_comment)
-        if ledger is None:
+        planned, fault = planned_count(j.admin_comment)[0], fault_ledger(j.admin_comment)
+        if ledger is None and not planned and not fault.requeues:
             continue
         held = j.state == "PENDING" and "held" in j.reason.lower()
         out.append({"job_id": j.job_id, "user": j.user, "state": j.state, "reason": j.reason,
-                    "restarts": j.restarts, "hang_requeues": ledger.requeues,
-                    "held": held, "admin_comment": j.admin_comment})
+                    "restarts": j.restarts,
+                    "hang_requeues": ledger.requeues if ledger is not None else 0,
+                    "held": held, "admin_comment": j.admin_comment,
+                    "planned_restarts": planned, "fault_requeues": fault.requeues})
     return out
 
 
@@ -206,11 +215,12 @@ def render(status: StatusDoc) -> str:
                               status.get("incidents", []))
     lines.append(f"drains by slurm-resilience ({len(drained)}):")
     lines += [f"  {d['node']:<14} {d['state']:<14} {d['reason']}" for d in drained]
-    lines.append(f"jobs requeued or held for hangs ({len(jobs)}):")
+    lines.append(f"jobs restarted or held ({len(jobs)}):")
     for j in jobs:
         tag = "HELD" if j["held"] else j["state"]
         lines.append(f"  job {j['job_id']:<8} {j['user']:<10} {tag:<9} hang requeues "
-                     f"{j['hang_requeues']}  {j['admin_comment']}")
+                     f"{j['hang_requeues']}, planned {j.get('planned_restarts', 0)}, node "
+                     f"fault {j.get('fault_requeues', 0)}  {j['admin_comment']}")
     lines.append(f"incidents on this node ({len(reports)}):")
     for i in reports:
         if "error" in i and "job_id" not in i:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from slurm_resilience.slurm.parse import NodeInfo
 from slurm_resilience.slurm.reasons import cause_of
 
 if TYPE_CHECKING:
+    from slurm_resilience.config.heartbeat import HeartbeatSection
     from slurm_resilience.config.nccl import NcclSection
 
 log = get_logger("heartbeat.suspect")
@@ -53,6 +55,9 @@ MAX_HISTORY = 256
 DEEP_LOOPBACK_FACTOR = 4
 HISTORY_FILE = "suspicions.json"
 DEEP_FILE = "suspicion-verified.json"
+# Each wait between looks is drawn from [1 - JITTER, 1 + JITTER] times the interval, so the
+# agents of one incident, which all start polling at once, don't reach slurmctld in step.
+JITTER = 0.2
 
 
 @dataclass(frozen=True)
@@ -287,12 +292,25 @@ def load_deep(path: str) -> DeepDoc | None:
         return None
 
 
+def poll_interval(hb: HeartbeatSection, job_nodes: int) -> float:
+    """Pure: the fast-poll interval after an incident of a job on ``job_nodes`` nodes. Every
+    node of the job polls its own state, so the interval grows with the job to keep their
+    calls together within ``verify_calls_per_s`` at slurmctld."""
+    return max(hb.verify_poll_s, job_nodes / hb.verify_calls_per_s)
+
+
+def backed_off(interval: float, failures: int, cap: float) -> float:
+    """Pure: the interval after ``failures`` failed looks in a row (doubling each time, never
+    past ``cap`` unless the interval itself is longer)."""
+    return min(interval * 2.0 ** min(failures, 16), max(interval, cap))
+
+
 class SuspectWatch:
     """Polls this node's Slurm state for a suspect drain and verifies the node."""
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, clock: Clock,
                  state_dir: str, verifier: Verifier = verify,
-                 deep_verifier: Verifier = deep_verify):
+                 deep_verifier: Verifier = deep_verify, rng: random.Random | None = None):
         self.cfg = cfg
         self.node = node
         self.adapter = adapter
@@ -303,24 +321,49 @@ class SuspectWatch:
         self.deep_path = os.path.join(state_dir, DEEP_FILE)
         self.next_poll = 0.0  # monotonic; 0: at the first tick (agent start)
         self.busy_until = -1.0  # monotonic end of the fast-poll window
+        self.fast_poll_s = cfg.heartbeat.verify_poll_s  # set per incident (its job's size)
+        self.failures = 0  # looks at the node's state that failed in a row (backoff)
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
         self.thread: threading.Thread | None = None
         self.last: dict[str, Any] = {}
 
-    def incident_seen(self) -> None:
-        """This node took part in an incident: poll often for a while."""
+    def incident_seen(self, job_nodes: int = 1) -> None:
+        """This node took part in an incident of a job on ``job_nodes`` nodes: poll often
+        for a while (see :func:`poll_interval`)."""
         now = self.clock.monotonic()
-        self.busy_until = now + self.cfg.heartbeat.verify_window_s
-        self.next_poll = min(self.next_poll, now + self.cfg.heartbeat.verify_poll_s)
+        hb = self.cfg.heartbeat
+        if now >= self.busy_until:
+            self.fast_poll_s = poll_interval(hb, job_nodes)
+        else:  # overlapping incidents: the larger job sets the pace
+            self.fast_poll_s = max(self.fast_poll_s, poll_interval(hb, job_nodes))
+        self.busy_until = now + hb.verify_window_s
+        # The first look anywhere within one interval: every node of the job starts now, and
+        # their looks spread evenly from the first one.
+        self.next_poll = min(self.next_poll, now + self.fast_poll_s * self.rng.random())
+
+    def _jittered(self, interval: float) -> float:
+        return interval * self.rng.uniform(1.0 - JITTER, 1.0 + JITTER)
+
+    def _wait(self, now: float) -> float:
+        """Until the next look: fast in the window after an incident, else idle; longer
+        after failed looks."""
+        hb = self.cfg.heartbeat
+        base = self.fast_poll_s if now < self.busy_until else hb.verify_idle_poll_s
+        return self._jittered(backed_off(base, self.failures, hb.verify_idle_poll_s))
+
+    def due(self) -> bool:
+        """Whether a look is due now (and none running); schedules the one after it."""
+        now = self.clock.monotonic()
+        if now < self.next_poll or (self.thread is not None and self.thread.is_alive()):
+            return False
+        self.next_poll = now + self._wait(now)
+        return True
 
     def tick(self) -> None:
         """Start a poll when one is due; the Slurm call and any verification run in the
         watch's own thread (slurmctld may be slow or away: the agent's tick must not wait)."""
-        now = self.clock.monotonic()
-        if now < self.next_poll or (self.thread is not None and self.thread.is_alive()):
+        if not self.due():
             return
-        hb = self.cfg.heartbeat
-        self.next_poll = now + (hb.verify_poll_s if now < self.busy_until
-                                else hb.verify_idle_poll_s)
         self.thread = threading.Thread(target=self._poll_safely, name=f"verify-{self.node}",
                                        daemon=True)
         self.thread.start()
@@ -337,9 +380,14 @@ class SuspectWatch:
         try:
             info = self.adapter.show_node(self.node)
         except SlurmError as exc:
-            log.warning("heartbeat: suspect: couldn't read node state", error=str(exc))
-            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
+            self.failures += 1
+            now = self.clock.monotonic()
+            self.next_poll = now + self._wait(now)
+            log.warning("heartbeat: suspect: couldn't read node state; looking again later",
+                        error=str(exc), failures=self.failures,
+                        next_in_s=round(self.next_poll - now, 1))
             return "couldn't read node state"
+        self.failures = 0
         ours_out = (info.drained or info.down) and self.adapter.ours(info.reason)
         events.observe_drain(self.adapter.events_path, self.node,
                              cause_of(info.reason, self.adapter.prefix) if ours_out
@@ -349,7 +397,7 @@ class SuspectWatch:
             return "not a suspect"
         if info.alloc_cpus > 0:
             # The hung job is still leaving (or another job was already placed): look again soon.
-            self.next_poll = self.clock.monotonic() + hb.verify_poll_s
+            self.next_poll = self.clock.monotonic() + self._jittered(hb.verify_poll_s)
             return "suspect still allocated"
         return self.handle(info, parsed)
 

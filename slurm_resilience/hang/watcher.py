@@ -212,7 +212,7 @@ class HangWatcher:
             busy = job_id in self.threads and self.threads[job_id].is_alive()
             if busy or not self.store.remember((job_id, run)):
                 return False
-        self.suspects.incident_seen()
+        self.suspects.incident_seen(max(1, len(view.record.nodes)))
         self._spawn(job_id, self._incident, view, trigger, run if remote else None)
         return True
 

@@ -7,7 +7,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 
 class Severity(enum.IntEnum):
@@ -50,13 +50,16 @@ class Finding:
                 "message": self.message, "data": self.data}
 
 
+S = TypeVar("S")
+
+
 @dataclass(frozen=True)
-class CheckResult:
+class CheckResult(Generic[S]):
     """A check's findings plus the state to keep for its next run (counter baselines,
-    Xid events already seen, streaks)."""
+    Xid events already seen, streaks): the check's own typed record."""
 
     findings: list[Finding]
-    state: dict[str, Any] = field(default_factory=dict)
+    state: S
 
 
 def ok(check: str, subject: str, message: str, **data: Any) -> Finding:

@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from slurm_resilience.cli import UsageError
 
     try:
-        known = {str(k): int(v) for k, v in
-                 gate.StateStore(directory).load("gpu_map").get("by_pci", {}).items()}
+        known = gate.StateStore(directory).load_state(gate.GPU_MAP, gate.GpuMap).by_pci
     except OSError as exc:
         raise UsageError(f"xid-repaired: couldn't read the gate's state in {directory}: "
                          f"{exc.strerror} (run as root on the node)") from None

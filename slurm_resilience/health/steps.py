@@ -9,10 +9,12 @@ entirely one the gate itself set, nor a node in a state it does not know.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from slurm_resilience import events, log
@@ -23,6 +25,7 @@ from slurm_resilience.slurm.parse import JOB_FINAL_STATES
 
 if TYPE_CHECKING:
     from slurm_resilience.config import Config
+    from slurm_resilience.health.gate import StateStore
 
 STEP = "health"
 OURS = "drains"  # state file: reasons we drained with, jobs our prolog failed
@@ -39,6 +42,33 @@ JOB_START_MARGIN_S = 2.0
 # of its own: that memory is lost when the state dir was unusable as the gate drained.
 LOOK_EVERY_PASSES = 10
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DrainMemory:
+    """What the hooks remember of their own drains (the ``drains`` state file)."""
+
+    streak: int = 0  # clean healthcheck runs in a row
+    drained: bool = False  # the gate drained the node and hasn't seen it resumed
+    reasons: tuple[str, ...] = ()  # reasons an earlier release drained with
+    failed_jobs: tuple[int, ...] = ()  # jobs our prolog failed, to release once requeued
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DrainMemory:
+        """Field by field: a mangled field is read as its default (a mangled streak starts
+        again rather than block every later resume; only job ids that are integers)."""
+        legacy = data.get("reasons")
+        return cls((_ints([data.get("streak")]) or [0])[0], bool(data.get("drained")),
+                   tuple(str(r) for r in legacy) if isinstance(legacy, list) else (),
+                   tuple(_ints(data.get("failed_jobs"))))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"streak": self.streak, "failed_jobs": list(self.failed_jobs)}
+        if self.drained:
+            out["drained"] = True
+        if self.reasons:
+            out["reasons"] = list(self.reasons)
+        return out
 
 
 def gres_gpus(gres: str) -> int | None:
@@ -59,12 +89,12 @@ def job_gpus(env: dict[str, str] | Any) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def _store(ctx: HookContext) -> Any:
+def _store(ctx: HookContext) -> StateStore:
     """One store per hook run, so what one read found unusable is known to the next."""
     from slurm_resilience.health.gate import StateStore, state_dir
 
     store = ctx.notes.get("health_store")
-    if store is None:
+    if not isinstance(store, StateStore):
         store = ctx.notes["health_store"] = StateStore(state_dir(ctx.cfg, ctx.node))
     return store
 
@@ -89,13 +119,11 @@ def _remember(ctx: HookContext) -> None:
     store = _store(ctx)
     fd = store.lock()
     try:
-        ours = store.load(OURS)
-        ours["drained"] = True
-        ours["streak"] = 0
+        ours = dataclasses.replace(store.load_state(OURS, DrainMemory), drained=True, streak=0)
         if ctx.kind == "prolog" and ctx.job_id is not None:
-            held = [j for j in _ints(ours.get("failed_jobs")) if j != ctx.job_id]
-            ours["failed_jobs"] = ([*held, ctx.job_id])[-50:]
-        store.save(OURS, ours)
+            held = [j for j in ours.failed_jobs if j != ctx.job_id]
+            ours = dataclasses.replace(ours, failed_jobs=tuple([*held, ctx.job_id][-50:]))
+        store.save(OURS, ours.to_json())
     finally:
         os.close(fd)
 
@@ -176,6 +204,11 @@ def epilog(ctx: HookContext) -> list[Problem]:
     d = ctx.cfg.health.diag
     if d.enabled and d.after_failure and gpu_failed(report):
         problems += _diag_after_failure(ctx)
+    if problems:
+        from slurm_resilience.health.faultrequeue import after_fault
+
+        # A fault that drains the node may have killed the job: it restarts elsewhere.
+        after_fault(ctx, problems[0].reason)
     return problems
 
 
@@ -248,9 +281,8 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
     if problems:
         return problems
     ours = _bookkeeping(ctx, "record the streak of clean runs", lambda: _count_pass(ctx), None)
-    if ours is not None and int(ours["streak"]) >= h.resume_after_passes and (
-            ours.get("drained") or ours.get("reasons")
-            or int(ours["streak"]) % LOOK_EVERY_PASSES == 0):
+    if ours is not None and ours.streak >= h.resume_after_passes and (
+            ours.drained or ours.reasons or ours.streak % LOOK_EVERY_PASSES == 0):
         _maybe_resume(ctx, ours)
     return []
 
@@ -312,22 +344,19 @@ def _ints(value: object) -> list[int]:
 
 
 def _failed_jobs(ctx: HookContext) -> list[int]:
-    return _ints(_store(ctx).load(OURS).get("failed_jobs"))
+    return list(_store(ctx).load_state(OURS, DrainMemory).failed_jobs)
 
 
-def _count_pass(ctx: HookContext) -> dict[str, Any]:
+def _count_pass(ctx: HookContext) -> DrainMemory:
     store = _store(ctx)
     fd = store.lock()
     try:
-        ours: dict[str, Any] = store.load(OURS)
-        streak = ours.get("streak", 0)
-        # A mangled count starts again rather than block every later resume.
-        ours["streak"] = (_ints([streak]) or [0])[0] + 1
-        if OURS in store.quarantined:
-            # What we drained was lost with the file: look at the node's reason once, so a
-            # drain of ours is still resumed (a reason that isn't ours is left alone).
-            ours["drained"] = True
-        store.save(OURS, ours)
+        ours = store.load_state(OURS, DrainMemory)
+        # What we drained was lost with an unusable file: look at the node's reason once,
+        # so a drain of ours is still resumed (a reason that isn't ours is left alone).
+        ours = dataclasses.replace(ours, streak=ours.streak + 1,
+                                   drained=ours.drained or OURS in store.quarantined)
+        store.save(OURS, ours.to_json())
     finally:
         os.close(fd)
     return ours
@@ -337,15 +366,13 @@ def _forget_drain(ctx: HookContext) -> None:
     store = _store(ctx)
     fd = store.lock()
     try:
-        ours = store.load(OURS)
-        ours.pop("drained", None)
-        ours.pop("reasons", None)
-        store.save(OURS, ours)
+        ours = store.load_state(OURS, DrainMemory)
+        store.save(OURS, dataclasses.replace(ours, drained=False, reasons=()).to_json())
     finally:
         os.close(fd)
 
 
-def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
+def _maybe_resume(ctx: HookContext, ours: DrainMemory) -> None:
     logger = log.get_logger("health", hook=ctx.kind)
     adapter = ctx.adapter
     try:
@@ -360,14 +387,12 @@ def _maybe_resume(ctx: HookContext, ours: dict[str, Any]) -> None:
         logger.info("node in a state we don't resume from", state=node.state,
                     flags=sorted(node.flags))
         return
-    legacy = ours.get("reasons")
-    if not reasons.owned_by(node.reason, adapter.prefix, STEP,
-                            [str(r) for r in legacy] if isinstance(legacy, list) else []):
+    if not reasons.owned_by(node.reason, adapter.prefix, STEP, list(ours.reasons)):
         logger.info("drain reason not the health gate's; not resuming", reason=node.reason)
         return
     try:
         if adapter.resume(ctx.node):
-            logger.warning("node healthy again: resumed", passes=ours["streak"],
+            logger.warning("node healthy again: resumed", passes=ours.streak,
                            previous_reason=node.reason)
             _bookkeeping(ctx, "record that our drain is over", lambda: _forget_drain(ctx), None)
     except ForeignDrain as exc:
@@ -417,8 +442,7 @@ def _keep_failed(ctx: HookContext, keep: list[int]) -> None:
     store = _store(ctx)
     fd = store.lock()
     try:
-        current = store.load(OURS)
-        current["failed_jobs"] = keep
-        store.save(OURS, current)
+        current = store.load_state(OURS, DrainMemory)
+        store.save(OURS, dataclasses.replace(current, failed_jobs=tuple(keep)).to_json())
     finally:
         os.close(fd)

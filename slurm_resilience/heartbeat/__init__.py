@@ -40,7 +40,8 @@ from collections.abc import Iterator, Mapping
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.writer import Heartbeat
 
-__all__ = ["Heartbeat", "beat", "checkpointed", "current", "done", "init", "section"]
+__all__ = ["Heartbeat", "beat", "checkpointed", "current", "done", "init", "section",
+           "stopped", "stopping"]
 
 ENV_TIMEOUT = "SLURM_RESILIENCE_HANG_TIMEOUT"
 ENV_MODE = "SLURM_RESILIENCE_HANG"
@@ -165,3 +166,19 @@ def done() -> None:
     hb = current()
     if hb is not None:
         hb.done()
+
+
+def stopping() -> None:
+    """The loop saves to stop ahead of a time limit or at preemption: set before the save,
+    so the agent sees it however soon the job is gone."""
+    hb = current()
+    if hb is not None:
+        hb.stopping()
+
+
+def stopped() -> None:
+    """The loop saved and stopped ahead of a time limit or at preemption (a planned
+    restart follows): done, and counted apart in goodput."""
+    hb = current()
+    if hb is not None:
+        hb.stopped()

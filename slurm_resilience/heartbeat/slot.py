@@ -55,6 +55,9 @@ FLAG_WARMUP = 1  # the job says it is still warming up (in addition to the step 
 FLAG_DONE = 2  # the training loop finished: silence from now on is not a hang
 FLAG_OBSERVE = 4  # per-job opt-out: report a hang but take no action
 FLAG_OFF = 8  # per-job opt-out: do not watch this job at all
+# The loop stops on purpose (warned ahead of the time limit, or preempted): set before its
+# save, with FLAG_DONE after it; goodput counts the rest of the run as a planned restart.
+FLAG_STOPPED = 16
 
 SLOT_NAME = re.compile(r"^hb-rank-(\d{1,7})\.slot$")
 _SECTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,32}$")

@@ -139,6 +139,19 @@ class Heartbeat:
             return
         self._set_flag(S.FLAG_DONE, True)
 
+    def stopping(self) -> None:
+        """The loop is saving to stop on purpose (time limit ahead, preemption): goodput
+        counts the rest of the run as a planned restart; beats are still watched."""
+        if not self._mm.closed:
+            self._set_flag(S.FLAG_STOPPED, True)
+
+    def stopped(self) -> None:
+        """The loop saved and stopped on purpose (time limit ahead, preemption): done, and a
+        planned restart for goodput."""
+        if self._mm.closed:
+            return
+        self._set_flag(S.FLAG_DONE | S.FLAG_STOPPED, True)
+
     def close(self) -> None:
         if not self._mm.closed:
             self._mm.close()

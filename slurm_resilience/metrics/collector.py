@@ -43,8 +43,12 @@ EVENT_FAMILIES = {
                    "(a node already in one of our drains is not counted again)", "cause"),
     events.RESUME: ("node_returns", "nodes returned to service (our drains resumed)", "cause"),
     events.REQUEUE: ("job_requeues", "jobs sent back to the queue: by hang handling (a "
-                     "requeue held while its exclusions are set included), or after our "
-                     "prolog failed them", "cause"),
+                     "requeue held while its exclusions are set included), after our "
+                     "prolog failed them, after a node fault killed them (node_fault), or "
+                     "ahead of their time limit once they saved (time_limit)", "cause"),
+    events.PLANNED: ("planned_stops", "jobs that saved their newest step and stopped on a "
+                     "warning ahead of their time limit or on preemption, by cause: planned "
+                     "restarts, never counted against the hang requeue cap", "cause"),
     events.HOLD: ("job_holds", "jobs requeued and left held by hang handling", "cause"),
     events.CANCEL: ("job_cancels", "hung jobs cancelled (no_requeue_policy: cancel)", "cause"),
     events.INCIDENT: ("hang_incidents", "hang incidents decided on this node (the job's batch "

@@ -3,8 +3,9 @@
 The hooks are wired exactly as a site would install them (Prolog, Epilog,
 HealthCheckProgram, job_submit.lua), with the settings this project relies on:
 ``nohold_on_prolog_fail`` (a failed prolog requeues instead of holding the job),
-``PrologFlags=Alloc`` (the prolog runs on every node at allocation) and a short
-munge ``cred_expire`` (a requeued job may start again after seconds, not minutes).
+``PrologFlags=Alloc`` (the prolog runs on every node at allocation), a short
+munge ``cred_expire`` (a requeued job may start again after seconds, not minutes), and
+a partition ``urgent`` whose jobs preempt those of ``debug`` (requeued after a grace time).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from slurm_resilience.sandbox.layout import Layout
 CPUS_PER_NODE = 2
 MEMORY_MB = 2048
 CRED_EXPIRE_S = 10
+GRACE_TIME_S = 30  # a job preempted in partition debug has this long to save
 
 
 def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
@@ -78,6 +80,8 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
         "KillWait=5",
         "InactiveLimit=0",
         "Waittime=0",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
     ]
     if job_submit_lua:
         lines.append("JobSubmitPlugins=lua")
@@ -85,8 +89,12 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
     lines = [_override(line, overrides) for line in lines]
     lines += [f"{k}={v}" for k, v in overrides.items() if v]
     lines += node_lines
+    # "urgent" preempts "debug" (higher PriorityTier): a preempted job gets SIGTERM, then
+    # GRACE_TIME_S to save, and is requeued (PreemptMode=REQUEUE).
     lines.append(f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE "
-                 "State=UP OverSubscribe=NO")
+                 f"State=UP OverSubscribe=NO PriorityTier=1 GraceTime={GRACE_TIME_S}")
+    lines.append(f"PartitionName=urgent Nodes={','.join(nodes)} MaxTime=INFINITE State=UP "
+                 "OverSubscribe=NO PriorityTier=2 PreemptMode=OFF")
     return "\n".join(lines) + "\n"
 
 

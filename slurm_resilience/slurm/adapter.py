@@ -318,16 +318,17 @@ class SlurmAdapter:
                                      "JobID,State,Start,End,NodeList"])
         return parse_sacct_runs(out.stdout)
 
-    def requeue(self, job_id: int | str) -> None:
-        """Put a running job back in the queue; it restarts with Restarts+1."""
+    def requeue(self, job_id: int | str, cause: str = "hang") -> None:
+        """Put a running job back in the queue; it restarts with Restarts+1. ``cause``: what
+        the metrics count it as (hang, node_fault, time_limit, preempt)."""
         if self._would("requeue", f"job {job_id}", "requeue"):
             return
         self._run("requeue job", ["scontrol", "requeue", _check_job_id(job_id)])
-        log.warning("job requeued", job_id=str(job_id))
-        self._count("requeue", "hang")
+        log.warning("job requeued", job_id=str(job_id), cause=cause)
+        self._count("requeue", cause)
 
-    def requeue_hold(self, job_id: int | str, reason: str = "", *, released: bool = False
-                     ) -> None:
+    def requeue_hold(self, job_id: int | str, reason: str = "", *, released: bool = False,
+                     cause: str = "hang") -> None:
         """Requeue and hold; a human (or :meth:`release`) must let it go. ``released``: the
         caller releases it next (held only while its exclusions are set), so it is counted
         as a requeue, not a hold."""
@@ -338,7 +339,7 @@ class SlurmAdapter:
         if reason:
             self.set_admin_comment(jid, reason)
         log.warning("job requeued held", job_id=jid, reason=reason)
-        self._count("requeue" if released else "hold", "hang")
+        self._count("requeue" if released else "hold", cause)
 
     def cancel(self, job_id: int | str) -> None:
         """Cancel a job (e.g. a hung ``--no-requeue`` job, when the policy says so)."""

@@ -17,6 +17,7 @@ from slurm_resilience.config import Config, load_text
 from slurm_resilience.config.health import NvmeCheckSection
 from slurm_resilience.config.loader import ByteSize
 from slurm_resilience.health.checks import nvme as nvme_check
+from slurm_resilience.health.checks.spec import NoState
 from slurm_resilience.health.collectors import nvme as collector
 from slurm_resilience.health.findings import Severity
 from slurm_resilience.uploader.eviction import (
@@ -142,11 +143,11 @@ def test_nvme_check_counts_reclaimable_bytes() -> None:
     snap = collector.NvmeSnapshot("/nvme", exists=True, total=100 * GiB, free=5 * GiB,
                                   reclaimable=90 * GiB)
     cfg = NvmeCheckSection(min_free=ByteSize(10 * GiB))
-    found = nvme_check.check(snap, cfg, {}).findings
+    found = nvme_check.check(snap, cfg, NoState()).findings
     assert [f.severity for f in found] == [Severity.OK]
     assert "+90.0GiB reclaimable by checkpoint eviction" in found[0].message
     snap.reclaimable = 2 * GiB
-    found = nvme_check.check(snap, cfg, {}).findings
+    found = nvme_check.check(snap, cfg, NoState()).findings
     assert [f.message for f in found if f.severity is Severity.FAIL] == [
         "nvme 5.0GiB free (+2.0GiB reclaimable by checkpoint eviction) of 100.0GiB "
         "(expected >=10.0GiB)"]
@@ -182,7 +183,8 @@ def _gate(tmp_path: Path, now: float) -> list[str]:
     snap = collector.collect(f"{tmp_path}/nvme", size_limit=100 * GiB, active=False)
     snap.reclaimable, snap.reclaim_note = reclaim_record.read(f"{tmp_path}/state",
                                                               apparent=True, now=now)
-    found = nvme_check.check(snap, NvmeCheckSection(min_free=ByteSize(10 * GiB)), {}).findings
+    found = nvme_check.check(snap, NvmeCheckSection(min_free=ByteSize(10 * GiB)),
+                             NoState()).findings
     return [f.message for f in found if f.severity is not Severity.OK]
 
 

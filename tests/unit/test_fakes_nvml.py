@@ -104,7 +104,8 @@ def test_real_captures_give_the_documented_verdict(tmp_path: Path, capture: str,
                                                    expected: list[str]) -> None:
     """Collector + check on a scenario built from each real capture find what it shows."""
     snap = collect(tmp_path, smi(capture))
-    findings = gpu_check.check(snap, GpuCheckSection(), {}, kind="healthcheck").findings
+    findings = gpu_check.check(snap, GpuCheckSection(), gpu_check.GpuState(),
+                               kind="healthcheck").findings
     got = [f.message for f in findings if f.severity is Severity.FAIL]
     assert [m.replace(m.split()[0], "gpu?", 1) for m in got] == expected
 
@@ -120,14 +121,14 @@ def test_real_captures_detail(tmp_path: Path) -> None:
     assert gh200.gpus[0].ecc_aggregate_uncorrected == 1
     cfg = GpuCheckSection(max_aggregate_uncorrectable_ecc=0)
     assert any(f.severity is Severity.FAIL
-               for f in gpu_check.check(gh200, cfg, {}).findings)
+               for f in gpu_check.check(gh200, cfg, gpu_check.GpuState()).findings)
 
 
 def test_sw_thermal_capture_warns_when_sustained(tmp_path: Path) -> None:
     """The capture with one GPU in SW thermal slowdown warns once it lasts."""
     snap = collect(tmp_path, smi(
         "nvidia-smi-q_h100-80gb-hbm3-x8_drv535.183_one-gpu-sw-thermal-powercap.txt"))
-    state: dict[str, Any] = {}
+    state = gpu_check.GpuState()
     for _ in range(3):
         result = gpu_check.check(snap, GpuCheckSection(), state)
         state = result.state

@@ -41,7 +41,7 @@ def test_check_on_a_tree_built_from_each_ibstat_capture(tmp_path: Path, capture:
     if "ibpanic" in text:  # ibstat died on mlx5_8: the node should have had it
         expected += ("mlx5_8",)
     cfg = InfinibandCheckSection(expected_hcas=expected)
-    findings = ib.check(collector.collect(str(tmp_path), COUNTERS), cfg, {}).findings
+    findings = ib.check(collector.collect(str(tmp_path), COUNTERS), cfg, ib.IbState()).findings
     failing = sorted({f.subject for f in findings if f.severity is Severity.FAIL})
     want = sorted(down_ports(text) + (["mlx5_8"] if "ibpanic" in text else []))
     assert failing == want

@@ -43,7 +43,7 @@ def test_a_job_that_hung_once_and_resumed_is_split_into_each_loss() -> None:
     assert b.losses == {"before_first_step": 30.0 + 60.0, "stagein": 40.0,
                         "checkpoint_stall": 30.0, "lost_since_checkpoint": 200.0,
                         "hung_before_detection": 60.0, "restart": 40.0,
-                        "after_last_step": 1.0}
+                        "after_last_step": 1.0, "planned_restart": 0.0}
     # No step times in these records: productive is the remainder, and the note says so.
     assert b.productive_s == 1900.0 - 461.0
     assert b.accounted_s == b.allocated_s and b.unexplained_s == 0
@@ -380,3 +380,40 @@ def test_a_failed_sacct_is_one_clean_line_said_once(tmp_path: Path) -> None:
     b = job_breakdown(cfg, parts, 5, 20.0, SlurmFacts(runs_error=err, gone=True))
     said = [n for n in b.notes if "Connection refused" in n]
     assert said == [f"allocation times from the agents' records (no Slurm accounting: {err})"]
+
+
+def test_a_run_stopped_ahead_of_its_time_limit_is_a_planned_restart_not_a_failure() -> None:
+    """The run saved at its last step and was requeued: nothing is lost since the
+    checkpoint, and the time from its last step to its end is its own category."""
+    runs = [Run(0, start=0.0, end=100.0, first_step_at=10.0, last_progress_at=90.0,
+                last_checkpoint_at=92.0, done=True, planned=True, steps=80,
+                steps_at_checkpoint=80, step_time_s=1.0),
+            Run(1, start=110.0, end=200.0, first_step_at=120.0, last_progress_at=199.0,
+                last_checkpoint_at=199.0, done=True, steps=79, steps_at_checkpoint=79,
+                step_time_s=1.0)]
+    b = compute.breakdown(7, runs, last_over=True, completed=True)
+    assert b.losses["planned_restart"] == 10.0
+    assert b.losses["lost_since_checkpoint"] == 0.0 and b.losses["restart"] == 0.0
+    assert b.productive_s == 159.0
+    assert "planned restart" in compute.render(b)
+
+
+def test_the_ledger_marks_a_run_whose_ranks_stopped_on_purpose(tmp_path: Path) -> None:
+    """A rank's stopping flag (set before its save at a time limit) makes the run a
+    planned one in the node's ledger, and its end a planned restart."""
+    ledger = Ledger(str(tmp_path / "goodput"), str(tmp_path / "incidents"))
+
+    def vs(step: int, at: float, flags: int) -> list[S.SlotView]:
+        return [S.SlotView(**{**slot(rank, step, 1.0, 7).__dict__, "restart_count": 0,
+                              "last_beat": at, "beats": step, "flags": flags,
+                              "created": at - step}) for rank in range(2)]
+
+    for t in range(0, 60):
+        v = view(7, vs(min(t, 50), float(min(t, 50)), 0 if t < 50 else S.FLAG_STOPPED))
+        object.__setattr__(v.record, "started", 0.0)
+        ledger.observe([v], float(t))
+    ledger.observe([], 70.0)
+    saved = ledger.load(7)
+    assert saved is not None and saved.runs[0].planned
+    b = compute.breakdown(7, [r.to_run() for r in saved.runs.values()], last_over=True)
+    assert b.losses["planned_restart"] > 0 and b.losses["restart"] == 0

@@ -35,9 +35,9 @@ def snap(gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
 
 
 def run(s: dict[str, Any], cfg: GpuCheckSection | None = None, kind: str = "healthcheck",
-        state: dict[str, Any] | None = None, expected: int | None = None
-        ) -> tuple[list[Any], dict[str, Any]]:
-    result = gpu.check(NvmlSnapshot.from_json(s), cfg or GpuCheckSection(), state or {},
+        state: gpu.GpuState | None = None, expected: int | None = None
+        ) -> tuple[list[Any], gpu.GpuState]:
+    result = gpu.check(NvmlSnapshot.from_json(s), cfg or GpuCheckSection(), state or gpu.GpuState(),
                        kind=kind, expected_count=expected, now=1000.0)
     return result.findings, result.state
 
@@ -123,7 +123,7 @@ def test_hw_slowdown_is_judged_as_a_rate(bits: int, what: str) -> None:
     """One HW slowdown or power brake sample only warns; the third within the window
     fails; samples older than the window drop out."""
     s, cfg = with_gpu3(throttle_reasons=bits), GpuCheckSection()
-    state: dict[str, Any] = {}
+    state = gpu.GpuState()
     results = []
     for t in (0.0, 60.0, 120.0):
         r = gpu.check(NvmlSnapshot.from_json(s), cfg, state, now=t)
@@ -151,14 +151,14 @@ def test_idle_and_sw_power_cap_are_ignored() -> None:
 def test_sustained_sw_thermal_warns_after_n_runs() -> None:
     """SW thermal slowdown warns only once it has lasted sw_thermal_warn_runs runs."""
     s = with_gpu3(throttle_reasons=gpu.SW_THERMAL)
-    state: dict[str, Any] = {}
+    state = gpu.GpuState()
     severities = []
     for _ in range(3):
         findings, state = run(s, state=state)
         severities.append(max(f.severity for f in findings))
     assert severities == [Severity.OK, Severity.OK, Severity.WARN]
     findings, state = run(snap(), state=state)
-    assert state["gpus"]["GPU-3"]["streak"] == 0
+    assert state.gpus["GPU-3"].streak == 0
 
 
 def test_temperature_over_limit_fails() -> None:
@@ -226,7 +226,9 @@ def test_leftovers_are_only_checked_on_the_jobs_gpus() -> None:
     """On a shared node, another job's processes on GPUs not given to this job are fine."""
     s = with_gpu3(processes=[{"pid": 4242, "used_bytes": 2 << 30}], memory_used_bytes=2 << 30)
     typed = NvmlSnapshot.from_json(s)
-    result = gpu.check(typed, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({0, 1}))
+    result = gpu.check(typed, GpuCheckSection(), gpu.GpuState(), kind="prolog",
+                       job_gpus=frozenset({0, 1}))
     assert not fails(result.findings)
-    result = gpu.check(typed, GpuCheckSection(), {}, kind="prolog", job_gpus=frozenset({3}))
+    result = gpu.check(typed, GpuCheckSection(), gpu.GpuState(), kind="prolog",
+                       job_gpus=frozenset({3}))
     assert len(fails(result.findings)) == 2

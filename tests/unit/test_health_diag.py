@@ -18,6 +18,8 @@ from slurm_resilience.health.findings import Severity
 
 DCGM = REAL_FIXTURES / "dcgm"
 
+FRESH = diag_check.DiagState()  # no clean diagnostic yet
+
 
 def test_dcgm3_pass_is_a_clean_diagnostic() -> None:
     """(Hand-written: two GPUs, which the real single-GPU captures cannot show.) Every
@@ -27,9 +29,9 @@ def test_dcgm3_pass_is_a_clean_diagnostic() -> None:
         (DCGM / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass_handwritten.txt").read_text())
     assert report.version == "3.3.5" and report.driver == "550.54.15"
     assert {r.gpu for r in report.results} == {None, 0, 1}
-    result = diag_check.check_dcgm(report, {}, now=123.0)
+    result = diag_check.check_dcgm(report, FRESH, now=123.0)
     assert [f.severity for f in result.findings] == [Severity.OK]
-    assert result.state["last_clean"] == 123.0
+    assert result.state.last_clean == 123.0
 
 
 # Real `dcgmi diag -j` captures (tests/fixtures/SOURCES.md section 9): what each says,
@@ -60,10 +62,10 @@ def test_real_dcgm3_captures_read_test_by_test_and_pass(name: str) -> None:
     assert [(r.category, r.test, r.gpu, r.status) for r in report.results] == REAL_CAPTURES[name]
     assert report.version == "" and report.error is None
     assert all(r.warnings == [] for r in report.results)
-    result = diag_check.check_dcgm(report, {}, now=7.0)
+    result = diag_check.check_dcgm(report, FRESH, now=7.0)
     assert [(f.severity, f.message) for f in result.findings] == [
         (Severity.OK, f"DCGM diagnostics passed ({len(REAL_CAPTURES[name])} results)")]
-    assert result.state["last_clean"] == 7.0
+    assert result.state.last_clean == 7.0
 
 
 def test_real_dcgm4_excerpt_names_each_of_eight_gpus() -> None:
@@ -78,7 +80,7 @@ def test_real_dcgm4_excerpt_names_each_of_eight_gpus() -> None:
     report = dcgm.parse_diag(doc)
     assert [(r.test, r.gpu, r.status) for r in report.results] == [
         ("diagnostic", g, "pass") for g in range(8)]
-    assert [f.severity for f in diag_check.check_dcgm(report, {}, now=0).findings] == [
+    assert [f.severity for f in diag_check.check_dcgm(report, FRESH, now=0).findings] == [
         Severity.OK]
 
 
@@ -91,7 +93,7 @@ def test_dcgm4_test_with_only_a_summary_is_the_nodes_result() -> None:
     report = dcgm.parse_diag(doc)
     assert [(r.test, r.gpu, r.status, r.warnings, r.error_ids) for r in report.results] == [
         ("software", None, "fail", ["driver mismatch"], [9])]
-    assert [f.subject for f in diag_check.check_dcgm(report, {}, now=0).findings] == ["node"]
+    assert [f.subject for f in diag_check.check_dcgm(report, FRESH, now=0).findings] == ["node"]
 
 
 def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
@@ -102,7 +104,7 @@ def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
         (DCGM / "dcgmi-diag-r2-j_dcgm4-schema_h100x2_memory-fail_handwritten.txt").read_text())
     assert report.version == "4.2.3" and report.driver == "570.148.08"
     assert dcgm.from_json(dcgm.to_json(report)) == report
-    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
     fails = [f.message for f in findings if f.severity is Severity.FAIL]
     assert fails == ["gpu1 DCGM memory Fail, error 58 MEMORY_MISMATCH: run a field diagnostic: "
                      "GPU 1 A memory mismatch was detected on GPU 1, but no error was reported "
@@ -117,7 +119,7 @@ def test_dcgm_that_tested_nothing_is_not_a_pass() -> None:
     report = dcgm.parse_diag(
         (DCGM / "dcgmi-diag-r3-j_dcgm3-schema_t400_all-skipped_handwritten.txt").read_text())
     assert [r.gpu for r in report.results] == [0, 0, 0]
-    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
     assert [f.severity for f in findings] == [Severity.UNKNOWN]
     assert "tested nothing" in findings[0].message
     with pytest.raises(dcgm.DcgmParseError):
@@ -135,12 +137,12 @@ def test_dcgmi_is_run_and_its_failing_exit_status_keeps_the_json(tmp_path: Path,
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     snap = diag_collector.collect_json("auto", 2, 30.0, 1 << 20, 1)
-    findings = diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), {}, now=0).findings
+    findings = diag_check.check_dcgm(dcgm.from_json(snap["dcgm"]), FRESH, now=0).findings
     assert any(f.severity is Severity.FAIL for f in findings)
     tool.write_text("#!/bin/sh\necho 'Error: unable to establish a connection' >&2\nexit 1\n")
     report = dcgm.collect(2, 30.0)
     assert report.error and "unable to establish a connection" in report.error
-    assert diag_check.check_dcgm(report, {}, now=0).findings[0].severity is Severity.UNKNOWN
+    assert diag_check.check_dcgm(report, FRESH, now=0).findings[0].severity is Severity.UNKNOWN
 
 
 def test_without_dcgm_or_cuda_the_memory_test_says_why(monkeypatch: pytest.MonkeyPatch
@@ -154,7 +156,7 @@ def test_without_dcgm_or_cuda_the_memory_test_says_why(monkeypatch: pytest.Monke
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: covered by the GPU run")
     assert report.unavailable is not None and "dcgmi not installed" in report.unavailable
-    findings = diag_check.check_memtest(report, DiagCheckSection(), {}, now=0).findings
+    findings = diag_check.check_memtest(report, DiagCheckSection(), FRESH, now=0).findings
     assert [f.severity for f in findings] == [Severity.UNKNOWN]
 
 
@@ -164,14 +166,14 @@ def test_memtest_measured_against_expected() -> None:
     good = cuda_memtest.GpuMemtest(0, "NVIDIA H100 80GB HBM3", 1 << 30, 0, 2600.0, 53.0, 52.0)
     bad = cuda_memtest.GpuMemtest(1, "NVIDIA H100 80GB HBM3", 1 << 30, 3, 1500.0, 22.0, 51.0)
     report = cuda_memtest.MemtestReport([good, bad])
-    findings = diag_check.check_memtest(report, DiagCheckSection(), {}, now=0).findings
+    findings = diag_check.check_memtest(report, DiagCheckSection(), FRESH, now=0).findings
     assert [f.message for f in findings if f.severity is Severity.FAIL] == [
         "gpu1 3 memory mismatches in 1024MiB (expected 0)",
         "gpu1 HBM copy 1500GB/s (expected >=2000 for NVIDIA H100 80GB HBM3)",
         "gpu1 host-to-device 22.0GB/s (expected >=48 for NVIDIA H100 80GB HBM3)"]
-    ok = diag_check.check_memtest(cuda_memtest.MemtestReport([good]), DiagCheckSection(), {},
-                                  now=5.0)
-    assert ok.state["last_clean"] == 5.0
+    ok = diag_check.check_memtest(cuda_memtest.MemtestReport([good]), DiagCheckSection(),
+                                  FRESH, now=5.0)
+    assert ok.state.last_clean == 5.0
 
 
 def test_dcgm_setting_error_names_the_setting_and_fix_with_a_configurable_severity() -> None:
@@ -181,14 +183,14 @@ def test_dcgm_setting_error_names_the_setting_and_fix_with_a_configurable_severi
     failure."""
     report = dcgm.parse_diag((DCGM / "dcgmi-diag-r2-j_dcgm4-schema_1gpu_persistence-mode-"
                                       "error29_handwritten.txt").read_text())
-    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
     assert [(f.severity, f.subject) for f in findings] == [(Severity.WARN, "gpu0")]
     assert findings[0].message.startswith(
         "gpu0 DCGM software Fail, error 29 PERSISTENCE_MODE: enable persistence mode "
         "(nvidia-smi -pm 1")
     assert findings[0].data["dcgm_kind"] == "setting"
     strict = DiagCheckSection(dcgm_setting_severity="fail")
-    assert [f.severity for f in diag_check.check_dcgm(report, {}, 0, strict).findings] == [
+    assert [f.severity for f in diag_check.check_dcgm(report, FRESH, 0, strict).findings] == [
         Severity.FAIL]
 
 
@@ -218,6 +220,6 @@ def test_dcgm_error_ids_decide_the_verdict(error_id: int, severity: int | None,
 
     report = dcgm.parse_diag(json.dumps(doc))
     assert dcgm.from_json(dcgm.to_json(report)) == report
-    findings = diag_check.check_dcgm(report, {}, now=0).findings
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
     assert [f.severity for f in findings] == [expect]
     assert words in findings[0].message and findings[0].message.endswith("(expected Pass)")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import logged
 
 from slurm_resilience import config
 from slurm_resilience.config import Config
@@ -387,3 +388,63 @@ def test_health_readme_sandbox_snippet_holds(node: Path) -> None:
     assert [v.healthy for v in seen] == [False, False, True]
     assert all("gpu3 XID 79" in v.reason() and "reboot required" in v.reason()
                for v in seen[:2])
+
+
+def test_a_crashed_check_never_passes_the_node(node: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A bug in one check (here: a TypeError raised by the mounts check) is no pass: the
+    gate names the crash in a failed finding, the node is not healthy, and the other checks
+    are judged as usual."""
+    import dataclasses
+
+    from slurm_resilience.health import registry
+    from slurm_resilience.health.checks import mounts
+
+    def broken(snap: object, state: object, facts: object) -> Any:
+        raise TypeError("unsupported operand")
+
+    specs = tuple(dataclasses.replace(s, judge=broken) if s is mounts.SPEC else s
+                  for s in registry.SPECS)
+    monkeypatch.setattr(registry, "SPECS", specs)
+    report = gate.run(load(node), NODE, "healthcheck")
+    assert not report.verdict.healthy
+    assert blocking(report) == ["mounts check crashed: TypeError: unsupported operand"]
+    assert {"gpu", "xid", "infiniband", "nvme"} <= {f.check for f in report.findings}
+
+
+def test_registry_declares_every_check_once() -> None:
+    """The gate knows checks only through the registry: one spec per name, each with its
+    config section, and the reason order the drain reasons have always had."""
+    from slurm_resilience.health import registry
+
+    assert gate.CHECKS == ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services",
+                           "diag", "gdr")
+    assert len(set(registry.NAMES)) == len(registry.NAMES)
+    assert gate.ACTIVE == ("diag", "gdr")
+    by_rank = sorted(registry.SPECS, key=lambda s: s.rank)
+    assert [s.name for s in by_rank] == ["xid", "gpu", "diag", "kernel", "services",
+                                         "infiniband", "gdr", "nvme", "mounts"]
+    cfg = Config()
+    for spec in registry.SPECS:
+        assert spec.section(cfg.health).enabled
+        assert spec.source in registry.NAMES
+        assert registry.BY_NAME[spec.source].collect is not None
+
+
+def test_a_state_field_of_the_wrong_type_resets_that_check_only(tmp_path: Path,
+                                                                 events: Path) -> None:
+    """Saved state is read into each check's record at the store: a field of the wrong type
+    sets that check's file aside (said, naming it) and gives it an empty record; another
+    check's history is read as it was."""
+    from slurm_resilience.health.checks import gpu, infiniband
+
+    store = gate.StateStore(str(tmp_path / "health"))
+    store.save("gpu", {"gpus": {"GPU-1": {"streak": "many", "throttle": [], "counters": {}}}})
+    store.save("infiniband", {"counters": {"mlx5_0/1": {"symbol_error": 3}}})
+    assert store.load_state("gpu", gpu.GpuState) == gpu.GpuState()
+    assert store.load_state("infiniband", infiniband.IbState).counters == {
+        "mlx5_0/1": {"symbol_error": 3}}
+    assert store.quarantined == {"gpu"}
+    assert (tmp_path / "health" / "gpu.json.corrupt").exists()
+    said = [e for e in logged(events) if str(e.get("path", "")).endswith("gpu.json")]
+    assert said and "gpus['GPU-1'].streak is 'many', not an integer" in said[0]["reason"]

@@ -12,6 +12,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import GdrCheckSection
 from slurm_resilience.health.checks import gdr
+from slurm_resilience.health.checks.spec import NoState
 from slurm_resilience.health.collectors import perftest
 from slurm_resilience.health.findings import Severity
 
@@ -87,7 +88,7 @@ def test_a_slow_hca_fails_measured_against_its_link_rate(tmp_path: Path,
                                                                ("mlx5_3", 1, 311.4)]
     assert "-d mlx5_3 -p 18516 --report_gbits -s 8388608 --use_cuda=1 localhost" in \
         calls.read_text()
-    findings = gdr.check(snap, GdrCheckSection(), {}).findings
+    findings = gdr.check(snap, GdrCheckSection(), NoState()).findings
     assert [(f.severity, f.message) for f in findings] == [
         (Severity.OK, "mlx5_0 loopback 371.79Gb/s (gpu0)"),
         (Severity.FAIL, "mlx5_3 GPUDirect RDMA loopback 311.4Gb/s (gpu1; expected >=360)")]
@@ -98,14 +99,14 @@ def test_without_perftest_it_is_could_not_check(tmp_path: Path,
     monkeypatch.setenv("PATH", str(tmp_path))
     root = sysfs(tmp_path, {"mlx5_0": "400 Gb/sec (4X NDR)"})
     snap = perftest.collect(str(root), args=[], port=18515, timeout=30, gpu_by_hca={})
-    findings = gdr.check(snap, GdrCheckSection(), {}).findings
+    findings = gdr.check(snap, GdrCheckSection(), NoState()).findings
     assert [(f.severity, f.message) for f in findings] == [
         (Severity.UNKNOWN, "GPUDirect RDMA loopback not measured: ib_write_bw (perftest) "
                            "not installed")]
     unmeasured = perftest.PerftestSnapshot(results=[
         perftest.HcaBandwidth("mlx5_1", 400.0, None, None, "exit without a result: x"),
         perftest.HcaBandwidth("mlx5_2", 25.0, None, 20.0)])
-    assert [f.severity for f in gdr.check(unmeasured, GdrCheckSection(), {}).findings] == [
+    assert [f.severity for f in gdr.check(unmeasured, GdrCheckSection(), NoState()).findings] == [
         Severity.UNKNOWN, Severity.UNKNOWN]
 
 
@@ -146,7 +147,7 @@ exit 1
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     root = sysfs(tmp_path, {"mlx5_0": "400 Gb/sec (4X NDR)"})
     snap = perftest.collect(str(root), args=[], port=18515, timeout=30, gpu_by_hca={"mlx5_0": 0})
-    findings = gdr.check(snap, GdrCheckSection(), {}).findings
+    findings = gdr.check(snap, GdrCheckSection(), NoState()).findings
     assert [(f.severity, f.message) for f in findings] == [
         (Severity.UNKNOWN, "mlx5_0 loopback (gpu0) not measured: server exited 1: CUDA "
                            "support is not enabled in this perftest build")]

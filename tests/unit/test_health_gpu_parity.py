@@ -24,9 +24,9 @@ def collect(tmp_path: Path, scenario: dict[str, Any], modules: str = "") -> Nvml
 
 
 def judge(snap: NvmlSnapshot, cfg: GpuCheckSection | None = None,
-          state: dict[str, Any] | None = None, now: float = 1000.0, kind: str = "healthcheck"
-          ) -> tuple[list[Finding], dict[str, Any]]:
-    r = gpu.check(snap, cfg or GpuCheckSection(), state or {}, now=now, kind=kind)
+          state: gpu.GpuState | None = None, now: float = 1000.0, kind: str = "healthcheck"
+          ) -> tuple[list[Finding], gpu.GpuState]:
+    r = gpu.check(snap, cfg or GpuCheckSection(), state or gpu.GpuState(), now=now, kind=kind)
     return r.findings, r.state
 
 
@@ -233,8 +233,10 @@ def test_pcie_aer_counters_fail_on_their_rise(tmp_path: Path) -> None:
     snap = collector.collect("fake", str(tmp_path), "n1", "", str(pci))
     assert fails(judge(snap, state=state, now=60)[0]) == [
         "gpu0 PCIe AER nonfatal +1 (expected <=0)"]
-    for kept in state["gpus"].values():  # state from before NVML was a source: sysfs
+    saved = state.to_json()
+    for kept in saved["gpus"].values():  # state from before NVML was a source: sysfs
         assert kept["counters"].pop("pcie_aer_source") in ("sysfs", None)
+    state = gpu.GpuState.from_json(saved)
     assert fails(judge(snap, state=state, now=60)[0]) == [
         "gpu0 PCIe AER nonfatal +1 (expected <=0)"]
 

@@ -22,7 +22,7 @@ HCAS = tuple(f"mlx5_{i}" for i in range(8))
 
 def run(snap: collector.IbSnapshot, cfg: InfinibandCheckSection | None = None,
         state: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any]]:
-    r = ib.check(snap, cfg or InfinibandCheckSection(), state or {})
+    r = ib.check(snap, cfg or InfinibandCheckSection(), state or ib.IbState())
     return r.findings, r.state
 
 
@@ -50,7 +50,7 @@ def test_real_h100_capture_is_read_and_passes() -> None:
     assert "mlx5_1 port1 link_downed saturated at 255: further errors are invisible " \
            "(clear it with perfquery -R)" in warned
     assert sum("excessive_buffer_overrun_errors saturated at 15" in m for m in warned) == 8
-    assert state["counters"]["mlx5_1/1"]["link_downed"] == 255
+    assert state.counters["mlx5_1/1"]["link_downed"] == 255
 
 
 def test_fake_tree_matches_the_real_layout(tmp_path: Path) -> None:
@@ -155,13 +155,13 @@ def test_gpu_model_defaults_catch_a_vanished_hca_and_a_downtrained_link(tmp_path
     sysfs.set_port(root, "mlx5_3", 1, state="ACTIVE", phys_state="LinkUp",
                    rate="200 Gb/sec (4X HDR)")
     snap = collector.collect(root, COUNTERS)
-    r = ib.check(snap, InfinibandCheckSection(), {}, gpu_model="NVIDIA H100 80GB HBM3")
+    r = ib.check(snap, InfinibandCheckSection(), ib.IbState(), gpu_model="NVIDIA H100 80GB HBM3")
     assert fails(r.findings) == ["7 InfiniBand HCAs (expected 8 for NVIDIA H100 80GB HBM3)",
                                  "mlx5_3 port1 200Gb/s (expected >=400Gb/s)"]
-    assert not fails(ib.check(snap, InfinibandCheckSection(), {},
+    assert not fails(ib.check(snap, InfinibandCheckSection(), ib.IbState(),
                               gpu_model="NVIDIA H100 PCIe").findings)
     site = InfinibandCheckSection(expected_hcas=HCAS[:7], min_rate_gbps=100)
-    assert not fails(ib.check(snap, site, {}, gpu_model="NVIDIA H100 80GB HBM3").findings)
+    assert not fails(ib.check(snap, site, ib.IbState(), gpu_model="NVIDIA H100 80GB HBM3").findings)
     empty = collector.collect(str(tmp_path / "none"), COUNTERS)
-    assert not fails(ib.check(empty, InfinibandCheckSection(), {},
+    assert not fails(ib.check(empty, InfinibandCheckSection(), ib.IbState(),
                               gpu_model="NVIDIA H100 80GB HBM3").findings)

@@ -9,6 +9,7 @@ from typing import Any
 
 from slurm_resilience.config.health import MountsCheckSection
 from slurm_resilience.health.checks import mounts as mounts_check
+from slurm_resilience.health.checks.spec import NoState
 from slurm_resilience.health.collectors import mounts
 from slurm_resilience.health.findings import Severity
 
@@ -29,7 +30,7 @@ def test_reachable_unmounted_missing_and_hung_paths(tmp_path: Path) -> None:
     snap = mounts.collect(paths, 0.5, probe=_hangs_on_stuck)
     assert mounts.MountsSnapshot.from_json(snap.to_json()) == snap
     cfg = MountsCheckSection(paths=tuple(paths), timeout_s=0.5)
-    findings = mounts_check.check(snap, cfg, {}).findings
+    findings = mounts_check.check(snap, cfg, NoState()).findings
     by_path = {f.subject: f for f in findings}
     assert by_path["/"].severity is Severity.OK
     assert by_path[str(tmp_path)].message == f"{tmp_path} not mounted (expected a mount point)"
@@ -38,4 +39,4 @@ def test_reachable_unmounted_missing_and_hung_paths(tmp_path: Path) -> None:
     assert by_path[stuck].message == f"{stuck} no answer in 0.5s (expected reachable)"
     assert all(f.severity is Severity.FAIL for p, f in by_path.items() if p != "/")
     relaxed = MountsCheckSection(paths=tuple(paths), require_mountpoint=False)
-    assert mounts_check.check(snap, relaxed, {}).findings[1].severity is Severity.OK
+    assert mounts_check.check(snap, relaxed, NoState()).findings[1].severity is Severity.OK

@@ -11,6 +11,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import NvmeCheckSection
 from slurm_resilience.health.checks import nvme as nvme_check
+from slurm_resilience.health.checks.spec import NoState
 from slurm_resilience.health.collectors import nvme as collector
 from slurm_resilience.health.findings import Severity
 
@@ -22,7 +23,7 @@ def run(snap: collector.NvmeSnapshot | dict[str, Any], cfg: NvmeCheckSection | N
     """Check a snapshot, given typed or as the JSON the collector child sends."""
     typed = collector.NvmeSnapshot.from_json(snap) if isinstance(snap, dict) else snap
     assert collector.NvmeSnapshot.from_json(typed.to_json()) == typed
-    return nvme_check.check(typed, cfg or NvmeCheckSection(min_free=1 << 20), {}).findings
+    return nvme_check.check(typed, cfg or NvmeCheckSection(min_free=1 << 20), NoState()).findings
 
 
 def fails(findings: list[Any]) -> list[str]:

@@ -104,10 +104,10 @@ def snap_of(*events: tuple[str, int, str, float | None], boot: str = "b1") -> Ke
         for i, e in enumerate(events)))
 
 
-def run(snap: KernelLogSnapshot, state: dict[str, Any] | None = None,
+def run(snap: KernelLogSnapshot, state: xid_check.XidState | None = None,
         cfg: XidCheckSection | None = None, now: float = NOW, job_start: float | None = None,
-        **kw: Any) -> tuple[list[Any], dict[str, Any]]:
-    r = xid_check.check(snap, cfg or XidCheckSection(), state or {}, now=now,
+        **kw: Any) -> tuple[list[Any], xid_check.XidState]:
+    r = xid_check.check(snap, cfg or XidCheckSection(), state or xid_check.XidState(), now=now,
                         gpu_by_pci={"00000000:9A:00.0": 3}, job_start=job_start, **kw)
     return r.findings, r.state
 
@@ -202,7 +202,7 @@ def test_an_xid_storm_keeps_the_state_bounded() -> None:
     storm = snap_of(*[("", 13, "Graphics SM Warp Exception", NOW - 3000 + i * 0.5)
                       for i in range(xid_check.MAX_EVENTS + 500)])
     findings, state = run(storm)
-    assert len(state["events"]) == xid_check.MAX_EVENTS
+    assert len(state.events) == xid_check.MAX_EVENTS
     assert findings[0].data["count"] == xid_check.MAX_EVENTS
 
 
@@ -268,15 +268,13 @@ def test_fatal_xid_lasts_past_the_window_until_repaired() -> None:
 def test_repair_hook_on_the_state() -> None:
     """record_repair (the API a diagnostic can call on the state) ends earlier fatal Xids
     that a reset ends (48); never one that needs a new boot (79)."""
-    _, saved = run(snap_of(("", 48, "x", NOW - 60)))
-    state = xid_check.XidState.from_json(saved)
+    _, state = run(snap_of(("", 48, "x", NOW - 60)))
     xid_check.record_repair(state, xid_repairs.Repair("0000:9a:00", NOW, "operator reset"))
-    findings, _ = run(snap_of(("", 48, "x", NOW - 60)), state.to_json(), now=NOW + 1)
+    findings, _ = run(snap_of(("", 48, "x", NOW - 60)), state, now=NOW + 1)
     assert all(f.severity is Severity.OK for f in findings)
-    _, saved = run(snap_of(("", 79, "x", NOW - 60)))
-    state = xid_check.XidState.from_json(saved)
+    _, state = run(snap_of(("", 79, "x", NOW - 60)))
     xid_check.record_repair(state, xid_repairs.Repair("0000:9a:00", NOW, "operator reset"))
-    findings, _ = run(snap_of(("", 79, "x", NOW - 60)), state.to_json(), now=NOW + 1)
+    findings, _ = run(snap_of(("", 79, "x", NOW - 60)), state, now=NOW + 1)
     assert [f.message.rsplit(", ", 1)[1] for f in findings] == ["reboot required"]
 
 
@@ -343,5 +341,5 @@ def test_an_xid_storm_never_pushes_out_a_fatal_event() -> None:
                     *[("", 13, "Graphics SM Warp Exception", NOW - 3000 + i * 0.5)
                       for i in range(xid_check.MAX_EVENTS + 10)])
     findings, state = run(storm)
-    assert len(state["events"]) == xid_check.MAX_EVENTS
+    assert len(state.events) == xid_check.MAX_EVENTS
     assert [f.data["xid"] for f in findings if f.severity is Severity.FAIL] == [48]

@@ -42,9 +42,10 @@ def read(lines: list[str], uptime: float = 1.2e8) -> KernelLogSnapshot:
     return KernelLogSnapshot("file", "", "b1", NOW - uptime, tuple(got.events))
 
 
-def run(snap: KernelLogSnapshot, state: dict[str, Any] | None = None, now: float = NOW,
-        cfg: XidCheckSection | None = None, **kw: Any) -> tuple[list[Finding], dict[str, Any]]:
-    r = xid_check.check(snap, cfg or XidCheckSection(), state or {}, now=now, **kw)
+def run(snap: KernelLogSnapshot, state: xid_check.XidState | None = None, now: float = NOW,
+        cfg: XidCheckSection | None = None, **kw: Any) -> tuple[list[Finding], xid_check.XidState]:
+    r = xid_check.check(snap, cfg or XidCheckSection(), state or xid_check.XidState(), now=now,
+                        **kw)
     return r.findings, r.state
 
 

@@ -385,8 +385,8 @@ def test_agent_starts_on_a_read_only_state_dir(tmp_path: Path, events: Path) -> 
 def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
                                                                  events: Path) -> None:
     """The checkpoint journal's directory can't be made (a file stands in its way): the
-    checkpoint service doesn't start and says why; hang watching, the run-dir sweeper and
-    the metrics start all the same."""
+    checkpoint service doesn't start and says why; hang watching, the run-dir sweeper, the
+    time-limit warnings and the metrics start all the same."""
     from slurm_resilience.agent.daemon import load_services
     from slurm_resilience.agent.service import AgentContext
     from slurm_resilience.config import load_text
@@ -399,7 +399,7 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
         f"  journal_dir: {tmp_path}/blocker/journal", "metrics:", "  port: 0"]) + "\n")
     services = load_services(AgentContext(cfg, "n1", SlurmAdapter()))
     try:
-        assert [s.name for s in services] == ["heartbeat", "run-dir", "metrics"]
+        assert [s.name for s in services] == ["heartbeat", "run-dir", "limits", "metrics"]
     finally:
         for svc in services:
             svc.close()

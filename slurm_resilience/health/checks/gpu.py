@@ -8,11 +8,28 @@ the last run, as the InfiniBand counters are, so history does not fail a node fo
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from slurm_resilience import gpu_models
 from slurm_resilience.config.health import GpuCheckSection
+from slurm_resilience.config.paths import node_path
 from slurm_resilience.health.checks import gpu_fabric
+from slurm_resilience.health.checks.spec import (
+    CheckSpec,
+    Collect,
+    Judged,
+    RunFacts,
+    int_map,
+    integer,
+    num,
+    num_list,
+    obj,
+    opt_int,
+    opt_str,
+)
 from slurm_resilience.health.collectors.nvml_types import GpuRecord, NvmlSnapshot
 from slurm_resilience.health.findings import (
     CheckResult,
@@ -25,6 +42,9 @@ from slurm_resilience.health.findings import (
     warn,
 )
 from slurm_resilience.health.xid_decode import RESTART_BM, recovery_action
+
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
 
 NAME = "gpu"
 
@@ -45,6 +65,98 @@ RECOVERY_ACTIONS = {0: "NONE", 1: "GPU_RESET", 2: "NODE_REBOOT", 3: "DRAIN_P2P",
 FABRIC_NOT_SUPPORTED = gpu_fabric.FABRIC_NOT_SUPPORTED
 FABRIC_STATES = gpu_fabric.FABRIC_STATES
 FABRIC_COMPLETED = gpu_fabric.FABRIC_COMPLETED
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Counter values to judge the next run's rises against, taken at ``t`` (None: none
+    taken yet)."""
+
+    t: float | None = None
+    nvlink: dict[str, int] = field(default_factory=dict)
+    pcie_replay: int | None = None
+    pcie_aer: dict[str, int] | None = None
+    pcie_aer_source: str | None = None
+    ecc_cor: int | None = None
+    sram_cor: int | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Counters:
+        aer = d.get("pcie_aer")
+        return cls(None if d.get("t") is None else num(d["t"], "counters.t"),
+                   int_map(d.get("nvlink"), "counters.nvlink"),
+                   opt_int(d.get("pcie_replay"), "counters.pcie_replay"),
+                   None if aer is None else int_map(aer, "counters.pcie_aer"),
+                   opt_str(d.get("pcie_aer_source"), "counters.pcie_aer_source"),
+                   opt_int(d.get("ecc_cor"), "counters.ecc_cor"),
+                   opt_int(d.get("sram_cor"), "counters.sram_cor"))
+
+    def to_json(self) -> dict[str, Any]:
+        if self.t is None:
+            return {}
+        return {"t": self.t, "nvlink": dict(self.nvlink), "pcie_replay": self.pcie_replay,
+                "pcie_aer": self.pcie_aer, "pcie_aer_source": self.pcie_aer_source,
+                "ecc_cor": self.ecc_cor, "sram_cor": self.sram_cor}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What names a physical GPU beyond its index (kept to name a GPU that is gone)."""
+
+    index: int
+    pci_bus_id: str | None = None
+    serial: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "serial": self.serial}
+
+
+@dataclass(frozen=True)
+class GpuEntry:
+    """One GPU's history; all defaults: a GPU that was lost (nothing to compare with)."""
+
+    streak: int | None = None  # runs in a row with SW thermal slowdown
+    throttle: tuple[float, ...] = ()  # times of the runs that saw HW slowdown
+    counters: Counters = field(default_factory=Counters)
+    identity: Identity | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], what: str) -> GpuEntry:
+        ident = (Identity(integer(d["index"], f"{what}.index"),
+                          opt_str(d.get("pci_bus_id"), f"{what}.pci_bus_id"),
+                          opt_str(d.get("serial"), f"{what}.serial"))
+                 if "index" in d else None)
+        return cls(opt_int(d.get("streak"), f"{what}.streak"),
+                   num_list(d.get("throttle"), f"{what}.throttle"),
+                   Counters.from_json(obj(d.get("counters"), f"{what}.counters")), ident)
+
+    def to_json(self) -> dict[str, Any]:
+        if self == GpuEntry():
+            return {}
+        return {"streak": self.streak or 0, "throttle": list(self.throttle),
+                "counters": self.counters.to_json(),
+                **(self.identity.to_json() if self.identity else {})}
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """Per GPU (by UUID, else index) what the next run compares with."""
+
+    gpus: dict[str, GpuEntry] = field(default_factory=dict)
+    # Written by releases before per-GPU entries: index → SW thermal streak.
+    sw_thermal_streak: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GpuState:
+        return cls({str(k): GpuEntry.from_json(obj(v, f"gpus[{k!r}]"), f"gpus[{k!r}]")
+                    for k, v in obj(data.get("gpus"), "gpus").items()},
+                   int_map(data.get("sw_thermal_streak"), "sw_thermal_streak"))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpus": {k: v.to_json() for k, v in self.gpus.items()}}
+        if self.sw_thermal_streak:
+            out["sw_thermal_streak"] = dict(self.sw_thermal_streak)
+        return out
 
 
 def _throttle(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, streak: int,
@@ -140,7 +252,7 @@ def _recovery(gpu: GpuRecord, subject: str, cfg: GpuCheckSection) -> list[Findin
                                 f"NONE)", recovery_action=name)]
 
 
-def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, Any],
+def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: Counters,
           now: float) -> list[Finding]:
     s = gpu.sram_ecc
     if s is None:
@@ -152,8 +264,8 @@ def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, An
     if cfg.fail_on_sram_threshold and s.threshold_exceeded:
         out.append(fail(NAME, subject, f"{subject} SRAM error threshold exceeded "
                                        "(expected not; replace the GPU)"))
-    before, then = prev.get("sram_cor"), prev.get("t")
-    if isinstance(before, int) and isinstance(then, (int, float)) and now > then \
+    before, then = prev.sram_cor, prev.t
+    if before is not None and then is not None and now > then \
             and s.aggregate_corrected >= before:
         per_hour = (s.aggregate_corrected - before) / ((now - then) / 3600.0)
         if per_hour > cfg.max_sram_correctable_per_hour:
@@ -162,13 +274,13 @@ def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, An
     return out
 
 
-def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str, Any],
+def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: Counters,
               now: float) -> list[Finding]:
     """NVLink error totals, PCIe error totals and replays, corrected ECC, as rises since
     the previous run."""
     out: list[Finding] = []
     links = dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {}
-    before_links: dict[str, int] = prev.get("nvlink", {})
+    before_links = prev.nvlink
     for name, limit in sorted(cfg.max_nvlink_error_delta.items()):
         value, before = links.get(name), before_links.get(name)
         if value is None or before is None or value < before:
@@ -176,9 +288,9 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
         if value - before > limit:
             out.append(fail(NAME, subject, f"{subject} NVLink {name} errors +{value - before} "
                                            f"(expected <={limit})"))
-    aer, before_aer = gpu.pcie_aer or {}, prev.get("pcie_aer") or {}
+    aer, before_aer = gpu.pcie_aer or {}, prev.pcie_aer or {}
     source = _aer_source(gpu.pcie_aer, gpu.pcie_aer_source)
-    if source != _aer_source(prev.get("pcie_aer"), prev.get("pcie_aer_source")):
+    if source != _aer_source(prev.pcie_aer, prev.pcie_aer_source):
         before_aer = {}  # sysfs and NVML count differently: a new baseline, not a rise
     for name, limit in sorted(cfg.max_pcie_aer_delta.items()):
         value, was = aer.get(name), before_aer.get(name)
@@ -187,16 +299,16 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
                     if source == "sysfs" else
                     f"PCIe {name} errors +{value - was} (NVML counter; expected <={limit})")
             out.append(fail(NAME, subject, f"{subject} {text}"))
-    cor, was_cor, then = gpu.ecc_aggregate_corrected, prev.get("ecc_cor"), prev.get("t")
-    if cor is not None and isinstance(was_cor, int) and isinstance(then, (int, float)) \
+    cor, was_cor, then = gpu.ecc_aggregate_corrected, prev.ecc_cor, prev.t
+    if cor is not None and was_cor is not None and then is not None \
             and now > then and cor >= was_cor:
         per_hour = (cor - was_cor) / (max(now - then, 60.0) / 3600.0)
         if per_hour > cfg.max_ecc_corrected_per_hour:
             out.append(fail(NAME, subject, f"{subject} ECC corrected {per_hour:.0f}/h "
                                            f"(expected <={cfg.max_ecc_corrected_per_hour:g}/h; "
                                            "degrading memory)"))
-    replay, before, then = gpu.pcie.replay, prev.get("pcie_replay"), prev.get("t")
-    if replay is not None and isinstance(before, int) and isinstance(then, (int, float)) \
+    replay, before, then = gpu.pcie.replay, prev.pcie_replay, prev.t
+    if replay is not None and before is not None and then is not None \
             and now > then and replay >= before:
         minutes = max((now - then) / 60.0, 1.0)
         allowed = cfg.max_pcie_replays_per_min * minutes
@@ -206,25 +318,25 @@ def _counters(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: dict[str
     return out
 
 
-def _aer_source(totals: Any, source: Any) -> str | None:
+def _aer_source(totals: dict[str, int] | None, source: str | None) -> str | None:
     """Where PCIe error totals came from. State (or a record) from before NVML could be
     the source names none, and its totals were sysfs AER."""
     return str(source) if source else ("sysfs" if totals else None)
 
 
-def _baseline(gpu: GpuRecord, now: float, prev: dict[str, Any]) -> dict[str, Any]:
+def _baseline(gpu: GpuRecord, now: float, prev: Counters) -> Counters:
     """Counter values to compare the next run with. Unchanged counters keep the old
     baseline and its time: rates then span longer, and a quiet run writes no state."""
-    values = {"nvlink": dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {},
-              "pcie_replay": gpu.pcie.replay, "pcie_aer": gpu.pcie_aer,
-              "pcie_aer_source": _aer_source(gpu.pcie_aer, gpu.pcie_aer_source),
-              "ecc_cor": gpu.ecc_aggregate_corrected,
-              "sram_cor": gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None}
-    was = {**prev, "pcie_aer_source": _aer_source(prev.get("pcie_aer"),
-                                                  prev.get("pcie_aer_source"))}
-    if prev.get("t") is not None and all(was.get(k) == v for k, v in values.items()):
+    values = Counters(
+        now, dict(gpu.nvlink_errors.items()) if gpu.nvlink_errors else {}, gpu.pcie.replay,
+        gpu.pcie_aer, _aer_source(gpu.pcie_aer, gpu.pcie_aer_source),
+        gpu.ecc_aggregate_corrected,
+        gpu.sram_ecc.aggregate_corrected if gpu.sram_ecc else None)
+    was = dataclasses.replace(prev, t=now,
+                              pcie_aer_source=_aer_source(prev.pcie_aer, prev.pcie_aer_source))
+    if prev.t is not None and was == values:
         return prev
-    return {"t": now, **values}
+    return values
 
 
 def _memory_errors(gpu: GpuRecord, subject: str, cfg: GpuCheckSection) -> list[Finding]:
@@ -253,20 +365,20 @@ def _memory_errors(gpu: GpuRecord, subject: str, cfg: GpuCheckSection) -> list[F
     return out
 
 
-def _one_gpu(gpu: GpuRecord, cfg: GpuCheckSection, kind: str, state: dict[str, Any],
-             job_gpus: frozenset[int] | None, now: float) -> tuple[list[Finding], dict[str, Any]]:
+def _one_gpu(gpu: GpuRecord, cfg: GpuCheckSection, kind: str, state: GpuEntry, streak: int,
+             job_gpus: frozenset[int] | None, now: float) -> tuple[list[Finding], GpuEntry]:
     subject = f"gpu{gpu.index}"
     if gpu.lost:
-        return [fail(NAME, subject, f"{subject} lost (NVML GPU_IS_LOST; expected present)")], {}
+        return ([fail(NAME, subject, f"{subject} lost (NVML GPU_IS_LOST; expected present)")],
+                GpuEntry())
     out: list[Finding] = []
-    for field, err in sorted(gpu.errors.items()):
-        out.append(unknown(NAME, subject, f"{subject} couldn't read {field}: NVML {err}"))
+    for what, err in sorted(gpu.errors.items()):
+        out.append(unknown(NAME, subject, f"{subject} couldn't read {what}: NVML {err}"))
     out.extend(_memory_errors(gpu, subject, cfg))
     out.extend(_recovery(gpu, subject, cfg))
-    out.extend(_sram(gpu, subject, cfg, state.get("counters", {}), now))
-    out.extend(_counters(gpu, subject, cfg, state.get("counters", {}), now))
-    found, streak, samples = _throttle(gpu, subject, cfg, int(state.get("streak", 0)),
-                                       list(state.get("throttle", [])), now)
+    out.extend(_sram(gpu, subject, cfg, state.counters, now))
+    out.extend(_counters(gpu, subject, cfg, state.counters, now))
+    found, streak, samples = _throttle(gpu, subject, cfg, streak, list(state.throttle), now)
     out.extend(found)
     temp = gpu.temperature_c
     if temp is not None and temp > cfg.max_temperature_c:
@@ -282,8 +394,8 @@ def _one_gpu(gpu: GpuRecord, cfg: GpuCheckSection, kind: str, state: dict[str, A
         out.append(fail(NAME, subject, f"{subject} persistence mode off (expected on)"))
     if not out:
         out.append(ok(NAME, subject, f"{subject} ok", name=gpu.name, pci=gpu.pci_bus_id))
-    return out, {"streak": streak, "throttle": samples,
-                 "counters": _baseline(gpu, now, state.get("counters", {}))}
+    return out, GpuEntry(streak, tuple(samples), _baseline(gpu, now, state.counters),
+                         Identity(gpu.index, gpu.pci_bus_id, gpu.serial))
 
 
 def _consistency(snap: NvmlSnapshot, cfg: GpuCheckSection) -> list[Finding]:
@@ -322,9 +434,9 @@ def _unsupported(snap: NvmlSnapshot) -> list[Finding]:
                                 f"{', '.join(names)} (not checked)", unsupported=names)]
 
 
-def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
+def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: GpuState, *,
           kind: str = "healthcheck", expected_count: int | None = None,
-          job_gpus: frozenset[int] | None = None, now: float = 0.0) -> CheckResult:
+          job_gpus: frozenset[int] | None = None, now: float = 0.0) -> CheckResult[GpuState]:
     """Findings for every GPU, plus the count against what the node should have.
 
     ``expected_count`` comes from the job's gres when the config leaves it at -1.
@@ -344,27 +456,25 @@ def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
         return CheckResult([unknown(NAME, "nvml", f"nvml: {snap.error}")], state)
     findings: list[Finding] = []
     count = snap.count or 0
-    prev: dict[str, Any] = state.get("gpus", {})
-    legacy: dict[str, int] = state.get("sw_thermal_streak", {})
-    keep: dict[str, Any] = {}
+    prev = state.gpus
+    keep: dict[str, GpuEntry] = {}
     for gpu in snap.gpus:
         key = gpu.uuid or str(gpu.index)
-        before = dict(prev.get(key, {}))
-        before.setdefault("streak", legacy.get(str(gpu.index), 0))
-        found, kept = _one_gpu(gpu, cfg, kind, before, job_gpus, now)
-        keep[key] = {**kept, **gpu.identity()} if kept else kept
+        before = prev.get(key, GpuEntry())
+        streak = (before.streak if before.streak is not None
+                  else state.sw_thermal_streak.get(str(gpu.index), 0))
+        found, keep[key] = _one_gpu(gpu, cfg, kind, before, streak, job_gpus, now)
         findings.extend(found)
     if want is not None and count < want:
         # The GPUs seen before and gone now, named as an RMA desk needs them; remembered
         # while the count stays short, so every later run still names them.
-        gone = {k: v for k, v in prev.items() if k not in keep and isinstance(v, dict)
-                and isinstance(v.get("index"), int)}
+        gone = {k: v for k, v in prev.items() if k not in keep and v.identity is not None}
         keep.update(gone)
-        named = "; ".join(describe_identity(v) for _, v in sorted(
-            gone.items(), key=lambda kv: kv[1]["index"]))
+        named = "; ".join(describe_identity(v.to_json()) for _, v in sorted(
+            gone.items(), key=lambda kv: kv[1].identity.index if kv[1].identity else 0))
         findings.append(fail(NAME, "count", f"{count} GPUs visible (expected {want}"
                                             + (f"; gone: {named})" if named else ")"),
-                             gone=[dict(v) for v in gone.values()]))
+                             gone=[v.to_json() for v in gone.values()]))
     findings.extend(_consistency(snap, cfg))
     if cfg.peermem == "required" and snap.gpus and snap.peermem_loaded is not True:
         shown = "not loaded" if snap.peermem_loaded is False else "unknown (modules unreadable)"
@@ -372,4 +482,25 @@ def check(snap: NvmlSnapshot, cfg: GpuCheckSection, state: dict[str, Any], *,
     findings.extend(_unsupported(snap))
     if want is not None and count >= want:
         findings.append(ok(NAME, "count", f"{count} GPUs visible (expected {want})"))
-    return CheckResult(findings, {"gpus": keep})
+    return CheckResult(findings, GpuState(keep))
+
+
+def _collect(cfg: Config, node: str, active: bool) -> Collect:
+    import functools
+
+    from slurm_resilience.health.collectors import nvml
+
+    h = cfg.health
+    scen = node_path(h.scenario_dir, node) if h.scenario_dir else ""
+    modules = node_path(h.gpu.modules_file, node) if h.gpu.peermem != "off" else ""
+    pci = node_path(h.gpu.pci_sysfs_root, node) if h.gpu.pci_sysfs_root else ""
+    return functools.partial(nvml.collect_json, h.backend, scen, node, modules, pci)
+
+
+def _judge(snap: NvmlSnapshot, state: GpuState, facts: RunFacts) -> Judged[GpuState]:
+    return check(snap, facts.cfg.health.gpu, state, kind=facts.kind, now=facts.now,
+                 expected_count=facts.expected_gpus, job_gpus=facts.job_gpus), []
+
+
+SPEC = CheckSpec(NAME, lambda h: h.gpu, NvmlSnapshot.from_json, _judge, GpuState, rank=1,
+                 collect=_collect, applies=lambda h, kind: h.gpu.expected_count != 0)

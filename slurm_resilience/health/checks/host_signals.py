@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections import Counter
 
 from slurm_resilience.config.health import KernelLogCheckSection
+from slurm_resilience.health.checks.spec import CheckSpec, Judged, NoState, RunFacts
 from slurm_resilience.health.collectors.host_signals import HostSignal
 from slurm_resilience.health.collectors.kernlog_time import BootOf
 from slurm_resilience.health.collectors.xid import HostEvent, KernelLogSnapshot
-from slurm_resilience.health.findings import Finding, fail, ok, unknown, warn
+from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 NAME = "kernel"
 
@@ -114,3 +115,12 @@ def check(snap: KernelLogSnapshot, cfg: KernelLogCheckSection, *, now: float) ->
                                                "machine check, PCIe AER error or SXid in "
                                                "this boot"))
     return findings
+
+
+def _judge(snap: KernelLogSnapshot, state: NoState, facts: RunFacts) -> Judged[NoState]:
+    return CheckResult(check(snap, facts.cfg.health.kernel_log, now=facts.now), state), []
+
+
+# Reads the kernel log the Xid collector took: the log is read once for both.
+SPEC = CheckSpec(NAME, lambda h: h.kernel_log, KernelLogSnapshot.from_json, _judge, NoState,
+                 rank=3, collector="xid")

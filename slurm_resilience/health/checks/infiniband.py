@@ -9,14 +9,43 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from slurm_resilience import gpu_models
 from slurm_resilience.config.health import InfinibandCheckSection
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.health.checks.spec import (
+    CheckSpec,
+    Collect,
+    Judged,
+    RunFacts,
+    int_map,
+    obj,
+)
 from slurm_resilience.health.collectors.infiniband import IbSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
+
 NAME = "infiniband"
+
+
+@dataclass(frozen=True)
+class IbState:
+    """Counter values of the previous run per ``hca/port``: the baselines of the deltas."""
+
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> IbState:
+        return cls({str(port): int_map(values, f"counters[{port!r}]")
+                    for port, values in obj(data.get("counters"), "counters").items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counters": {k: dict(v) for k, v in self.counters.items()}}
 
 # Widths of the IB PortCounters (they stop at their maximum instead of wrapping).
 SATURATED = {"symbol_error": 0xFFFF, "link_error_recovery": 0xFF, "link_downed": 0xFF,
@@ -85,14 +114,14 @@ def model_defaults(cfg: InfinibandCheckSection, gpu_model: str | None
     return hcas, rate
 
 
-def check(snap: IbSnapshot, cfg: InfinibandCheckSection, state: dict[str, Any],
-          gpu_model: str | None = None) -> CheckResult:
+def check(snap: IbSnapshot, cfg: InfinibandCheckSection, state: IbState,
+          gpu_model: str | None = None) -> CheckResult[IbState]:
     """``gpu_model``: the NVML name of the node's GPUs, for the shipped per-model HCA
     count and rate (used where the site set neither)."""
     if snap.error:
         return CheckResult([unknown(NAME, "sysfs", f"infiniband: {snap.error}")], state)
     findings: list[Finding] = []
-    prev_all: dict[str, dict[str, int]] = state.get("counters", {})
+    prev_all = state.counters
     baseline: dict[str, dict[str, int]] = {}
     expected = _expected_hcas(snap, cfg)
     want_hcas, model_rate = model_defaults(cfg, gpu_model)
@@ -143,4 +172,24 @@ def check(snap: IbSnapshot, cfg: InfinibandCheckSection, state: dict[str, Any],
             if len(findings) == before:
                 findings.append(ok(NAME, subject, f"{subject} ACTIVE LinkUp "
                                                   f"{pinfo.rate or '?'}"))
-    return CheckResult(findings, {"counters": baseline})
+    return CheckResult(findings, IbState(baseline))
+
+
+def _collect(cfg: Config, node: str, active: bool) -> Collect:
+    import functools
+
+    from slurm_resilience.health.collectors import infiniband
+
+    h = cfg.health
+    return functools.partial(infiniband.collect_json, node_path(h.infiniband.sysfs_root, node),
+                             list(h.infiniband.max_counter_delta))
+
+
+def _judge(snap: IbSnapshot, state: IbState, facts: RunFacts) -> Judged[IbState]:
+    gpus = facts.gpu_snap.gpus if facts.gpu_snap else []
+    model = next((g.name for g in gpus if g.name), None)
+    return check(snap, facts.cfg.health.infiniband, state, gpu_model=model), []
+
+
+SPEC = CheckSpec(NAME, lambda h: h.infiniband, IbSnapshot.from_json, _judge, IbState, rank=5,
+                 collect=_collect)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from slurm_resilience.config.health import NvmeCheckSection
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.health.checks.spec import CheckSpec, Collect, Judged, NoState, RunFacts
 from slurm_resilience.health.collectors.nvme import NvmeSnapshot, SmartLog
 from slurm_resilience.health.findings import (
     CheckResult,
@@ -16,10 +18,13 @@ from slurm_resilience.health.findings import (
     warn,
 )
 
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
+
 NAME = "nvme"
 
 
-def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: dict[str, Any]) -> CheckResult:
+def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: NoState) -> CheckResult[NoState]:
     path = snap.path or cfg.path
     if snap.error:
         return CheckResult([unknown(NAME, "nvme", f"nvme: {snap.error}")], state)
@@ -75,3 +80,25 @@ def check(snap: NvmeSnapshot, cfg: NvmeCheckSection, state: dict[str, Any]) -> C
                                        "checkpoint eviction)" if snap.reclaimable else "")
                                     + (f", probe {probe:.1f}ms" if probe is not None else "")))
     return CheckResult(out, state)
+
+
+def _collect(cfg: Config, node: str, active: bool) -> Collect:
+    import functools
+
+    from slurm_resilience.health.collectors import nvme
+
+    h = cfg.health
+    return functools.partial(
+        nvme.collect_json, node_path(h.nvme.path, node), size_limit=h.nvme.size_limit,
+        active=active and h.nvme.probe, smart=active and h.nvme.smart, device=h.nvme.device,
+        timeout=h.collector_timeout_s,
+        reclaim_dir=node_path(cfg.node.state_dir, node) if cfg.checkpoint.enabled else "",
+        reclaim_below=int(h.nvme.min_free))
+
+
+def _judge(snap: NvmeSnapshot, state: NoState, facts: RunFacts) -> Judged[NoState]:
+    return check(snap, facts.cfg.health.nvme, state), []
+
+
+SPEC = CheckSpec(NAME, lambda h: h.nvme, NvmeSnapshot.from_json, _judge, NoState, rank=7,
+                 collect=_collect, applies=lambda h, kind: bool(h.nvme.path))

@@ -24,18 +24,25 @@ line read again is the same event, never a new one.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurm_resilience.config.health import XidCheckSection
-from slurm_resilience.health import xid_catalog, xid_decode
+from slurm_resilience.config.paths import node_path
+from slurm_resilience.health import xid_catalog, xid_decode, xid_repairs
+from slurm_resilience.health.checks.spec import CheckSpec, Collect, Judged, RunFacts
 from slurm_resilience.health.collectors.kernlog_time import BootOf
 from slurm_resilience.health.collectors.xid import KernelLogSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 from slurm_resilience.health.xid_catalog import Ending
 from slurm_resilience.health.xid_repairs import DIAG, RESET, Repair, kind_of, pci_key
+
+if TYPE_CHECKING:
+    from slurm_resilience.config import Config
+    from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
 
 NAME = "xid"
 MAX_EVENTS = 2000
@@ -195,11 +202,11 @@ def _note_gpus_seen(state: XidState, gpus_ok: Mapping[str, bool] | None, now: fl
             record_repair(state, Repair(pci, now, "GPU back on the bus (reset)", RESET))
 
 
-def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any], *,
+def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: XidState, *,
           now: float, gpu_by_pci: Mapping[str, int] | None = None,
           job_start: float | None = None, repairs: Sequence[Repair] = (),
           gpus_ok: Mapping[str, bool] | None = None,
-          recovery: Mapping[str, int] | None = None) -> CheckResult:
+          recovery: Mapping[str, int] | None = None) -> CheckResult[XidState]:
     """Judge the Xids of ``snap``.
 
     ``job_start`` (epilog): non-fatal Xids raised since then are reported as warnings.
@@ -208,8 +215,8 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any]
     ``recovery``: NVML's recovery action per PCI address (:func:`recovery_by_pci`).
     """
     if snap.error:
-        return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap.error}")], dict(prev))
-    state = XidState.from_json(prev)
+        return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap.error}")], prev)
+    state = copy.deepcopy(prev)  # the caller's record stays as it was read
     if state.boot_id != snap.boot_id:
         # A reboot resets every GPU. Undated lines seen before it were logged before it:
         # their keys are kept, so reading them again after the reboot raises nothing.
@@ -258,7 +265,7 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: Mapping[str, Any]
     findings.extend(_repair_findings(repaired_events, gpu_by_pci or {}, now))
     if not findings:
         findings.append(ok(NAME, "kernel-log", f"no Xid in the last {cfg.window_s}s"))
-    return CheckResult(findings, state.to_json())
+    return CheckResult(findings, state)
 
 
 def _subject(pci: str, by_gpu: Mapping[str, int]) -> tuple[str, int | None]:
@@ -351,3 +358,51 @@ def _repair_findings(repaired: list[tuple[KnownEvent, Repair]], gpu_by_pci: Mapp
                                      f"{_clock(rep.time, now)}",
                       xid=kev.xid, pci=kev.pci, gpu=gpu, repaired=rep.evidence))
     return out
+
+
+def _collect(cfg: Config, node: str, active: bool) -> Collect:
+    import functools
+
+    from slurm_resilience.health.collectors import xid
+
+    h = cfg.health
+    read = functools.partial(
+        xid.collect, h.xid.source, node_path(h.xid.path, node),
+        node_path(h.xid.boot_id_file, node), h.xid.max_read_bytes,
+        max(h.xid.window_s, h.kernel_log.window_s), h.collector_timeout_s)
+    return lambda: read().to_json()
+
+
+def _gpus_ok(snap: NvmlSnapshot | None, known: Mapping[str, int]) -> dict[str, bool] | None:
+    """PCI address → NVML answers for that GPU and it is not lost; a GPU we knew that NVML
+    no longer lists is False. None when NVML gave no list (nothing to compare)."""
+    if snap is None or snap.error or snap.no_driver:
+        return None
+    view = {pci_key(g.pci_bus_id): not g.lost for g in snap.gpus if g.pci_bus_id}
+    for bus_id in known:
+        view.setdefault(pci_key(bus_id), False)
+    return view
+
+
+def _judge(snap: KernelLogSnapshot, state: XidState, facts: RunFacts) -> Judged[XidState]:
+    extra: list[Finding] = []
+    try:
+        repairs, garbled = xid_repairs.load(facts.state_dir)
+    except OSError as exc:
+        # Without the ledger a repaired GPU stays failed: safe, and said.
+        repairs, garbled = [], 0
+        extra.append(warn(NAME, "repairs", f"couldn't read {xid_repairs.LEDGER}: {exc}"))
+    if garbled:
+        extra.append(warn(NAME, "repairs", f"{garbled} garbled line(s) in "
+                                           f"{xid_repairs.LEDGER} skipped"))
+    result = check(snap, facts.cfg.health.xid, state, now=facts.now,
+                   gpu_by_pci=facts.gpu_by_pci,
+                   job_start=facts.job_start if facts.kind == "epilog" else None,
+                   repairs=repairs, gpus_ok=_gpus_ok(facts.gpu_snap, facts.gpu_by_pci),
+                   recovery=recovery_by_pci(facts.gpu_snap.gpus if facts.gpu_snap else []))
+    return result, extra
+
+
+# A hung kernel-log read only means we couldn't look (not a stuck GPU).
+SPEC = CheckSpec(NAME, lambda h: h.xid, KernelLogSnapshot.from_json, _judge, XidState, rank=0,
+                 collect=_collect, hang_is_sick=False)

@@ -108,10 +108,6 @@ class GpuRecord:
     pcie_aer: dict[str, int] | None = None
     pcie_aer_source: str | None = None
 
-    def identity(self) -> dict[str, Any]:
-        """What names this physical GPU beyond its index: PCI address and board serial."""
-        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "serial": self.serial}
-
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GpuRecord:
         def opt(key: str, kind: Any) -> Any:

@@ -1,0 +1,132 @@
+"""Every interruption continues the run: a job with a one-minute time limit is warned by
+its nodes' agents ahead of it, every rank saves the same step at the next step boundary,
+the job is requeued and resumes from that step, as often as it takes to finish. Real
+slurmctld/slurmd, real PyTorch (gloo, CPU) jobs of an unprivileged user."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+from hang_jobs import PYTHON, TRAIN, output, submit, wait_for
+
+from slurm_resilience import events
+from slurm_resilience.hang.limits import planned_count
+from slurm_resilience.hang.requeue import parse_ledger
+from slurm_resilience.sandbox.handle import Sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
+              pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
+# 48 s of steps: more than any one-minute run leaves after its start, so every job meets
+# its limit at least once whatever the load.
+STEPS = 96
+TORCHRUN = PYTHON.parent / "torchrun"
+
+
+def counted(box: Sandbox, kind: str, cause: str) -> int:
+    total = 0
+    for node in box.nodes:
+        path = Path(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"), node))
+        if path.exists():
+            total += json.loads(path.read_text())["counters"].get(f"{kind}|{cause}", 0)
+    return total
+
+
+def check_planned_restarts(box: Sandbox, job_id: int, out: str) -> list[tuple[int, int]]:
+    """Each run that stopped saved step S and the next run resumed from S; returns
+    (run, S) per stop."""
+    stops = [(int(m.group(1)), int(m.group(2).replace(",", ""))) for m in re.finditer(
+        r"stopped step=(\d+) cause=time_limit at=[\d.]+: time limit in \d+ s: saved step "
+        r"([\d,]+), requeued", out)]
+    runs = sorted({int(r) for r in re.findall(r"rank 0 running step=\d+ at=[\d.]+ restarts=(\d+)",
+                                              out)})
+    assert stops, out
+    assert len(runs) == len(stops) + 1, out
+    for run, (stopped, saved) in zip(runs[:-1], stops, strict=True):
+        assert stopped == saved
+        # The next run starts at the step after the saved one: nothing done was lost.
+        assert re.search(rf"rank 0 running step={saved + 1} at=[\d.]+ restarts={run + 1} ",
+                         out), out
+    assert re.search(rf"done step={STEPS} resumed_from={stops[-1][1]} restarts={runs[-1]}",
+                     out), out
+    assert re.search(r"slurm-resilience: time limit in \d+ s: saved step [\d,]+, requeued",
+                     out), out
+    return [(run, saved) for run, (_, saved) in zip(runs[:-1], stops, strict=True)]
+
+
+def run_past_limits(sandbox: Sandbox, user: str, name: str, launcher: str = "",
+                    extra_env: str = "") -> None:
+    work = sandbox.user_dir(user, name)
+    before = counted(sandbox, events.REQUEUE, "time_limit")
+    hangs = counted(sandbox, events.REQUEUE, "hang")
+    job_id = submit(sandbox, user, work, f"--steps {STEPS} --ckpt-every 100000 "
+                                         "--step-seconds 0.5", sbatch_args=("--time=1",),
+                    launcher=launcher, extra_env=extra_env)
+    final = sandbox.wait_job(job_id, timeout=1500, poll=1.0)
+    out = output(work, job_id)
+    print(out)
+    assert final.state == "COMPLETED", out
+    stops = check_planned_restarts(sandbox, job_id, out)
+    assert final.restarts == len(stops)
+    n, _ = planned_count(final.admin_comment)
+    assert n == len(stops), final.admin_comment
+    assert parse_ledger(final.admin_comment) is None  # the hang count never moved
+    assert counted(sandbox, events.REQUEUE, "time_limit") == before + len(stops)
+    assert counted(sandbox, events.REQUEUE, "hang") == hangs
+
+
+def test_a_job_past_its_time_limit_saves_is_requeued_and_resumes(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """Two ranks on two nodes (srun python), one minute a run, a save only when warned:
+    each run saves the step it was at, the next resumes from it; the restarts are planned
+    ones (their own AdminComment count and metrics cause, not the hang count), and the job
+    finishes."""
+    run_past_limits(sandbox, test_users[0], "limit")
+
+
+def test_the_same_under_srun_torchrun(sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """srun starts one torchrun per node, each one worker: the agents warn the workers (not
+    torchrun, which SIGUSR1 would end), and both save the same step."""
+    port = random.randrange(20000, 32000)
+    launcher = (f"sh -c 'exec {TORCHRUN} --nnodes=2 --nproc-per-node=1 "
+                f"--node-rank=$SLURM_NODEID --master-addr=127.0.0.1 --master-port={port} "
+                "\"$0\" \"$@\"'")
+    run_past_limits(sandbox, test_users[0], "limit-torchrun", launcher=launcher,
+                    extra_env="export PYTHONUNBUFFERED=1\n")
+
+
+def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job of the higher-tier partition takes the nodes: the training job gets SIGTERM,
+    saves the step it is at within the partition's GraceTime, Slurm requeues it, and it
+    resumes from that step once the nodes are free; counted as planned, not as a hang."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "preempt")
+    hangs = counted(sandbox, events.REQUEUE, "hang")
+    before = counted(sandbox, events.PLANNED, "preempt")
+    job_id = submit(sandbox, user, work, "--steps 100 --ckpt-every 100000 --step-seconds 0.5")
+    wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 300,
+             "the job's first step")
+    nodes = sandbox.job(job_id).nodes
+    # --exclusive: the training job's tasks leave cores free, which a job could share.
+    urgent = sandbox.sbatch(["sleep", "1"], args=["-p", "urgent", f"-N{len(nodes)}",
+                                                 "--exclusive", f"--nodelist={','.join(nodes)}"])
+    assert sandbox.wait_job(urgent, timeout=300, poll=1.0).state == "COMPLETED"
+    final = sandbox.wait_job(job_id, timeout=600, poll=1.0)
+    out = output(work, job_id)
+    print(out)
+    assert final.state == "COMPLETED", out
+    m = re.search(r"stopped step=(\d+) cause=preempt at=[\d.]+: preempted: saved step "
+                  r"([\d,]+)", out)
+    assert m and int(m.group(1)) == int(m.group(2).replace(",", "")), out
+    saved = int(m.group(1))
+    assert re.search(rf"rank 0 running step={saved + 1} at=[\d.]+ restarts=1 ", out), out
+    assert re.search(rf"done step=100 resumed_from={saved} restarts=1", out), out
+    assert final.restarts == 1
+    assert planned_count(final.admin_comment)[0] == 1, final.admin_comment
+    assert parse_ledger(final.admin_comment) is None
+    assert counted(sandbox, events.PLANNED, "preempt") == before + 1
+    assert counted(sandbox, events.REQUEUE, "hang") == hangs
