@@ -138,8 +138,18 @@ class XidCheckSection:
         86400, min=60, help="non-fatal Xids are listed for this long; with fatal_until: window, "
                             "fatal ones fail the node for this long too")
     fatal_until: Literal["repair", "window"] = setting(
-        "repair", help="repair: a fatal Xid fails its GPU until a GPU reset, a reboot or a "
-                       "repair recorded by a clean diagnostic; window: until window_s passed")
+        "repair", help="repair: a fatal Xid fails its GPU until the repair NVIDIA's action "
+                       "asks for (a new boot; a GPU reset or a new boot; for what a "
+                       "diagnostic can clear, a passing diagnostic); window: until window_s "
+                       "passed")
+    repeat_bursts: int = setting(
+        3, min=0, help="an Xid NVIDIA sends to a diagnostic when it repeats on one GPU (13, "
+                       "31: DCGM EUD) is reported (warn, with the diagnostic named; the "
+                       "epilog's diag.after_failure runs one) after this many bursts in the "
+                       "window since the GPU's last diagnostic or reset; 0: never")
+    repeat_gap_s: float = setting(
+        60.0, min=1, help="Xid lines of one code on one GPU closer than this are one burst "
+                          "(one fault prints several lines)")
     fatal: tuple[int, ...] = setting(
         default_factory=tuple,
         help="Xid codes that drain the node; empty: the built-in list (see xid_catalog.py)")
@@ -177,6 +187,14 @@ class KernelLogCheckSection:
     max_fatal_sxids: int = setting(
         0, min=0, help="fatal SXids tolerated per NVSwitch and SXid number in the current "
                        "boot (not only the window: a fatal SXid lasts until the reset)")
+    pcie_aer: bool = setting(
+        True, help="kill switch: PCIe AER errors the kernel logs (pcieport/device 'AER: "
+                   "... error received'), judged per device like the sysfs AER counters")
+    max_pcie_aer_errors: dict[str, int] = setting(
+        default_factory=lambda: {"fatal": 0, "nonfatal": 0, "correctable": 100},
+        help="kernel-log AER errors tolerated per device in the window by class (fatal, "
+             "nonfatal: uncorrectable; correctable); the defaults of gpu.max_pcie_aer_delta; "
+             "a class left out is not checked")
 
 
 @dataclass(frozen=True)
@@ -294,6 +312,11 @@ class DiagCheckSection:
     timeout_s: float = setting(900.0, min=10, max=7200, help="hard limit of one run")
     memtest_bytes: ByteSize = setting(ByteSize(1 << 30), help="torch test: HBM block per GPU")
     memtest_iters: int = setting(10, min=1, max=1000, help="torch test: timed copies per size")
+    dcgm_setting_severity: Literal["warn", "fail"] = setting(
+        "warn", help="a DCGM failure that is a setting (persistence mode off, ECC off, a "
+                     "CUDA environment variable, Fabric Manager not running: DCGM error 29, "
+                     "55, 28, 108...) is reported naming the setting and its fix (warn) or "
+                     "drains (fail); hardware and reset-requiring errors always drain")
     after_failure: bool = setting(
         False, help="the epilog runs the diagnostics when its own checks failed on a GPU "
                     "(a gpu or xid finding that drains); counted in the epilog's budget")
@@ -402,3 +425,8 @@ class HealthSection:
         if self.mounts.paths and self.mounts.timeout_s >= self.collector_timeout_s:
             raise ValueError("health.mounts.timeout_s must be below "
                              "health.collector_timeout_s (the mounts collector's own limit)")
+        unknown_aer = set(self.kernel_log.max_pcie_aer_errors) - {"fatal", "nonfatal",
+                                                                   "correctable"}
+        if unknown_aer:
+            raise ValueError(f"health.kernel_log.max_pcie_aer_errors: {sorted(unknown_aer)} "
+                             "are none of fatal, nonfatal, correctable")

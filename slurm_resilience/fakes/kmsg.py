@@ -36,6 +36,8 @@ HOST_SIGNAL_LINES = {
     "mce": "mce: Uncorrected hardware memory error in user-access at 3c5a1e2000",
     "sxid": "nvidia-nvswitch3: SXid (PCI:0000:08:00.0): 24007, Fatal, Link 44 sourcetrack "
             "TCEN0 crumbstore ECC DBE Error (First)",
+    "pcie-aer": "pcieport 0000:97:01.0: AER: Uncorrected (Non-Fatal) error received: "
+                "0000:9b:00.0",
 }
 
 

@@ -1,8 +1,10 @@
-"""``slurm-resilience xid-repaired --gpu N``: record that a GPU was repaired (reset, swapped).
+"""``slurm-resilience xid-repaired --gpu N``: record that a GPU was reset.
 
-A fatal Xid fails its GPU until evidence of repair (see ``xid_repairs``). A reboot or
+A fatal Xid fails its GPU until the repair it needs (see ``xid_repairs``). A reboot or
 NVML seeing a lost GPU again are noticed by themselves; an operator's ``nvidia-smi -r``
 on a GPU that never left the bus (Xid 48, 119...) is not, so the operator says so here.
+The record is a reset: it never ends an Xid that needs a reboot (79, or any GPU whose Xid
+154 or NVML recovery action asks for one).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ _PCI = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?$")
 
 def register(sub: Any) -> None:
     p = sub.add_parser("xid-repaired",
-                       help="record that a GPU was repaired, ending its fatal Xids")
+                       help="record that a GPU was reset, ending its fatal Xids that a "
+                            "reset ends (never those that need a reboot)")
     p.add_argument("--gpu", required=True, action="append", metavar="GPU",
                    help="GPU index (as the gate has seen it) or PCI address "
                         "(0000:5d:00 or 00000000:5D:00.0); repeat for several")
@@ -68,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"xid-repaired: couldn't record the repair in {directory}: "
                              f"{exc.strerror} (run as root on the node)") from None
         print(f"{node}: {xid_repairs.pci_key(pci)} repaired ({args.evidence}); the next gate "
-              "run ends its fatal Xids logged before now")
+              "run ends its fatal Xids logged before now that a reset ends")
     return 0

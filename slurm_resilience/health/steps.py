@@ -217,9 +217,11 @@ DIAG_TRIGGERS = ("gpu", "xid")
 
 
 def gpu_failed(report: Any) -> bool:
-    """Pure: the epilog's own checks found a GPU failing (a draining gpu or xid finding).
-    Warnings (an application's Xid 13, one VBIOS per model) do not run minutes of tests."""
-    return any(f.check in DIAG_TRIGGERS for f in report.verdict.blocking)
+    """Pure: the epilog's own checks found a GPU failing (a draining gpu or xid finding),
+    or an Xid repeating on one GPU asks for the diagnostic NVIDIA names for it (13, 31).
+    Other warnings (an application's lone Xid 13, one VBIOS per model) run no tests."""
+    return (any(f.check in DIAG_TRIGGERS for f in report.verdict.blocking)
+            or any(f.check == "xid" and f.data.get("diagnose") for f in report.findings))
 
 
 def _diag_after_failure(ctx: HookContext) -> list[Problem]:

@@ -1,163 +1,229 @@
-"""NVIDIA Xid codes: a short meaning for drain reasons, and which ones take a node out.
+"""NVIDIA Xid codes: a short meaning for drain reasons, NVIDIA's immediate action, and
+what ends the drain.
 
-The meanings follow NVIDIA's Xid catalogue, shortened to fit a Slurm reason.
+Every entry follows the "Resolution Bucket (Immediate Action)" of NVIDIA's Xid Catalog
+(:data:`XID_CATALOG`) for Ampere and newer GPUs:
 
-Fatal means "the node must not run another job until someone looks at it":
-the GPU needs a reset or the hardware is failing. Xids that are usually the
-application's own fault (13 graphics exception, 31 page fault, 43 stopped
-processing, 45 preemptive cleanup, 109 context switch timeout) are reported
-but never drain: draining on them would let one buggy job take nodes out.
+* ``RESTART_BM`` (restart the bare-metal node), ``CHECK_MECHANICALS`` (re-seat: the node
+  is powered off) and ``RESTART_VM`` drain until a **new boot**;
+* ``RESET_GPU`` (and ``WORKFLOW_XID_48``) drain until a **GPU reset or a new boot**;
+* ``RESTART_APP`` and ``IGNORE`` never drain. Where NVIDIA's investigatory action says
+  that *repeats on one GPU* need a diagnostic (Xid 13, 31: DCGM EUD), repeats are
+  reported and ask for one (:attr:`Entry.diag_on_repeat`); a passing diagnostic ends
+  that request, and nothing else;
+* 74, 144-150 and 154 are decoded from their message (:mod:`xid_decode`).
 
-Public tools disagree on four codes; our choices:
-
-* **63** (row remapping / page retirement *recorded*): not fatal. The remap is
-  pending until the next GPU reset, and NVML reports exactly that
-  (``remapped rows pending``), which the GPU check fails on. The NVML state
-  clears after the reset; an Xid-based drain would outlive the repair for
-  the whole window.
-* **68** (video decoder exception): not fatal. It concerns NVDEC, which
-  training does not use, and is usually triggered by the decoding application.
-* **92** (high single-bit ECC error rate): not fatal. The errors were
-  corrected; the ECC counters and row remapping (checked through NVML) are
-  what says whether memory is failing.
-* **121** (C2C link error, GB200): not fatal. NVIDIA's immediate action is IGNORE
-  (the link recovers by itself); draining on it would take GB200 nodes out for nothing.
-
-Each entry's :data:`SOURCES` names the public NVIDIA document (title, section, URL) its
-meaning comes from, and then the basis of its fatal / not-fatal decision: NVIDIA's
-immediate action where we read it in the Xid Catalog (:data:`ACTIONS`), the driver's own
-word in the message (NVLink 144-150, recovery action 154), our reading of the meaning
-(the GPU needs a reset, or the application is at fault), or a choice of this project
-marked "(ours)" and explained above. A site overrides the list with ``health.xid.fatal`` /
-``extra_fatal`` / ``not_fatal``.
+A passing diagnostic is never a reset: it ends no reset- or reboot-requiring Xid. Xid
+154 and NVML's recovery action can only make a GPU's ending stricter (the check does
+that). Where we differ from NVIDIA's action, :attr:`Entry.differs` says so and why. A
+site overrides the drain list with ``health.xid.fatal`` / ``extra_fatal`` /
+``not_fatal``; a code added there ends with a reset or a new boot.
 """
 
 from __future__ import annotations
 
 import enum
-import re
+from dataclasses import dataclass
 
-MEANINGS: dict[int, str] = {
-    8: "GPU stopped processing (timeout)",
-    13: "graphics engine exception",
-    31: "GPU memory page fault",
-    32: "invalid or corrupted push buffer",
-    38: "driver firmware error",
-    43: "GPU stopped processing",
-    44: "graphics engine fault during context switch",
-    45: "preemptive cleanup after previous errors",
-    46: "GPU stopped processing",
-    48: "double-bit ECC error",
-    61: "internal micro-controller breakpoint",
-    62: "internal micro-controller halt",
-    63: "row remap/page retirement recorded",
-    64: "row remap/page retirement failed",
-    68: "video decoder exception",
-    69: "graphics engine class error",
-    74: "NVLink error",
-    79: "GPU fell off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    109: "context switch timeout",
-    110: "security fault",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-    121: "C2C link error",
-    123: "SPI PMU RPC write failure",
-    136: "link training failed",
-    140: "unrecovered ECC error",
-    143: "GPU initialization failure",
-    144: "NVLink SAW error",
-    145: "NVLink RLW error",
-    146: "NVLink TLW error",
-    147: "NVLink TREX error",
-    148: "NVLink NVLPW control error",
-    149: "NVLink NETIR error",
-    150: "NVLink MSE error",
-    154: "GPU recovery action changed",
-    155: "fault that needs a GPU reset",
-    156: "fault that needs a GPU reset",
-    158: "fault that needs a GPU reset",
-}
-
-
-# NVLink Xids (144-150) say themselves whether they are fatal: "SAW_MVB Nonfatal XC0 ...".
-NVLINK_RANGE = range(144, 151)
+from slurm_resilience.health import xid_decode
 
 
 class Action(enum.Enum):
     """NVIDIA's immediate action for an Xid (the catalogue's resolution bucket)."""
 
+    RESTART_BM = "RESTART_BM"
     RESET_GPU = "RESET_GPU"
     RESTART_APP = "RESTART_APP"
     IGNORE = "IGNORE"
     CONTACT_SUPPORT = "CONTACT_SUPPORT"
+    CHECK_MECHANICALS = "CHECK_MECHANICALS"
+    RESTART_VM = "RESTART_VM"
+    CHECK_UVM = "CHECK_UVM"
+    WORKFLOW_XID_45 = "WORKFLOW_XID_45"
+    WORKFLOW_XID_48 = "WORKFLOW_XID_48"
+    WORKFLOW_NVLINK_ERR = "WORKFLOW_NVLINK_ERR"
+    WORKFLOW_NVLINK5_ERR = "WORKFLOW_NVLINK5_ERR"
+    XID_154 = "XID_154"
+    NONE_GIVEN = "NONE_GIVEN"  # the catalogue row has no action (162-172 at the time read)
     UNKNOWN = "UNKNOWN"
 
 
-# The public documents the entries rest on. NVIDIA revises them in place: re-read them
-# when a new driver branch adds Xids.
+class Ending(enum.IntEnum):
+    """What ends a drain, weakest first: a stricter ending is never met by a weaker one."""
+
+    NONE = 0  # not fatal
+    DIAG = 1  # a passing diagnostic, a GPU reset or a new boot
+    RESET = 2  # a GPU reset or a new boot
+    BOOT = 3  # only a new boot
+
+    @property
+    def need(self) -> str:
+        """The words a drain reason ends with."""
+        return {Ending.NONE: "", Ending.DIAG: "diagnostic required",
+                Ending.RESET: "reset required", Ending.BOOT: "reboot required"}[self]
+
+
 XID_DOC = ("NVIDIA 'Xid Errors', the Xid's entry "
            "(https://docs.nvidia.com/deploy/xid-errors/index.html)")
 XID_CATALOG = ("NVIDIA 'Analyzing Xid Errors with the Xid Catalog', column 'Resolution Bucket "
-               "(Immediate Action)' "
-               "(https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html)")
-PAGE_RETIREMENT = ("NVIDIA 'Dynamic Page Retirement', section 'Visibility: XIDs' "
-                   "(https://docs.nvidia.com/deploy/dynamic-page-retirement/visibility.html)")
+               f"(Immediate Action)' ({xid_decode.CATALOG_URL})")
 MEMORY_ERRORS = ("NVIDIA 'GPU Memory Error Management' (row remapping, contained and "
                  "uncontained errors) (https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/)")
 RECOVERY_ACTION = ("NVML 'nvmlDeviceGpuRecoveryAction_t' (driver R570+), which Xid 154 "
                    "reports (https://docs.nvidia.com/deploy/nvml-api/)")
 
-# NVIDIA's immediate action, only where we read it in the catalogue itself.
-ACTIONS: dict[int, Action] = {
-    8: Action.RESTART_APP, 13: Action.RESTART_APP,
-    46: Action.RESET_GPU, 121: Action.IGNORE,
-    155: Action.RESET_GPU, 156: Action.RESET_GPU, 158: Action.RESET_GPU,
+
+@dataclass(frozen=True)
+class Entry:
+    meaning: str
+    action: Action
+    ending: Ending  # what we do: NONE never drains
+    differs: str = ""  # where our ending is not NVIDIA's action, and why
+    diag_on_repeat: str = ""  # NVIDIA's diagnostic for repeats on one GPU
+    source: str = XID_CATALOG
+
+
+_A, _E = Action, Ending
+
+
+def _app(meaning: str, **kw: str) -> Entry:
+    return Entry(meaning, _A.RESTART_APP, _E.NONE, **kw)
+
+
+def _ignore(meaning: str, **kw: str) -> Entry:
+    return Entry(meaning, _A.IGNORE, _E.NONE, **kw)
+
+
+def _reset(meaning: str, **kw: str) -> Entry:
+    return Entry(meaning, _A.RESET_GPU, _E.RESET, **kw)
+
+
+_EUD = "DCGM EUD (possible hardware issue), then field diagnostics if it passes"
+
+ENTRIES: dict[int, Entry] = {
+    8: _app("GPU stopped processing (timeout)"),
+    11: _app("invalid or corrupted push buffer"),
+    13: _app("graphics engine exception", diag_on_repeat=_EUD),
+    14: _ignore("injected error"),
+    25: _app("invalid or illegal push buffer"),
+    31: _app("GPU memory page fault", diag_on_repeat=_EUD),
+    32: _app("invalid or corrupted push buffer"),
+    **{x: _app("copy engine exception") for x in (39, 40, 41)},
+    37: _ignore("driver firmware error"),
+    38: _ignore("driver firmware error"),
+    43: _ignore("GPU stopped processing"),
+    44: _ignore("graphics engine fault during context switch"),
+    45: Entry("preemptive cleanup after previous errors", _A.WORKFLOW_XID_45, _E.NONE,
+              differs="NVIDIA: alone, restart Fabric Manager; with other Xids, follow "
+                      "those. Reported, not drained: a job Slurm kills (scancel, time "
+                      "limit) logs a lone Xid 45 as well"),
+    46: _reset("GPU stopped processing"),
+    48: Entry("double-bit ECC error", _A.WORKFLOW_XID_48, _E.RESET,
+              source=f"{XID_CATALOG}; {MEMORY_ERRORS}"),
+    54: Entry("auxiliary power not connected", _A.CHECK_MECHANICALS, _E.BOOT,
+              differs="ends with a new boot: re-seating a power cable means powering the "
+                      "node off"),
+    60: _app("video processor exception"),
+    61: Entry("internal micro-controller breakpoint", _A.CONTACT_SUPPORT, _E.RESET,
+              differs="unused on Ampere and newer (CONTACT_SUPPORT); on older GPUs our "
+                      "reading: the micro-controller needs a reset",
+              source=XID_DOC),
+    62: _reset("internal micro-controller halt"),
+    63: Entry("row remap recorded", _A.IGNORE, _E.NONE,
+              source=f"{XID_CATALOG}; {MEMORY_ERRORS}",
+              differs="the pending remap is judged by the gpu check (NVML remap pending), "
+                      "which clears on the reset"),
+    64: _reset("row remap/page retirement failed", source=f"{XID_CATALOG}; {MEMORY_ERRORS}"),
+    66: _ignore("illegal access by driver"),
+    67: _ignore("illegal access by driver"),
+    68: _app("video decoder exception"),
+    69: _app("graphics engine class error"),
+    **{x: _app("copy engine error") for x in (70, 71, 72, 75, 76, 77, 85)},
+    74: Entry("NVLink error", _A.WORKFLOW_NVLINK_ERR, _E.RESET),
+    79: Entry("GPU fell off the bus", _A.RESTART_BM, _E.BOOT),
+    80: _app("corrupted data sent to GPU"),
+    **{x: _app("video/JPEG engine error")
+       for x in (82, 83, 84, 86, 88, 89, *range(96, 106), 139)},
+    92: _ignore("high single-bit ECC error rate",
+                differs="none; the corrected-ECC rate is judged by the gpu check"),
+    93: _ignore("InfoROM wear limit reached"),
+    94: Entry("contained ECC error", _A.RESTART_APP, _E.NONE,
+              source=f"{XID_CATALOG}; {MEMORY_ERRORS}"),
+    95: _reset("uncontained ECC error", source=f"{XID_CATALOG}; {MEMORY_ERRORS}"),
+    106: _ignore("SMBPBI test message"),
+    107: _ignore("SMBPBI test message"),
+    108: _ignore("NVLink remote translation error"),
+    109: _reset("context switch timeout"),
+    110: Entry("security fault", _A.RESET_GPU, _E.BOOT,
+               differs="stricter: NVIDIA's trigger text asks for a cold reset of the system, "
+                       "so only a new boot ends it"),
+    119: _reset("GSP RPC timeout"),
+    120: _reset("GSP error"),
+    121: _ignore("C2C link error"),
+    123: Entry("SPI PMU RPC write failure", _A.CONTACT_SUPPORT, _E.NONE,
+               differs="unused on Ampere and newer: reported, not drained", source=XID_DOC),
+    **{x: _app("copy engine error") for x in range(126, 136)},
+    136: _reset("link training failed"),
+    137: _ignore("NVLink privilege error"),
+    140: _reset("unrecovered ECC error"),
+    141: _ignore("CUDA fast path error"),
+    142: Entry("NVENC3 error", _A.CONTACT_SUPPORT, _E.NONE,
+               differs="reported, not drained: a video encoder, which training does not use "
+                       "(as NVIDIA's RESTART_APP for the decoders, 68 and 83-98)"),
+    143: _reset("GPU initialization failure"),
+    144: Entry("NVLink SAW error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    145: Entry("NVLink RLW error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    146: Entry("NVLink TLW error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    147: Entry("NVLink TREX error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    148: Entry("NVLink NVLPW control error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    149: Entry("NVLink NETIR error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    150: Entry("NVLink MSE error", _A.WORKFLOW_NVLINK5_ERR, _E.RESET),
+    151: Entry("key rotation error", _A.RESTART_VM, _E.BOOT,
+               differs="restarting the VM that owns the GPU is a new boot of the node "
+                       "where the gate runs inside that VM"),
+    152: _ignore("DLA SMMU error"),
+    153: _ignore("DLA timeout"),
+    154: Entry("GPU recovery action changed", _A.XID_154, _E.RESET, source=RECOVERY_ACTION),
+    155: _reset("NVLink link down (software defined)"),
+    156: _reset("resource retirement event"),
+    157: _ignore("resource retirement failure"),
+    158: _reset("GPU fatal timeout"),
+    159: Entry("C2C CHI non-data error", _A.CHECK_UVM, _E.RESET,
+               differs="CHECK_UVM is RESET_GPU when UVM is in use, else IGNORE; every CUDA "
+                       "training process loads nvidia-uvm, so it drains"),
+    160: _ignore("channel retirement event"),
+    161: _ignore("channel retirement failure"),
+    162: Entry("power smoothing re-engaged", _A.NONE_GIVEN, _E.NONE),
+    163: Entry("power smoothing disengaged", _A.NONE_GIVEN, _E.NONE,
+               differs="none: NVIDIA says no GPU reset is needed"),
+    164: Entry("power smoothing low lifetime", _A.NONE_GIVEN, _E.NONE,
+               differs="reported: NVIDIA asks to watch power swings, not to stop the GPU"),
+    165: Entry("power smoothing lifetime exhausted", _A.NONE_GIVEN, _E.NONE,
+               differs="reported: NVIDIA asks to replace the GPU only where power swings "
+                       "are not acceptable, a site decision"),
+    166: Entry("NVLink traffic before encryption set up", _A.NONE_GIVEN, _E.NONE,
+               differs="confidential computing mode only: reported"),
+    167: Entry("PCIe fatal timeout", _A.NONE_GIVEN, _E.BOOT,
+               differs="no action in the catalogue; ours: the GPU lost its PCIe link, as "
+                       "with Xid 79, so only a new boot ends it"),
+    168: Entry("errors in the write-protected region", _A.NONE_GIVEN, _E.BOOT,
+               differs="no action bucket; NVIDIA's text: enable ECC or boot again"),
+    169: Entry("SEC2 micro-controller halt", _A.NONE_GIVEN, _E.RESET,
+               differs="no action in the catalogue; ours: a micro-controller halt, as Xid "
+                       "62 (RESET_GPU)"),
+    170: Entry("interrupt in confidential computing mode", _A.NONE_GIVEN, _E.NONE,
+               differs="confidential computing mode only: reported"),
+    171: Entry("uncorrectable DRAM error", _A.NONE_GIVEN, _E.RESET,
+               differs="no action in the catalogue; it details an Xid 48, so it ends as 48"),
+    172: Entry("uncorrectable SRAM error", _A.NONE_GIVEN, _E.RESET,
+               differs="no action in the catalogue; it details an Xid 48, so it ends as 48"),
 }
 
-_RESET = "fatal: the GPU needs a reset or its hardware is failing (our reading of the meaning)"
-_APP = "not fatal: usually the application's own fault; one buggy job must not drain nodes"
-
-# Where each entry's meaning, and its fatal / not-fatal decision, come from. Every value
-# reads "<document> -- fatal: <basis>" or "<document> -- not fatal: <basis>";
-# test_health_xid checks that the word matches DEFAULT_FATAL.
-SOURCES: dict[int, str] = {
-    **{x: f"{XID_DOC} -- {_RESET}" for x in (61, 62, 74, 79, 110, 119, 120, 136, 143)},
-    **{x: f"{XID_DOC} -- not fatal (ours): reported, not drained; the meaning names no "
-          "hardware fault or reset, and a repeat shows in the Xid rate" for x in (32, 38, 44,
-                                                                               69, 123)},
-    48: f"{PAGE_RETIREMENT}; {MEMORY_ERRORS} -- {_RESET} (double-bit error)",
-    64: f"{PAGE_RETIREMENT}; {MEMORY_ERRORS} -- {_RESET} (the retirement/remap failed)",
-    95: f"{MEMORY_ERRORS} -- {_RESET} (uncontained: the error may have spread)",
-    140: f"{MEMORY_ERRORS} -- {_RESET} (unrecovered ECC error)",
-    **{x: f"{XID_DOC} -- {_APP}" for x in (31, 43, 45, 109)},
-    94: f"{MEMORY_ERRORS} -- not fatal: contained to the application that hit it; the "
-        "remap it needs is judged through NVML's remap-pending state",
-    **{x: f"{XID_CATALOG}: RESTART_APP -- {_APP}" for x in (8, 13)},
-    **{x: f"{XID_CATALOG}: RESET_GPU -- fatal: NVIDIA's immediate action is a GPU reset"
-       for x in (46, 155, 156, 158)},
-    121: f"{XID_CATALOG}: IGNORE -- not fatal: the C2C link recovers by itself",
-    **{x: f"{XID_DOC} -- fatal, unless the driver's own message says 'Nonfatal' "
-          "(is_fatal reads it)" for x in NVLINK_RANGE},
-    154: f"{RECOVERY_ACTION} -- fatal, unless the message names the action 'None'",
-    63: f"{PAGE_RETIREMENT} -- not fatal (ours): NVML's remap-pending state is checked "
-        "instead, and clears on the reset (see above)",
-    68: f"{XID_DOC} -- not fatal (ours): NVDEC is not used by training (see above)",
-    92: f"{XID_DOC} -- not fatal (ours): the errors were corrected; the ECC counters are "
-        "checked instead (see above)",
-}
-
-# Xids after which the GPU needs a reset, or whose hardware is failing.
-DEFAULT_FATAL: frozenset[int] = frozenset({
-    46, 48, 61, 62, 64, 74, 79, 95, 110, 119, 120, 136, 140, 143,
-    144, 145, 146, 147, 148, 149, 150, 154, 155, 156, 158,
-})
-
-_NONFATAL_WORD = re.compile(r"\bNonfatal\b")
-# Xid 154 names the recovery action; "to 0x0 (None)" means nothing is needed any more.
-_RECOVERY_NONE = re.compile(r"\bto 0x0 \(None\)")
+# Kept for the drain reasons and older callers.
+MEANINGS: dict[int, str] = {x: e.meaning for x, e in ENTRIES.items()}
+ACTIONS: dict[int, Action] = {x: e.action for x, e in ENTRIES.items()}
+DEFAULT_FATAL: frozenset[int] = frozenset(x for x, e in ENTRIES.items() if e.ending)
+NVLINK_RANGE = range(144, 151)
 
 
 def meaning(xid: int) -> str:
@@ -175,10 +241,47 @@ def fatal_set(fatal: tuple[int, ...] = (), extra: tuple[int, ...] = (),
     return (base | frozenset(extra)) - frozenset(not_fatal)
 
 
-def is_fatal(xid: int, text: str, fatal: frozenset[int]) -> bool:
-    """Whether one event is fatal, using what the driver's message itself says where it can."""
+@dataclass(frozen=True)
+class Judgement:
+    """One event judged: what ends it (NONE: not fatal), NVIDIA's action for it, and what
+    in the message decided a decoded Xid."""
+
+    ending: Ending
+    action: str
+    basis: str = ""
+
+
+_DECODED_ENDING = {xid_decode.IGNORE: Ending.NONE, xid_decode.SYMPATHETIC: Ending.NONE,
+                   xid_decode.RESTART_APP: Ending.NONE, xid_decode.XID_154_EVAL: Ending.NONE,
+                   xid_decode.RESET_GPU: Ending.RESET, xid_decode.RESTART_BM: Ending.BOOT}
+
+
+def judge(xid: int, text: str, fatal: frozenset[int]) -> Judgement:
+    """What ends this event, from the catalogue, the message (74, 144-150, 154) and the
+    site's fatal list."""
+    entry = ENTRIES.get(xid)
+    act = entry.action.value if entry else Action.UNKNOWN.value
     if xid not in fatal:
-        return False
-    if xid in NVLINK_RANGE and _NONFATAL_WORD.search(text):
-        return False
-    return not (xid == 154 and _RECOVERY_NONE.search(text))
+        return Judgement(Ending.NONE, act)
+    decoded: xid_decode.Decoded | None = None
+    if xid == 74:
+        decoded = xid_decode.decode_74(text)
+    elif xid in NVLINK_RANGE:
+        decoded = xid_decode.decode_nvlink5(xid, text)
+        if decoded is None:  # not in NVIDIA's table: the driver's own word decides
+            word = "Nonfatal" if " Nonfatal " in f" {text} " else "Fatal"
+            decoded = xid_decode.Decoded(
+                xid_decode.IGNORE if word == "Nonfatal" else xid_decode.RESET_GPU,
+                f"not in NVIDIA's decode table; the driver says {word}")
+    elif xid == 154:
+        decoded = xid_decode.decode_154(text)
+    if decoded is not None:
+        return Judgement(_DECODED_ENDING[decoded.action], decoded.action, decoded.basis)
+    if entry is None or not entry.ending:
+        return Judgement(Ending.RESET, act, "on the site's fatal list")
+    return Judgement(entry.ending, act)
+
+
+def is_fatal(xid: int, text: str, fatal: frozenset[int]) -> bool:
+    """Whether one event drains, using what the driver's message itself says where it can."""
+    return bool(judge(xid, text, fatal).ending)

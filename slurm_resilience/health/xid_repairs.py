@@ -7,7 +7,10 @@ that happened, not for a fixed time. The Xid check takes repair evidence from:
 * NVML seeing a GPU again that it had seen lost or missing (a GPU reset or rescan);
 * this ledger: whoever proves a GPU healthy again (a clean active diagnostic, an
   operator after ``nvidia-smi -r``) calls :func:`record`, and the next gate run
-  clears that GPU's fatal Xids logged before the repair.
+  clears that GPU's fatal Xids logged before the repair that this kind of repair can
+  end: a reset (``kind="reset"``) ends what needs a reset, a passing diagnostic
+  (``kind="diag"``) only what NVIDIA says a diagnostic clears; neither ends what needs
+  a new boot.
 
 The ledger is an append-only file of JSON lines in the health state directory, so a
 writer never needs the gate's lock (a diagnostic may run inside a gate run). Repairs
@@ -21,6 +24,12 @@ import os
 from dataclasses import dataclass
 
 LEDGER = "xid-repairs.jsonl"
+RESET = "reset"
+DIAG = "diag"
+KINDS = (RESET, DIAG)
+# What a clean active diagnostic writes; ledger lines from before ``kind`` existed are
+# told apart by it.
+DIAG_EVIDENCE = "active diagnostic passed"
 _MAX_BYTES = 256 << 10
 _KEEP_BYTES = 64 << 10
 
@@ -28,11 +37,23 @@ _KEEP_BYTES = 64 << 10
 @dataclass(frozen=True)
 class Repair:
     """GPU ``pci`` (NVML ``00000000:9B:00.0`` or kernel ``0000:9b:00``) was repaired at
-    ``time``; ``evidence`` says how (``dcgm diag level 3 passed``)."""
+    ``time``; ``evidence`` says how (``dcgm diag level 3 passed``), ``kind`` what it was
+    (:data:`RESET` or :data:`DIAG`)."""
 
     pci: str
     time: float
     evidence: str
+    kind: str = ""  # empty: told from the evidence (see kind_of)
+
+
+def kind_of(kind: object, evidence: str) -> str:
+    """The repair kind of a saved entry; entries from before ``kind`` existed were a
+    reset unless a diagnostic wrote them."""
+    if kind in KINDS and kind:
+        return str(kind)
+    if kind not in (None, ""):
+        raise ValueError(f"repair kind {kind!r} is none of {', '.join(KINDS)}")
+    return DIAG if evidence.startswith(DIAG_EVIDENCE) else RESET
 
 
 def pci_key(bus_id: str) -> str:
@@ -53,7 +74,8 @@ def record(state_dir: str, repair: Repair) -> None:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     path = os.path.join(state_dir, LEDGER)
     line = json.dumps({"pci": pci_key(repair.pci), "time": repair.time,
-                       "evidence": repair.evidence[:200]}) + "\n"
+                       "evidence": repair.evidence[:200],
+                       "kind": kind_of(repair.kind, repair.evidence)}) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
@@ -103,7 +125,9 @@ def load(state_dir: str) -> tuple[list[Repair], int]:
     for ln in lines:
         try:
             item = json.loads(ln)
-            out.append(Repair(str(item["pci"]), float(item["time"]), str(item["evidence"])))
+            evidence = str(item["evidence"])
+            out.append(Repair(str(item["pci"]), float(item["time"]), evidence,
+                              kind_of(item.get("kind"), evidence)))
         except (ValueError, KeyError, TypeError):
             garbled += 1
     return out, garbled

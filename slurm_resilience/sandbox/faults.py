@@ -12,7 +12,8 @@ Faults change the node's stand-ins the way the real failure shows up:
 * ``gpu-remap-pending:GPU`` a row waiting for remapping (and Xid 63).
 * ``ib-down:HCA:PORT`` port DOWN/Disabled; ``ib-errors:HCA:PORT`` symbol errors jump by 1000.
 * ``kernel-log:SIGNAL`` logs a host-signal line in the node's kmsg: SIGNAL in
-  nvme-io-error, readonly-remount, soft-lockup, hard-lockup, mce, sxid (a fatal NVSwitch SXid).
+  nvme-io-error, readonly-remount, soft-lockup, hard-lockup, mce, sxid (a fatal NVSwitch SXid),
+  pcie-aer (an uncorrectable non-fatal PCIe AER error).
 * ``nvlink-errors:GPU`` the GPU's NVLink replay total jumps by 1000 and recovery by 1
   (judged as a rise between runs, like the IB counters).
 * ``gpu-recovery:GPU`` NVML's recovery action becomes DRAIN_AND_RESET.

@@ -138,7 +138,8 @@ def test_prepared_node_passes_every_new_check(node: tuple[Path, config.Config]) 
 # family through the real HealthCheckProgram.
 PARITY = [
     ("nvlink-errors:2", 1, "gpu2 NVLink recovery errors +1 (expected <=0)"),
-    ("gpu-recovery:1", 1, "gpu1 NVML recovery action DRAIN_AND_RESET (expected NONE)"),
+    ("gpu-recovery:1", 1,
+     "gpu1 NVML recovery action DRAIN_AND_RESET: reset required (expected NONE)"),
     ("sram-ecc:0", 1, "gpu0 1 SRAM uncorrectable errors (expected <=0)"),
     ("fabric-unhealthy", 1, "fabric health UNHEALTHY: degraded bandwidth (expected HEALTHY)"),
     ("hbm-degraded:3", 1, "gpu3 ECC corrected 6000000/h (expected <=10000/h; degrading "

@@ -106,10 +106,11 @@ def test_dcgm4_memory_fail_names_gpu_test_and_warning() -> None:
     assert dcgm.from_json(dcgm.to_json(report)) == report
     findings = diag_check.check_dcgm(report, FRESH, now=0).findings
     fails = [f.message for f in findings if f.severity is Severity.FAIL]
-    assert fails == ["gpu1 DCGM memory Fail: GPU 1 A memory mismatch was detected on GPU 1, "
-                     "but no error was reported by CUDA or NVML. (expected Pass)"]
+    assert fails == ["gpu1 DCGM memory Fail, error 58 MEMORY_MISMATCH: run a field diagnostic: "
+                     "GPU 1 A memory mismatch was detected on GPU 1, but no error was reported "
+                     "by CUDA or NVML. (expected Pass)"]
     assert [f.subject for f in findings if f.severity is Severity.WARN] == ["gpu1"]
-    assert findings[0].data["error_ids"] == [16]
+    assert findings[0].data["error_ids"] == [58]
 
 
 def test_dcgm_that_tested_nothing_is_not_a_pass() -> None:
@@ -173,3 +174,52 @@ def test_memtest_measured_against_expected() -> None:
     ok = diag_check.check_memtest(cuda_memtest.MemtestReport([good]), DiagCheckSection(),
                                   FRESH, now=5.0)
     assert ok.state.last_clean == 5.0
+
+
+def test_dcgm_setting_error_names_the_setting_and_fix_with_a_configurable_severity() -> None:
+    """(Hand-written to the 4.x schema after the run the issue describes: DCGM 4.2.3 whose
+    only failure was error 29.) Persistence mode off is a setting: a warning naming the
+    setting and its fix by default, a drain when the site says so; never a hardware
+    failure."""
+    report = dcgm.parse_diag((DCGM / "dcgmi-diag-r2-j_dcgm4-schema_1gpu_persistence-mode-"
+                                      "error29_handwritten.txt").read_text())
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
+    assert [(f.severity, f.subject) for f in findings] == [(Severity.WARN, "gpu0")]
+    assert findings[0].message.startswith(
+        "gpu0 DCGM software Fail, error 29 PERSISTENCE_MODE: enable persistence mode "
+        "(nvidia-smi -pm 1")
+    assert findings[0].data["dcgm_kind"] == "setting"
+    strict = DiagCheckSection(dcgm_setting_severity="fail")
+    assert [f.severity for f in diag_check.check_dcgm(report, FRESH, 0, strict).findings] == [
+        Severity.FAIL]
+
+
+@pytest.mark.parametrize(("error_id", "severity", "expect", "words"), [
+    (81, None, Severity.FAIL, "UNCONTAINED_ERROR: drain and reset the GPU, reset required"),
+    (85, None, Severity.FAIL, "PENDING_ROW_REMAP: reset the GPU to apply the row remap, "
+                              "reset required"),
+    (52, None, Severity.FAIL, "FAULTY_MEMORY: run a field diagnostic"),
+    (22, None, Severity.UNKNOWN, "CANNOT_OPEN_LIB: fix the DCGM or driver installation"),
+    (500, 6, Severity.FAIL, "error 500: drain and reset the GPU, reset required"),
+    (501, 5, Severity.WARN, "error 501: fix the configuration DCGM names"),
+    (502, None, Severity.FAIL, "error 502: run a field diagnostic"),
+])
+def test_dcgm_error_ids_decide_the_verdict(error_id: int, severity: int | None,
+                                           expect: Severity, words: str) -> None:
+    """Each class of DCGM error (reset, hardware, tooling; an unknown id by DCGM's severity,
+    else hardware) gives its verdict, with the id and DCGM's advice in the reason. The
+    failing result is the real 4.x excerpt's shape with a warning object added."""
+    warning: dict[str, object] = {"warning": "x", "error_id": error_id}
+    if severity is not None:
+        warning["error_severity"] = severity
+    doc = {"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [
+        {"name": "memory", "results": [{"entity_group": "GPU", "entity_group_id": 1,
+                                        "entity_id": 3, "status": "Fail",
+                                        "warnings": [warning]}]}]}]}}
+    import json
+
+    report = dcgm.parse_diag(json.dumps(doc))
+    assert dcgm.from_json(dcgm.to_json(report)) == report
+    findings = diag_check.check_dcgm(report, FRESH, now=0).findings
+    assert [f.severity for f in findings] == [expect]
+    assert words in findings[0].message and findings[0].message.endswith("(expected Pass)")

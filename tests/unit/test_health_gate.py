@@ -98,8 +98,9 @@ def test_each_injected_fault_blocks_with_its_reason(node: Path, fault: str, reas
     assert gate.run(cfg, NODE, "prolog").verdict.healthy
 
 
-def test_xid_79_reason_names_gpu_xid_meaning_and_time(node: Path) -> None:
-    """After Xid 79 on GPU 3 the reason names it: ``gpu3 XID 79 (GPU fell off the bus) HH:MM:SS``.
+def test_xid_79_reason_names_gpu_xid_meaning_time_and_action(node: Path) -> None:
+    """After Xid 79 on GPU 3 the reason names it and what ends it: ``gpu3 XID 79 (GPU fell
+    off the bus) HH:MM:SS, reboot required`` (NVIDIA's immediate action: RESTART_BM).
 
     The lost GPU no longer reports its PCI address; the gate remembers it from earlier runs.
     """
@@ -110,26 +111,30 @@ def test_xid_79_reason_names_gpu_xid_meaning_and_time(node: Path) -> None:
     xid = [f for f in report.verdict.blocking if f.check == "xid"]
     assert len(xid) == 1
     assert xid[0].message.startswith("gpu3 XID 79 (GPU fell off the bus) ")
-    assert time.strptime(xid[0].message.rsplit(" ", 1)[1], "%H:%M:%S")
+    clock, need = xid[0].message.split(") ", 1)[1].split(", ")
+    assert time.strptime(clock, "%H:%M:%S") and need == "reboot required"
     assert "gpu3 XID 79 (GPU fell off the bus)" in report.verdict.reason()
+    assert report.verdict.reason().split(" [")[0].endswith("reboot required")
 
 
-def test_gpu_reset_without_reboot_ends_xid_79(node: Path) -> None:
-    """Xid 79, then a GPU reset (no reboot): the GPU answers NVML again, which is evidence
-    of repair, so the node passes at once instead of staying drained for the window."""
+def test_gpu_reset_without_reboot_never_ends_xid_79(node: Path) -> None:
+    """Xid 79, then a GPU reset (no reboot): the GPU answers NVML again, but NVIDIA's action
+    for 79 is a restart of the node, so the GPU stays failed until a new boot."""
     cfg = load(node)
     gate.run(cfg, NODE, "healthcheck")
     faults.inject(node, NODE, "gpu-xid:3:79")
     assert not gate.run(cfg, NODE, "prolog").verdict.healthy
     faults.inject(node, NODE, "gpu-reset:3")
     report = gate.run(cfg, NODE, "prolog")
-    assert report.verdict.healthy, blocking(report)
-    assert any("XID 79 ended: GPU back on the bus" in f.message for f in report.findings)
+    assert ["gpu3 XID 79" in r and r.endswith("reboot required")
+            for r in blocking(report)] == [True], blocking(report)
+    faults.heal(node, NODE)  # as after a reboot
+    assert gate.run(cfg, NODE, "prolog").verdict.healthy
 
 
 def test_fatal_xid_on_a_visible_gpu_waits_for_recorded_repair(node: Path) -> None:
-    """Xid 48 leaves the GPU visible: only recorded repair evidence (a clean diagnostic)
-    or a reboot ends it; the ledger is read by the next gate run."""
+    """Xid 48 leaves the GPU visible: only a recorded reset (or a reboot) ends it; a
+    recorded passing diagnostic does not (NVIDIA: a GPU reset or node reboot clears it)."""
     from slurm_resilience.health import xid_repairs
 
     cfg = load(node)
@@ -139,34 +144,41 @@ def test_fatal_xid_on_a_visible_gpu_waits_for_recorded_repair(node: Path) -> Non
     scenario = nvml.read_scenario(str(hardware.locate(node, NODE).scenario))
     assert scenario is not None
     bus_id = scenario["gpus"][2]["pci_bus_id"]
-    xid_repairs.record(gate.state_dir(cfg, NODE),
-                       xid_repairs.Repair(bus_id, time.time(), "dcgm diag level 3 passed"))
+    xid_repairs.record(gate.state_dir(cfg, NODE), xid_repairs.Repair(
+        bus_id, time.time(), "dcgm diag level 3 passed", xid_repairs.DIAG))
+    assert "gpu2 XID 48" in " ".join(blocking(gate.run(cfg, NODE, "prolog")))
+    xid_repairs.record(gate.state_dir(cfg, NODE), xid_repairs.Repair(
+        bus_id, time.time(), "operator: nvidia-smi -r", xid_repairs.RESET))
     report = gate.run(cfg, NODE, "prolog")
     assert report.verdict.healthy, blocking(report)
 
 
-def test_clean_active_diagnostic_ends_the_fatal_xid_of_the_gpus_it_tested(
+def test_clean_active_diagnostic_ends_only_what_a_diagnostic_clears(
         node: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Xid 48 on GPU 1 and GPU 2; a DCGM run that passed on GPUs 0 and 1 (the recorded
-    schema) is repair evidence for GPU 1 only: GPU 2 stays failed."""
+    """Xid 48 on GPU 2 and a repeated Xid 13 on GPUs 1 and 2 (NVIDIA: repeats call for a
+    diagnostic). A DCGM run that passed on GPUs 0 and 1 (the recorded schema) ends GPU 1's
+    diagnostic request only: GPU 2's request stays, and its Xid 48 (reset required) too."""
     from conftest import REAL_FIXTURES
 
-    cfg = load(node)
+    cfg = load(node, xid={"repeat_bursts": 1})
     gate.run(cfg, NODE, "healthcheck")
-    faults.inject(node, NODE, "gpu-xid:1:48")
-    faults.inject(node, NODE, "gpu-xid:2:48")
-    reasons = " ".join(blocking(gate.run(cfg, NODE, "prolog")))
-    assert "gpu1 XID 48" in reasons and "gpu2 XID 48" in reasons
+    for fault in ("gpu-xid:1:13", "gpu-xid:2:13", "gpu-xid:2:48"):
+        faults.inject(node, NODE, fault)
+    report = gate.run(cfg, NODE, "prolog")
+    asks = {f.subject for f in report.findings if f.data.get("diagnose")}
+    assert asks == {"gpu1", "gpu2"}
+    assert [r for r in blocking(report) if "XID" in r] == [
+        r for r in blocking(report) if "gpu2 XID 48" in r and r.endswith("reset required")]
     tool = tmp_path / "bin" / "dcgmi"
     tool.parent.mkdir()
     passed = REAL_FIXTURES / "dcgm" / "dcgmi-diag-r2-j_dcgm3-schema_h100x2_pass_handwritten.txt"
     tool.write_text(f"#!/bin/sh\ncat {passed}\n")
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin:/bin")
-    diag = gate.run(cfg, NODE, "manual", only=("diag", "xid"))
-    assert "gpu1 XID 48" not in " ".join(blocking(diag))
-    after = " ".join(blocking(gate.run(cfg, NODE, "prolog")))
-    assert "gpu1" not in after and "gpu2 XID 48" in after
+    gate.run(cfg, NODE, "manual", only=("diag", "xid"))
+    after = gate.run(cfg, NODE, "prolog")
+    assert {f.subject for f in after.findings if f.data.get("diagnose")} == {"gpu2"}
+    assert "gpu2 XID 48" in " ".join(blocking(after))
 
 
 def test_operator_records_a_repair_from_the_cli(node: Path) -> None:
@@ -348,6 +360,35 @@ def test_gpu_findings_carry_the_gpus_pci_address_and_serial(node: Path) -> None:
     first = report.verdict.blocking[0]
     assert report.verdict.reason().startswith(
         f"{first.message} [0000:5D:00.0 sn 1650124031595]")
+
+
+def test_health_readme_sandbox_snippet_holds(node: Path) -> None:
+    """The health README's sandbox walk-through, run on a stand-in node: Xid 79 drains
+    with 'reboot required', `gpu-reset` leaves the drain (its comment says so), `heal`
+    (a reboot) ends it."""
+    readme = (Path(__file__).resolve().parents[2] / "slurm_resilience" / "health"
+              / "README.md").read_text()
+    block = readme.split("## Trying it in the sandbox", 1)[1].split("```", 2)[1]
+    steps = [ln.split("#", 1)[0].split() for ln in block.splitlines()
+             if ln.startswith("slurm-resilience sandbox ") and " up" not in ln]
+    reset_comment = " ".join(ln.split("#", 1)[1].strip() for ln in
+                             block.split("gpu-reset:3", 1)[1].split("heal")[0].splitlines()
+                             if "#" in ln)
+    assert [s[2:] for s in steps] == [["inject", "node1", "gpu-xid:3:79"],
+                                      ["inject", "node1", "gpu-reset:3"], ["heal", "node1"]]
+    assert "the drain stays" in reset_comment, reset_comment
+    cfg = load(node)
+    gate.run(cfg, NODE, "healthcheck")
+    seen = []
+    for step in steps:
+        if step[2] == "inject":
+            faults.inject(node, NODE, step[4])
+        else:
+            faults.heal(node, NODE)
+        seen.append(gate.run(cfg, NODE, "prolog").verdict)
+    assert [v.healthy for v in seen] == [False, False, True]
+    assert all("gpu3 XID 79" in v.reason() and "reboot required" in v.reason()
+               for v in seen[:2])
 
 
 def test_a_crashed_check_never_passes_the_node(node: Path, monkeypatch: pytest.MonkeyPatch

@@ -51,7 +51,7 @@ def test_recovery_action_fails_and_unsupported_is_said(tmp_path: Path) -> None:
     scen = fake.default_scenario(2)
     scen["gpus"][1]["recovery_action"] = fake.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
     assert fails(judge(collect(tmp_path, scen))[0]) == [
-        "gpu1 NVML recovery action DRAIN_AND_RESET (expected NONE)"]
+        "gpu1 NVML recovery action DRAIN_AND_RESET: reset required (expected NONE)"]
     assert not fails(judge(collect(tmp_path, scen), GpuCheckSection(recovery_action=False))[0])
     for g in scen["gpus"]:
         g["recovery_action"] = None  # an older driver: nvmlReturn NOT_SUPPORTED

@@ -155,3 +155,74 @@ def test_the_sandbox_sxid_line_fails_the_node(tmp_path: Path) -> None:
     findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
     assert failed(findings) == {"sxid-fatal"}
     assert [f.subject for f in findings] == ["nvswitch3 SXid 24007"]
+
+
+AER_REAL = (REAL_FIXTURES / "kernel-log" / "pcie-aer_kernel-commit-messages.txt").read_text()
+AER_GPU = (REAL_FIXTURES / "kernel-log" / "pcie-aer-gpu_handwritten.txt").read_text()
+
+
+def test_pcie_aer_errors_are_one_event_each_per_device() -> None:
+    """Real AER bursts (Linux commit messages): one event per 'error received' line, for
+    the device it names; the severity, status, UnsupReq/CmpltTO and TLP lines are its
+    details. Kernel 6.x's 'error message received from' and 'Multiple' read the same."""
+    events = snap_of(AER_REAL.splitlines()).host_events
+    assert [(e.signal, e.device) for e in events] == [
+        (HostSignal.PCIE_AER_NONFATAL, "0000:00:1d.0"),
+        (HostSignal.PCIE_AER_NONFATAL, "0000:09:00.0")]
+    events = snap_of(AER_GPU.splitlines()).host_events
+    assert [(e.signal, e.device) for e in events] == [
+        (HostSignal.PCIE_AER_FATAL, "0000:9b:00.0"),
+        (HostSignal.PCIE_AER_NONFATAL, "0000:9b:00.0"),
+        (HostSignal.PCIE_AER_CORRECTED, "0000:9b:00.0")]
+
+
+def test_pcie_aer_uncorrectable_errors_fail_per_device_like_the_sysfs_counters() -> None:
+    """Without any Xid, uncorrectable AER errors fail the node per device (the sysfs AER
+    counters' tolerances: fatal 0, nonfatal 0, correctable 100); a correctable one is
+    within; the kill switch and the tolerances decide."""
+    findings = judge(AER_REAL.splitlines())
+    assert failed(findings) == {"pcie-aer-nonfatal"}
+    assert {f.subject for f in findings if f.severity is Severity.FAIL} == {
+        "pcie 0000:00:1d.0", "pcie 0000:09:00.0"}
+    gpu = judge(AER_GPU.splitlines())
+    assert failed(gpu) == {"pcie-aer-fatal", "pcie-aer-nonfatal"}
+    assert any(f.message.startswith("pcie 0000:9b:00.0 PCIe AER uncorrectable (fatal) error x1")
+               for f in gpu)
+    assert {f.data["signal"] for f in gpu if f.severity is Severity.OK} == {
+        "pcie-aer-corrected"}
+    assert not failed(judge(AER_GPU.splitlines(), KernelLogCheckSection(pcie_aer=False)))
+    loose = KernelLogCheckSection(max_pcie_aer_errors={"fatal": 1, "nonfatal": 1})
+    assert not failed(judge(AER_GPU.splitlines(), loose))
+
+
+def test_the_sandbox_pcie_aer_line_fails_the_node(tmp_path: Path) -> None:
+    """`sandbox inject node1 kernel-log:pcie-aer` writes an AER line the check reads back."""
+    from slurm_resilience.fakes import kmsg
+
+    path = tmp_path / "kmsg"
+    kmsg.append(str(path), kmsg.HOST_SIGNAL_LINES["pcie-aer"], priority=3)
+    snap = xid_collector.collect("file", str(path), "", 1 << 20, 3600)
+    findings = host_signals.check(snap, KernelLogCheckSection(), now=NOW)
+    assert failed(findings) == {"pcie-aer-nonfatal"}
+
+
+def test_sxid_lines_without_a_severity_word_are_counted_never_dropped() -> None:
+    """A real SXid Data line whose headline is not in the read (a dmesg --decode --level
+    read, a ring buffer that lost it), and an SXid line in no known shape, are counted
+    and reported (warn, unparsed); follow-up lines whose headline is in the read stay
+    details of that event."""
+    real = (REAL_FIXTURES / "xid" /
+            "dmesg_h100-hgx_xid79-fallen-off-bus_nvswitch-sxid20034_gpud-readme.log")
+    lines = real.read_text().splitlines()
+    data = next(ln for ln in lines if "Data {" in ln)
+    decoded = "kern  :err   : " + data.split("] ", 1)[1]
+    strange = "[6781754.100000] nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, 0x10000000"
+    events = snap_of([decoded, strange], boot=NOW - 6.79e6).host_events
+    assert [e.signal for e in events] == [HostSignal.SXID_UNPARSED] * 2
+    findings = judge([decoded, strange], boot=NOW - 6.79e6)
+    warned = [f for f in findings if f.severity is Severity.WARN]
+    assert [(f.subject, f.data["count"]) for f in warned] == [("nvswitch0 SXid 20034", 2)]
+    assert "without a severity word" in warned[0].message
+    whole = snap_of(lines, boot=NOW - 6.79e6).host_events
+    assert HostSignal.SXID_UNPARSED not in {e.signal for e in whole}
+    assert [e.signal for e in whole].count(HostSignal.SXID_FATAL) == 4

@@ -117,7 +117,7 @@ def test_fatal_xid_fails_with_gpu_meaning_and_time() -> None:
     findings, _ = run(snap_of(("", 79, "GPU has fallen off the bus.", NOW - 60)))
     clock = time.strftime("%H:%M:%S", time.localtime(NOW - 60))
     assert [(f.severity, f.message) for f in findings] == [
-        (Severity.FAIL, f"gpu3 XID 79 (GPU fell off the bus) {clock}")]
+        (Severity.FAIL, f"gpu3 XID 79 (GPU fell off the bus) {clock}, reboot required")]
     assert findings[0].data["gpu"] == 3 and findings[0].data["pci"] == "0000:9a:00"
 
 
@@ -266,23 +266,36 @@ def test_fatal_xid_lasts_past_the_window_until_repaired() -> None:
 
 
 def test_repair_hook_on_the_state() -> None:
-    """record_repair (the API a diagnostic can call on the state) ends earlier fatal Xids."""
+    """record_repair (the API a diagnostic can call on the state) ends earlier fatal Xids
+    that a reset ends (48); never one that needs a new boot (79)."""
+    _, state = run(snap_of(("", 48, "x", NOW - 60)))
+    xid_check.record_repair(state, xid_repairs.Repair("0000:9a:00", NOW, "operator reset"))
+    findings, _ = run(snap_of(("", 48, "x", NOW - 60)), state, now=NOW + 1)
+    assert all(f.severity is Severity.OK for f in findings)
     _, state = run(snap_of(("", 79, "x", NOW - 60)))
     xid_check.record_repair(state, xid_repairs.Repair("0000:9a:00", NOW, "operator reset"))
     findings, _ = run(snap_of(("", 79, "x", NOW - 60)), state, now=NOW + 1)
-    assert all(f.severity is Severity.OK for f in findings)
+    assert [f.message.rsplit(", ", 1)[1] for f in findings] == ["reboot required"]
 
 
 def test_gpu_back_on_the_bus_is_a_reset() -> None:
-    """Xid 79: NVML saw the GPU lost; when it answers again, the GPU was reset."""
-    snap = snap_of(("", 79, "GPU has fallen off the bus.", NOW - 60))
-    findings, state = run(snap, gpus_ok={"00000000:9A:00.0": False})
-    assert [f.severity for f in findings] == [Severity.FAIL]
-    findings, state = run(snap, state, now=NOW + 60, gpus_ok={"00000000:9A:00.0": False})
-    assert [f.severity for f in findings] == [Severity.FAIL]
-    findings, _ = run(snap, state, now=NOW + 120, gpus_ok={"00000000:9A:00.0": True})
-    assert all(f.severity is Severity.OK for f in findings)
-    assert any("back on the bus" in f.message for f in findings)
+    """Xid 119 (RESET_GPU): NVML saw the GPU lost; when it answers again, the GPU was
+    reset, which ends it. Xid 79 (RESTART_BM) stays failed: only a new boot ends it."""
+    for xid, ends in ((119, True), (79, False)):
+        snap = snap_of(("", xid, "GPU has fallen off the bus.", NOW - 60))
+        findings, state = run(snap, gpus_ok={"00000000:9A:00.0": False})
+        assert [f.severity for f in findings] == [Severity.FAIL]
+        findings, state = run(snap, state, now=NOW + 60, gpus_ok={"00000000:9A:00.0": False})
+        assert [f.severity for f in findings] == [Severity.FAIL]
+        findings, state = run(snap, state, now=NOW + 120, gpus_ok={"00000000:9A:00.0": True})
+        if ends:
+            assert all(f.severity is Severity.OK for f in findings)
+            assert any("back on the bus" in f.message for f in findings)
+        else:
+            assert [(f.severity, f.message.endswith("reboot required")) for f in findings] \
+                == [(Severity.FAIL, True)]
+            findings, _ = run(snap_of(boot="b2"), state, now=NOW + 180)  # a new boot
+            assert all(f.severity is Severity.OK for f in findings)
 
 
 def test_a_gpu_never_seen_lost_is_not_taken_for_reset() -> None:
@@ -308,33 +321,18 @@ def test_repair_ledger_round_trip(tmp_path: Path) -> None:
     with open(tmp_path / xid_repairs.LEDGER, "a") as fh:
         fh.write("{not json\n")
     repairs, garbled = xid_repairs.load(str(tmp_path))
-    assert repairs == [xid_repairs.Repair("0000:9a:00", NOW, "diag")] and garbled == 1
+    assert repairs == [xid_repairs.Repair("0000:9a:00", NOW, "diag", "reset")] and garbled == 1
     assert xid_repairs.load(str(tmp_path / "none")) == ([], 0)
 
 
 def test_catalogue_fatal_set_and_sources() -> None:
-    """145, 46, 155, 156 and 158 drain; 121 (C2C, NVIDIA: IGNORE) does not; every listed
-    Xid names its source."""
+    """145, 46, 155, 156, 158 and 109 (NVIDIA: RESET_GPU) drain; 121 (C2C, NVIDIA: IGNORE)
+    does not; every entry names its source."""
     fatal = xid_catalog.DEFAULT_FATAL
-    assert {145, 46, 155, 156, 158} <= fatal and 121 not in fatal
-    assert set(xid_catalog.MEANINGS) <= set(xid_catalog.SOURCES)
+    assert {145, 46, 155, 156, 158, 109} <= fatal and 121 not in fatal
+    assert all("https://docs.nvidia.com/" in e.source for e in xid_catalog.ENTRIES.values())
     assert xid_catalog.action(121) is xid_catalog.Action.IGNORE
     assert xid_catalog.action(46) is xid_catalog.Action.RESET_GPU
-
-
-def test_every_xid_names_its_document_and_the_basis_of_its_decision() -> None:
-    """Each entry's source names a public NVIDIA document by URL and states the decision
-    it backs ("-- fatal: ..." / "-- not fatal: ..."), which must be the decision
-    DEFAULT_FATAL makes; an entry with a catalogue action names that action."""
-    for xid, source in xid_catalog.SOURCES.items():
-        assert "https://docs.nvidia.com/" in source, xid
-        said_fatal = " -- fatal" in source
-        assert said_fatal != (" -- not fatal" in source), (xid, source)
-        assert said_fatal == (xid in xid_catalog.DEFAULT_FATAL), (xid, source)
-    for xid, act in xid_catalog.ACTIONS.items():
-        assert "Immediate Action)' (https://" in xid_catalog.SOURCES[xid]
-        assert f": {act.value} -- " in xid_catalog.SOURCES[xid], xid
-    assert set(xid_catalog.DEFAULT_FATAL) <= set(xid_catalog.SOURCES)
 
 
 def test_an_xid_storm_never_pushes_out_a_fatal_event() -> None:

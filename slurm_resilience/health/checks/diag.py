@@ -40,15 +40,41 @@ def _by_model(table: dict[str, float], name: str) -> float | None:
     return next((v for m, v in table.items() if gpu_models.matches(m, name)), None)
 
 
-def check_dcgm(report: DiagReport, state: DiagState, now: float) -> CheckResult[DiagState]:
+def check_dcgm(report: DiagReport, state: DiagState, now: float,
+               cfg: DiagCheckSection | None = None) -> CheckResult[DiagState]:
+    """DCGM's verdicts, each failure judged by its error ids (:mod:`dcgm_errors`):
+    hardware drains, a reset-requiring error drains with that action, a setting is a
+    finding naming the setting and fix (``dcgm_setting_severity``), a test DCGM could not
+    run is "could not check". The reason names the error id and DCGM's advice."""
+    from slurm_resilience.health import dcgm_errors
+
     if report.error:
         return CheckResult([unknown(NAME, "dcgmi", f"couldn't run DCGM diagnostics: "
                                                    f"{report.error}")], state)
+    setting = (cfg or DiagCheckSection()).dcgm_setting_severity
     out: list[Finding] = []
     for r in report.results:
         subject = f"gpu{r.gpu}" if r.gpu is not None else "node"
         detail = f": {r.warnings[0][:120]}" if r.warnings else ""
-        if r.status == "fail":
+        if r.status == "fail" and r.error_ids:
+            codes = [dcgm_errors.code(i, r.error_severities.get(i)) for i in r.error_ids]
+            worst = dcgm_errors.worst(codes)
+            ids = ",".join(str(i) for i in r.error_ids)
+            name = f" {worst.name}" if worst.name else ""
+            need = ", reset required" if worst.kind is dcgm_errors.Kind.RESET else ""
+            what = (f"{subject} DCGM {r.test} Fail, error {ids}{name}: {worst.action}{need}"
+                    f"{detail}")[:230] + " (expected Pass)"
+            data = {"error_ids": r.error_ids, "dcgm_kind": worst.kind.value,
+                    "dcgm_action": worst.action}
+            if worst.kind is dcgm_errors.Kind.SETTING:
+                out.append((fail if setting == "fail" else warn)(NAME, subject, what, **data))
+            elif worst.kind is dcgm_errors.Kind.TOOLING:
+                out.append(unknown(NAME, subject, what, **data))
+            elif worst.kind is dcgm_errors.Kind.MONITOR:
+                out.append(warn(NAME, subject, what, **data))
+            else:
+                out.append(fail(NAME, subject, what, **data))
+        elif r.status == "fail":
             out.append(fail(NAME, subject, f"{subject} DCGM {r.test} Fail{detail} "
                                            "(expected Pass)", error_ids=r.error_ids))
         elif r.status == "warn":
@@ -88,7 +114,7 @@ def check_memtest(report: MemtestReport, cfg: DiagCheckSection, state: DiagState
 def _done(out: list[Finding], passed: str, state: DiagState, now: float) -> CheckResult[DiagState]:
     if out:
         return CheckResult(out, state)
-    # A clean active diagnostic is evidence of repair (e.g. for a fatal Xid's drain).
+    # A clean active diagnostic ends what a diagnostic can clear (an Xid repeat request).
     return CheckResult([ok(NAME, "diag", passed)], dataclasses.replace(state, last_clean=now))
 
 
@@ -115,7 +141,7 @@ def _judge(snap: DiagReport | MemtestReport, state: DiagState, facts: RunFacts
     from slurm_resilience.health.collectors.dcgm import DiagReport
 
     if isinstance(snap, DiagReport):
-        result = check_dcgm(snap, state, facts.now)
+        result = check_dcgm(snap, state, facts.now, facts.cfg.health.diag)
         covered = {r.gpu for r in snap.results if r.gpu is not None}
     else:
         result = check_memtest(snap, facts.cfg.health.diag, state, facts.now)
@@ -127,8 +153,9 @@ def _judge(snap: DiagReport | MemtestReport, state: DiagState, facts: RunFacts
 
 def _record_repairs(state_dir: str, gpu_by_pci: dict[str, int], covered: set[int],
                     now: float) -> list[Finding]:
-    """A clean active diagnostic ends the fatal Xids of the GPUs it tested: each goes into
-    the repair ledger, read by the Xid check of this run and every later one."""
+    """A clean active diagnostic is recorded for the GPUs it tested (kind ``diag``) in the
+    repair ledger, read by the Xid check of this run and every later one: it ends what a
+    diagnostic can clear (repeat requests), never a reset- or reboot-requiring Xid."""
     from slurm_resilience.health import xid_repairs
 
     if not state_dir:
@@ -138,7 +165,7 @@ def _record_repairs(state_dir: str, gpu_by_pci: dict[str, int], covered: set[int
         for pci, index in sorted(gpu_by_pci.items()):
             if index in covered:
                 xid_repairs.record(state_dir, xid_repairs.Repair(
-                    pci, now, "active diagnostic passed"))
+                    pci, now, xid_repairs.DIAG_EVIDENCE, xid_repairs.DIAG))
     except OSError as exc:
         return [warn("xid", "repairs", f"clean diagnostic not recorded as a repair: {exc}")]
     return []

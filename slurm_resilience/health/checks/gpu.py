@@ -41,6 +41,7 @@ from slurm_resilience.health.findings import (
     unknown,
     warn,
 )
+from slurm_resilience.health.xid_decode import RESTART_BM, recovery_action
 
 if TYPE_CHECKING:
     from slurm_resilience.config import Config
@@ -245,8 +246,10 @@ def _recovery(gpu: GpuRecord, subject: str, cfg: GpuCheckSection) -> list[Findin
     if not cfg.recovery_action or action is None or action == 0:
         return []
     name = RECOVERY_ACTIONS.get(action, str(action))
-    return [fail(NAME, subject, f"{subject} NVML recovery action {name} (expected NONE)",
-                 recovery_action=name)]
+    need = ("reboot required" if recovery_action(action)[1] == RESTART_BM
+            else "reset required")
+    return [fail(NAME, subject, f"{subject} NVML recovery action {name}: {need} (expected "
+                                f"NONE)", recovery_action=name)]
 
 
 def _sram(gpu: GpuRecord, subject: str, cfg: GpuCheckSection, prev: Counters,

@@ -1,12 +1,16 @@
 """Host signals from the kernel log: NVMe I/O errors, read-only remounts, lockups, MCE,
-NVSwitch SXids.
+PCIe AER errors, NVSwitch SXids.
 
 A pure function of the kernel-log snapshot the Xid collector already took: events
 of the current boot within ``window_s`` are counted per signal (and per device for
 NVMe) and set against the thresholds in ``health.kernel_log``. Events of an earlier
 boot are history: a reboot cleared the lockup, remounted the disk. A fatal SXid
 counts for the whole current boot, whatever ``window_s`` says: the NVSwitch stays
-unusable until it is reset, which on HGX baseboards means a reboot.
+unusable until it is reset, which on HGX baseboards means a reboot. PCIe AER errors
+are counted per device and class against ``max_pcie_aer_errors`` (the tolerances of
+the sysfs AER counters, ``gpu.max_pcie_aer_delta``), so a burst of uncorrectable
+errors fails the node even where no Xid follows. An SXid line without a severity word
+is reported (warn) as unparsed, never dropped.
 """
 
 from __future__ import annotations
@@ -31,9 +35,16 @@ _WHAT = {
     HostSignal.MCE_UNCORRECTED: "uncorrected machine check",
     HostSignal.SXID_FATAL: "fatal",
     HostSignal.SXID_NONFATAL: "non-fatal",
+    HostSignal.SXID_UNPARSED: "line(s) without a severity word (unparsed: fatal or not "
+                              "can't be told)",
+    HostSignal.PCIE_AER_FATAL: "PCIe AER uncorrectable (fatal) error",
+    HostSignal.PCIE_AER_NONFATAL: "PCIe AER uncorrectable (non-fatal) error",
+    HostSignal.PCIE_AER_CORRECTED: "PCIe AER corrected error",
 }
+_AER_CLASSES = {"fatal": HostSignal.PCIE_AER_FATAL, "nonfatal": HostSignal.PCIE_AER_NONFATAL,
+                "correctable": HostSignal.PCIE_AER_CORRECTED}
 # Signals that only ever warn (a non-fatal SXid: the switch corrected or contained it).
-_WARN_ONLY = (HostSignal.SXID_NONFATAL,)
+_WARN_ONLY = (HostSignal.SXID_NONFATAL, HostSignal.SXID_UNPARSED)
 # Signals judged over the whole current boot (they last until the device is reset).
 _WHOLE_BOOT = (HostSignal.SXID_FATAL,)
 
@@ -55,14 +66,21 @@ def _limits(cfg: KernelLogCheckSection) -> dict[HostSignal, int]:
     if cfg.sxids:
         limits[HostSignal.SXID_FATAL] = cfg.max_fatal_sxids
         limits[HostSignal.SXID_NONFATAL] = 0
+        limits[HostSignal.SXID_UNPARSED] = 0
+    if cfg.pcie_aer:
+        for name, limit in cfg.max_pcie_aer_errors.items():
+            if name in _AER_CLASSES:  # the config refuses other names when it loads
+                limits[_AER_CLASSES[name]] = limit
     return limits
 
 
 def _subject(signal: HostSignal, device: str) -> str:
     if signal is HostSignal.NVME_IO_ERROR or signal is HostSignal.READONLY_REMOUNT:
         return device or "disk"
-    if signal in (HostSignal.SXID_FATAL, HostSignal.SXID_NONFATAL):
+    if signal in (HostSignal.SXID_FATAL, HostSignal.SXID_NONFATAL, HostSignal.SXID_UNPARSED):
         return device or "nvswitch"
+    if signal in _AER_CLASSES.values():
+        return f"pcie {device}" if device else "pcie"
     return "host"
 
 
@@ -94,7 +112,8 @@ def check(snap: KernelLogSnapshot, cfg: KernelLogCheckSection, *, now: float) ->
             findings.append(ok(NAME, subject, message, **data))
     if not findings:
         findings.append(ok(NAME, "kernel-log", "no NVMe I/O error, read-only remount, lockup, "
-                                               "machine check or SXid in this boot"))
+                                               "machine check, PCIe AER error or SXid in "
+                                               "this boot"))
     return findings
 
 

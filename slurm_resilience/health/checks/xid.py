@@ -4,10 +4,18 @@ The state keeps every event seen, keyed by boot id and kmsg sequence number (or
 line hash), so re-reading the kernel log never counts an event twice and an event
 survives the ring buffer wrapping. Non-fatal events leave after ``window_s``.
 
-A fatal Xid lasts until evidence of repair (``fatal_until: repair``, the default):
-a new boot, NVML seeing a lost GPU again (a reset), or a repair in the ledger
-(:mod:`slurm_resilience.health.xid_repairs`, e.g. a clean active diagnostic).
-``fatal_until: window`` keeps the old rule, the event expires after ``window_s``.
+A fatal Xid lasts until the repair NVIDIA's action asks for (``fatal_until: repair``,
+the default; :class:`xid_catalog.Ending`): a new boot ends everything; a GPU reset (NVML
+seeing a lost GPU again, or an operator's record in the ledger,
+:mod:`slurm_resilience.health.xid_repairs`) ends what needs a reset; a passing
+diagnostic only what a diagnostic can clear. The newest Xid 154 of a GPU and NVML's
+recovery action for it make its endings stricter, never weaker (a reboot the driver
+asks for is never ended by a reset). ``fatal_until: window`` keeps the old rule, the
+event expires after ``window_s``.
+
+Xids NVIDIA sends to a diagnostic when they repeat on one GPU (13, 31) are reported
+once they come in ``repeat_bursts`` bursts, with ``diagnose`` in the finding's data
+(the epilog's ``diag.after_failure`` runs it); a passing diagnostic ends the request.
 
 Lines without a usable time are dated when first seen. Their keys are remembered
 in ``retired`` after they leave (window or repair), across boots too: the same old
@@ -24,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from slurm_resilience.config.health import XidCheckSection
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.health import xid_catalog, xid_repairs
+from slurm_resilience.health import xid_catalog, xid_decode, xid_repairs
 from slurm_resilience.health.checks.spec import CheckSpec, Collect, Judged, RunFacts
 from slurm_resilience.health.collectors.kernlog_time import BootOf
 from slurm_resilience.health.collectors.xid import KernelLogSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
-from slurm_resilience.health.xid_repairs import Repair, pci_key
+from slurm_resilience.health.xid_catalog import Ending
+from slurm_resilience.health.xid_repairs import DIAG, RESET, Repair, kind_of, pci_key
 
 if TYPE_CHECKING:
     from slurm_resilience.config import Config
@@ -40,7 +49,9 @@ MAX_EVENTS = 2000
 MAX_RETIRED = 4000
 
 __all__ = ["MAX_EVENTS", "MAX_RETIRED", "NAME", "KnownEvent", "XidState", "check", "pci_key",
-           "record_repair"]
+           "record_repair", "recovery_by_pci"]
+# Which repair kinds meet which ending (a new boot clears the state: it meets all).
+_MEETS = {RESET: Ending.RESET, DIAG: Ending.DIAG}
 
 
 @dataclass
@@ -61,7 +72,8 @@ class XidState:
     boot_id: str = ""
     events: dict[str, KnownEvent] = field(default_factory=dict)
     retired: dict[str, float] = field(default_factory=dict)  # key -> when it left
-    repaired: dict[str, Repair] = field(default_factory=dict)  # pci -> latest repair
+    # "<kind>:<pci>" -> the latest repair of that kind
+    repaired: dict[str, Repair] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)  # pci -> first seen lost by NVML
 
     def to_json(self) -> dict[str, Any]:
@@ -83,10 +95,11 @@ class XidState:
                 state.events[str(key)] = KnownEvent(
                     int(ev["xid"]), str(ev["pci"]), str(ev.get("text", "")),
                     float(ev["time"]), bool(ev.get("dated", True)))
-            for pci, rep in _mapping(data, "repaired").items():
-                state.repaired[str(pci)] = Repair(str(rep["pci"]), float(rep["time"]),
-                                                  str(rep["evidence"]))
-        except (KeyError, TypeError) as exc:
+            for rep in _mapping(data, "repaired").values():
+                evidence = str(rep["evidence"])
+                record_repair(state, Repair(str(rep["pci"]), float(rep["time"]), evidence,
+                                            kind_of(rep.get("kind"), evidence)))
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"garbled Xid state entry: {exc!r}") from None
         for part, into in (("retired", state.retired), ("lost", state.lost)):
             for key, when in _mapping(data, part).items():
@@ -104,11 +117,66 @@ def _mapping(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 
 def record_repair(state: XidState, repair: Repair) -> None:
-    """Note that a GPU was repaired; its fatal Xids logged up to then end."""
+    """Note that a GPU was repaired; its fatal Xids logged up to then that this kind of
+    repair meets end."""
     pci = pci_key(repair.pci)
-    prev = state.repaired.get(pci)
+    kind = kind_of(repair.kind, repair.evidence)
+    prev = state.repaired.get(f"{kind}:{pci}")
     if prev is None or repair.time >= prev.time:
-        state.repaired[pci] = Repair(pci, repair.time, repair.evidence)
+        state.repaired[f"{kind}:{pci}"] = Repair(pci, repair.time, repair.evidence, kind)
+
+
+def recovery_by_pci(gpus: Sequence[Any]) -> dict[str, int]:
+    """NVML's recovery action per GPU (PCI address → value), for GPUs that report one."""
+    return {pci_key(g.pci_bus_id): int(g.recovery_action) for g in gpus
+            if g.pci_bus_id and g.recovery_action is not None}
+
+
+def _strictness(state: XidState, recovery: Mapping[str, int]) -> dict[str, tuple[Ending, str]]:
+    """Per GPU, the ending the driver now asks for: its newest Xid 154, and NVML's
+    recovery action, whichever is stricter, with what said so."""
+    out: dict[str, tuple[Ending, str]] = {}
+    newest: dict[str, KnownEvent] = {}
+    for kev in state.events.values():
+        if kev.xid == 154 and (kev.pci not in newest or kev.time >= newest[kev.pci].time):
+            newest[kev.pci] = kev
+    for pci, kev in newest.items():
+        decoded = xid_decode.decode_154(kev.text)
+        ending = xid_catalog.judge(154, kev.text, frozenset({154})).ending
+        out[pci] = (ending, f"Xid 154: {decoded.basis}")
+    for raw, value in recovery.items():
+        pci = pci_key(raw)
+        name, act = xid_decode.recovery_action(value)
+        ending = {xid_decode.RESTART_BM: Ending.BOOT, xid_decode.RESET_GPU: Ending.RESET}.get(
+            act, Ending.NONE)
+        if ending > out.get(pci, (Ending.NONE, ""))[0]:
+            out[pci] = (ending, f"NVML recovery action {name}")
+    return out
+
+
+@dataclass(frozen=True)
+class _Fate:
+    """One event judged now: what it needs, and the repair that ended it, if any."""
+
+    ending: Ending
+    action: str
+    basis: str
+    repair: Repair | None
+
+
+def _fate(kev: KnownEvent, state: XidState, fatal: frozenset[int],
+          strict: Mapping[str, tuple[Ending, str]]) -> _Fate:
+    j = xid_catalog.judge(kev.xid, kev.text, fatal)
+    ending, basis = j.ending, j.basis
+    if ending:
+        stricter, why = strict.get(kev.pci, (Ending.NONE, ""))
+        if stricter > ending:
+            ending, basis = stricter, why
+    for kind, meets in _MEETS.items():
+        rep = state.repaired.get(f"{kind}:{kev.pci}")
+        if ending and meets >= ending and rep is not None and kev.time <= rep.time:
+            return _Fate(ending, j.action, basis, rep)
+    return _Fate(ending, j.action, basis, None)
 
 
 def _clock(t: float, now: float) -> str:
@@ -131,18 +199,20 @@ def _note_gpus_seen(state: XidState, gpus_ok: Mapping[str, bool] | None, now: fl
             state.lost.setdefault(pci, now)
         elif pci in state.lost:
             del state.lost[pci]
-            record_repair(state, Repair(pci, now, "GPU back on the bus (reset)"))
+            record_repair(state, Repair(pci, now, "GPU back on the bus (reset)", RESET))
 
 
 def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: XidState, *,
           now: float, gpu_by_pci: Mapping[str, int] | None = None,
           job_start: float | None = None, repairs: Sequence[Repair] = (),
-          gpus_ok: Mapping[str, bool] | None = None) -> CheckResult[XidState]:
+          gpus_ok: Mapping[str, bool] | None = None,
+          recovery: Mapping[str, int] | None = None) -> CheckResult[XidState]:
     """Judge the Xids of ``snap``.
 
     ``job_start`` (epilog): non-fatal Xids raised since then are reported as warnings.
     ``repairs``: repair evidence from the ledger. ``gpus_ok``: NVML's view now, PCI
     address → present and not lost (a known GPU missing from NVML maps to False).
+    ``recovery``: NVML's recovery action per PCI address (:func:`recovery_by_pci`).
     """
     if snap.error:
         return CheckResult([unknown(NAME, "kernel-log", f"xid: {snap.error}")], prev)
@@ -158,40 +228,40 @@ def check(snap: KernelLogSnapshot, cfg: XidCheckSection, prev: XidState, *,
     _note_gpus_seen(state, gpus_ok, now)
 
     fatal = xid_catalog.fatal_set(cfg.fatal, cfg.extra_fatal, cfg.not_fatal)
+    known = set(state.events)
     for ev in snap.events:
         if ev.boot is BootOf.EARLIER or ev.key in state.events or ev.key in state.retired:
             continue
-        done = state.repaired.get(ev.pci)
-        if (done is not None and ev.time is not None and ev.time <= done.time
-                and xid_catalog.is_fatal(ev.xid, ev.text, fatal)):
-            continue  # read again after its repair: already ended
         state.events[ev.key] = KnownEvent(ev.xid, ev.pci, ev.text[:200],
                                           ev.time if ev.time is not None else now,
                                           ev.time is not None)
-
+    strict = _strictness(state, recovery or {})
     horizon = now - cfg.window_s
     repaired_events: list[tuple[KnownEvent, Repair]] = []
+    fates: dict[str, _Fate] = {}
     for key, kev in list(state.events.items()):
-        is_fatal = xid_catalog.is_fatal(kev.xid, kev.text, fatal)
-        repair = state.repaired.get(kev.pci)
-        if is_fatal and repair is not None and kev.time <= repair.time:
-            repaired_events.append((kev, repair))
+        fate = _fate(kev, state, fatal, strict)
+        if fate.repair is not None:
+            if key in known:  # new and already repaired: read again after its repair
+                repaired_events.append((kev, fate.repair))
             del state.events[key]
             _retire(state, key, kev, now)
-        elif kev.time < horizon and not (is_fatal and cfg.fatal_until == "repair"):
+        elif kev.time < horizon and not (fate.ending and cfg.fatal_until == "repair"):
             del state.events[key]
             _retire(state, key, kev, now)
+        else:
+            fates[key] = fate
     if len(state.events) > MAX_EVENTS:
         # An Xid storm: keep the fatal events, then the newest; the state stays small.
         kept = sorted(state.events.items(), key=lambda kv: (
-            xid_catalog.is_fatal(kv[1].xid, kv[1].text, fatal), kv[1].time))
+            bool(fates[kv[0]].ending), kv[1].time))
         for key, kev in kept[:-MAX_EVENTS]:
             _retire(state, key, kev, now)
         state.events = dict(kept[-MAX_EVENTS:])
     if len(state.retired) > MAX_RETIRED:
         state.retired = dict(sorted(state.retired.items(), key=lambda kv: kv[1])[-MAX_RETIRED:])
 
-    findings = _findings(state, snap, fatal, now, gpu_by_pci or {}, job_start, cfg)
+    findings = _findings(state, fates, snap, now, gpu_by_pci or {}, job_start, cfg)
     findings.extend(_repair_findings(repaired_events, gpu_by_pci or {}, now))
     if not findings:
         findings.append(ok(NAME, "kernel-log", f"no Xid in the last {cfg.window_s}s"))
@@ -203,29 +273,52 @@ def _subject(pci: str, by_gpu: Mapping[str, int]) -> tuple[str, int | None]:
     return (f"gpu{gpu}" if gpu is not None else f"PCI:{pci}"), gpu
 
 
-def _findings(state: XidState, snap: KernelLogSnapshot, fatal: frozenset[int], now: float,
-              gpu_by_pci: Mapping[str, int], job_start: float | None,
+def _bursts(times: list[float], gap_s: float) -> int:
+    """Separate occurrences: events closer than ``gap_s`` to the previous one are one."""
+    count, last = 0, None
+    for t in sorted(times):
+        if last is None or t - last >= gap_s:
+            count += 1
+        last = t
+    return count
+
+
+def _findings(state: XidState, fates: Mapping[str, _Fate], snap: KernelLogSnapshot,
+              now: float, gpu_by_pci: Mapping[str, int], job_start: float | None,
               cfg: XidCheckSection) -> list[Finding]:
     by_gpu = {pci_key(k): v for k, v in gpu_by_pci.items()}
-    groups: dict[tuple[str, int, bool], list[KnownEvent]] = {}
-    for kev in state.events.values():
-        is_fatal = xid_catalog.is_fatal(kev.xid, kev.text, fatal)
-        groups.setdefault((kev.pci, kev.xid, is_fatal), []).append(kev)
+    groups: dict[tuple[str, int, Ending], list[tuple[KnownEvent, _Fate]]] = {}
+    for key, kev in state.events.items():
+        fate = fates[key]
+        groups.setdefault((kev.pci, kev.xid, fate.ending), []).append((kev, fate))
     findings: list[Finding] = []
-    for (pci, xid, is_fatal), evs in sorted(groups.items(), key=lambda kv: -max(
-            e.time for e in kv[1])):
+    for (pci, xid, ending), items in sorted(groups.items(), key=lambda kv: -max(
+            e.time for e, _ in kv[1])):
+        evs = [e for e, _ in items]
         last = max(e.time for e in evs)
         subject, gpu = _subject(pci, by_gpu)
         times = f" x{len(evs)}" if len(evs) > 1 else ""
         message = f"{subject} XID {xid} ({xid_catalog.meaning(xid)}){times} {_clock(last, now)}"
-        newest = max(evs, key=lambda e: e.time)
-        data = {"xid": xid, "pci": pci, "gpu": gpu, "count": len(evs), "time": last,
-                "text": newest.text, "dated": newest.dated,
-                "action": xid_catalog.action(xid).value}
-        if is_fatal:
+        newest_ev, newest = max(items, key=lambda item: item[0].time)
+        data: dict[str, Any] = {
+            "xid": xid, "pci": pci, "gpu": gpu, "count": len(evs), "time": last,
+            "text": newest_ev.text, "dated": newest_ev.dated, "action": newest.action}
+        if newest.basis:
+            data["basis"] = newest.basis
+        entry = xid_catalog.ENTRIES.get(xid)
+        if ending:
             if cfg.fatal_until == "repair":
-                data["clears_on"] = "GPU reset, reboot or a clean diagnostic"
-            findings.append(fail(NAME, subject, message, **data))
+                data["clears_on"] = {Ending.BOOT: "a new boot",
+                                     Ending.RESET: "a GPU reset or a new boot",
+                                     Ending.DIAG: "a passing diagnostic, a reset or a new boot",
+                                     }[ending]
+            findings.append(fail(NAME, subject, f"{message}, {ending.need}", **data))
+            continue
+        repeat = _repeat(entry, evs, state, pci, cfg)
+        if repeat:
+            data.update(diagnose=entry.diag_on_repeat if entry else "", bursts=repeat)
+            findings.append(warn(NAME, subject, f"{message}, repeated in {repeat} bursts: "
+                                                f"run {data['diagnose']}", **data))
         elif job_start is not None and last >= job_start:
             findings.append(warn(NAME, subject, message + " during the job", **data))
         else:
@@ -237,6 +330,18 @@ def _findings(state: XidState, snap: KernelLogSnapshot, fatal: frozenset[int], n
                                 f"format: {sample}"[:300],
             unparsed=snap.unparsed, sample=list(snap.unparsed_sample)))
     return findings
+
+
+def _repeat(entry: xid_catalog.Entry | None, evs: list[KnownEvent], state: XidState, pci: str,
+            cfg: XidCheckSection) -> int:
+    """How many bursts of an Xid NVIDIA sends to a diagnostic when it repeats on one GPU
+    came since that GPU's last diagnostic or reset; 0 below ``repeat_bursts``."""
+    if entry is None or not entry.diag_on_repeat or not cfg.repeat_bursts:
+        return 0
+    since = max((r.time for k, r in state.repaired.items() if k.endswith(f":{pci}")),
+                default=float("-inf"))
+    bursts = _bursts([e.time for e in evs if e.time > since], cfg.repeat_gap_s)
+    return bursts if bursts >= cfg.repeat_bursts else 0
 
 
 def _repair_findings(repaired: list[tuple[KnownEvent, Repair]], gpu_by_pci: Mapping[str, int],
@@ -290,9 +395,12 @@ def _judge(snap: KernelLogSnapshot, state: XidState, facts: RunFacts) -> Judged[
     if garbled:
         extra.append(warn(NAME, "repairs", f"{garbled} garbled line(s) in "
                                            f"{xid_repairs.LEDGER} skipped"))
-    return check(snap, facts.cfg.health.xid, state, now=facts.now, gpu_by_pci=facts.gpu_by_pci,
-                 job_start=facts.job_start if facts.kind == "epilog" else None,
-                 repairs=repairs, gpus_ok=_gpus_ok(facts.gpu_snap, facts.gpu_by_pci)), extra
+    result = check(snap, facts.cfg.health.xid, state, now=facts.now,
+                   gpu_by_pci=facts.gpu_by_pci,
+                   job_start=facts.job_start if facts.kind == "epilog" else None,
+                   repairs=repairs, gpus_ok=_gpus_ok(facts.gpu_snap, facts.gpu_by_pci),
+                   recovery=recovery_by_pci(facts.gpu_snap.gpus if facts.gpu_snap else []))
+    return result, extra
 
 
 # A hung kernel-log read only means we couldn't look (not a stuck GPU).

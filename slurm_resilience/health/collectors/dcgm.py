@@ -33,6 +33,8 @@ class DiagResult:
     status: str  # pass, fail, warn, skip (lower case)
     warnings: list[str] = field(default_factory=list)
     error_ids: list[int] = field(default_factory=list)
+    # DCGM 4's dcgmErrorSeverity_t per error id (absent from 3.x documents)
+    error_severities: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,17 +57,20 @@ def _gpu(result: dict[str, Any]) -> int | None:
     return int(ids) if ids.isdigit() else None
 
 
-def _warnings(result: dict[str, Any]) -> tuple[list[str], list[int]]:
+def _warnings(result: dict[str, Any]) -> tuple[list[str], list[int], dict[int, int]]:
     texts: list[str] = []
     codes: list[int] = []
+    severities: dict[int, int] = {}
     for w in result.get("warnings", []) or []:
         if isinstance(w, dict):
             texts.append(str(w.get("warning", "")).strip())
             if isinstance(w.get("error_id"), int):
                 codes.append(int(w["error_id"]))
+                if isinstance(w.get("error_severity"), int):
+                    severities[int(w["error_id"])] = int(w["error_severity"])
         else:
             texts.append(str(w).strip())
-    return texts, codes
+    return texts, codes, severities
 
 
 def parse_diag(text: str) -> DiagReport:
@@ -96,10 +101,11 @@ def parse_diag(text: str) -> DiagReport:
                 results = [{k: v for k, v in summary.items() if k != "info"}]
             for res in results:
                 status = str(res["status"]).strip().lower()
-                texts, codes = _warnings(res)
+                texts, codes, severities = _warnings(res)
                 report.results.append(DiagResult(
                     str(cat.get("category", "")), str(test.get("name", "")), _gpu(res),
-                    status if status in STATUSES else status or "unknown", texts, codes))
+                    status if status in STATUSES else status or "unknown", texts, codes,
+                    severities))
     return report
 
 
@@ -125,4 +131,6 @@ def to_json(report: DiagReport) -> dict[str, Any]:
 
 def from_json(d: dict[str, Any]) -> DiagReport:
     return DiagReport(str(d.get("version", "")), str(d.get("driver", "")),
-                      [DiagResult(**r) for r in d.get("results", [])], d.get("error"))
+                      [DiagResult(**{**r, "error_severities": {
+                          int(k): int(v) for k, v in r.get("error_severities", {}).items()}})
+                       for r in d.get("results", [])], d.get("error"))

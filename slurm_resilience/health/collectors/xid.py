@@ -308,7 +308,20 @@ def parse_lines(lines: list[str], boot_id: str, boot: float, now: float) -> Pars
             result.undated += 1
         result.events.append(XidEvent(placed.key, fields.xid, fields.pci, fields.pid,
                                       fields.process, fields.text, placed.time, placed.boot))
+    result.host_events = _orphaned_sxid_details(result.host_events)
     return result
+
+
+def _orphaned_sxid_details(events: list[HostEvent]) -> list[HostEvent]:
+    """SXid follow-up lines describe the headline before them: dropped where that headline
+    (same switch, same SXid) is in the read, else kept as lines without a severity word
+    (a read that starts after the headline, a ``dmesg --level`` that filtered it out)."""
+    headlines = {e.device for e in events
+                 if e.signal in (HostSignal.SXID_FATAL, HostSignal.SXID_NONFATAL)}
+    return [replace(e, signal=HostSignal.SXID_UNPARSED)
+            if e.signal is HostSignal.SXID_DETAIL else e
+            for e in events
+            if e.signal is not HostSignal.SXID_DETAIL or e.device not in headlines]
 
 
 def _read_kmsg_device(path: str, max_bytes: int) -> list[str]:
