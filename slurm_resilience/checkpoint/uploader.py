@@ -33,7 +33,10 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from slurm_resilience.agent.service import (
     AgentContext,
@@ -88,6 +91,14 @@ def s3_settings(cfg: Config) -> S3Settings:
                       request_timeout_s=ck.request_timeout_s)
 
 
+@dataclass(frozen=True)
+class UploaderSnapshot:
+    """What other services (metrics) read of the uploader: copies of its journal records,
+    taken under its own lock, theirs to keep."""
+
+    jobs: Mapping[int, JobRecord]
+
+
 class Uploader:
     """The ``checkpoint`` service of the node agent."""
 
@@ -126,6 +137,10 @@ class Uploader:
         if self._s3 is None:
             self._s3 = S3(s3_settings(self.cfg))
         return self._s3
+
+    def snapshot(self) -> UploaderSnapshot:
+        with self.lock:
+            return UploaderSnapshot(MappingProxyType(copy.deepcopy(self.jobs)))
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from slurm_resilience.checkpoint.commit import step_name
 from slurm_resilience.checkpoint.journal import Journal, new_record
 from slurm_resilience.checkpoint.manager import CheckpointError, CheckpointManager
 from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.upload_requests import on_stage
 from slurm_resilience.checkpoint.staging import create_job_dir
+from slurm_resilience.checkpoint.upload_requests import on_stage
 from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
 
