@@ -20,7 +20,7 @@ from pathlib import Path
 
 from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, remove_tree_at
 
 log = get_logger("checkpoint.staging")
 

@@ -27,7 +27,7 @@ from slurm_resilience.checkpoint.staging import (
 )
 from slurm_resilience.checkpoint.upload_protocol import ORPHAN_AGE_S
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalIncomplete
+from slurm_resilience.safefs import RemovalIncomplete
 
 if TYPE_CHECKING:
     from slurm_resilience.checkpoint.uploader import Uploader

@@ -73,7 +73,7 @@ from slurm_resilience.checkpoint.staging import open_job_dir
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget
+from slurm_resilience.safefs import RemovalBudget
 
 log = get_logger("checkpoint.uploader")
 

@@ -12,9 +12,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import safefs
 
 # A rejected step failed verification; every other state was a committed step once.
 _NOT_COMMITTED = ("rejected",)

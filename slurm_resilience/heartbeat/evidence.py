@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
-from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
 from slurm_resilience.log import get_logger

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from slurm_resilience.heartbeat import safefs
+from slurm_resilience import safefs
 from slurm_resilience.heartbeat.records import ReportDoc
 from slurm_resilience.log import escape, get_logger
 

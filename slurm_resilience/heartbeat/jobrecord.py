@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TypedDict
 
-from slurm_resilience.heartbeat import safefs
+from slurm_resilience import safefs
 from slurm_resilience.heartbeat.paths import job_id_of_record
 
 

@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass, field
 from typing import cast
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat import detect, evidence, jobrecord, safefs
+from slurm_resilience.heartbeat import detect, evidence, jobrecord
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.records import Piece, RankLine
 from slurm_resilience.log import get_logger

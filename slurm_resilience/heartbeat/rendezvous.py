@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.records import MAX_PIECE_BYTES
 from slurm_resilience.heartbeat.steps import remove_tree
 from slurm_resilience.log import get_logger

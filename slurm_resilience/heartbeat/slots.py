@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from slurm_resilience.heartbeat import jobrecord, safefs
+from slurm_resilience import safefs
+from slurm_resilience.heartbeat import jobrecord
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat import slot as S
 

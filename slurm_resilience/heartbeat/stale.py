@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from slurm_resilience import safefs
 from slurm_resilience.agent.service import AgentContext, Handler
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat import safefs
 from slurm_resilience.heartbeat.jobfs import STALE
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete, remove_tree_at
 
 log = get_logger("heartbeat.stale")
 

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from slurm_resilience import safefs
 from slurm_resilience.config.budgets import run_dir_remove_s
-from slurm_resilience.heartbeat import jobfs, jobrecord, safefs
+from slurm_resilience.heartbeat import jobfs, jobrecord
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete, remove_tree_at
 
 if TYPE_CHECKING:
     from slurm_resilience.proc import Runner

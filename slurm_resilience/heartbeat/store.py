@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TypedDict
 
-from slurm_resilience.heartbeat import safefs
+from slurm_resilience import safefs
 from slurm_resilience.heartbeat.actions import Step, StepDoc, step_from_json
 from slurm_resilience.heartbeat.blame import Blame
 from slurm_resilience.log import get_logger

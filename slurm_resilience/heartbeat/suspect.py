@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.heartbeat import policy, safefs
+from slurm_resilience.heartbeat import policy
 from slurm_resilience.heartbeat.records import Clock
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import events

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from slurm_resilience.heartbeat import safefs
+from slurm_resilience import safefs
 from slurm_resilience.log import get_logger
 
 log = get_logger("heartbeat.tune")

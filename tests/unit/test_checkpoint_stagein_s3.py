@@ -21,11 +21,11 @@ from slurm_resilience.checkpoint.manager import (
     CheckpointManager,
     Fallen,
     StageinStatus,
-    warn_fallbacks,
 )
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
+from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
 from slurm_resilience.checkpoint.staging import (
     STALE,
     create_job_dir,

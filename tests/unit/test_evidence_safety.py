@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import as_user, start_sleeper
 
-from slurm_resilience.heartbeat import evidence, safefs
+from slurm_resilience import safefs
+from slurm_resilience.heartbeat import evidence
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
 
