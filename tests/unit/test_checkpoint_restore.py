@@ -21,21 +21,7 @@ from slurm_resilience.checkpoint.fetch import (
 from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
 from slurm_resilience.checkpoint.s3 import TransientS3Error
 from slurm_resilience.checkpoint.stagein import StageinFailed, StageinPolicy, retrying
-
-
-class FakeClock:
-    """Time that moves only when someone sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
+from slurm_resilience.testing import FakeClock
 
 
 def test_transient_errors_are_retried_until_they_stop() -> None:
