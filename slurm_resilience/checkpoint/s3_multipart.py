@@ -3,8 +3,9 @@
 The S3 layer knows nothing of the journal. The caller hands in what it kept of an
 earlier attempt (``MultipartState``) and gets every change back through ``report``
 (``UploadStarted``, ``PartUploaded``, ``PartsDropped``, ``UploadForgotten``), which it
-applies to its own record and persists; parts finish in the shared pool's threads, so
-``report`` may be called from several threads at once.
+applies to its own record and persists. Parts are sent by the shared pool's threads,
+which only return their results: ``report`` is always called on the caller's thread,
+as each part finishes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -203,14 +205,15 @@ def upload_file(s3: S3, fd: int, size: int, crc: str, bucket: str, key: str,
             raise S3Error(f"checkpoint: s3: upload part {n} of {key}: answer has no ETag")
         if with_checksums:
             s3.note_checksums(resp)
-        done = PartResult(n, etag, length, crc_hex(part_crc))
         s3.note_part(owner, key, n)
-        report(PartUploaded(done))
-        return done
+        return PartResult(n, etag, length, crc_hex(part_crc))
+
+    def keep(result: PartResult) -> None:
+        parts[result.number] = result
+        report(PartUploaded(result))
 
     try:
-        for result in run_fair(s3, owner, send, todo):
-            parts[result.number] = result
+        run_fair(s3, owner, send, todo, keep)
         check.whole([(int(parts[n].crc32c, 16), parts[n].size) for n in sorted(parts)])
     except ContentMismatch:
         with contextlib.suppress(S3Error):
@@ -252,19 +255,30 @@ def _complete(s3: S3, bucket: str, key: str, upload_id: str, size: int, crc: str
         verify_head(s3, bucket, key, size, crc)
 
 
-def run_fair(s3: S3, owner: str, fn: Callable[[int], PartResult],
-             items: list[int]) -> list[PartResult]:
-    """Run ``fn`` over ``items`` in the shared pool; the first failure cancels the rest."""
+def run_fair(s3: S3, owner: str, fn: Callable[[int], PartResult], items: list[int],
+             keep: Callable[[PartResult], None]) -> None:
+    """Run ``fn`` over ``items`` in the shared pool and hand each result to ``keep`` on
+    this thread, as it finishes; the first failure cancels the rest (parts already
+    running finish, and what they sent is kept too, so a retry does not send it again)."""
     futures = [s3.pool.submit(owner, functools.partial(fn, i)) for i in items]
+    kept: set[Future[PartResult]] = set()
     try:
-        return [fut.result() for fut in futures]
+        for fut in as_completed(futures):
+            result = fut.result()
+            kept.add(fut)
+            keep(result)
     finally:
         for fut in futures:
             fut.cancel()
         for fut in futures:
-            if not fut.cancelled():
-                with contextlib.suppress(Exception):
-                    fut.result()  # let running parts finish (and report) before we return
+            if fut in kept or fut.cancelled():
+                continue
+            try:
+                result = fut.result()  # a running part finishes before we return
+            except Exception:  # noqa: BLE001, S112 - the first failure is what is raised
+                continue
+            kept.add(fut)
+            keep(result)
 
 
 def verify_head(s3: S3, bucket: str, key: str, size: int, crc: str) -> None:

@@ -404,8 +404,9 @@ def resume_of(frec: FileDoc) -> MultipartState:
 
 
 def keep_event(up: Uploader, rec: JobRecord, frec: FileDoc, event: UploadEvent) -> None:
-    """Apply one report of the S3 layer (from its part threads) to the file's journal
-    entry and persist the record, so a killed agent resumes without re-sending parts."""
+    """Apply one report of the S3 layer (on the job's sync thread: the part workers only
+    return results) to the file's journal entry and persist the record, so a killed agent
+    resumes without re-sending parts."""
     with up.lock:
         parts = frec.setdefault("parts", {})
         if isinstance(event, UploadStarted):
