@@ -55,8 +55,8 @@ import torch
 from slurm_resilience.checkpoint.blocks import file_checksums
 from slurm_resilience.checkpoint.dcp_state import tensor_view
 from slurm_resilience.checkpoint.manager import CheckpointManager
-from slurm_resilience.checkpoint.s3 import S3, S3Settings
-from slurm_resilience.checkpoint.s3_multipart import MultipartState
+from slurm_resilience.uploader.s3 import S3, S3Settings
+from slurm_resilience.uploader.s3_multipart import MultipartState
 
 BIN = Path(sys.executable).parent
 

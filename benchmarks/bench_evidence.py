@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 
-from slurm_resilience.heartbeat import evidence
+from slurm_resilience.hang import evidence
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from timing import summarise
 
 from slurm_resilience.config.heartbeat import ExchangeSection
-from slurm_resilience.heartbeat.exchange.credentials import Decoded, MungeCredentials
-from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
-from slurm_resilience.heartbeat.exchange.wire import Kind, Message
+from slurm_resilience.hang.netrendezvous import AddressBook, NetworkRendezvous
+from slurm_resilience.transport.credentials import Decoded, MungeCredentials
+from slurm_resilience.transport.wire import Kind, Message
 
 
 class StandInCredentials:

@@ -43,10 +43,10 @@ from timing import summarise
 
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.config.heartbeat import ExchangeSection
-from slurm_resilience.heartbeat.exchange.rendezvous import NetworkRendezvous
-from slurm_resilience.heartbeat.exchange.wire import Kind, Message
+from slurm_resilience.hang.netrendezvous import NetworkRendezvous
 from slurm_resilience.metrics import http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
+from slurm_resilience.transport.wire import Kind, Message
 
 PYTHON = "/usr/bin/python3"
 ATTACKER_UID = 60001

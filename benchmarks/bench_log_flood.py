@@ -18,9 +18,9 @@ from slurm_resilience import log
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import JobTmpfsSection, NodeSection
+from slurm_resilience.hang import steps
+from slurm_resilience.hang.watcher import HangWatcher
 from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat import steps
-from slurm_resilience.heartbeat.watcher import HangWatcher
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.logbudget import LogBudget, flush_all
 from slurm_resilience.slurm.adapter import SlurmAdapter

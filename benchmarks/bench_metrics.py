@@ -21,12 +21,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from slurm_resilience import events
 from slurm_resilience.config import Config
 from slurm_resilience.goodput.ledger import Ledger
-from slurm_resilience.heartbeat import detect, jobrecord
+from slurm_resilience.hang import detect, jobrecord
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.heartbeat import slot as S
-from slurm_resilience.heartbeat.localpiece import JobView
-from slurm_resilience.metrics import events, http
+from slurm_resilience.metrics import http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord

@@ -49,10 +49,10 @@ from slurm_resilience.checkpoint.commit import (
     write_commit_marker,
 )
 from slurm_resilience.checkpoint.ranges import ByteRange
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
-from slurm_resilience.checkpoint.uploader import Uploader, s3_settings
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader, s3_settings
 
 BIN = Path(sys.executable).parent
 MIB = 1024 * 1024

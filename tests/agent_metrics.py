@@ -11,11 +11,11 @@ from agent_state import Uploads, Watcher, feed, journal_record
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from slurm_resilience import events
 from slurm_resilience.agent.daemon import Agent
 from slurm_resilience.agent.service import AgentContext, Peer
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.goodput.ledger import Ledger
-from slurm_resilience.metrics import events
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache

@@ -10,14 +10,14 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from slurm_resilience.checkpoint.uploader import UploaderSnapshot
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import detect, jobrecord
-from slurm_resilience.heartbeat.localpiece import JobView
+from slurm_resilience.hang import detect, jobrecord
+from slurm_resilience.hang.localpiece import JobView
+from slurm_resilience.hang.watcher import WatcherSnapshot
 from slurm_resilience.heartbeat.slot import SlotView
-from slurm_resilience.heartbeat.watcher import WatcherSnapshot
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.synthetic import steps
+from slurm_resilience.uploader.service import UploaderSnapshot
 
 
 def slot(rank: int, step: int, dt: float, job_id: int) -> SlotView:

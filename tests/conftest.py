@@ -30,12 +30,12 @@ from typing import Any
 import pytest
 
 from slurm_resilience import log
-from slurm_resilience.checkpoint.s3 import S3, S3Settings
 from slurm_resilience.sandbox import accounting
 from slurm_resilience.sandbox.accounting import ACCT_DB_OFFSET, ACCT_DBD_OFFSET
 from slurm_resilience.sandbox.control import SandboxError, missing_programs
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.sandbox.layout import AGENT_OFFSET, METRICS_OFFSET, S3_OFFSET, Layout
+from slurm_resilience.uploader.s3 import S3, S3Settings
 
 REPO = Path(__file__).resolve().parents[1]
 # Real captures kept in the repo (see tests/fixtures/SOURCES.md).

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import COMMIT
-from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.uploader.s3 import S3
 
 
 def upload_step(s3: S3, run: str, step_dir: Path, *, commit: bool = True,

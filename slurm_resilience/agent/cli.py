@@ -6,12 +6,11 @@ import argparse
 import signal
 from typing import Any
 
-from slurm_resilience import config, log
+from slurm_resilience import config, events, log
 from slurm_resilience.agent.daemon import Agent, load_services
 from slurm_resilience.agent.service import AgentContext
 from slurm_resilience.config import lastgood
 from slurm_resilience.config.paths import node_name
-from slurm_resilience.metrics import events
 from slurm_resilience.slurm.adapter import from_config
 
 

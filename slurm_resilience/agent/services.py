@@ -5,8 +5,8 @@ from __future__ import annotations
 
 SERVICES: list[str] = [
     "slurm_resilience.hooks.supervisor:factory",  # first: hooks are fast from the start
-    "slurm_resilience.heartbeat.watcher:factory",
-    "slurm_resilience.heartbeat.stale:factory",  # removes job run dirs set aside by hooks
-    "slurm_resilience.checkpoint.uploader:factory",
+    "slurm_resilience.hang.watcher:factory",
+    "slurm_resilience.hang.stale:factory",  # removes job run dirs set aside by hooks
+    "slurm_resilience.uploader.service:factory",
     "slurm_resilience.metrics.service:factory",  # last: it reads the others' state
 ]

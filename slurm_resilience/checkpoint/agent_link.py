@@ -113,16 +113,3 @@ def connect(reg: Registration, *, node: str, rank: int, group: Any, policy: str)
             print(f"checkpoint: register: couldn't tell this node's agent about {names}: "
                   f"{refused or unreachable}", file=sys.stderr, flush=True)
     return lost.get(node, "")
-
-
-def node_names(raw: object) -> list[str]:
-    """The agent's check of a ``ckpt.register``'s ``unreachable_nodes`` (a user sends it):
-    a bounded list of plain node names, sorted, without repeats."""
-    from slurm_resilience.agent.service import RequestError
-
-    if not isinstance(raw, list) or len(raw) > MAX_NODE_NAMES or not all(
-            isinstance(n, str) and 0 < len(n) <= 64 and n.isprintable() and " " not in n
-            for n in raw):
-        raise RequestError(f"unreachable_nodes must be a list of at most {MAX_NODE_NAMES} "
-                           "node names")
-    return sorted(set(raw))

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
 
 # What the NCCL prolog/epilog keeps back from the hook's limit for itself (nccl/steps.py).
 NCCL_MARGIN_S = 2.0
-# The epilog polls the agent every this often while uploads are pending (checkpoint/steps.py).
+# The epilog polls the agent every this often while uploads are pending (uploader/steps.py).
 CKPT_POLL_S = 0.5
 # The share of the epilog's spare time (its limit less every wait above) that removing a
-# job's staging dir may take; the rest of the tree is handed to the agent (checkpoint/steps.py).
+# job's staging dir may take; the rest of the tree is handed to the agent (uploader/steps.py).
 EPILOG_REMOVE_SHARE = 0.5
-# The share of a hook's spare time that removing a job's run dir may take (heartbeat/steps.py);
+# The share of a hook's spare time that removing a job's run dir may take (hang/steps.py);
 # with EPILOG_REMOVE_SHARE it leaves a quarter of the epilog's spare time unspent.
 RUN_DIR_REMOVE_SHARE = 0.25
 # Limit of one mount(8) or umount(8) of a job's run-dir tmpfs (heartbeat/jobfs.py).
@@ -123,5 +123,5 @@ def epilog_remove_s(cfg: Config) -> float:
 
 def run_dir_remove_s(cfg: Config, limit_key: str) -> float:
     """Seconds the prolog or epilog (by its limit's key) may spend removing a job's run
-    dir; what doesn't fit is set aside for the agent (heartbeat/steps.py)."""
+    dir; what doesn't fit is set aside for the agent (hang/steps.py)."""
     return spare_s(cfg, limit_key) * RUN_DIR_REMOVE_SHARE

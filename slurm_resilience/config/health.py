@@ -346,6 +346,12 @@ class GdrCheckSection:
              "figure (it ships 380/360), the others the same 90% of line rate")
 
 
+# The module each ``health.backend`` loads (by name, with importlib): production code never
+# imports the hardware stand-in; only this configuration names it. A stand-in has pynvml's
+# interface plus ``use_scenario(path)`` and ``scenario_path(dir, node)``.
+NVML_MODULES = {"nvml": "pynvml", "fake": "slurm_resilience.fakes.nvml"}
+
+
 @dataclass(frozen=True)
 class HealthSection:
     """The node health gate run by the prolog, epilog and HealthCheckProgram."""

@@ -64,7 +64,7 @@ class JobTmpfsSection:
     enabled: bool = setting(
         True, help="mount one on every job's run directory (false: a plain directory, bounded "
                    "only by the filesystem under node.run_dir)")
-    # A 256-byte slot still takes a 4 KiB tmpfs page: 4096 slots (heartbeat.slots.MAX_SLOTS)
+    # A 256-byte slot still takes a 4 KiB tmpfs page: 4096 slots (hang.slotreader.MAX_SLOTS)
     # need 16 MiB. Pages are charged to the memory cgroup of the job that writes them.
     size: ByteSize = setting(
         ByteSize(32 << 20), help="most bytes one job can write there (tmpfs size=)")

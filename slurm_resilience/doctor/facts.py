@@ -182,8 +182,8 @@ def s3_probe(cfg: Config) -> Probe | None:
         return None
     bucket = ck.allowed_prefix.removeprefix("s3://").split("/", 1)[0]
     try:
-        from slurm_resilience.checkpoint.s3 import S3
-        from slurm_resilience.checkpoint.uploader import s3_settings
+        from slurm_resilience.uploader.s3 import S3
+        from slurm_resilience.uploader.service import s3_settings
 
         client = S3(s3_settings(cfg)).client
         if "{" in bucket:  # a per-user bucket: the endpoint answering is what we can check

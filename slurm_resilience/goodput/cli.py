@@ -16,8 +16,8 @@ from slurm_resilience import config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput import compute
 from slurm_resilience.goodput.ledger import JobTimes, Ledger, from_json, merge, note_hangs
-from slurm_resilience.heartbeat.incident import reports_of_job
-from slurm_resilience.heartbeat.status import incident_dir
+from slurm_resilience.hang.incident import reports_of_job
+from slurm_resilience.hang.status import incident_dir
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.jobfacts import SlurmFacts, slurm_facts
 from slurm_resilience.slurm.parse import JobRun
@@ -141,9 +141,9 @@ def gather(cfg: config.Config, nodes: list[str], job_id: int, timeout: float
            ) -> tuple[dict[str, JobTimes | None], dict[str, str]]:
     """Each node's part from its agent (a login node has none of the records); the agents
     that could not be asked, with why."""
-    from slurm_resilience.heartbeat.exchange.credentials import for_queries
     from slurm_resilience.queries.client import ask_all
     from slurm_resilience.queries.urls import agent_urls
+    from slurm_resilience.transport.credentials import for_queries
 
     urls, unknown = agent_urls(cfg, nodes)
     parts: dict[str, JobTimes | None] = dict.fromkeys(nodes)

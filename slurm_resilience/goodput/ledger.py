@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from slurm_resilience.goodput.compute import Hang, Run
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.heartbeat import slot as S
-from slurm_resilience.heartbeat.localpiece import JobView
 from slurm_resilience.log import get_logger
 
 log = get_logger("goodput")
@@ -255,7 +255,7 @@ class Ledger:
                 del job.runs[min(job.runs)]
             if len(job.runs) > 1 and self.incident_dir:
                 # A requeued run: the earlier runs' hang reports are written by now.
-                from slurm_resilience.heartbeat.incident import reports_of_job
+                from slurm_resilience.hang.incident import reports_of_job
 
                 note_hangs(job, reports_of_job(self.incident_dir, job.job_id))
             changed = True

@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from slurm_resilience import log
+from slurm_resilience import events, log
 from slurm_resilience.hooks.context import HookContext, Problem
-from slurm_resilience.metrics import events
 from slurm_resilience.slurm import reasons
 from slurm_resilience.slurm.errors import ForeignDrain, JobNotFound, SlurmError
 from slurm_resilience.slurm.parse import JOB_FINAL_STATES
@@ -133,8 +132,8 @@ def _problems(ctx: HookContext, report: Any) -> list[Problem]:
 
 def count_results(cfg: Config, node: str, kind: str, report: Any) -> None:
     """Each check's worst result, for the agent's metrics (one small locked file write)."""
+    from slurm_resilience import events
     from slurm_resilience.health.findings import Severity
-    from slurm_resilience.metrics import events
 
     ran = [name for name in report.seconds if name != "total"]
     results = {name: max((f.severity for f in report.findings if f.check == name),

@@ -121,7 +121,7 @@ class HookContext:
 
             self._adapter = from_config(self.cfg)
             # Drains a hook makes are counted in this node's metrics (metrics.events).
-            from slurm_resilience.metrics import events
+            from slurm_resilience import events
 
             self._adapter.events_path = events.path_for(self.cfg.node.state_dir, self.node)
         return self._adapter
@@ -129,7 +129,7 @@ class HookContext:
     def count_event(self, kind: str, cause: str) -> None:
         """Count an event of this node in its metrics (metrics.events), for steps of parts
         that sit below metrics (checkpoint): they say what happened, hooks count it."""
-        from slurm_resilience.metrics import events
+        from slurm_resilience import events
 
         events.count(events.path_for(self.cfg.node.state_dir, self.node), kind, cause)
 

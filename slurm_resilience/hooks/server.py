@@ -42,6 +42,7 @@ from typing import Any
 
 from slurm_resilience import config, log
 from slurm_resilience.config import Config, lastgood
+from slurm_resilience.config.health import NVML_MODULES
 from slurm_resilience.config.paths import node_name
 from slurm_resilience.hooks import endpoint, runner, steps
 from slurm_resilience.logbudget import LogBudget
@@ -123,8 +124,8 @@ def warm(cfg: Config | None) -> list[str]:
         mod = importlib.import_module(package)
         names.update(f"{package}.{m.name}" for m in pkgutil.iter_modules(mod.__path__))
     names.add("slurm_resilience.slurm.adapter")
-    if cfg is not None and cfg.health.backend == "fake":
-        names.add("slurm_resilience.fakes.nvml")
+    if cfg is not None and cfg.health.backend != "nvml":
+        names.add(NVML_MODULES[cfg.health.backend])
     failed = []
     for name in sorted(names):
         try:

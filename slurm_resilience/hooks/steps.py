@@ -10,15 +10,15 @@ from __future__ import annotations
 
 PROLOG: list[str] = [
     "slurm_resilience.health.steps:prolog",
-    "slurm_resilience.heartbeat.steps:prolog_run_dir",
-    "slurm_resilience.checkpoint.steps:prolog",
+    "slurm_resilience.hang.steps:prolog_run_dir",
+    "slurm_resilience.uploader.steps:prolog",
     "slurm_resilience.nccl.steps:prolog",
 ]
 
 EPILOG: list[str] = [
     "slurm_resilience.health.steps:epilog",
-    "slurm_resilience.heartbeat.steps:epilog_run_dir",
-    "slurm_resilience.checkpoint.steps:epilog",
+    "slurm_resilience.hang.steps:epilog_run_dir",
+    "slurm_resilience.uploader.steps:epilog",
     "slurm_resilience.nccl.steps:epilog",
 ]
 

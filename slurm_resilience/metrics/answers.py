@@ -24,8 +24,8 @@ def handlers(cfg: Config, node: str) -> dict[str, Handler]:
 
     def report(job_id: int, uid: int) -> Mapping[str, Any]:
         from slurm_resilience.agent.service import Peer, RequestError
-        from slurm_resilience.heartbeat import handlers as hang
-        from slurm_resilience.heartbeat.status import incident_dir
+        from slurm_resilience.hang import socketapi as hang
+        from slurm_resilience.hang.status import incident_dir
 
         incidents = incident_dir(node_path(cfg.node.state_dir, node),
                                  node_path(cfg.heartbeat.incident_dir, node))

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.config import Config
 from slurm_resilience.config.metrics import StragglerSection
-from slurm_resilience.heartbeat import policy
-from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.hang import policy
+from slurm_resilience.hang import requeue as R
 from slurm_resilience.metrics import observe
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 from slurm_resilience.stragglers.record import MIN_USERS

@@ -22,17 +22,17 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slurm_resilience import __version__
-from slurm_resilience.checkpoint.journal import StepState, failed_steps, pending_steps
+from slurm_resilience import __version__, events
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events, observe
+from slurm_resilience.metrics import observe
 from slurm_resilience.metrics.configstate import ConfigWatch
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import jobs_of, users_of
+from slurm_resilience.uploader.journal import StepState, failed_steps, pending_steps
 
 log = get_logger("metrics")
 
@@ -73,8 +73,8 @@ class AgentSources:
     events_path: str
     nccl_path: str
     started: float = field(default_factory=time.time)
-    watcher: Any = None  # heartbeat.watcher.HangWatcher
-    uploader: Any = None  # checkpoint.uploader.Uploader
+    watcher: Any = None  # hang.watcher.HangWatcher
+    uploader: Any = None  # uploader.service.Uploader
     steps: StepWatch | None = None
     nodes: Any = None  # stragglers.nodeexchange.NodeExchange
     ledger: Ledger | None = None
@@ -236,7 +236,7 @@ class AgentCollector(Collector):
         for job_id in open_:
             inc.add_metric([str(job_id)], 1)
         yield inc
-        suspects = getattr(w, "suspects", None)  # heartbeat.suspect.SuspectWatch
+        suspects = getattr(w, "suspects", None)  # hang.suspect.SuspectWatch
         if suspects is not None:
             g = _gauge("node_suspicion_users", "users whose jobs made this node a hang suspect "
                        "within heartbeat.suspect_window_s (each suspicion verified; at "

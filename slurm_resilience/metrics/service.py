@@ -16,15 +16,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from slurm_resilience import events
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput.ledger import Ledger
-from slurm_resilience.heartbeat import policy
-from slurm_resilience.heartbeat.actions import record_takeout
-from slurm_resilience.heartbeat.takeouts import user_key
+from slurm_resilience.hang import policy
+from slurm_resilience.hang.actions import record_takeout
+from slurm_resilience.hang.takeouts import user_key
 from slurm_resilience.log import get_logger
-from slurm_resilience.metrics import events, http
+from slurm_resilience.metrics import http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
 from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -123,9 +124,9 @@ class MetricsService:
 
     def _queries(self, metrics_app: Any) -> Any:
         """The endpoint also answers a login node's questions about a job (queries)."""
-        from slurm_resilience.heartbeat.exchange.credentials import for_queries
         from slurm_resilience.metrics import answers
         from slurm_resilience.queries.server import QueryApp
+        from slurm_resilience.transport.credentials import for_queries
 
         return QueryApp(self.node, for_queries(self.cfg.heartbeat.exchange),
                         answers.handlers(self.cfg, self.node), metrics_app)
@@ -262,7 +263,7 @@ class MetricsService:
     def _suspect(self, job_id: int, user: str, what: str, jobs: list[int]) -> str:
         """Drain as a hang suspect within the hang handling's hourly budgets (counted from
         Slurm's node reasons): the node's own agent verifies it once the jobs left
-        (heartbeat.suspect) and returns it to service or keeps it drained. Returns what was
+        (hang.suspect) and returns it to service or keeps it drained. Returns what was
         done. The jobs are counted only once the drain is set, so a failure tries again at
         the next naming and a drain is never repeated for the same jobs."""
         hb = self.live_cfg.heartbeat

@@ -58,7 +58,7 @@ def fmt_size(size: int) -> str:
 def model_matches(pattern: str, name: str) -> bool:
     """``H100`` matches ``NVIDIA H100 80GB HBM3`` but not ``GH100``, nor a PCIe/NVL board
     (``NVIDIA H100 PCIe``, ``NVIDIA H200 NVL``) unless the pattern names it; case-insensitive."""
-    from slurm_resilience.health import gpu_models
+    from slurm_resilience import gpu_models
 
     return gpu_models.matches(pattern, name)
 

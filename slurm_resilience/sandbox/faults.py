@@ -463,5 +463,5 @@ def heal(state_dir: Path, node: str) -> str:
 
 
 # Faults of other capabilities register themselves (last: they call register()).
-import slurm_resilience.nccl.sandbox_faults  # noqa: E402, F401
-from slurm_resilience.stragglers import sandbox_faults as _stragglers  # noqa: E402, F401
+import slurm_resilience.sandbox.nccl_faults  # noqa: E402
+import slurm_resilience.sandbox.straggler_faults  # noqa: E402, F401

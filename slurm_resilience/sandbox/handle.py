@@ -16,8 +16,8 @@ from typing import Any
 
 from slurm_resilience.proc import Completed, Runner
 from slurm_resilience.sandbox import control, resilience_conf
-from slurm_resilience.sandbox.control import S3Info
 from slurm_resilience.sandbox.layout import Layout
+from slurm_resilience.sandbox.statefiles import S3Info
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import JOB_FINAL_STATES, JobInfo

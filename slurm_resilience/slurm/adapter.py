@@ -38,7 +38,7 @@ from slurm_resilience.slurm.parse import (
     parse_show_config,
 )
 from slurm_resilience.slurm.parse_json import parse_jobs_json, parse_nodes_json
-from slurm_resilience.slurm.reasons import MAX_REASON, clean_reason
+from slurm_resilience.slurm.reasons import MAX_REASON, cause_of, clean_reason
 
 __all__ = ["MAX_REASON", "SlurmAdapter", "clean_reason", "from_config"]
 
@@ -138,10 +138,10 @@ class SlurmAdapter:
 
     def _count(self, kind: str, reason: str) -> None:
         if self.events_path:
-            from slurm_resilience.metrics import events
+            from slurm_resilience import events
 
             cause = reason if kind in ("requeue", "hold", "cancel") else \
-                events.cause_of(reason, self.prefix)
+                cause_of(reason, self.prefix)
             events.count(self.events_path, kind, cause)
 
     def slurm_version(self) -> tuple[int, int]:

@@ -90,3 +90,14 @@ def owned_by(reason: str, prefix: str, owner: str, legacy: Iterable[str] = ()) -
     remembered = set(legacy)
     parts = reason[len(prefix):].strip().split("; ")
     return reason.startswith(prefix) and bool(remembered) and set(parts) <= remembered
+
+
+def cause_of(reason: str, prefix: str) -> str:
+    """The cause of one of our Slurm reasons: its owner tags (``health``, ``nccl``,
+    ``hang``...), else ``other``."""
+    own = parse(reason, prefix)
+    if own is not None:
+        return ",".join(sorted(own.owners))
+    if "hang" in reason:
+        return "hang_suspect" if "suspect" in reason else "hang"
+    return "other"

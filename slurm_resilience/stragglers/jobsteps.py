@@ -7,7 +7,7 @@ by :mod:`.detect`. A rank named for the first time in a job adds the job to this
 :class:`~.record.StragglerRecord`; with ``suspect_after_jobs`` set, a node named in that
 many different jobs, of at least two different users (:func:`~.record.suspicion`), is
 drained as a hang suspect within the hang budgets, which its own agent then verifies
-(:mod:`slurm_resilience.heartbeat.suspect`) and returns to service or keeps drained.
+(:mod:`slurm_resilience.hang.suspect`) and returns to service or keeps drained.
 
 Everything here is bounded by the jobs on the node and the window per rank; a job's state
 goes when the job leaves the hang watcher.
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from slurm_resilience.config.metrics import StragglerSection
-from slurm_resilience.heartbeat.jobrecord import JobRecord
-from slurm_resilience.heartbeat.localpiece import JobView
+from slurm_resilience.hang.jobrecord import JobRecord
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.log import get_logger
 from slurm_resilience.stragglers.detect import Tracker
 from slurm_resilience.stragglers.nodeexchange import LocalJob

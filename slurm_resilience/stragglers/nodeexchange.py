@@ -2,7 +2,7 @@
 verdicts back to the nodes it names (the decisions are :mod:`.nodes`, pure).
 
 Transport: the agents' munge-authenticated exchange
-(:class:`~slurm_resilience.heartbeat.exchange.NetworkRendezvous`, its listener caps, uid and
+(:class:`~slurm_resilience.hang.netrendezvous.NetworkRendezvous`, its listener caps, uid and
 binding checks), with two message kinds of its own: ``steps`` (summaries, child to parent,
 once per ``stragglers.node_interval_s``; an unreachable parent is skipped for the next
 ancestor) and ``named`` (judge to named node). A message is accepted only for a job running
@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurm_resilience.config.metrics import StragglerSection
-from slurm_resilience.heartbeat.exchange.tree import Tree
-from slurm_resilience.heartbeat.exchange.wire import Kind, Message
 from slurm_resilience.log import get_logger
 from slurm_resilience.stragglers.detect import MIN_MEMBERS
 from slurm_resilience.stragglers.nodes import (
@@ -40,6 +38,8 @@ from slurm_resilience.stragglers.nodes import (
     parse_verdict,
 )
 from slurm_resilience.stragglers.record import Entry, StragglerRecord
+from slurm_resilience.transport.tree import Tree
+from slurm_resilience.transport.wire import Kind, Message
 
 log = get_logger("stragglers")
 

@@ -3,7 +3,7 @@ agent per job from every node's summary (pure: records in, judgements out; no I/
 
 Each agent summarises each job with slots on its node (:class:`NodeSummary`: the median of
 its ranks' recent step times, the steps in its window, its ranks, its latest step) and sends
-it up the job's fan-in tree (:mod:`slurm_resilience.heartbeat.exchange.tree`) to the job's
+it up the job's fan-in tree (:mod:`slurm_resilience.transport.tree`) to the job's
 *judge*, its first node (:func:`judge_of`: the first of the node list every agent of the
 job has from the prolog, so all agents agree without asking Slurm). Inner nodes forward
 their subtree's latest summaries once per interval; the judge keeps the latest of each node

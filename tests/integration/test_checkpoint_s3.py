@@ -30,11 +30,11 @@ from slurm_resilience.checkpoint.agent_ranges import batches
 from slurm_resilience.checkpoint.commit import CheckpointError, committed_steps
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
-from slurm_resilience.checkpoint.uploader import Uploader, s3_settings
 from slurm_resilience.cli import main as cli_main
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader, s3_settings
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = Peer(pid=1, uid=0, gid=0)
@@ -236,7 +236,7 @@ def test_sigkilled_agent_resumes_without_resending_parts(env: tuple[Endpoint, Pa
         "  rate_limit: 8MiB"]) + "\n")
     script = textwrap.dedent(f"""
         from slurm_resilience import config
-        from slurm_resilience.checkpoint.uploader import Uploader
+        from slurm_resilience.uploader.service import Uploader
         Uploader(config.load({str(conf)!r}), "n1").run_pass()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
@@ -383,7 +383,7 @@ def test_orphaned_upload_of_our_key_is_aborted(env: tuple[Endpoint, Path]) -> No
 def test_multipart_etag_matches_the_server(env: tuple[Endpoint, Path]) -> None:
     """Our MD5-of-part-MD5s ETag equals what the server answers, so a completed upload is
     verified without reading the object back; a wrong part list would not match."""
-    from slurm_resilience.checkpoint.s3 import multipart_etag
+    from slurm_resilience.uploader.s3 import multipart_etag
 
     ep, base = env
     s3 = S3(s3_settings(_cfg(ep, base)))
@@ -458,7 +458,7 @@ def test_permanent_s3_error_fails_the_step_with_its_reason(env: tuple[Endpoint, 
     up.run_pass()
     st = up.on_status({"job_id": 111}, ROOT)
     assert st["pending"] == [] and "403" in st["failed"].get("1", ""), st
-    from slurm_resilience.checkpoint import upload_status
+    from slurm_resilience.uploader import upload_status
 
     shown = upload_status.render(upload_status.collect(base / "state" / "ckpt-journal"))
     assert "job 111 (root) s3://ckpt/root/denied" in shown and "step 1 not uploaded" in shown
@@ -670,7 +670,7 @@ def test_no_job_can_stop_another_jobs_upload(env: tuple[Endpoint, Path],
     assert not hostile.exists() and 170 not in up.jobs
     assert Path("/etc/passwd").is_file()
     assert up.jobs[171]["state"] == "failed"  # not tried again at once
-    from slurm_resilience.checkpoint.uploader import FAILED_RETRY_S
+    from slurm_resilience.uploader.service import FAILED_RETRY_S
 
     up.fixed = True
     up.jobs[171]["failed_at"] -= FAILED_RETRY_S  # an hour later it gets one more try

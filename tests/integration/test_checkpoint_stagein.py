@@ -42,11 +42,11 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
     write_commit_marker,
 )
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
-from slurm_resilience.checkpoint.uploader import Uploader, s3_settings
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.sandbox.s3faults import S3FaultProxy
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader, s3_settings
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"

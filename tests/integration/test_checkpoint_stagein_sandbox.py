@@ -19,8 +19,8 @@ from slurm_resilience.checkpoint.commit import (
     commit_part,
     write_commit_marker,
 )
-from slurm_resilience.checkpoint.s3 import S3, S3Settings
 from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.uploader.s3 import S3, S3Settings
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 

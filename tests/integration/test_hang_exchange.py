@@ -15,9 +15,9 @@ import pytest
 from conftest import PYTHON_SYS, as_user
 from hang_jobs import TRAIN, acting, output, reports, submit, wait_for
 
-from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
-from slurm_resilience.heartbeat.exchange.wire import Kind, Message
 from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.transport.credentials import MungeCredentials
+from slurm_resilience.transport.wire import Kind, Message
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]

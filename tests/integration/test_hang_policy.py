@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from hang_jobs import output, reports, wait_for
 
-from slurm_resilience.heartbeat import suspect
+from slurm_resilience.hang import suspect
 from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 

@@ -19,12 +19,12 @@ from conftest import events_saying
 
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer, RequestError
-from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.manager import CheckpointError, CheckpointManager
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
-from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.cli import format_status
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader
 
 USER = pwd.getpwuid(os.getuid()).pw_name
 URI = f"s3://ckpt/{USER}/run"
@@ -217,7 +217,7 @@ def test_ckpt_status_on_a_node_without_its_agent_says_its_checkpoints_stay_there
     checkpoints there are not uploaded, naming the node and the cause."""
     import argparse
 
-    from slurm_resilience.checkpoint.cli import run_status
+    from slurm_resilience.uploader.cli import run_status
 
     env = _env(tmp_path, "n7", f"{tmp_path}/{{node}}/agent.sock")
     args = argparse.Namespace(config=env["SLURM_RESILIENCE_CONFIG"], node="n7", job_id=JOB,

@@ -25,13 +25,13 @@ from moto_s3 import copy_step, upload_step
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.commit import step_name
-from slurm_resilience.checkpoint.journal import Journal, new_record
 from slurm_resilience.checkpoint.manager import CheckpointError, CheckpointManager
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.checkpoint.staging import create_job_dir
-from slurm_resilience.checkpoint.upload_requests import on_stage
-from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.journal import Journal, new_record
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader
+from slurm_resilience.uploader.upload_requests import on_stage
 
 JOB = 12
 USER = pwd.getpwuid(os.getuid()).pw_name

@@ -13,20 +13,20 @@ import pytest
 from slurm_resilience.checkpoint import quota, reclaim_record
 from slurm_resilience.checkpoint.commit import step_name
 from slurm_resilience.checkpoint.errors import CheckpointError
-from slurm_resilience.checkpoint.eviction import (
-    StagedStep,
-    evictable,
-    plan_eviction,
-    reclaimable,
-)
-from slurm_resilience.checkpoint.journal import JobRecord, JobState, new_record
-from slurm_resilience.checkpoint.space import SpaceKeeper
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.config.health import NvmeCheckSection
 from slurm_resilience.config.loader import ByteSize
 from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.collectors import nvme as collector
 from slurm_resilience.health.findings import Severity
+from slurm_resilience.uploader.eviction import (
+    StagedStep,
+    evictable,
+    plan_eviction,
+    reclaimable,
+)
+from slurm_resilience.uploader.journal import JobRecord, JobState, new_record
+from slurm_resilience.uploader.space import SpaceKeeper
 
 GiB = 1 << 30
 NOW = 1_000_000.0
@@ -236,7 +236,7 @@ def test_ckpt_status_names_a_job_over_its_staging_quota(tmp_path: Path) -> None:
     """After the agent's pass found a job over its quota, the job's ckpt.status says so
     with usage, quota and setting; a job within its quota gets None."""
     from slurm_resilience.agent.service import Peer
-    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.uploader.service import Uploader
 
     _step(tmp_path / "nvme", 7, 1, 60 * GiB)
     _step(tmp_path / "nvme", 8, 1, GiB)

@@ -16,12 +16,12 @@ import torch
 
 from slurm_resilience import log
 from slurm_resilience.agent.server import AgentServer
-from slurm_resilience.checkpoint import steps
 from slurm_resilience.checkpoint.commit import committed_steps
 from slurm_resilience.checkpoint.manager import CheckpointManager
-from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.uploader import steps
+from slurm_resilience.uploader.service import Uploader
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks")
 UID, GID = 54321, 54321

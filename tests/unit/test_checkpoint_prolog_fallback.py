@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import events_saying
 
+from slurm_resilience import events as metric_events
 from slurm_resilience.agent.server import AgentServer
-from slurm_resilience.checkpoint import steps
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks.context import HookContext
-from slurm_resilience.metrics import events as metric_events
 from slurm_resilience.testing import FakeClock
+from slurm_resilience.uploader import steps
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks")
 UID, GID = 54321, 54321

@@ -9,19 +9,19 @@ import pytest
 
 from slurm_resilience.checkpoint.agent_ranges import BATCH_BYTES, batches
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
-from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import CheckpointError, FileEntry
-from slurm_resilience.checkpoint.fetch import (
+from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
+from slurm_resilience.testing import FakeClock
+from slurm_resilience.uploader.cli import format_status
+from slurm_resilience.uploader.fetch import (
     FetchError,
     _File,
     _needed_blocks,
     _StepFiles,
     parse_ranges,
 )
-from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
-from slurm_resilience.checkpoint.s3 import TransientS3Error
-from slurm_resilience.checkpoint.stagein import StageinFailed, StageinPolicy, retrying
-from slurm_resilience.testing import FakeClock
+from slurm_resilience.uploader.s3 import TransientS3Error
+from slurm_resilience.uploader.stagein import StageinFailed, StageinPolicy, retrying
 
 
 def test_transient_errors_are_retried_until_they_stop() -> None:

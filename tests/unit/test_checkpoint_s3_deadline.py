@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_resilience.checkpoint.deadline import DeadlineExceeded, run_within
-from slurm_resilience.checkpoint.fetch import FetchError, FetchJob, FetchSettings, RangeFetcher
 from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.ranges import ByteRange
-from slurm_resilience.checkpoint.s3 import S3, S3Settings
-from slurm_resilience.checkpoint.stagein import StageinFailed, StageinPolicy, stage_in
 from slurm_resilience.checkpoint.staging import create_job_dir, open_job_dir
+from slurm_resilience.uploader.deadline import DeadlineExceeded, run_within
+from slurm_resilience.uploader.fetch import FetchError, FetchJob, FetchSettings, RangeFetcher
+from slurm_resilience.uploader.s3 import S3, S3Settings
+from slurm_resilience.uploader.stagein import StageinFailed, StageinPolicy, stage_in
 
 JOB = 11
 
@@ -109,7 +109,7 @@ def test_restore_fetch_from_a_silent_endpoint_fails_naming_s3_and_the_operation(
 def test_an_operation_past_its_limit_is_given_up_and_its_retries_stop() -> None:
     """run_within gives up on an operation at its limit; inside it, the deadline is known
     (seconds_left), so S3.call starts no attempt after it."""
-    from slurm_resilience.checkpoint.deadline import seconds_left
+    from slurm_resilience.uploader.deadline import seconds_left
 
     release = threading.Event()
     seen: list[float | None] = []
@@ -133,8 +133,8 @@ def test_stagein_whose_staging_dir_went_away_says_so_not_just_enoent(
     import pwd
 
     from slurm_resilience.agent.service import Peer
-    from slurm_resilience.checkpoint.uploader import Uploader
     from slurm_resilience.config import Config, load_text
+    from slurm_resilience.uploader.service import Uploader
 
     cfg = load_text(Config, "\n".join([
         "node:", f"  state_dir: {tmp_path}/state",

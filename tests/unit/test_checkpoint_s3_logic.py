@@ -14,16 +14,17 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from slurm_resilience.checkpoint.crc_combine import combine_parts, crc32c_combine
-from slurm_resilience.checkpoint.fairpool import FairPool
-from slurm_resilience.checkpoint.journal import (
+from slurm_resilience.config import Config, ConfigError, load_text
+from slurm_resilience.uploader.fairpool import FairPool
+from slurm_resilience.uploader.journal import (
     JobState,
     Journal,
     StageinState,
     StepState,
     new_record,
 )
-from slurm_resilience.checkpoint.retention import plan_remote_retention
-from slurm_resilience.checkpoint.s3 import (
+from slurm_resilience.uploader.retention import plan_remote_retention
+from slurm_resilience.uploader.s3 import (
     MAX_OBJECT_SIZE,
     MAX_PARTS,
     MiB,
@@ -31,7 +32,6 @@ from slurm_resilience.checkpoint.s3 import (
     is_transient,
     plan_part_size,
 )
-from slurm_resilience.config import Config, ConfigError, load_text
 
 TiB = 1024**4
 
@@ -211,8 +211,8 @@ def test_job_start_refuses_a_bool_or_float_job_id(tmp_path: Path) -> None:
     """ckpt.job_start types each field: True is not job 1 and 7.9 is not job 7 (int()
     took both); the refusal names the field, and nothing is journaled."""
     from slurm_resilience.agent.service import Peer, RequestError
-    from slurm_resilience.checkpoint.uploader import Uploader
     from slurm_resilience.config import Config, load_text
+    from slurm_resilience.uploader.service import Uploader
 
     cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}/state\ncheckpoint:\n"
                             f"  staging_root: {tmp_path}/nvme\n")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from slurm_resilience.checkpoint.commit import Crc32c
-from slurm_resilience.checkpoint.s3 import S3
+from slurm_resilience.uploader.s3 import S3
 
 KEY = "run/step-00000001/COMMIT.json"
 

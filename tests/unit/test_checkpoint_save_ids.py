@@ -25,14 +25,14 @@ from slurm_resilience.checkpoint.commit import (
     verify_step,
     write_commit_marker,
 )
-from slurm_resilience.checkpoint.intent import Intent
-from slurm_resilience.checkpoint.journal import StepState
 from slurm_resilience.checkpoint.prefix import parse_uri
-from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import StageinPolicy, read_remote_step, stage_in
 from slurm_resilience.checkpoint.staging import create_job_dir, open_job_dir
-from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.intent import Intent
+from slurm_resilience.uploader.journal import StepState
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader
+from slurm_resilience.uploader.stagein import StageinPolicy, read_remote_step, stage_in
 
 ROOT = Peer(pid=1, uid=0, gid=0)
 OLD = "0000000000000001-j3.r0.deadbeef"  # the dead job's save of step 10 (long ago)

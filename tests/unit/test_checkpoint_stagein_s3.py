@@ -13,7 +13,6 @@ import torch
 from moto_s3 import copy_step, upload_step
 
 from slurm_resilience.agent.service import Peer, RequestError
-from slurm_resilience.checkpoint.cli import format_status
 from slurm_resilience.checkpoint.commit import COMMIT, committed_steps, read_marker, step_name
 from slurm_resilience.checkpoint.manager import (
     ENV_ALLOW_OLDER,
@@ -23,8 +22,6 @@ from slurm_resilience.checkpoint.manager import (
     StageinStatus,
 )
 from slurm_resilience.checkpoint.prefix import parse_uri
-from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
 from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
 from slurm_resilience.checkpoint.staging import (
     STALE,
@@ -32,8 +29,11 @@ from slurm_resilience.checkpoint.staging import (
     open_job_dir,
     set_aside_step,
 )
-from slurm_resilience.checkpoint.uploader import Uploader
 from slurm_resilience.config import Config, load_text
+from slurm_resilience.uploader.cli import format_status
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.service import Uploader
+from slurm_resilience.uploader.stagein import StageinPolicy, stage_in
 
 JOB = 7
 

@@ -22,14 +22,14 @@ from slurm_resilience.checkpoint.commit import (
     read_manifest,
     step_name,
 )
-from slurm_resilience.checkpoint.fetch import FetchJob, FetchSettings, RangeFetcher
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.checkpoint.prefix import parse_uri
-from slurm_resilience.checkpoint.pullverify import verify_remote
 from slurm_resilience.checkpoint.ranges import ByteRange
-from slurm_resilience.checkpoint.s3 import S3
-from slurm_resilience.checkpoint.stagein import StageinPolicy, stage_in
 from slurm_resilience.checkpoint.staging import create_job_dir, open_job_dir, set_aside_step
+from slurm_resilience.uploader.fetch import FetchJob, FetchSettings, RangeFetcher
+from slurm_resilience.uploader.pullverify import verify_remote
+from slurm_resilience.uploader.s3 import S3
+from slurm_resilience.uploader.stagein import StageinPolicy, stage_in
 
 N = 300_000  # float32: 4 whole 256 KiB blocks and a short fifth
 URI = "s3://ckpt/run"

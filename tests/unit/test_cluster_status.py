@@ -12,9 +12,10 @@ from pathlib import Path
 from agent_state import Uploads, Watcher, journal_record, slot, view
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
+from slurm_resilience import events
 from slurm_resilience.config import Config
 from slurm_resilience.goodput.ledger import Ledger
-from slurm_resilience.metrics import cluster, events
+from slurm_resilience.metrics import cluster
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
 from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 from slurm_resilience.stragglers.jobsteps import StepWatch
@@ -76,7 +77,7 @@ def test_the_view_names_drains_suspects_held_jobs_and_the_slow_node(tmp_path: Pa
 
 
 def test_held_jobs_come_from_our_ledger_only() -> None:
-    from slurm_resilience.heartbeat import requeue as R
+    from slurm_resilience.hang import requeue as R
 
     ledger = R.Ledger(requeues=2, ckpt_step=100, restart=2).token()
     jobs = [JobInfo(9, "t", "bob", 1001, "PENDING", reason="job requeued in held state",
@@ -89,7 +90,7 @@ def test_held_jobs_come_from_our_ledger_only() -> None:
 def test_jobs_pending_with_our_exclusions_are_listed_and_stranded_ones_flagged() -> None:
     """status --cluster lists the jobs the suite requeued with nodes excluded, and says how
     to free one Slurm can never start so (BadConstraints)."""
-    from slurm_resilience.heartbeat import requeue as R
+    from slurm_resilience.hang import requeue as R
 
     ledger = R.Ledger(requeues=1, ckpt_step=10, restart=1).token()
     jobs = [JobInfo(11, "t", "bob", 1001, "PENDING", reason="Priority", admin_comment=ledger,

@@ -13,7 +13,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from slurm_resilience.config import Config, lastgood
-from slurm_resilience.heartbeat import status as st
+from slurm_resilience.hang import status as st
 from slurm_resilience.metrics.configstate import NAME, ConfigWatch
 
 GOOD = "hooks:\n  prolog_timeout_s: 7\n"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from slurm_resilience.checkpoint.s3 import S3
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.doctor import checks, facts
 from slurm_resilience.doctor.facts import Facts, HookLimits, Probe, Program
 from slurm_resilience.slurm.parse import parse_show_config
+from slurm_resilience.uploader.s3 import S3
 
 SHOW_CONFIG = """\
 Configuration data as of 2026-11-26T11:00:00

@@ -19,7 +19,7 @@ import pytest
 from conftest import as_user, start_sleeper
 
 from slurm_resilience import safefs
-from slurm_resilience.heartbeat import evidence
+from slurm_resilience.hang import evidence
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
 

@@ -20,12 +20,12 @@ from conftest import PYTHON_SYS, REPO, as_user
 
 from slurm_resilience import log
 from slurm_resilience.config.heartbeat import ExchangeSection
-from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
-from slurm_resilience.heartbeat.exchange.rendezvous import AddressBook, NetworkRendezvous
-from slurm_resilience.heartbeat.exchange.tree import Tree
-from slurm_resilience.heartbeat.exchange.wire import LENGTH, Kind, Message, connect
+from slurm_resilience.hang.netrendezvous import AddressBook, NetworkRendezvous
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.transport.credentials import MungeCredentials
+from slurm_resilience.transport.tree import Tree
+from slurm_resilience.transport.wire import LENGTH, Kind, Message, connect
 
 MUNGED = shutil.which("munged", path="/usr/sbin:/usr/bin:/sbin:/bin")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or MUNGED is None,
@@ -348,7 +348,7 @@ def test_privileged_connect_explains_a_port_it_may_not_bind(
     """An agent not allowed a port below 1024 fails with a message that says what to do,
     not with a bare permission error."""
     probe = ("import sys, time\n"
-             "from slurm_resilience.heartbeat.exchange.wire import connect\n"
+             "from slurm_resilience.transport.wire import connect\n"
              "try:\n"
              "    connect(('127.0.0.1', 9), time.monotonic() + 5, privileged=True)\n"
              "except OSError as exc:\n"
@@ -395,7 +395,7 @@ def test_peer_addresses_come_from_config_then_one_slurm_call() -> None:
 
 OUT_OF_FDS = """
 import resource, socket, sys, time
-from slurm_resilience.heartbeat.exchange.listener import Listener
+from slurm_resilience.transport.listener import Listener
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 holder = []
 listener = Listener("127.0.0.1", 0, lambda frame, peer: "ok", max_connections=1000,
@@ -441,8 +441,8 @@ def test_straggler_nodes_are_judged_by_the_jobs_first_node_and_told_over_the_exc
 
     from slurm_resilience.config.heartbeat import HeartbeatSection
     from slurm_resilience.config.metrics import StragglerSection
-    from slurm_resilience.heartbeat import detect, jobrecord
-    from slurm_resilience.heartbeat.localpiece import JobView
+    from slurm_resilience.hang import detect, jobrecord
+    from slurm_resilience.hang.localpiece import JobView
     from slurm_resilience.stragglers.jobsteps import StepWatch
     from slurm_resilience.stragglers.nodeexchange import NodeExchange
     from slurm_resilience.stragglers.record import StragglerRecord

@@ -15,6 +15,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import GpuCheckSection
 from slurm_resilience.fakes import nvml as fake
+from slurm_resilience.fakes import nvml_captures
 from slurm_resilience.health.checks import gpu as gpu_check
 from slurm_resilience.health.collectors import nvml as collector
 from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
@@ -30,7 +31,7 @@ def collect(tmp_path: Path, scenario: dict[str, Any], node: str = "n1") -> NvmlS
 
 
 def smi(name: str) -> dict[str, Any]:
-    return fake.scenario_from_nvidia_smi((SMI / name).read_text())
+    return nvml_captures.scenario_from_nvidia_smi((SMI / name).read_text())
 
 
 def test_constants_and_error_codes_match_pynvml() -> None:
@@ -185,7 +186,7 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
     """The collector against the stand-in with scenario_from_nvml_raw(nvml-raw.json) gives
     the snapshot the same collector took of the real H200 (nvml-snapshot.json)."""
     raw = _capture("nvml-raw.json")
-    fake.write_scenario(str(tmp_path / "vm.json"), fake.scenario_from_nvml_raw(raw))
+    fake.write_scenario(str(tmp_path / "vm.json"), nvml_captures.scenario_from_nvml_raw(raw))
     modules, pci = _capture_node(tmp_path)
     got = collector.collect("fake", str(tmp_path), "vm", modules, pci).to_json()
     want = _capture("nvml-snapshot.json")
@@ -265,7 +266,7 @@ def test_raw_capture_errors_other_than_not_supported_are_answered_alike(
 
 
 def _answers_as_recorded(tmp_path: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    scenario = fake.scenario_from_nvml_raw(raw)
+    scenario = nvml_captures.scenario_from_nvml_raw(raw)
     fake.write_scenario(str(tmp_path / "vm.json"), scenario)
     fake.use_scenario(str(tmp_path / "vm.json"))
     unc, cor = fake.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, fake.NVML_MEMORY_ERROR_TYPE_CORRECTED

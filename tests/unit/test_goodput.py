@@ -236,7 +236,7 @@ def test_the_goodput_command_prints_the_breakdown_and_says_when_slurm_is_away(
 
 
 def test_the_hang_report_links_to_goodput() -> None:
-    from slurm_resilience.heartbeat.incident import render_text
+    from slurm_resilience.hang.incident import render_text
 
     text = render_text({"job_id": 7, "restart": 0, "node": "n1", "mode": "act",
                         "detected_at": 0.0, "ranks": [], "decision": {"action": "requeue"},
@@ -254,7 +254,7 @@ def test_ckpt_status_links_to_goodput(capsys: pytest.CaptureFixture[str]) -> Non
     import tempfile
     import threading
 
-    from slurm_resilience.checkpoint.cli import run_status
+    from slurm_resilience.uploader.cli import run_status
 
     short = tempfile.mkdtemp(prefix="sr-ck-")  # a Unix socket path is at most 107 bytes
     sock_path = os.path.join(short, "agent.sock")

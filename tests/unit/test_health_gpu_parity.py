@@ -11,6 +11,7 @@ from conftest import REAL_FIXTURES
 
 from slurm_resilience.config.health import GpuCheckSection
 from slurm_resilience.fakes import nvml as fake
+from slurm_resilience.fakes import nvml_captures
 from slurm_resilience.health.checks import gpu, gpu_fabric
 from slurm_resilience.health.collectors import nvml as collector
 from slurm_resilience.health.collectors.nvml_types import NvmlSnapshot
@@ -244,7 +245,7 @@ H200 = REAL_FIXTURES / "gpu-capture" / "h200-1gpu-vm_drv580.159.04"
 def h200_node(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     """The real H200 VM: its NVML answers (nvml-raw.json) and a sysfs device directory
     without aer_dev_* files, as facts.json recorded it."""
-    scen = fake.scenario_from_nvml_raw(json.loads((H200 / "nvml-raw.json").read_text()))
+    scen = nvml_captures.scenario_from_nvml_raw(json.loads((H200 / "nvml-raw.json").read_text()))
     pci = tmp_path / "pci"
     (pci / "0000:00:06.0").mkdir(parents=True)
     return scen, pci
@@ -316,7 +317,7 @@ def test_degrading_memory_fails_on_its_corrected_error_rate(tmp_path: Path) -> N
     findings, _ = judge(collect(tmp_path, scen), state=state, now=4200)
     assert fails(findings) == [
         "gpu1 ECC corrected 600000/h (expected <=10000/h; degrading memory)"]
-    real = fake.scenario_from_nvidia_smi(
+    real = nvml_captures.scenario_from_nvidia_smi(
         (REAL_FIXTURES / "nvidia-smi" /
          "nvidia-smi-q_a100-sxm4-80gb-x4_drv555_remap-pending_dram-ce.txt").read_text())
     assert any(g["ecc"]["aggregate_corrected"] > 0 for g in real["gpus"])

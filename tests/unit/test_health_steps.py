@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurm_resilience import config, log
+from slurm_resilience import config, events, log
 from slurm_resilience.health import steps
 from slurm_resilience.hooks.context import HookContext
-from slurm_resilience.metrics import events
 from slurm_resilience.sandbox import faults, hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeRunner, completed

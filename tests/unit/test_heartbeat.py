@@ -14,7 +14,7 @@ from conftest import REPO, as_user, make_traversable
 
 from slurm_resilience import heartbeat
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import detect
+from slurm_resilience.hang import detect
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
 

@@ -16,18 +16,18 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import NodeSection
-from slurm_resilience.heartbeat import (
+from slurm_resilience.hang import (
     actions,
     ckptfacts,
-    handlers,
     incident,
     policy,
     rendezvous,
+    socketapi,
     takeouts,
 )
-from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat.actions import Step, StepKind
-from slurm_resilience.heartbeat.records import (
+from slurm_resilience.hang import blame as B
+from slurm_resilience.hang.actions import Step, StepKind
+from slurm_resilience.hang.incidentrecords import (
     Action,
     NodeCall,
     NodeVerdict,
@@ -37,9 +37,9 @@ from slurm_resilience.heartbeat.records import (
     piece_from_bytes,
     piece_to_bytes,
 )
-from slurm_resilience.heartbeat.store import ClaimBasis, IncidentStore, Progress
-from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
-from slurm_resilience.heartbeat.watcher import HangWatcher
+from slurm_resilience.hang.store import ClaimBasis, IncidentStore, Progress
+from slurm_resilience.hang.suspect import Check, SuspectWatch, Verification
+from slurm_resilience.hang.watcher import HangWatcher
 from slurm_resilience.proc import CommandError, CommandTimeout, Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
@@ -543,7 +543,7 @@ def test_the_agent_keeps_since_when_its_node_is_in_our_drain(tmp_path: Path) -> 
     """Each look at the node records the first time it was seen in our drain (kept while a
     health-check pass sets its reason again, as the drained-too-long alert needs) and
     forgets it once the node is back."""
-    from slurm_resilience.metrics import events
+    from slurm_resilience import events
 
     slurm = SlurmStandIn(node_reason="SR: health: gpu3 XID 79")
     watch = _suspect_watch(tmp_path, slurm)
@@ -586,7 +586,7 @@ def _suspected_by(tmp_path: Path, users: Sequence[tuple[int, str]], deep: Verifi
                   ) -> tuple[SlurmStandIn, SuspectWatch, list[int]]:
     """Each job's suspicion verified in turn (all checks pass), with ``deep`` as the deeper
     verification; returns the last stand-in, the watch and how often ``deep`` ran."""
-    from slurm_resilience.metrics import events
+    from slurm_resilience import events
 
     ran: list[int] = []
 
@@ -612,8 +612,8 @@ def test_a_node_suspected_by_many_users_jobs_that_passes_deeper_checks_returns(
     """Jobs of 3 users suspected the node (user-code sleeps can do that): the third
     suspicion runs the deeper verification, and when it is clean too the node returns to
     service, reported (record for status, counted event, metric), not drained."""
-    from slurm_resilience.heartbeat import status
-    from slurm_resilience.metrics import events
+    from slurm_resilience import events
+    from slurm_resilience.hang import status
 
     clean = Verification((Check("active diagnostics", True, "memtest ok"),
                           Check("longer loopback test", True, "0.76 GB/s")), 2.0)
@@ -631,7 +631,7 @@ def test_a_node_suspected_by_many_users_jobs_that_passes_deeper_checks_returns(
 
 def test_a_failed_deeper_verification_drains_naming_the_check(tmp_path: Path) -> None:
     """Only a failed check drains a repeated suspect: the reason names the deeper check."""
-    from slurm_resilience.metrics import events
+    from slurm_resilience import events
 
     bad = Verification((Check("active diagnostics", False,
                               "gpu2 memory test: 12 bad pages (expected 0)"),), 2.0)
@@ -666,7 +666,7 @@ def test_the_deeper_verification_waits_for_the_node_lock_and_says_when_nothing_r
         tmp_path: Path) -> None:
     """A busy node lock postpones the deeper verification (no evidence either way); with the
     diagnostics and the loopback test switched off it passes and says nothing more ran."""
-    from slurm_resilience.heartbeat.suspect import deep_verify
+    from slurm_resilience.hang.suspect import deep_verify
     from slurm_resilience.nccl import schedule
 
     cfg = _cfg(tmp_path, verify_loopback=False)
@@ -694,22 +694,22 @@ def test_reports_are_fetched_by_their_owner_only(tmp_path: Path) -> None:
               "blame": {"explanation": "x"}, "decision": {"action": "requeue", "reason": "r"},
               "actions": []}
     incident.write_agent_copy(str(tmp_path), report)
-    got = handlers.fetch(str(tmp_path), "node1", {"job_id": 42}, Peer(1, 1000, 1000), 1 << 20)
+    got = socketapi.fetch(str(tmp_path), "node1", {"job_id": 42}, Peer(1, 1000, 1000), 1 << 20)
     assert "job 42 run 0" in got["text"] and got["runs"] == [0]
-    assert handlers.fetch(str(tmp_path), "node1", {"job_id": "42"}, Peer(1, 0, 0), 100)[
+    assert socketapi.fetch(str(tmp_path), "node1", {"job_id": "42"}, Peer(1, 0, 0), 100)[
         "truncated"]
     for job in (42, 43):
         with pytest.raises(RequestError, match=f"no hang report of job {job} for uid 1001"):
-            handlers.fetch(str(tmp_path), "node1", {"job_id": job}, Peer(1, 1001, 1001), 1 << 20)
+            socketapi.fetch(str(tmp_path), "node1", {"job_id": job}, Peer(1, 1001, 1001), 1 << 20)
     with pytest.raises(RequestError, match="must be a job id"):
-        handlers.fetch(str(tmp_path), "node1", {"job_id": "../x"}, Peer(1, 0, 0), 1 << 20)
+        socketapi.fetch(str(tmp_path), "node1", {"job_id": "../x"}, Peer(1, 0, 0), 1 << 20)
     assert os.stat(tmp_path).st_uid == os.geteuid()
 
 
 def test_status_lists_unusable_reports_by_name(tmp_path: Path) -> None:
     """``status`` lists each report; a file that isn't JSON, isn't an object, or lacks a
     report's identity is shown with its name and why, never left out silently."""
-    from slurm_resilience.heartbeat import status
+    from slurm_resilience.hang import status
 
     report: ReportDoc = {"job_id": 42, "restart": 1, "user": "alice", "uid": 1000,
                          "node": "node1", "mode": "act", "detected_at": NOW,
@@ -764,7 +764,7 @@ def test_markers_of_an_earlier_release_count_as_handled(tmp_path: Path) -> None:
 def test_a_report_escapes_what_the_user_controls() -> None:
     """A script path with an ANSI/OSC escape and a newline reaches the report as escaped
     text inside the indented stack: no raw escape byte, no line of its own."""
-    from slurm_resilience.heartbeat.incident import render_text
+    from slurm_resilience.hang.incident import render_text
 
     evil = "/home/u/\x1b]0;owned\x07x\x1b[2J.py\nSR: fake line"
     text = render_text({

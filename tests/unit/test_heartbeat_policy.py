@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import blame as B
-from slurm_resilience.heartbeat import requeue as R
+from slurm_resilience.hang import blame as B
+from slurm_resilience.hang import requeue as R
 
 WAITING = '''Process 4242: python train.py
 Python v3.11.2 (/usr/bin/python3.11)
@@ -130,7 +130,7 @@ def test_merge_comment_keeps_others_text() -> None:
 
 def test_status_lists_our_drains_and_held_hang_jobs() -> None:
     """status shows nodes drained with our prefix and jobs carrying a hang ledger, held or not."""
-    from slurm_resilience.heartbeat import status
+    from slurm_resilience.hang import status
     from slurm_resilience.slurm.parse import parse_job, parse_node
 
     nodes = [parse_node("NodeName=node2 State=IDLE+DRAIN CPUTot=2 CPUAlloc=0 "

@@ -16,8 +16,8 @@ import pytest
 from conftest import PYTHON_SYS, as_user, events_saying
 
 from slurm_resilience.config import Config, load_text
-from slurm_resilience.heartbeat import jobfs, steps
-from slurm_resilience.heartbeat.stale import StaleSweeper
+from slurm_resilience.hang import jobfs, steps
+from slurm_resilience.hang.stale import StaleSweeper
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.proc import CommandError
 from slurm_resilience.sandbox import sweep

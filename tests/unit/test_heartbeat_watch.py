@@ -23,9 +23,9 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.config.schema import JobTmpfsSection, NodeSection
-from slurm_resilience.heartbeat import evidence, jobrecord, steps
+from slurm_resilience.hang import evidence, jobrecord, steps
+from slurm_resilience.hang.watcher import HangWatcher, read_slots
 from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat.watcher import HangWatcher, read_slots
 from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.proc import Completed

@@ -22,17 +22,17 @@ from prometheus_client import CollectorRegistry
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import ExchangeSection, HeartbeatSection
 from slurm_resilience.config.schema import JobTmpfsSection, NodeSection
+from slurm_resilience.hang import steps
+from slurm_resilience.hang.netrendezvous import NetworkRendezvous
+from slurm_resilience.hang.watcher import HangWatcher
 from slurm_resilience.heartbeat import paths as P
-from slurm_resilience.heartbeat import steps
-from slurm_resilience.heartbeat.exchange.credentials import CredentialError, MungeCredentials
-from slurm_resilience.heartbeat.exchange.rendezvous import NetworkRendezvous
-from slurm_resilience.heartbeat.watcher import HangWatcher
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.logbudget import flush_all
 from slurm_resilience.metrics import http as metrics_http
 from slurm_resilience.proc import Runner, Stats
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeRunner
+from slurm_resilience.transport.credentials import CredentialError, MungeCredentials
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="real users need root")
 

@@ -18,10 +18,10 @@ import pytest
 from agent_state import Uploads, Watcher, feed, journal_record, samples, slot, view
 from prometheus_client import CollectorRegistry, generate_latest
 
+from slurm_resilience import events
 from slurm_resilience.agent.daemon import Agent
 from slurm_resilience.agent.service import AgentContext
 from slurm_resilience.config import Config, load_text
-from slurm_resilience.metrics import events
 from slurm_resilience.metrics.collector import (
     EVENT_FAMILIES,
     GATE_RESULTS,
@@ -31,6 +31,7 @@ from slurm_resilience.metrics.collector import (
 from slurm_resilience.metrics.service import MetricsService, write_textfile
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.reasons import cause_of
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
 
@@ -51,10 +52,10 @@ def promtool_check(text: str) -> None:
 def test_events_count_across_writers_and_keep_the_last_gate_results(tmp_path: Path) -> None:
     path = str(tmp_path / "state" / events.FILENAME)
     assert events.read(path) == events.empty()
-    events.count(path, events.DRAIN, events.cause_of("SR: health: gpu3 XID 79", "SR:"))
-    events.count(path, events.DRAIN, events.cause_of(
+    events.count(path, events.DRAIN, cause_of("SR: health: gpu3 XID 79", "SR:"))
+    events.count(path, events.DRAIN, cause_of(
         "SR: hang job 7 user bob at 2026-01-01T00:00:00Z: stalled", "SR:"))
-    events.count(path, events.DRAIN, events.cause_of(
+    events.count(path, events.DRAIN, cause_of(
         "SR: suspect hang job 7 user bob at 2026-01-01T00:00:00Z: x; verifying", "SR:"))
     events.count(path, events.DRAIN, "SR: health: again")
     events.gate_results(path, "prolog", {"gpu": "fail", "xid": "ok"}, now=5.0)
@@ -112,8 +113,8 @@ def test_a_drain_counts_a_node_going_into_our_drain_not_each_call(tmp_path: Path
     """Draining a node already in our drain (each health-check pass, another reason of ours)
     changes the reason without a count; after a resume the next drain counts again; a
     requeue-hold the plan releases counts as a requeue, one it leaves held as a hold."""
-    from slurm_resilience.heartbeat import actions
-    from slurm_resilience.heartbeat.actions import Clocked, Step, StepKind
+    from slurm_resilience.hang import actions
+    from slurm_resilience.hang.actions import Clocked, Step, StepKind
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -267,10 +268,10 @@ def test_every_known_label_value_of_a_counter_starts_at_zero(tmp_path: Path) -> 
 def test_the_known_label_values_are_the_ones_the_suite_counts() -> None:
     """The causes kept beside the events file name the gate's checks, the hang decisions
     that are counted and the owners of the hooks' steps."""
+    from slurm_resilience.hang import steps as heartbeat_steps
+    from slurm_resilience.hang.incidentrecords import Action
     from slurm_resilience.health import gate
     from slurm_resilience.health import steps as health_steps
-    from slurm_resilience.heartbeat import steps as heartbeat_steps
-    from slurm_resilience.heartbeat.records import Action
     from slurm_resilience.nccl import steps as nccl_steps
 
     assert events.KNOWN_CAUSES[events.GATE] == gate.CHECKS
@@ -355,7 +356,7 @@ import importlib, json, sys
 from slurm_resilience.hooks import steps
 for spec in steps.PROLOG + steps.EPILOG + steps.HEALTHCHECK:
     importlib.import_module(spec.partition(":")[0])
-import slurm_resilience.metrics.events
+import slurm_resilience.events
 print(json.dumps("prometheus_client" in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -405,8 +406,8 @@ def test_an_unreachable_checkpoint_agent_shows_in_the_metrics(tmp_path: Path) ->
 
 
 def test_the_checkpoint_hooks_count_the_event_kind_metrics_knows() -> None:
-    """checkpoint.steps names metrics' CKPT_AGENT without importing metrics (no cycle)."""
-    from slurm_resilience.checkpoint import steps
-    from slurm_resilience.metrics import events
+    """uploader.steps names metrics' CKPT_AGENT without importing metrics (no cycle)."""
+    from slurm_resilience import events
+    from slurm_resilience.uploader import steps
 
     assert steps.CKPT_AGENT_UNREACHABLE == events.CKPT_AGENT

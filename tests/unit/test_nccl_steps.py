@@ -165,10 +165,9 @@ def test_sandbox_inject_and_heal_write_and_clear_the_fault_file(tmp_path: Path) 
     assert "gate is off" not in registry.inject(tmp_path, "node1", "nccl-wrong:3")
     with pytest.raises(registry.FaultError, match="nccl-wrong:GPU"):
         registry.inject(tmp_path, "node1", "nccl-wrong")
-    from slurm_resilience.nccl import sandbox_faults
-    from slurm_resilience.sandbox import hardware
+    from slurm_resilience.sandbox import hardware, nccl_faults
 
-    sandbox_faults.heal(hardware.locate(tmp_path, "node1"))
+    nccl_faults.heal(hardware.locate(tmp_path, "node1"))
     assert faults.read(str(node / "nccl-fault.json")) is None
     entry = cache.read(str(node / "state" / cache.FILENAME))
     assert entry is not None and entry["invalidated"].startswith("sandbox heal")

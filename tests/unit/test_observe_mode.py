@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from slurm_resilience.config import Config, load_text
-from slurm_resilience.heartbeat import status as st
+from slurm_resilience.hang import status as st
 from slurm_resilience.hooks import runner
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.metrics import cluster, observe
@@ -51,8 +51,8 @@ def test_a_hang_plan_under_observe_is_recorded_step_by_step_and_not_run(tmp_path
     """Hang handling's plan (drain a blamed node, hold, exclude, release) runs through the
     observing adapter: each step says it was not carried out, each decision is recorded,
     and Slurm is only read."""
-    from slurm_resilience.heartbeat import actions
-    from slurm_resilience.heartbeat.actions import Step, StepKind
+    from slurm_resilience.hang import actions
+    from slurm_resilience.hang.actions import Step, StepKind
 
     ctl, fake = observing(tmp_path, {"scontrol": [
         lambda argv: completed(IDLE if argv[2] == "node" else JOB)]})
@@ -173,7 +173,7 @@ def test_the_agents_adapter_follows_mode_as_the_file_changes(tmp_path: Path) -> 
     """The agent's one adapter switches observe ⇄ enforce at its next tick after the file
     changes, without a restart."""
     from slurm_resilience.config import load
-    from slurm_resilience.heartbeat.watcher import HangWatcher
+    from slurm_resilience.hang.watcher import HangWatcher
 
     cfgfile = tmp_path / "c.yaml"
     body = (f"node:\n  state_dir: {tmp_path}/state\n  run_dir: {tmp_path}/run\n"

@@ -23,7 +23,7 @@ HEAVY = (
     "slurm_resilience.checkpoint.commit",  # the commit protocol and its CRC32C extension
     "slurm_resilience.checkpoint.crc",
     "slurm_resilience.checkpoint.manager",
-    "slurm_resilience.checkpoint.s3",
+    "slurm_resilience.uploader.s3",
     "slurm_resilience.nccl.gate",
     "slurm_resilience.nccl.launcher",
 )
@@ -73,7 +73,7 @@ def test_healthy_prolog_loads_no_heavy_module(tmp_path: Path) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0, done.stderr
     loaded = set(result["modules"])
-    assert "slurm_resilience.checkpoint.steps" in loaded  # the steps did run
+    assert "slurm_resilience.uploader.steps" in loaded  # the steps did run
     assert sorted(m for m in HEAVY if m in loaded) == []
 
 

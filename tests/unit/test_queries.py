@@ -13,10 +13,10 @@ import pytest
 from conftest import PYTHON_SYS, REPO, as_user, free_port
 from prometheus_client import CollectorRegistry
 
-from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
 from slurm_resilience.metrics import http
 from slurm_resilience.queries import client, wire
 from slurm_resilience.queries.server import QueryApp, Refused
+from slurm_resilience.transport.credentials import MungeCredentials
 
 asked: list[tuple[str, int, int]] = []
 
@@ -91,7 +91,7 @@ def test_a_credential_for_another_question_or_node_or_a_replay_is_refused(
 
 _ASK = """
 import json, sys
-from slurm_resilience.heartbeat.exchange.credentials import MungeCredentials
+from slurm_resilience.transport.credentials import MungeCredentials
 from slurm_resilience.queries import client
 a = client.ask(sys.argv[1], "n1", "report", 5, MungeCredentials(socket=sys.argv[2]), 10)
 print(json.dumps({"body": a.body, "error": a.error}))

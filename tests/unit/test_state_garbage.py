@@ -193,8 +193,8 @@ def test_checkpoint_journal_garbage_is_quarantined_and_the_agent_goes_on(
     """A garbage journal record is quarantined with an error event; the agent starts, and
     the next job's start works; `status` lists the quarantined file."""
     from slurm_resilience.agent.service import Peer
-    from slurm_resilience.checkpoint import upload_status
-    from slurm_resilience.checkpoint.uploader import Uploader
+    from slurm_resilience.uploader import upload_status
+    from slurm_resilience.uploader.service import Uploader
 
     cfg = _nccl_cfg(tmp_path)
     jdir = upload_status.journal_dir(cfg, "n1")
@@ -217,10 +217,10 @@ def test_heartbeat_state_garbage_is_ignored_with_a_word(tmp_path: Path, events: 
     """The agent's hang-handling state (suspicions, tuned timeouts, incident progress, job
     records, incident reports, the checkpoint facts it reads from the journal): garbage in
     any of them reads as nothing, with a log event or an error line, never a crash."""
-    from slurm_resilience.heartbeat import ckptfacts, incident, jobrecord
-    from slurm_resilience.heartbeat.store import IncidentStore
-    from slurm_resilience.heartbeat.suspect import SuspectHistory
-    from slurm_resilience.heartbeat.tune import TunedTimeouts
+    from slurm_resilience.hang import ckptfacts, incident, jobrecord
+    from slurm_resilience.hang.store import IncidentStore
+    from slurm_resilience.hang.suspect import SuspectHistory
+    from slurm_resilience.hang.tune import TunedTimeouts
 
     state = tmp_path / "hb"
     state.mkdir(mode=0o700)
@@ -274,7 +274,7 @@ def test_intent_record_garbage_is_refused_by_name(kind: str) -> None:
     """An intent record (read back from S3 by every node of a run) that is garbage is
     refused with an error naming where it was, never taken for a node's intent."""
     from slurm_resilience.checkpoint.commit import CheckpointError
-    from slurm_resilience.checkpoint.intent import Intent
+    from slurm_resilience.uploader.intent import Intent
 
     with pytest.raises(CheckpointError, match="run/step-00000005/x: not a valid intent"):
         Intent.from_json(garbage(kind), "run/step-00000005/x")
@@ -404,7 +404,7 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
         for svc in services:
             svc.close()
     said = [e for e in logged(events) if "couldn't start" in str(e["event"])]
-    assert said and said[0]["service"] == "slurm_resilience.checkpoint.uploader:factory"
+    assert said and said[0]["service"] == "slurm_resilience.uploader.service:factory"
 
 
 # -- the state files added later: stragglers, metrics events, NCCL drains, goodput, idle diag --
@@ -448,7 +448,7 @@ def test_metrics_events_garbage_counts_from_zero_and_is_said(
         tmp_path: Path, events: Path, kind: str) -> None:
     """metrics-events.json: counting goes on from zero with a warning; the collector never
     sees an exception other than the ones it reports."""
-    from slurm_resilience.metrics import events as metric_events
+    from slurm_resilience import events as metric_events
 
     path = _spoiled(tmp_path / "state" / metric_events.FILENAME, kind, "events")
     with contextlib.suppress(OSError, ValueError):  # the documented ways to refuse a file

@@ -16,8 +16,6 @@ import zlib
 from collections import deque
 
 from slurm_resilience.config.metrics import StragglerSection
-from slurm_resilience.heartbeat.exchange.tree import Tree
-from slurm_resilience.heartbeat.exchange.wire import Kind, Message
 from slurm_resilience.stragglers.detect import Summary, judge_summaries
 from slurm_resilience.stragglers.nodes import (
     JobJudge,
@@ -28,6 +26,8 @@ from slurm_resilience.stragglers.nodes import (
     parse_verdict,
 )
 from slurm_resilience.stragglers.synthetic import JitterModel, steps
+from slurm_resilience.transport.tree import Tree
+from slurm_resilience.transport.wire import Kind, Message
 
 CFG = StragglerSection()
 INTERVAL_S = 30.0

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from agent_state import slot
 
+from slurm_resilience import events
 from slurm_resilience.config import Config, ConfigError, load_text
 from slurm_resilience.config.heartbeat import HeartbeatSection
-from slurm_resilience.heartbeat import detect, jobrecord, policy
-from slurm_resilience.heartbeat.localpiece import JobView
-from slurm_resilience.heartbeat.suspect import Check, SuspectWatch, Verification
-from slurm_resilience.metrics import events
+from slurm_resilience.hang import detect, jobrecord, policy
+from slurm_resilience.hang.localpiece import JobView
+from slurm_resilience.hang.suspect import Check, SuspectWatch, Verification
 from slurm_resilience.metrics.service import MetricsService
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -255,7 +255,7 @@ def test_whole_node_namings_take_the_same_suspect_path_once_per_job(tmp_path: Pa
     """The job's judging agent named this whole node (no slow rank among its own): the
     verdict is recorded beside rank namings, a job named both ways counts once, and three
     jobs of two users drain the node through the same suspect path."""
-    from slurm_resilience.metrics import events
+    from slurm_resilience import events
     from slurm_resilience.stragglers.nodes import Verdict
 
     ctl = Ctl({NODE: ("IDLE", "")})

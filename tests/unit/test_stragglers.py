@@ -131,7 +131,7 @@ def test_quantile_is_nearest_rank() -> None:
 
 def test_status_lists_the_jobs_this_node_straggled_in(tmp_path: Path) -> None:
     from slurm_resilience.config import Config, load_text
-    from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
+    from slurm_resilience.statuscli import render_stragglers, stragglers
     from slurm_resilience.stragglers.record import FILENAME, JUDGED_FILENAME, Entry
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")
@@ -163,9 +163,9 @@ def test_one_users_slow_jobs_never_name_the_node_a_straggler(tmp_path: Path) -> 
     from prometheus_client import CollectorRegistry, generate_latest
 
     from slurm_resilience.config import Config, load_text
-    from slurm_resilience.heartbeat.cli import render_stragglers, stragglers
     from slurm_resilience.metrics import cluster
     from slurm_resilience.metrics.collector import AgentCollector, AgentSources
+    from slurm_resilience.statuscli import render_stragglers, stragglers
     from slurm_resilience.stragglers.record import FILENAME, Entry, recurring, suspicion
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}/{{node}}'}}\n", "t")

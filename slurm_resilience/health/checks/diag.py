@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from slurm_resilience import gpu_models
 from slurm_resilience.config.health import DiagCheckSection
-from slurm_resilience.health import gpu_models
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from slurm_resilience import gpu_models
 from slurm_resilience.config.health import GpuCheckSection
-from slurm_resilience.health import gpu_models
 from slurm_resilience.health.checks import gpu_fabric
 from slurm_resilience.health.collectors.nvml_types import GpuRecord, NvmlSnapshot
 from slurm_resilience.health.findings import (

@@ -11,8 +11,8 @@ import dataclasses
 import re
 from typing import Any
 
+from slurm_resilience import gpu_models
 from slurm_resilience.config.health import InfinibandCheckSection
-from slurm_resilience.health import gpu_models
 from slurm_resilience.health.collectors.infiniband import IbSnapshot
 from slurm_resilience.health.findings import CheckResult, Finding, fail, ok, unknown, warn
 

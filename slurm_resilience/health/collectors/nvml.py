@@ -1,7 +1,7 @@
 """Read GPU health through NVML (``pynvml`` from nvidia-ml-py, imported only here).
 
 The same code runs against the real ``pynvml`` or the scenario-driven stand-in
-:mod:`slurm_resilience.fakes.nvml`, which implements the same call names,
+configured by ``health.backend: fake`` (:data:`NVML_MODULES`), which implements the same call names,
 constants and :class:`NVMLError` codes. Per field: NOT_SUPPORTED becomes None
 (the SKU lacks it), GPU_IS_LOST marks the GPU lost, any other error is kept
 by name so the check can say "could not check".
@@ -10,11 +10,13 @@ by name so the check can say "could not check".
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
+from slurm_resilience.config.health import NVML_MODULES
 from slurm_resilience.health.collectors.nvml_types import (
     Fabric,
     GpuProcess,
@@ -36,16 +38,21 @@ _GPU_IS_LOST = 15
 _NO_DRIVER = (9, 12)
 
 
+class Standin(Protocol):
+    """What a configured stand-in adds to pynvml's interface: its scenario."""
+
+    def use_scenario(self, path: str) -> None: ...
+
+    def scenario_path(self, scenario_dir: str, node: str) -> str: ...
+
+
 def load_module(backend: str, scenario_dir: str, node: str) -> ModuleType:
-    """``pynvml``, or the stand-in loaded with this node's scenario."""
-    if backend == "fake":
-        from slurm_resilience.fakes import nvml as fake
-
-        fake.use_scenario(fake.scenario_path(scenario_dir, node))
-        return fake
-    import pynvml
-
-    module: ModuleType = pynvml
+    """The module ``health.backend`` names (:data:`NVML_MODULES`): ``pynvml``, or a
+    stand-in loaded with this node's scenario."""
+    module = importlib.import_module(NVML_MODULES[backend])
+    if backend != "nvml":
+        standin = cast(Standin, module)
+        standin.use_scenario(standin.scenario_path(scenario_dir, node))
     return module
 
 
