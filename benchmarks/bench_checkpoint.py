@@ -56,6 +56,7 @@ from slurm_resilience.checkpoint.blocks import file_checksums
 from slurm_resilience.checkpoint.dcp_state import tensor_view
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.uploader.s3 import S3, S3Settings
+from slurm_resilience.uploader.s3_multipart import MultipartState
 
 BIN = Path(sys.executable).parent
 
@@ -313,8 +314,8 @@ def bench_s3(mb: int, base: Path, runs: int, part_mb: int, concurrency: int) -> 
         def ours_up() -> None:
             fd = os.open(src, os.O_RDONLY)
             try:
-                s3.upload_fd(fd, size, crc, "bench", "ours.bin", {}, lambda: None,
-                             blocks=blocks)
+                s3.upload_fd(fd, size, crc, "bench", "ours.bin", MultipartState(),
+                             lambda _event: None, blocks=blocks)
             finally:
                 os.close(fd)
 

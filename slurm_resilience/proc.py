@@ -3,6 +3,9 @@
 Every call is an argv list with ``shell=False`` and a mandatory timeout, and is
 counted, so callers (the Slurm adapter, collectors, the sandbox) share one
 audited seam. Tests of callers replace :class:`Runner` with a stateful fake.
+Children that outlive the call (daemons, detached verifiers, the hook server, NCCL
+ranks) are started with :func:`spawn`: also an argv list, never a shell, stdin from
+``/dev/null``, counted; their owner waits for them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO
 
 from slurm_resilience.log import get_logger
 
@@ -65,6 +69,35 @@ class Stats:
 
 
 STATS = Stats()
+
+# What callers of ``spawn`` handle, so none of them imports subprocess itself.
+Child = subprocess.Popen
+TimeoutExpired = subprocess.TimeoutExpired
+DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
+Output = int | IO[bytes] | None  # DEVNULL, STDOUT (stderr only), a file, or None: inherit
+
+
+def spawn(argv: Sequence[str], *, stdout: Output = DEVNULL, stderr: Output = DEVNULL,
+          env: Mapping[str, str] | None = None, cwd: str | None = None,
+          executable: str | None = None, new_session: bool = True,
+          stats: Stats = STATS) -> subprocess.Popen[bytes]:
+    """Start a child that outlives this call (its owner waits for it, or it is detached
+    with ``new_session``): an argv list, no shell, stdin from /dev/null, no inherited fds.
+    Raises OSError when it can't be started."""
+    if not argv:
+        raise ValueError("proc.spawn: empty argv")
+    name = os.path.basename(executable or argv[0])
+    try:
+        child = subprocess.Popen(list(argv), executable=executable, stdin=subprocess.DEVNULL,
+                                 stdout=stdout, stderr=stderr,
+                                 env=dict(env) if env is not None else None, cwd=cwd,
+                                 start_new_session=new_session, close_fds=True, shell=False)
+    except OSError:
+        stats.record(name, failed=True)
+        raise
+    stats.record(name)
+    return child
 
 
 def resolve(program: str, path: str | None = None) -> str:

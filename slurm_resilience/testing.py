@@ -6,10 +6,13 @@ thing:
 
 * :class:`FakeRunner` stands in for :class:`slurm_resilience.proc.Runner`, the one
   seam through which every external program runs (give it to ``SlurmAdapter``).
+* :class:`FakeClock` stands in for :class:`slurm_resilience.clock.Clock`: time moves
+  only when the code sleeps on it or the test advances it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,3 +60,40 @@ class FakeRunner:
         if check and result.returncode != 0:
             raise CommandError(argv, result.stderr.strip() or f"exit {result.returncode}", result)
         return result
+
+
+class FakeClock:
+    """A :class:`~slurm_resilience.clock.Clock` whose time moves only when code sleeps on
+    it (each sleep is recorded in ``slept``) or a test calls ``advance``.
+
+    Monotonic time starts at ``start`` and wall time at ``wall``; with ``real=True`` both
+    are the real clocks moved forward by what was slept and advanced (for files stamped
+    with real times). Called, it gives monotonic time, so it also fits the parameters
+    that take a ``() -> float``.
+    """
+
+    def __init__(self, start: float = 0.0, *, wall: float = 1_700_000_000.0,
+                 real: bool = False) -> None:
+        self.start, self.wall, self.real = start, wall, real
+        self.offset = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return (time.monotonic() if self.real else self.start) + self.offset
+
+    def time(self) -> float:
+        return (time.time() if self.real else self.wall) + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.offset += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+    @property
+    def now(self) -> float:
+        return self.monotonic()
+
+    def __call__(self) -> float:
+        return self.monotonic()

@@ -4,6 +4,7 @@ a checkpoint journal record, and the samples of a Prometheus exposition."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -12,9 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.hang import detect, jobrecord
 from slurm_resilience.hang.localpiece import JobView
+from slurm_resilience.hang.watcher import WatcherSnapshot
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.synthetic import steps
+from slurm_resilience.uploader.service import UploaderSnapshot
 
 
 def slot(rank: int, step: int, dt: float, job_id: int) -> SlotView:
@@ -59,6 +62,11 @@ class Watcher:
         self.threads: dict[int, threading.Thread] = {}
         self.suspects = Suspects()
 
+    def snapshot(self) -> WatcherSnapshot:
+        with self.lock:
+            return WatcherSnapshot(dict(self.jobs), tuple(
+                sorted(k for k, t in self.threads.items() if k >= 0 and t.is_alive())))
+
 
 class Uploads:
     """The two attributes of Uploader the collector reads, with real journal records."""
@@ -66,6 +74,10 @@ class Uploads:
     def __init__(self, jobs: dict[int, dict[str, Any]]) -> None:
         self.lock = threading.RLock()
         self.jobs = jobs
+
+    def snapshot(self) -> UploaderSnapshot:
+        with self.lock:
+            return UploaderSnapshot(copy.deepcopy(self.jobs))  # type: ignore[arg-type]
 
 
 def journal_record(job_id: int) -> dict[str, Any]:

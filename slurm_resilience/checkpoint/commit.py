@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience import safefs
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE, BlockCrcs, file_checksums
 from slurm_resilience.checkpoint.crc import Crc32c as Crc32c
 from slurm_resilience.checkpoint.crc import crc32c_extend as crc32c_extend
@@ -234,17 +235,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 def write_durable(path: Path, data: bytes) -> None:
     """Write a small file atomically: temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    safefs.write_atomic_path(path, data, durable=True, tmp=f".{path.name}.tmp-{os.getpid()}")
 
 
 class ChecksummingWriter:

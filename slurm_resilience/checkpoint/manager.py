@@ -22,22 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_resilience.checkpoint import choose_step as choose
 from slurm_resilience.checkpoint import interrupt
 from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
-from slurm_resilience.checkpoint.catch_up import agree_ranks, pass_over
+from slurm_resilience.checkpoint.catch_up import pass_over
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
     FileEntry,
-    committed_steps,
     part_dirs,
     read_manifest,
     step_name,
     write_commit_marker,
 )
 from slurm_resilience.checkpoint.dcp_failures import corrupt_message, failure_cause
-from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.quota import check_before_save
@@ -46,7 +45,6 @@ from slurm_resilience.checkpoint.stagein_status import (
     Fallen,
     StageinStatus,
     wait_stagein,
-    warn_fallbacks,
 )
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
 
@@ -485,58 +483,9 @@ class CheckpointManager:
     def latest_step(self, exclude: Mapping[int, str] | None = None) -> int | None:
         """The newest committed step, the same on every rank, ready to load; None only when
         the run has nothing committed (or allow_fresh_start turned a failure into a fresh
-        start). Waits for the agent's stage-in; raises a CheckpointError naming the step
-        and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing.
-        ``exclude``: steps this restore found corrupt (passed over, never chosen again)."""
-        self.wait()
-        bad = dict(exclude or {})
-        status = self.wait_stagein()
-        local = [s for s in committed_steps(self.job_dir) if s not in bad]
-        candidate = status.step if status.step is not None else (local[-1] if local else -1)
-        error = status.error if status.state == "failed" else None
-        if error is None and candidate in bad:
-            error = (f"stage-in chose step {candidate} again although this restore found it "
-                     f"corrupt ({bad[candidate]})")
-        if self.uri is not None and (self._agent_lost or status.state == "unavailable"):
-            # The run's S3 steps are unknown: loading a local one could silently go back.
-            error = f"the node agent is unreachable ({self._agent_lost or status.error})"
-        failed = error is not None
-        if not failed and self.rank == 0:
-            warn_fallbacks(status)
-        hi, neg_lo, any_failed = self._all_max([candidate, -candidate, int(failed)])
-        lo = -neg_lo
-        if any_failed:
-            cause = f"stage-in failed: {error}" if failed else \
-                "stage-in failed on another node (its ranks' error names the cause)"
-            self._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
-            return None
-        if hi != lo:  # every rank takes this branch: hi and lo are the same everywhere
-            agreed = agree_ranks(self, candidate, status, local)
-            if agreed is None:
-                return None
-            hi = agreed
-        if hi < 0 and bad:
-            self._fresh_or_raise(
-                f"checkpoint: load: couldn't load committed step {max(bad)}: "
-                + "; ".join(f"step {s}: {why}" for s, why in sorted(bad.items(), reverse=True))
-                + " (and no older committed step verifies)")
-            return None
-        if hi < 0:
-            if self.rank == 0:
-                print("checkpoint: load: no committed step; starting from step 0",
-                      file=sys.stderr)
-            return None
-        sdir = self.job_dir / step_name(hi)
-        has_meta = (sdir / METADATA_RELPATH).is_file() and (sdir / COMMIT).is_file()
-        (missing,) = self._all_max([int(not has_meta)])
-        if missing:
-            self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {hi}: "
-                                 f"{'this node' if not has_meta else 'another node'} has no "
-                                 f"{METADATA_RELPATH} (written before the DCP format, or "
-                                 "staged in incompletely)")
-            return None
-        self._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
-        return hi
+        start). Raises a CheckpointError naming the step and the cause otherwise
+        (choose_step.py). ``exclude``: steps this restore found corrupt."""
+        return choose.latest_step(self, exclude)
 
     def load_latest(self, state: dict[str, Any] | None = None, *, model: Any = None,
                     optimizer: Any = None, scheduler: Any = None) -> Loaded | None:

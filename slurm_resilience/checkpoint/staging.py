@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from slurm_resilience import safefs
 from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, remove_tree_at
 
 log = get_logger("checkpoint.staging")
 
@@ -183,18 +184,10 @@ def open_job_dir(root: str, job_id: int) -> Iterator[int]:
 
 def open_dir_at(dir_fd: int, relpath: str) -> int:
     """Walk ``a/b/c`` from ``dir_fd`` one component at a time with O_NOFOLLOW."""
-    fd = os.dup(dir_fd)
     try:
-        for part in relpath.split("/"):
-            if part in ("", ".", ".."):
-                raise CheckpointError(f"checkpoint: path {relpath!r} is not plain")
-            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return safefs.open_dir_at(dir_fd, relpath)
+    except safefs.UnsafePath:
+        raise CheckpointError(f"checkpoint: path {relpath!r} is not plain") from None
 
 
 def open_owned_file(dir_fd: int, relpath: str, uid: int) -> int:

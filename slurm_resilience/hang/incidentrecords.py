@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import enum
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Any, TypedDict
 
+from slurm_resilience.clock import Clock as Clock
+from slurm_resilience.clock import SystemClock as SystemClock
 from slurm_resilience.hang.blame import RankObservation
 
 MAX_PIECE_BYTES = 64 << 10
-
-
-class Clock(Protocol):
-    """Monotonic time (slots' clock) and wall time; injected so tests never sleep."""
-
-    def monotonic(self) -> float: ...
-
-    def time(self) -> float: ...
-
-
-class SystemClock:
-    """The real clocks."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def time(self) -> float:
-        return time.time()
 
 
 class Action(enum.Enum):

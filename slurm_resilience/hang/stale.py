@@ -20,7 +20,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.hang.jobfs import STALE
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete, remove_tree_at
 
 log = get_logger("heartbeat.stale")
 

@@ -24,7 +24,7 @@ from slurm_resilience.hang import jobfs, jobrecord
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete, remove_tree_at
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete, remove_tree_at
 
 if TYPE_CHECKING:
     from slurm_resilience.proc import Runner

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
@@ -45,6 +47,14 @@ STATE_RETENTION_S = 14 * 86400
 CLEANUP_EVERY_S = 3600.0
 # How long stopping the agent waits for incident threads (systemd and the sandbox allow more).
 CLOSE_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class WatcherSnapshot:
+    """What other services (metrics) read of the watcher: copied under its own lock."""
+
+    jobs: Mapping[int, JobView]  # views are replaced whole, never changed in place
+    open_incidents: tuple[int, ...]  # jobs whose hang incident is being handled now
 
 
 class HangWatcher:
@@ -263,6 +273,12 @@ class HangWatcher:
         return removed
 
     # -- socket requests -------------------------------------------------------------------------
+
+    def snapshot(self) -> WatcherSnapshot:
+        with self.lock:
+            return WatcherSnapshot(
+                MappingProxyType(dict(self.jobs)),
+                tuple(sorted(k for k, t in self.threads.items() if k >= 0 and t.is_alive())))
 
     def handle_status(self, request: Request, peer: Peer) -> Response:
         """Jobs watched on this node: root sees all, a user only their own."""

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from slurm_resilience import safefs
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.health import childproc, registry
@@ -149,12 +150,9 @@ class StateStore:
         if not self.directory:
             return  # no usable state directory: this run keeps nothing
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        tmp = self._path(f".{name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, self._path(name))
+        tmp = os.path.basename(self._path(f".{name}.{os.getpid()}"))
+        safefs.write_atomic_path(self._path(name), json.dumps(data).encode(), durable=False,
+                                 tmp=tmp)
 
     def save_or_say(self, name: str, data: dict[str, Any]) -> None:
         """:meth:`save`, best-effort: a full or read-only state dir costs the history of

@@ -311,8 +311,7 @@ def _idle_diag(ctx: HookContext) -> list[Problem]:
 
 
 def _maybe_start_idle_diag(ctx: HookContext, logger: Any) -> None:
-    import subprocess
-
+    from slurm_resilience import proc
     from slurm_resilience.config import job_config_path
     from slurm_resilience.config.paths import node_path
     from slurm_resilience.health import idle_diag
@@ -330,11 +329,10 @@ def _maybe_start_idle_diag(ctx: HookContext, logger: Any) -> None:
         return
     owner = lifetime.find_owner(ctx.hook_pid)
     # Detached, as the NCCL idle verifier: slurmd's limit on this run never cuts it short.
-    proc = subprocess.Popen(
+    child = proc.spawn(
         idle_diag.argv(ctx.node, owner.arg() if owner else None, job_config_path(ctx.env)),
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True, env=dict(ctx.env))
-    logger.info("health: idle diagnostics spawned", pid=proc.pid)
+        env=ctx.env)
+    logger.info("health: idle diagnostics spawned", pid=child.pid)
 
 
 def _ints(value: object) -> list[int]:

@@ -10,12 +10,11 @@ when the agent is gone, so a SIGKILLed agent leaves no server behind.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-from slurm_resilience import config
+from slurm_resilience import config, proc
 from slurm_resilience.agent.service import AgentContext, Handler
 from slurm_resilience.log import get_logger
 
@@ -32,7 +31,7 @@ class HookServerService:
 
     def __init__(self, argv: list[str], clock: Callable[[], float] = time.monotonic):
         self.argv = argv
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: proc.Child[bytes] | None = None
         self.backoff = BACKOFF_MIN_S
         self.next_start = 0.0
         self.started_at = 0.0
@@ -40,7 +39,7 @@ class HookServerService:
         self._clock = clock
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        self.proc = proc.spawn(self.argv, stdout=None, stderr=None, new_session=False)
         self.starts += 1
         self.started_at = self._clock()
         log.info("hook server started", pid=self.proc.pid, starts=self.starts)
@@ -70,7 +69,7 @@ class HookServerService:
         self.proc.terminate()
         try:
             self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
+        except proc.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 

@@ -220,8 +220,8 @@ class AgentCollector(Collector):
         w = self.s.watcher
         if w is None:
             return
-        with w.lock:
-            views = list(w.jobs.values())
+        snap = w.snapshot()
+        views = list(snap.jobs.values())
         g = _gauge("jobs_watched", "jobs whose heartbeat this node's agent watches")
         g.add_metric([], len(views))
         yield g
@@ -234,8 +234,7 @@ class AgentCollector(Collector):
             hung.add_metric([job], len(v.verdict.hung))
         yield ranks
         yield hung
-        with w.lock:
-            open_ = sorted(k for k, t in w.threads.items() if k >= 0 and t.is_alive())
+        open_ = snap.open_incidents
         inc = _gauge("job_hang_incident_open", "1 while a hang incident of the job is being "
                      "handled on this node", ["job_id"])
         for job_id in open_:
@@ -272,9 +271,7 @@ class AgentCollector(Collector):
         g = _gauge("job_straggler_node_slowdown_ratio", "while the job's judging agent names "
                    "this node a straggler (persistently slower than the job's other nodes): "
                    "its median step time over the job's, minus one", ["job_id"])
-        with steps.lock:
-            named_here = sorted(steps.named_node.items())
-        for job_id, v in named_here:
+        for job_id, v in steps.named_here():
             g.add_metric([str(job_id)], round(v.slowdown, 4))
         yield g
         if self.s.nodes is not None:
@@ -326,9 +323,8 @@ class AgentCollector(Collector):
         up = self.s.uploader
         if up is None:
             return
-        with up.lock:
-            recs = [(int(r["job_id"]), r) for r in up.jobs.values()]
-            rows = [self._ckpt_row(job_id, rec) for job_id, rec in sorted(recs)]
+        recs = [(int(r["job_id"]), r) for r in up.snapshot().jobs.values()]
+        rows = [self._ckpt_row(job_id, rec) for job_id, rec in sorted(recs)]
         fams = {
             "steps": _gauge("checkpoint_upload_backlog_steps", "checkpoint steps committed on "
                             "this node and not yet committed in S3", ["job_id"]),

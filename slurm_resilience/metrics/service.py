@@ -141,8 +141,7 @@ class MetricsService:
 
     def tick(self) -> None:
         if self.watcher is not None:
-            with self.watcher.lock:
-                views = list(self.watcher.jobs.values())
+            views = list(self.watcher.snapshot().jobs.values())
             self.steps.observe(views)
             self._node_stragglers()
             stalls = {j: (s.run, s.total_stall_s) for j, s in self.saves.snapshot().items()}
@@ -164,20 +163,17 @@ class MetricsService:
         jobs: set[int] = set()
         for svc in (self.watcher, self.sources.uploader):
             if svc is not None:
-                with svc.lock:
-                    jobs |= set(svc.jobs)
+                jobs |= set(svc.snapshot().jobs)
         return jobs
 
     def _owner(self, job_id: int) -> int | None:
         up = self.sources.uploader
         if up is not None:
-            with up.lock:
-                rec = up.jobs.get(job_id)
+            rec = up.snapshot().jobs.get(job_id)
             if rec is not None:
                 return int(rec["uid"])
         if self.watcher is not None:
-            with self.watcher.lock:
-                view = self.watcher.jobs.get(job_id)
+            view = self.watcher.snapshot().jobs.get(job_id)
             if view is not None:
                 return int(view.record.uid)
         return None
@@ -194,8 +190,7 @@ class MetricsService:
         up = self.sources.uploader
         if up is None:
             return {}
-        with up.lock:
-            recs = list(up.jobs.values())
+        recs = list(up.snapshot().jobs.values())
         out = {}
         for rec in recs:
             si = rec.get("stagein") or {}

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from slurm_resilience import proc
 from slurm_resilience.log import get_logger
 from slurm_resilience.nccl.cache import AttemptDoc
 
@@ -148,7 +148,7 @@ def session_members(sids: set[int], proc: str = "/proc") -> list[int]:
     return sorted(found)
 
 
-def _kill_sessions(procs: list[subprocess.Popen[bytes]]) -> tuple[int, ...]:
+def _kill_sessions(procs: list[proc.Child[bytes]]) -> tuple[int, ...]:
     """SIGKILL every rank's process group, reap the ranks, return whatever is still alive."""
     sids = {p.pid for p in procs}
     for p in procs:
@@ -158,7 +158,7 @@ def _kill_sessions(procs: list[subprocess.Popen[bytes]]) -> tuple[int, ...]:
     for p in procs:
         try:
             p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+        except proc.TimeoutExpired:
             log.error("nccl: cleanup: couldn't reap rank", pid=p.pid)
     # Grandchildren are reaped by init; give them a moment to disappear from /proc.
     deadline = time.monotonic() + 2.0
@@ -217,18 +217,15 @@ def run_once(spec: LaunchSpec, stop: threading.Event | None = None) -> Attempt:
     workdir = tempfile.mkdtemp(prefix="sr-nccl-")
     store = os.path.join(workdir, "rendezvous")
     env = rank_env(os.environ, spec.env)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[proc.Child[bytes]] = []
     started = time.monotonic()
     timed_out = aborted = False
     try:
         for rank in range(spec.ranks):
             with open(os.path.join(workdir, f"{rank}.out"), "wb") as out, \
                     open(os.path.join(workdir, f"{rank}.err"), "wb") as err:
-                procs.append(subprocess.Popen(
-                    spec.argv(rank, store), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    env={**env, "LOCAL_RANK": str(rank)}, start_new_session=True,
-                    cwd=workdir,
-                ))
+                procs.append(proc.spawn(spec.argv(rank, store), stdout=out, stderr=err,
+                                        env={**env, "LOCAL_RANK": str(rank)}, cwd=workdir))
         deadline = started + spec.timeout_s
         first_failure: float | None = None
         while True:

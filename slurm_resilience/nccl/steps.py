@@ -231,16 +231,12 @@ def start_idle_verification(ctx: HookContext) -> int:
     if owner is None:
         log.warning("nccl: no slurmd or agent above this health run; the idle verifier "
                     "is bounded by its test's deadline only")
-    import subprocess  # the healthcheck's idle path only: off every prolog's import path
+    from slurm_resilience import proc  # the idle path only: off every prolog's import path
 
-    proc = subprocess.Popen(
-        verifier_argv(ctx, owner), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-        env=dict(ctx.env),
-    )
-    log.info("nccl: idle verifier spawned", pid=proc.pid,
+    child = proc.spawn(verifier_argv(ctx, owner), env=ctx.env)
+    log.info("nccl: idle verifier spawned", pid=child.pid,
              owner=owner.pid if owner is not None else None)
-    return proc.pid
+    return child.pid
 
 
 def cached_failure(ctx: HookContext, entry: cache.ResultDoc) -> list[Problem]:

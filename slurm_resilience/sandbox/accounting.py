@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
+from slurm_resilience import proc
 from slurm_resilience.log import get_logger
 from slurm_resilience.sandbox import daemons
 from slurm_resilience.sandbox.layout import Layout
@@ -138,9 +138,10 @@ def start(layout: Layout, env: dict[str, str]) -> None:
     data = db_dir(L)
     if not (data / "mysql").exists():
         data.mkdir(mode=0o700, parents=True, exist_ok=True)
-        out = subprocess.run([_tool("mariadb-install-db"), "--user=root", f"--datadir={data}",
-                              "--auth-root-authentication-method=socket", "--skip-test-db"],
-                             capture_output=True, text=True, timeout=300, env=env)
+        out = proc.Runner(env=env).run(
+            [_tool("mariadb-install-db"), "--user=root", f"--datadir={data}",
+             "--auth-root-authentication-method=socket", "--skip-test-db"],
+            timeout=300, check=False)
         if out.returncode:
             raise AccountingError(f"sandbox: accounting: mariadb-install-db failed: "
                                   f"{out.stderr.strip()[-2000:]}")
@@ -167,10 +168,8 @@ def start(layout: Layout, env: dict[str, str]) -> None:
     # In the foreground, named by a path in the state dir: slurmdbd takes no argument that
     # names its files, and `sandbox down` stops only processes whose argv names our dir.
     with open(L.log_dir / "slurmdbd.out", "ab") as log_out:
-        child = subprocess.Popen([str(L.run_dir / "slurmdbd"), "-D"],
-                                 executable=_tool("slurmdbd"), stdin=subprocess.DEVNULL,
-                                 stdout=log_out, stderr=subprocess.STDOUT, env=dbd_env,
-                                 start_new_session=True, close_fds=True)
+        child = proc.spawn([str(L.run_dir / "slurmdbd"), "-D"], executable=_tool("slurmdbd"),
+                           stdout=log_out, stderr=proc.STDOUT, env=dbd_env)
     L.pid_file("slurmdbd").write_text(f"{child.pid}\n")
     if not _wait_port(L.port_base + ACCT_DBD_OFFSET, 60):
         raise AccountingError("sandbox: accounting: slurmdbd did not listen on "
@@ -179,8 +178,9 @@ def start(layout: Layout, env: dict[str, str]) -> None:
     # The cluster must exist before slurmctld registers with slurmdbd.
     deadline = time.monotonic() + 60
     while True:
-        out = subprocess.run([_tool("sacctmgr"), "-i", "add", "cluster", L.cluster_name],
-                             capture_output=True, text=True, timeout=60, env=dbd_env)
+        out = proc.Runner(env=dbd_env).run(
+            [_tool("sacctmgr"), "-i", "add", "cluster", L.cluster_name], timeout=60,
+            check=False)
         text = out.stdout + out.stderr
         if out.returncode == 0 or "already exists" in text:
             break

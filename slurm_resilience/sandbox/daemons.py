@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm_resilience import proc
 from slurm_resilience.log import get_logger
 from slurm_resilience.sandbox import sweep
 from slurm_resilience.sandbox.errors import failed
@@ -25,7 +25,7 @@ from slurm_resilience.sandbox.errors import failed
 log = get_logger("sandbox")
 
 # Children started by this process, kept so they are reaped (no zombies, no ResourceWarning).
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+_CHILDREN: dict[int, proc.Child[bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,7 @@ def spawn(argv: Sequence[str], *, log_file: Path, pid_file: Path,
           env: Mapping[str, str]) -> int:
     """Start a foreground daemon in its own session, logging to ``log_file``."""
     with open(log_file, "ab") as out:
-        child = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=dict(env), start_new_session=True, close_fds=True,
-        )
+        child = proc.spawn(argv, stdout=out, stderr=proc.STDOUT, env=env)
     _CHILDREN[child.pid] = child
     pid_file.write_text(f"{child.pid}\n")
     return child.pid
@@ -138,16 +135,13 @@ def start_forking(argv: Sequence[str], *, env: Mapping[str, str], log_file: Path
     name = name or os.path.basename(argv[0])
     with open(log_file, "ab") as out:
         try:
-            child = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=dict(env), start_new_session=True, close_fds=True,
-            )
+            child = proc.spawn(argv, stdout=out, stderr=proc.STDOUT, env=env)
         except OSError as exc:
             raise failed(name, f"couldn't be started: {exc}", [log_file, *logs]) from exc
         _CHILDREN[child.pid] = child
         try:
             rc = child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except proc.TimeoutExpired:
             child.kill()
             child.wait()
             raise failed(name, f"did not finish starting within {timeout:g}s",

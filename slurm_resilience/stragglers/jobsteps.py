@@ -179,5 +179,10 @@ class StepWatch:
                                 quantile(samples, 0.95), tuple(sorted(job.named))))
         return out
 
+    def named_here(self) -> list[tuple[int, Verdict]]:
+        """The jobs whose judging agent names this node a straggler now, with the verdict."""
+        with self.lock:
+            return sorted(self.named_node.items())
+
     def recent_jobs(self) -> list[Entry]:
         return recent(self.record.load(), self.wall(), self.cfg().record_window_s)

@@ -26,7 +26,7 @@ from slurm_resilience.checkpoint.staging import open_job_dir, remove_at
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.config.schema import Config
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete
 from slurm_resilience.uploader.eviction import StagedStep, plan_eviction, protected
 from slurm_resilience.uploader.journal import JobRecord
 from slurm_resilience.uploader.rootfs import committed_steps_at

@@ -11,9 +11,6 @@ in S3, or doesn't verify, fails the stage-in with that cause.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from slurm_resilience.agent.service import Peer, Request, RequestError, Response
 from slurm_resilience.checkpoint.prefix import S3Uri
 from slurm_resilience.log import get_logger
 from slurm_resilience.uploader.s3 import S3, S3Error
@@ -26,9 +23,6 @@ from slurm_resilience.uploader.stagein import (
     retrying,
     stage_remote,
 )
-
-if TYPE_CHECKING:
-    from slurm_resilience.uploader.service import Uploader
 
 log = get_logger("checkpoint.stagein")
 
@@ -56,33 +50,3 @@ def stage_step(s3: S3, uri: S3Uri, job_fd: int, uid: int, gid: int, step: int,
     log.info("stage-in: staged the step the ranks agreed on from S3", step=step,
              uri=str(uri), mode=mode, bytes=nbytes)
     return StageinResult(step, "s3", mode, nbytes, (), remote)
-
-
-def on_stage(up: Uploader, request: Request, peer: Peer) -> Response:
-    """``ckpt.stage`` (the job's owner): stage in exactly ``step`` from S3. Only the job's
-    own restore is affected, so the job's word is enough. Idempotent."""
-    rec = up._job(request, peer)
-    step = request.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise RequestError(f"checkpoint: stage: step {step!r} is not a step number")
-    if not rec.get("uri"):
-        raise RequestError(f"checkpoint: stage: job {rec['job_id']} has no run URI: nothing "
-                           "to stage in from")
-    with up.lock:
-        why = rec.get("stagein_excluded", {}).get(str(step))
-        if why is not None:
-            raise RequestError(f"checkpoint: stage: the restore found step {step} corrupt "
-                               f"({why}); not staging it again")
-        si = rec["stagein"]
-        if rec.get("stagein_wanted") == step and si.get("state") == "running":
-            return {"ok": True}
-        if si.get("state") == "running":
-            raise RequestError(f"checkpoint: stage: job {rec['job_id']}'s stage-in is still "
-                               "running; ask again when it is done")
-        if si.get("state") == "done" and si.get("step") == step:
-            return {"ok": True}
-        log.warning("staging the step the job's ranks agreed on", job_id=rec["job_id"],
-                    step=step, staged=si.get("step"))
-        rec["stagein_wanted"] = step
-        up._start_stagein(rec)
-    return {"ok": True}

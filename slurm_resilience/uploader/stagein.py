@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from slurm_resilience import safefs
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     MANIFEST,
@@ -78,32 +79,6 @@ def read_remote_step(s3: S3, uri: S3Uri, step: int) -> tuple[CommitMarker, dict[
     return marker, manifests
 
 
-def _mkdir_owned(dir_fd: int, name: str, uid: int, gid: int) -> int:
-    os.mkdir(name, 0o700, dir_fd=dir_fd)
-    fd = open_dir_at(dir_fd, name)
-    os.fchown(fd, uid, gid)
-    return fd
-
-
-def _makedirs_at(base_fd: int, relpath: str, uid: int, gid: int) -> int:
-    fd = os.dup(base_fd)
-    for part in [p for p in relpath.split("/") if p]:
-        try:
-            nfd = _mkdir_owned(fd, part, uid, gid)
-        except FileExistsError:
-            nfd = open_dir_at(fd, part)
-        os.close(fd)
-        fd = nfd
-    return fd
-
-
-def _create_owned(dir_fd: int, name: str, uid: int, gid: int) -> int:
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dir_fd)
-    os.fchown(fd, uid, gid)
-    return fd
-
-
 def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int,
                   bar: BarFactory = quiet) -> None:
     """Download every rank of ``step`` into ``.stagein-step-N/``, verify, rename into place;
@@ -113,17 +88,17 @@ def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int
     with contextlib.suppress(FileNotFoundError):
         remove_at(job_fd, tmp)
     marker, manifests = read_remote_step(s3, uri, step)
-    tfd = _mkdir_owned(job_fd, tmp, uid, gid)
+    tfd = safefs.make_owned_dir(job_fd, tmp, uid, gid)
     advance = bar(sum(f.size for m in manifests.values() for f in m.files), sname)
     try:
         for rank, m in manifests.items():
-            rfd = _mkdir_owned(tfd, rank_name(rank), uid, gid)
+            rfd = safefs.make_owned_dir(tfd, rank_name(rank), uid, gid)
             try:
                 for f in m.files:
                     head, _, name = f.path.rpartition("/")
-                    pfd = _makedirs_at(rfd, head, uid, gid)
+                    pfd = safefs.makedirs_owned_at(rfd, head, uid, gid)
                     try:
-                        fd = _create_owned(pfd, name, uid, gid)
+                        fd = safefs.create_owned(pfd, name, uid, gid)
                     finally:
                         os.close(pfd)
                     try:
@@ -136,10 +111,10 @@ def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                _write_owned(rfd, MANIFEST, m.to_json(), uid, gid)
+                safefs.write_new(rfd, MANIFEST, m.to_json(), uid=uid, gid=gid, durable=True)
             finally:
                 os.close(rfd)
-        _write_owned(tfd, COMMIT, marker.to_json(), uid, gid)
+        safefs.write_new(tfd, COMMIT, marker.to_json(), uid=uid, gid=gid, durable=True)
         os.fsync(tfd)
     except BaseException:
         os.close(tfd)
@@ -152,15 +127,6 @@ def download_step(s3: S3, uri: S3Uri, step: int, job_fd: int, uid: int, gid: int
         remove_at(job_fd, sname)  # a local copy that did not verify
     os.rename(tmp, sname, src_dir_fd=job_fd, dst_dir_fd=job_fd)
     os.fsync(job_fd)
-
-
-def _write_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> None:
-    fd = _create_owned(dir_fd, name, uid, gid)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StepStillUploading(StageinFailed):
@@ -516,33 +482,13 @@ def place_metadata(job_fd: int, step: int, remote: RemoteStep, metadata: bytes, 
 
 def open_or_make_dir(dir_fd: int, name: str, uid: int, gid: int) -> int:
     """A subdirectory (created owned by uid:gid) that is a real dir owned by uid."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=dir_fd)
     try:
-        fd = open_dir_at(dir_fd, name)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint: {name}: not a real directory "
-                              f"({os.strerror(exc.errno or 0)}); refusing it") from None
-    st = os.fstat(fd)
-    if st.st_uid == 0 and uid != 0:
-        os.fchown(fd, uid, gid)  # just created by us
-    elif st.st_uid != uid:
-        os.close(fd)
-        raise CheckpointError(f"checkpoint: {name}: owned by uid {st.st_uid}, not {uid}")
-    return fd
+        return safefs.open_or_make_owned_dir(dir_fd, name, uid, gid)
+    except safefs.UnsafePath as exc:
+        raise CheckpointError(f"checkpoint: {exc.strerror}") from None
 
 
 def replace_owned(dir_fd: int, name: str, data: bytes, uid: int, gid: int) -> None:
     """Write a small file owned by uid:gid atomically (temp name, fsync, rename)."""
-    tmp = f".{name}.stagein"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=dir_fd)
-    fd = _create_owned(dir_fd, tmp, uid, gid)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    safefs.replace_file(dir_fd, name, data, uid=uid, gid=gid, durable=True,
+                        tmp=f".{name}.stagein")

@@ -8,12 +8,13 @@ was being done. Time is read from an injected :class:`Clock`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from slurm_resilience.checkpoint.commit import CheckpointError
+from slurm_resilience.clock import Clock as Clock
+from slurm_resilience.clock import SystemClock as SystemClock
 from slurm_resilience.log import get_logger
 from slurm_resilience.uploader.deadline import DeadlineExceeded, run_within
 from slurm_resilience.uploader.s3 import TransientS3Error
@@ -25,20 +26,6 @@ FIRST_ATTEMPT_S = 1.0  # the least a bounded operation's first attempt gets (ret
 
 class StageinFailed(CheckpointError):
     """A committed step exists (or may exist) but can't be staged in; the message says why."""
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from slurm_resilience.config.budgets import epilog_remove_s
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.log import get_logger
-from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
+from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete
 
 log = get_logger("checkpoint.hooks")
 

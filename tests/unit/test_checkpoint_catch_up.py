@@ -31,7 +31,7 @@ from slurm_resilience.config import Config, load_text
 from slurm_resilience.uploader.journal import Journal, new_record
 from slurm_resilience.uploader.s3 import S3
 from slurm_resilience.uploader.service import Uploader
-from slurm_resilience.uploader.stage_agreed import on_stage
+from slurm_resilience.uploader.upload_requests import on_stage
 
 JOB = 12
 USER = pwd.getpwuid(os.getuid()).pw_name

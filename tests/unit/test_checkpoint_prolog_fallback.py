@@ -15,26 +15,12 @@ from slurm_resilience import events as metric_events
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.testing import FakeClock
 from slurm_resilience.uploader import steps
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks")
 UID, GID = 54321, 54321
 TIMEOUT_S = 4.0
-
-
-class FakeClock:
-    """Monotonic time that moves only when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def _cfg(tmp_path: Path) -> Config:
@@ -53,7 +39,7 @@ def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
         tmp_path: Path, events: Path) -> None:
     """No socket at all: the first try fails, nothing is waited for, the job's staging dir
     is there, and the warning names the socket that is missing."""
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
     assert clock.slept == []
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
@@ -75,7 +61,7 @@ def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        clock = FakeClock()
+        clock = FakeClock(100.0)
         assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
     finally:
         server.shutdown()
@@ -95,7 +81,7 @@ def test_epilog_without_an_agent_logs_and_counts_it_and_keeps_the_staging_dir(
     """The epilog that finds no agent keeps the job's staging dir (its checkpoints were
     not uploaded), logs an error event naming the hook, and counts it for the metrics."""
     cfg = _cfg(tmp_path)
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     assert steps.prolog(_ctx(cfg), clock=clock, sleep=clock.sleep) == []
     epilog = HookContext(kind="epilog", cfg=cfg, node="n1", env={}, job_id=31, uid=UID,
                          gid=GID, user="nobody")

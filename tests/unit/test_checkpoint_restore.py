@@ -11,6 +11,7 @@ from slurm_resilience.checkpoint.agent_ranges import BATCH_BYTES, batches
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE
 from slurm_resilience.checkpoint.commit import CheckpointError, FileEntry
 from slurm_resilience.checkpoint.ranges import ByteRange, merge_ranges
+from slurm_resilience.testing import FakeClock
 from slurm_resilience.uploader.cli import format_status
 from slurm_resilience.uploader.fetch import (
     FetchError,
@@ -21,21 +22,6 @@ from slurm_resilience.uploader.fetch import (
 )
 from slurm_resilience.uploader.s3 import TransientS3Error
 from slurm_resilience.uploader.stagein import StageinFailed, StageinPolicy, retrying
-
-
-class FakeClock:
-    """Time that moves only when someone sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_transient_errors_are_retried_until_they_stop() -> None:

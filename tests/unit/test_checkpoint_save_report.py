@@ -130,13 +130,11 @@ def test_an_unprivileged_user_reports_only_for_their_own_job(
 
     pw = pwd.getpwnam(test_users[0])
 
-    class Uploads:
-        def __init__(self) -> None:
-            self.lock = threading.RLock()
-            self.jobs = {1: {"job_id": 1, "uid": 0}, 2: {"job_id": 2, "uid": pw.pw_uid}}
+    from agent_state import Uploads
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}'}}\nmetrics: {{port: 0}}\n", "t")
-    svc = MetricsService(cfg, "n1", SlurmAdapter(), {"checkpoint": Uploads()})
+    uploads = Uploads({1: {"job_id": 1, "uid": 0}, 2: {"job_id": 2, "uid": pw.pw_uid}})
+    svc = MetricsService(cfg, "n1", SlurmAdapter(), {"checkpoint": uploads})
     run = Path(tempfile.mkdtemp(prefix="sr-sock-", dir="/tmp"))
     run.chmod(0o755)
     srv = AgentServer(str(run / "agent.sock"))

@@ -20,9 +20,9 @@ from slurm_resilience.checkpoint.manager import (
     CheckpointManager,
     Fallen,
     StageinStatus,
-    warn_fallbacks,
 )
 from slurm_resilience.checkpoint.prefix import parse_uri
+from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
 from slurm_resilience.checkpoint.staging import (
     STALE,
     create_job_dir,

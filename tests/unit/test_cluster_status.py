@@ -9,7 +9,7 @@ import socket
 import threading
 from pathlib import Path
 
-from agent_state import Uploads, journal_record, slot, view
+from agent_state import Uploads, Watcher, journal_record, slot, view
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from slurm_resilience import events
@@ -24,13 +24,6 @@ from slurm_resilience.stragglers.record import StragglerRecord
 from slurm_resilience.stragglers.synthetic import steps
 
 CFG = Config()
-
-
-class Watcher:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.jobs: dict[int, object] = {}
-        self.threads: dict[int, threading.Thread] = {}
 
 
 def agent_registry(tmp_path: Path, node: str, slowdown: float) -> CollectorRegistry:

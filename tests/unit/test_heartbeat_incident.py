@@ -44,26 +44,11 @@ from slurm_resilience.proc import CommandError, CommandTimeout, Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import NodeInfo
+from slurm_resilience.testing import FakeClock
 
 HB = HeartbeatSection(step_timeout_s=1.0, warmup_timeout_s=1.0, warmup_steps=0,
                       min_timeout_s=0.5, budget_per_hour=2, budget_per_user_per_hour=1)
 NOW = 1_800_000_000.0
-
-
-class FakeClock:
-    """Real clocks moved forward by hand; sleeping only moves them."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset
-
-    def time(self) -> float:
-        return time.time() + self.offset
-
-    def sleep(self, seconds: float) -> None:
-        self.offset += seconds
 
 
 def _cfg(tmp_path: Path, **hb: object) -> Config:
@@ -421,7 +406,7 @@ def test_dir_rendezvous_implements_the_protocol(tmp_path: Path) -> None:
 
 
 def _runner_cfg(tmp_path: Path, **hb: object) -> tuple[Config, FakeClock]:
-    return _cfg(tmp_path, **hb), FakeClock()
+    return _cfg(tmp_path, **hb), FakeClock(real=True)
 
 
 def _watcher(cfg: Config, slurm: SlurmStandIn, clock: FakeClock) -> HangWatcher:
@@ -536,8 +521,9 @@ def _verifier(*checks: Check) -> object:
 
 def _suspect_watch(tmp_path: Path, slurm: SlurmStandIn, *checks: Check,
                    **hb: object) -> SuspectWatch:
-    return SuspectWatch(_cfg(tmp_path, **hb), "node1", SlurmAdapter(runner=slurm), FakeClock(),
-                        str(tmp_path / "hb"), _verifier(*checks))  # type: ignore[arg-type]
+    return SuspectWatch(_cfg(tmp_path, **hb), "node1", SlurmAdapter(runner=slurm),
+                        FakeClock(real=True), str(tmp_path / "hb"),
+                        _verifier(*checks))  # type: ignore[arg-type]
 
 
 SUSPECT = "SR: " + policy.suspect_reason(42, "alice", time.time(), "rank 1 stalled first")
@@ -613,7 +599,7 @@ def _suspected_by(tmp_path: Path, users: Sequence[tuple[int, str]], deep: Verifi
         reason = "SR: " + policy.suspect_reason(job, user, time.time(), "rank 1 stalled first")
         slurm = SlurmStandIn(node_reason=reason)
         watch = SuspectWatch(_cfg(tmp_path, suspect_threshold=3), "node1",
-                             SlurmAdapter(runner=slurm), FakeClock(), str(tmp_path / "hb"),
+                             SlurmAdapter(runner=slurm), FakeClock(real=True), str(tmp_path / "hb"),
                              _verifier(ok), deeper)  # type: ignore[arg-type]
         watch.adapter.events_path = str(tmp_path / events.FILENAME)
         watch.tick()

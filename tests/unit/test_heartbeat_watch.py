@@ -30,6 +30,7 @@ from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks need root")
 
@@ -37,39 +38,9 @@ OTHER_UID = 65534  # nobody
 NODE = "node1"
 
 
-class FakeClock:
-    """The real clocks moved forward by hand: slots' times stay comparable, nothing sleeps."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-        self.slept: list[float] = []
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset
-
-    def time(self) -> float:
-        return time.time() + self.offset
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.offset += seconds
-
-
-class FrozenClock(FakeClock):
+def FrozenClock() -> FakeClock:
     """Both clocks stand still but when advanced: step times are exactly what a test says."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base_mono, self.base_wall = time.monotonic(), time.time()
-
-    def monotonic(self) -> float:
-        return self.base_mono + self.offset
-
-    def time(self) -> float:
-        return self.base_wall + self.offset
+    return FakeClock(time.monotonic(), wall=time.time())
 
 
 def _watcher(cfg: Config, runner: object, clock: FakeClock, node: str = NODE) -> HangWatcher:
@@ -336,7 +307,7 @@ def test_watcher_detects_hang_captures_stack_and_requeues(tmp_path: Path) -> Non
     """A rank that stops beating is found, its stack dumped, and the job requeued once."""
     cfg = _cfg(tmp_path)
     runner = FakeRunner(42, NODE)
-    clock = FakeClock()
+    clock = FakeClock(real=True)
     watcher = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     try:
@@ -362,7 +333,7 @@ def test_observe_mode_reports_without_acting(tmp_path: Path) -> None:
     """In observe mode the incident is written but nothing is drained or requeued."""
     cfg = _cfg(tmp_path, mode="observe")
     runner = FakeRunner(42, NODE)
-    clock = FakeClock()
+    clock = FakeClock(real=True)
     watcher = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     try:
@@ -382,7 +353,7 @@ def test_other_users_cannot_report_or_see_a_job(tmp_path: Path) -> None:
     not watched at all (no ownership oracle); hang.status hides the job."""
     cfg = _cfg(tmp_path)
     steps.prolog_run_dir(_ctx(cfg))
-    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock(real=True))
     watcher.tick()
     with pytest.raises(RequestError) as theirs:
         watcher.handle_report({"job_id": 42}, Peer(pid=1, uid=1234, gid=1234))
@@ -399,7 +370,7 @@ def test_two_agents_racing_on_one_hang_requeue_once(tmp_path: Path) -> None:
     """Two watchers (an agent and its restarted twin) seeing the same hang requeue it once."""
     cfg = _cfg(tmp_path)
     runner = FakeRunner(42, NODE)
-    clock = FakeClock()
+    clock = FakeClock(real=True)
     first = _watcher(cfg, runner, clock)
     second = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
@@ -434,7 +405,7 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
     watcher.tick()
     tuned = watcher.jobs[42].verdict.tuned_timeout_s
     assert tuned == pytest.approx(0.3 * 10)  # the slowest step times auto_tune_factor
-    again = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    again = _watcher(cfg, FakeRunner(42, NODE), FakeClock(real=True))
     assert again.tuned.get(42) == tuned
     hb.close()
 
@@ -442,7 +413,7 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
 def test_old_markers_and_tuned_timeouts_are_cleaned_up(tmp_path: Path) -> None:
     """Act markers and tuned timeouts older than the retention are removed; fresh ones stay."""
     cfg = _cfg(tmp_path)
-    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock())
+    watcher = _watcher(cfg, FakeRunner(42, NODE), FakeClock(real=True))
     assert watcher.store.claim(7, 0, 0.0) and not watcher.store.claim(7, 0, 0.0)
     watcher.tuned.save(7, 12.0)
     watcher.tuned.save(8, 12.0)
@@ -498,7 +469,7 @@ def test_batch_host_acts_on_a_hang_published_by_another_node(tmp_path: Path) -> 
         argv = [sys.executable, "-c", code, str(slot), str(rank), "2"]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
         assert procs[-1].stdout is not None and procs[-1].stdout.readline()
-    clocks = {n: FakeClock() for n in ("node1", "node2")}
+    clocks = {n: FakeClock(real=True) for n in ("node1", "node2")}
     watchers = {n: _watcher(cfg, runner, clocks[n], n) for n in ("node1", "node2")}
     try:
         clocks["node2"].advance(1.3)  # node2's rank stalled; node1's keeps beating
@@ -532,7 +503,7 @@ def test_observations_left_by_an_earlier_run_are_ignored(tmp_path: Path) -> None
     os.utime(old_piece, (past, past))
     steps.prolog_run_dir(_ctx(cfg, uid=0))
     runner = FakeRunner(42, NODE)
-    watcher = _watcher(cfg, runner, FakeClock())
+    watcher = _watcher(cfg, runner, FakeClock(real=True))
     watcher.tick()
     watcher.wait()
     assert [c for c in runner.calls if c[1:3] != ["show", "node"]] == []

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from slurm_resilience.nccl import cache, schedule
+from slurm_resilience.testing import FakeClock
 
 NOW = 1_700_000_000.0
 
@@ -133,21 +134,6 @@ def test_idle_due() -> None:
     assert not schedule.idle_due(fresh=True, age_s=5, interval_s=30)
 
 
-class FakeClock:
-    """A monotonic clock that moves only when code sleeps on it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
 HOLDER = """
 import fcntl, os, signal, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
@@ -242,9 +228,9 @@ def test_waiting_for_the_lock_gives_up_at_its_deadline(tmp_path: Path) -> None:
     b = schedule.NodeLock(str(tmp_path / "l"), clock=clock.monotonic, sleep=clock.sleep)
     assert a.try_acquire()
     assert not b.acquire(0.1, poll_s=0.03)
-    assert clock.now >= 0.1 and clock.sleeps == [0.03] * 4
+    assert clock.now >= 0.1 and clock.slept == [0.03] * 4
     a.release()
-    assert b.acquire(0.1) and clock.sleeps == [0.03] * 4
+    assert b.acquire(0.1) and clock.slept == [0.03] * 4
     b.release()
 
 
@@ -258,7 +244,7 @@ def test_a_holder_that_is_not_ours_is_neither_signalled_nor_waited_for(tmp_path:
         lock = schedule.NodeLock(path, clock=clock.monotonic, sleep=clock.sleep)
         h = schedule.take_over(lock, 5.0)
         assert h.held and not h.locked and lock.fd is None
-        assert h.seconds == 0.0 and clock.sleeps == []  # not the 5 s hand-off wait
+        assert h.seconds == 0.0 and clock.slept == []  # not the 5 s hand-off wait
         assert holder.poll() is None
     finally:
         holder.kill()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_resilience.nofollow import remove_tree_at
+from slurm_resilience.safefs import remove_tree_at
 
 
 def test_links_are_removed_not_followed(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def _open_fds() -> int:
 def test_deep_tree_is_removed_with_bounded_fds(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1,500-level tree goes without RecursionError, holding at most MAX_OPEN_DIRS levels."""
-    from slurm_resilience import nofollow
+    from slurm_resilience import safefs as nofollow
 
     _deep_tree(tmp_path, "deep", 1500)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
@@ -87,7 +87,7 @@ def test_deep_tree_is_removed_with_bounded_fds(tmp_path: Path,
 
 def test_budget_leaves_the_rest_for_the_next_pass(tmp_path: Path) -> None:
     """A spent entry budget raises RemovalIncomplete; the next call finishes the job."""
-    from slurm_resilience.nofollow import RemovalBudget, RemovalIncomplete
+    from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete
 
     _deep_tree(tmp_path, "deep", 100)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)

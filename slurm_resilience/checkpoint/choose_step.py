@@ -1,0 +1,78 @@
+"""Which committed step a restore loads: the newest one, the same on every rank.
+
+Waits for the agent's stage-in, then agrees across ranks (one all-reduce of the
+candidates; a disagreement goes to catch_up.py); a failure anywhere raises on every rank
+with its cause, unless the job allows a fresh start.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from slurm_resilience.checkpoint.catch_up import agree_ranks
+from slurm_resilience.checkpoint.commit import COMMIT, committed_steps, step_name
+from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
+from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
+
+if TYPE_CHECKING:
+    from slurm_resilience.checkpoint.manager import CheckpointManager
+
+
+def latest_step(mgr: CheckpointManager, exclude: Mapping[int, str] | None = None
+                ) -> int | None:
+    """The newest committed step, the same on every rank, ready to load; None only when
+    the run has nothing committed (or allow_fresh_start turned a failure into a fresh
+    start). Waits for the agent's stage-in; raises a CheckpointError naming the step
+    and the cause when stage-in failed, ranks disagree, or ``.metadata`` is missing.
+    ``exclude``: steps this restore found corrupt (passed over, never chosen again)."""
+    mgr.wait()
+    bad = dict(exclude or {})
+    status = mgr.wait_stagein()
+    local = [s for s in committed_steps(mgr.job_dir) if s not in bad]
+    candidate = status.step if status.step is not None else (local[-1] if local else -1)
+    error = status.error if status.state == "failed" else None
+    if error is None and candidate in bad:
+        error = (f"stage-in chose step {candidate} again although this restore found it "
+                 f"corrupt ({bad[candidate]})")
+    if mgr.uri is not None and (mgr._agent_lost or status.state == "unavailable"):
+        # The run's S3 steps are unknown: loading a local one could silently go back.
+        error = f"the node agent is unreachable ({mgr._agent_lost or status.error})"
+    failed = error is not None
+    if not failed and mgr.rank == 0:
+        warn_fallbacks(status)
+    hi, neg_lo, any_failed = mgr._all_max([candidate, -candidate, int(failed)])
+    lo = -neg_lo
+    if any_failed:
+        cause = f"stage-in failed: {error}" if failed else \
+            "stage-in failed on another node (its ranks' error names the cause)"
+        mgr._fresh_or_raise(f"checkpoint: load: couldn't restore the run: {cause}")
+        return None
+    if hi != lo:  # every rank takes this branch: hi and lo are the same everywhere
+        agreed = agree_ranks(mgr, candidate, status, local)
+        if agreed is None:
+            return None
+        hi = agreed
+    if hi < 0 and bad:
+        mgr._fresh_or_raise(
+            f"checkpoint: load: couldn't load committed step {max(bad)}: "
+            + "; ".join(f"step {s}: {why}" for s, why in sorted(bad.items(), reverse=True))
+            + " (and no older committed step verifies)")
+        return None
+    if hi < 0:
+        if mgr.rank == 0:
+            print("checkpoint: load: no committed step; starting from step 0",
+                  file=sys.stderr)
+        return None
+    sdir = mgr.job_dir / step_name(hi)
+    has_meta = (sdir / METADATA_RELPATH).is_file() and (sdir / COMMIT).is_file()
+    (missing,) = mgr._all_max([int(not has_meta)])
+    if missing:
+        mgr._fresh_or_raise(f"checkpoint: load: couldn't load committed step {hi}: "
+                             f"{'this node' if not has_meta else 'another node'} has no "
+                             f"{METADATA_RELPATH} (written before the DCP format, or "
+                             "staged in incompletely)")
+        return None
+    mgr._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
+    return hi

@@ -1,0 +1,242 @@
+"""The uploader's requests (unix socket, caller known by SO_PEERCRED); see uploader.py
+for the list. A job's user may only act on their own jobs; job_start, job_end and
+cleanup are root's."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from slurm_resilience.agent.service import (
+    Peer,
+    Request,
+    RequestError,
+    Response,
+    int_arg,
+    str_arg,
+)
+from slurm_resilience.checkpoint.commit import (
+    CheckpointError,
+)
+from slurm_resilience.checkpoint.prefix import check_run_uri
+from slurm_resilience.checkpoint.staging import (
+    open_job_dir,
+)
+from slurm_resilience.log import get_logger
+from slurm_resilience.logbudget import LogBudget, user_text
+from slurm_resilience.uploader.journal import (
+    JobRecord,
+    JobState,
+    StageinState,
+    failed_steps,
+    new_record,
+    pending_steps,
+)
+from slurm_resilience.uploader.registration import node_names
+from slurm_resilience.uploader.restore import fetch_for, stagein_status
+
+if TYPE_CHECKING:
+    from slurm_resilience.uploader.service import Uploader
+
+log = get_logger("checkpoint.uploader")
+# A job's user sends these requests as often as they like: lines per job are budgeted.
+_JOB_LOG = LogBudget(log, "refused or failed requests")
+
+MAX_EXCLUDED = 16  # corrupt steps one job may pass over (ckpt.restage)
+
+
+def on_cleanup(up: Uploader, request: Request, peer: Peer) -> Response:
+    """``ckpt.cleanup`` (root): remove what is set aside under ``.stale/``, in the
+    agent's own time (the next ticks), never in the caller's."""
+    if peer.uid != 0:
+        raise RequestError(f"checkpoint: only root may ask for a cleanup (you are uid "
+                           f"{peer.uid})")
+    up.stale_due = True
+    return {"ok": True, "queued": True}
+
+
+def job_of(up: Uploader, request: Request, peer: Peer, *, root_only: bool = False) -> JobRecord:
+    job_id = int_arg(request, "job_id")
+    if root_only and peer.uid != 0:
+        raise RequestError(f"checkpoint: only root may do this (you are uid {peer.uid})")
+    rec = up.jobs.get(job_id)
+    if rec is None:
+        raise RequestError(f"checkpoint: job {job_id} has no staging dir on node "
+                           f"{up.node} (did the prolog run?)")
+    if peer.uid not in (0, int(rec["uid"])):
+        raise RequestError(f"checkpoint: job {job_id} belongs to uid {rec['uid']}, "
+                           f"not to you (uid {peer.uid})")
+    return rec
+
+
+def on_job_start(up: Uploader, request: Request, peer: Peer) -> Response:
+    if peer.uid != 0:
+        raise RequestError(f"checkpoint: only root may start a job (you are uid {peer.uid})")
+    job_id, uid, gid = (int_arg(request, "job_id"), int_arg(request, "uid"),
+                        int_arg(request, "gid"))
+    user = str_arg(request, "user", limit=256)
+    uri = str_arg(request, "uri", default="")
+    refused = ""
+    if uri:  # from the SPANK option --ckpt-uri: stage in before the tasks even start
+        try:
+            uri = str(check_run_uri(uri, up.ck.allowed_prefix, user))
+        except CheckpointError as exc:
+            refused, uri = str(exc), ""  # the job's own register call reports it
+    with up.lock:
+        rec = up.jobs.get(job_id)
+        if rec is None or int(rec["uid"]) != uid:
+            rec = new_record(job_id, uid, gid, user, up.staging_root)
+        else:  # a requeued job on the same node
+            rec["state"], rec["ended_at"] = JobState.ACTIVE, None
+            rec["stagein"] = {"state": StageinState.PENDING}
+            rec.pop("stagein_wanted", None)  # a new run of the job: its newest step
+        if uri and not rec.get("uri"):
+            rec["uri"] = uri
+        up.jobs[job_id] = rec
+        up.journal.write(rec)
+        if rec.get("uri"):
+            up.start_stagein(rec)
+    return {"ok": True, "refused": refused} if refused else {"ok": True}
+
+
+def on_register(up: Uploader, request: Request, peer: Peer) -> Response:
+    rec = job_of(up, request, peer)
+    uri = str_arg(request, "uri", default="")
+    allow_older = request.get("allow_older_step", False)
+    if not isinstance(allow_older, bool):
+        raise RequestError(f"allow_older_step must be true or false, got "
+                           f"{str(allow_older)[:40]!r}")
+    lost = node_names(request.get("unreachable_nodes", []))
+    try:
+        run = check_run_uri(uri, up.ck.allowed_prefix, str(rec["user"]))
+    except CheckpointError as exc:
+        _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: register: run URI refused",
+                     job_id=rec["job_id"], uri=user_text(uri), error=user_text(exc))
+        raise RequestError(str(exc)) from None
+    with up.lock:
+        if rec.get("uri") and rec["uri"] != str(run):
+            raise RequestError(f"checkpoint: job {rec['job_id']} already uses {rec['uri']}, "
+                               f"not {run}")
+        rec["uri"] = str(run)
+        si = rec["stagein"]
+        if allow_older and not rec.get("allow_older_step"):
+            # The job's own opt-in (SLURM_RESILIENCE_CKPT_ALLOW_OLDER_STEP), read by a
+            # stage-in still waiting when its wait runs out; one that already failed
+            # on that wait runs again (and waits again: the step may have arrived).
+            rec["allow_older_step"] = True
+            log.warning("job opts in to an older step when a step still uploading "
+                        "never completes", job_id=rec["job_id"])
+            if si.get("state") == StageinState.FAILED and \
+                    si.get("still_uploading") is not None:
+                rec["stagein"] = {"state": StageinState.PENDING}
+        if lost and lost != rec.get("unreachable_nodes"):
+            # The job's word, about its own run only: shown, never acted on.
+            rec["unreachable_nodes"] = lost
+            _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: the job's ranks couldn't "
+                         "reach the node agent on other nodes; checkpoints saved there stay "
+                         "there and no step of the run commits in S3 until those agents "
+                         "return", level="error", job_id=rec["job_id"], nodes=lost,
+                         uri=user_text(run))
+        up.journal.write(rec)
+        if rec["stagein"].get("state") == "pending":
+            up.start_stagein(rec)
+    return {"ok": True, "uri": str(run)}
+
+
+def on_status(up: Uploader, request: Request, peer: Peer) -> Response:
+    rec = job_of(up, request, peer)
+    with up.lock:
+        answer = stagein_status(rec)
+        failed = {str(k): v for k, v in failed_steps(rec).items()}
+        error = rec.get("error")
+    return {"ok": True, **answer, "failed": failed, "upload_error": error,
+            "fetch": up.fetcher.stats(int(rec["job_id"])),
+            "unreachable_nodes": list(rec.get("unreachable_nodes") or []),
+            "staging_quota": up.space.over_quota.get(int(rec["job_id"]))}
+
+
+def on_fetch(up: Uploader, request: Request, peer: Peer) -> Response:
+    """``ckpt.fetch`` (the job's owner): make byte ranges of a step present (fetch.py)."""
+    rec = job_of(up, request, peer)
+    try:
+        return {"ok": True, **fetch_for(up.fetcher, rec, request)}
+    except CheckpointError as exc:
+        _JOB_LOG.log(f"job {rec['job_id']}", "checkpoint: fetch: failed", level="error",
+                     job_id=rec["job_id"], error=user_text(exc))
+        raise RequestError(str(exc)) from None
+
+
+def on_restage(up: Uploader, request: Request, peer: Peer) -> Response:
+    """``ckpt.restage`` (the job's owner): the restore found the staged step corrupt
+    (a block's CRC32C); stage in again without it. Only the job's own restore is
+    affected, so the job's word is enough. Idempotent: every node's local leader asks."""
+    rec = job_of(up, request, peer)
+    step, reason = request.get("step"), str_arg(request, "reason", default="",
+                                                limit=1 << 16)[:500]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RequestError(f"checkpoint: restage: step {step!r} is not a step number")
+    with up.lock:
+        excluded = rec.setdefault("stagein_excluded", {})
+        if len(excluded) >= MAX_EXCLUDED and str(step) not in excluded:
+            raise RequestError(f"checkpoint: restage: job {rec['job_id']} already passed "
+                               f"over {len(excluded)} corrupt steps; not staging again")
+        excluded.setdefault(str(step), reason or "the restore found it corrupt")
+        si = rec["stagein"]
+        if si.get("state") != "running" and si.get("step") == step:
+            log.error("restore found the staged step corrupt; staging an older one",
+                      job_id=rec["job_id"], step=step, reason=reason)
+            up.start_stagein(rec)
+        else:
+            up.journal.write(rec)
+    return {"ok": True}
+
+
+def on_job_end(up: Uploader, request: Request, peer: Peer) -> Response:
+    rec = job_of(up, request, peer, root_only=True)
+    if rec.get("uri"):
+        # Steps committed since the last pass must count as pending before the epilog
+        # decides whether the staging dir may go.
+        try:
+            with open_job_dir(rec["staging_root"], int(rec["job_id"])) as jfd:
+                up.note_local_steps(rec, jfd)
+        except FileNotFoundError:
+            pass
+        except (CheckpointError, OSError) as exc:
+            raise RequestError(f"checkpoint: job_end: couldn't scan the staging dir of job "
+                               f"{rec['job_id']}: {exc}") from None
+    with up.lock:
+        rec["state"], rec["ended_at"] = JobState.ENDED, time.time()
+        up.journal.write(rec)
+        up.backoff.pop(int(rec["job_id"]), None)  # try at once
+        up.space_due = 0.0  # its steps may be reclaimable now: tell the gate soon
+        return {"ok": True, "pending": pending_steps(rec), "uri": rec.get("uri")}
+
+
+def on_stage(up: Uploader, request: Request, peer: Peer) -> Response:
+    """``ckpt.stage`` (the job's owner): stage in exactly ``step`` from S3. Only the job's
+    own restore is affected, so the job's word is enough. Idempotent."""
+    rec = job_of(up, request, peer)
+    step = request.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RequestError(f"checkpoint: stage: step {step!r} is not a step number")
+    if not rec.get("uri"):
+        raise RequestError(f"checkpoint: stage: job {rec['job_id']} has no run URI: nothing "
+                           "to stage in from")
+    with up.lock:
+        why = rec.get("stagein_excluded", {}).get(str(step))
+        if why is not None:
+            raise RequestError(f"checkpoint: stage: the restore found step {step} corrupt "
+                               f"({why}); not staging it again")
+        si = rec["stagein"]
+        if rec.get("stagein_wanted") == step and si.get("state") == "running":
+            return {"ok": True}
+        if si.get("state") == "running":
+            raise RequestError(f"checkpoint: stage: job {rec['job_id']}'s stage-in is still "
+                               "running; ask again when it is done")
+        if si.get("state") == "done" and si.get("step") == step:
+            return {"ok": True}
+        log.warning("staging the step the job's ranks agreed on", job_id=rec["job_id"],
+                    step=step, staged=si.get("step"))
+        rec["stagein_wanted"] = step
+        up.start_stagein(rec)
+    return {"ok": True}
