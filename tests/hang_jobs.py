@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slurm_resilience.sandbox import control
 from slurm_resilience.sandbox.handle import Sandbox
 
 T = TypeVar("T")
@@ -102,3 +105,14 @@ def job_clock(out: str) -> dict[str, Any]:
     done = re.search(r"done step=\d+ resumed_from=\d+ restarts=\d+ at=([\d.]+)", out)
     clock["done"] = float(done.group(1)) if done else None
     return clock
+
+
+def goodput(sandbox: Sandbox, job_id: int, nodes: list[str]) -> dict[str, Any]:
+    """The job's goodput from the records of every node it ran on (the sandbox's nodes
+    share this host, so one command reads them all)."""
+    args = [a for n in nodes for a in ("--node", n)]
+    out = subprocess.run([sys.executable, "-m", "slurm_resilience", "goodput", str(job_id),
+                          *args, "--json"], capture_output=True, text=True,
+                         timeout=60, env=control.user_env(sandbox.layout))
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hang_jobs import PYTHON, TRAIN, output, submit, wait_for
+from hang_jobs import PYTHON, TRAIN, goodput, output, submit, wait_for
 
 from slurm_resilience import events
 from slurm_resilience.hang.limits import planned_count
@@ -76,6 +76,18 @@ def run_past_limits(sandbox: Sandbox, user: str, name: str, launcher: str = "",
     assert parse_ledger(final.admin_comment) is None  # the hang count never moved
     assert counted(sandbox, events.REQUEUE, "time_limit") == before + len(stops)
     assert counted(sandbox, events.REQUEUE, "hang") == hangs
+    # goodput: every run that stopped at its limit is a planned restart, never a failure
+    # (no restart, lost or hung time), over the nodes the runs used
+    nodes = sorted(set(re.findall(r"rank \d+ running step=\d+ at=[\d.]+ restarts=\d+ "
+                                  r"node=(\w+)", out)))
+    b = goodput(sandbox, job_id, nodes)
+    print(json.dumps(b, indent=1))
+    assert len(b["runs"]) == len(stops) + 1, b
+    for r in b["runs"][:-1]:
+        losses = r["losses"]
+        assert losses["planned_restart"] > 0, r
+        assert losses["restart"] == losses["lost_since_checkpoint"] == 0, r
+        assert losses["hung_before_detection"] == 0, r
 
 
 def test_a_job_past_its_time_limit_saves_is_requeued_and_resumes(

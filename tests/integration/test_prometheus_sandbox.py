@@ -31,7 +31,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -45,9 +44,9 @@ from typing import Any
 
 import pytest
 import yaml
-from hang_jobs import acting, job_clock, output, reports, submit, wait_for
+from hang_jobs import acting, goodput, job_clock, output, reports, submit, wait_for
 
-from slurm_resilience.sandbox import control, faults
+from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -280,17 +279,6 @@ def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: s
         assert got[f"alert SlurmResilience{quiet}"] == {}, quiet
     # the hung job's goodput was under the threshold while it ran (0.14 to 0.18 here)
     assert set(earlier["alert SlurmResilienceJobGoodputLow"]) == {job}, earlier
-
-
-def goodput(sandbox: Sandbox, job_id: int, nodes: list[str]) -> dict[str, Any]:
-    """The job's goodput from the records of every node it ran on (the sandbox's nodes
-    share this host, so one command reads them all)."""
-    args = [a for n in nodes for a in ("--node", n)]
-    out = subprocess.run([sys.executable, "-m", "slurm_resilience", "goodput", str(job_id),
-                          *args, "--json"], capture_output=True, text=True,
-                         timeout=60, env=control.user_env(sandbox.layout))
-    assert out.returncode == 0, out.stderr
-    return dict(json.loads(out.stdout))
 
 
 def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
