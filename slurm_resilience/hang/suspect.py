@@ -395,8 +395,11 @@ class SuspectWatch:
         parsed = policy.parse_reason(info.reason) if info.drained else None
         if parsed is None or not parsed.suspect or not self.adapter.ours(info.reason):
             return "not a suspect"
-        if info.alloc_cpus > 0:
-            # The hung job is still leaving (or another job was already placed): look again soon.
+        if info.alloc_cpus > 0 or "COMPLETING" in info.flags:
+            # The hung job is still leaving (or another job was already placed): look again
+            # soon. A requeued job frees its CPUs at once but its processes stay until they
+            # exit or KillWait ends them (COMPLETING): verifying then would test a node still
+            # running them, and return it before its drain was ever complete.
             self.next_poll = self.clock.monotonic() + self._jittered(hb.verify_poll_s)
             return "suspect still allocated"
         return self.handle(info, parsed)

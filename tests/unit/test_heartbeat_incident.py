@@ -62,9 +62,10 @@ class SlurmStandIn:
     of calls (each raising a timeout, as when slurmctld is stopped); records every argv."""
 
     def __init__(self, *, restarts: int = 0, down_calls: int = 0, node_reason: str = "",
-                 alloc: int = 0):
+                 alloc: int = 0, completing: bool = False):
         self.restarts, self.down_calls = restarts, down_calls
         self.node_reason, self.alloc = node_reason, alloc
+        self.completing = completing
         self.state = "RUNNING"
         self.node_comment = ""
         self.calls: list[list[str]] = []
@@ -83,7 +84,8 @@ class SlurmStandIn:
                    f"Restarts={self.restarts} BatchHost=node1 NodeList=node1 NumNodes=1 "
                    "Requeue=1 AdminComment=(null)")
         elif argv[1:3] == ["show", "node"]:
-            flag = "+DRAIN" if self.node_reason else ""
+            flag = ("+COMPLETING" if self.completing else "") + (
+                "+DRAIN" if self.node_reason else "")
             reason = f"{self.node_reason} [root@2026-11-23T10:00:00]" if self.node_reason \
                 else "(null)"
             out = (f"NodeName=node1 State=IDLE{flag} CPUTot=2 CPUAlloc={self.alloc} "
@@ -580,6 +582,18 @@ def test_a_suspect_is_verified_only_after_the_job_left(tmp_path: Path) -> None:
     slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2)
     watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
     assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
+
+
+def test_a_suspect_is_not_verified_while_the_requeued_job_is_completing(
+        tmp_path: Path) -> None:
+    """A requeued job frees its CPUs at once, but its processes stay until KillWait
+    (IDLE+COMPLETING+DRAIN): the node is verified only once they are gone."""
+    slurm = SlurmStandIn(node_reason=SUSPECT, completing=True)
+    watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
+    assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
+    slurm.completing = False
+    watch.poll()
+    assert slurm.node_reason == ""  # verified and returned
 
 
 def _suspected_by(tmp_path: Path, users: Sequence[tuple[int, str]], deep: Verification,
