@@ -22,7 +22,10 @@ pytestmark = pytest.mark.sandbox
 
 def reason_in_sinfo(sandbox: Sandbox, node: str) -> str:
     out = sandbox.run(["sinfo", "-R", "-h", "-N", "-n", node, "-o", "%N|%E"]).stdout
-    return "".join(line.split("|", 1)[1] for line in out.splitlines() if line.startswith(node))
+    # sinfo -N prints a node once per partition it is in (debug and urgent): one reason.
+    reasons = {line.split("|", 1)[1] for line in out.splitlines() if line.startswith(node)}
+    assert len(reasons) <= 1, out
+    return reasons.pop() if reasons else ""
 
 
 def test_four_nodes_come_up_and_run_a_two_node_srun(sandbox: Sandbox) -> None:
