@@ -527,7 +527,7 @@ def test_a_registered_launcher_is_ordered_to_relaunch_instead_of_a_requeue(
     ledger records the attempt; the launcher's next registration ends the order."""
     cfg = _cfg(tmp_path)
     runner = SpareRunner(42, NODE)
-    clock = FakeClock()
+    clock = FakeClock(real=True)  # the hanging job's slot carries real times
     watcher = _watcher(cfg, runner, clock)
     proc = _hanging_job(tmp_path, cfg)
     owner = Peer(pid=1, uid=0, gid=0)  # the job's user here (the prolog ran it as uid 0)
