@@ -123,7 +123,7 @@ class Owner(Generic[S]):
             self._busy = (type(slot.command).__name__, time.monotonic())
             try:
                 result = slot.command.apply(self.state)
-            except BaseException as exc:  # the caller's to handle, not ours
+            except BaseException as exc:  # noqa: BLE001 - the caller's to handle, not ours
                 slot.future.set_exception(exc)
             else:
                 slot.future.set_result(result)
