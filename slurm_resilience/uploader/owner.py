@@ -21,8 +21,19 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from slurm_resilience.log import get_logger
+
 T = TypeVar("T")
 S = TypeVar("S")
+
+
+log = get_logger("owner")
+
+
+def _log_failure(fut: Future[T]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        exc = fut.exception()
+        log.error("a queued command failed on the owner thread", error=repr(exc))
 
 
 class NotOwnerThread(RuntimeError):
@@ -105,6 +116,18 @@ class Owner(Generic[S]):
         except CancelledError:
             raise OwnerStopped(f"{self.name}: {what} not run: the owner was stopped "
                                "(the service is closing)") from None
+
+    def post(self, command: Command[S, T]) -> Future[T]:
+        """Queue ``command`` without waiting for it (the agent's tick must not block);
+        an exception it raises is logged, since no caller waits for it."""
+        fut: Future[T] = Future()
+        if self._stopped.is_set():
+            fut.set_exception(OwnerStopped(f"{self.name}: {type(command).__name__} refused: "
+                                           "the owner was stopped (the service is closing)"))
+            return fut
+        fut.add_done_callback(_log_failure)
+        self._queue.put(_Slot(command, fut))  # type: ignore[arg-type]
+        return fut
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Run what is queued, then stop; later commands raise OwnerStopped."""

@@ -38,7 +38,7 @@ import copy
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -156,6 +156,7 @@ class Uploader:
                 rec["stagein"] = {"state": StageinState.PENDING}  # cut by a restart: redo it
         log.info("checkpoint uploader started", jobs=sorted(self.jobs),
                  pending={j: pending_steps(r) for j, r in self.jobs.items() if pending_steps(r)})
+        self._ticking: Future[None] | None = None  # the agent's tick, queued to the owner
         self.owner: Owner[Uploader] = Owner(self, f"ckpt-records-{node}", owner_timeout_s)
 
     @property
@@ -261,7 +262,9 @@ class Uploader:
         and its parts take turns with the huge one's in the fair pool."""
         if self.stopping.is_set():
             return
-        self.ask(_Tick())
+        if self._ticking is not None and not self._ticking.done():
+            return  # the last one is still queued: the owner is busy, one is enough
+        self._ticking = self.owner.post(_Tick())
 
     def start_due(self) -> None:
         """``tick``'s work, on the owner thread: start what is due."""

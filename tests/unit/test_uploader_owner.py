@@ -110,3 +110,16 @@ def test_the_owner_answers_a_commands_error_to_its_caller_and_goes_on() -> None:
     finally:
         owner.stop()
     assert owner.state == [2, 3]
+
+
+def test_the_agents_tick_never_waits_for_a_stuck_owner(up: Uploader) -> None:
+    """The tick is queued to the owner, not waited for; while one is queued, another is
+    not added (a stuck owner doesn't pile ticks up)."""
+    hold, t = _held(up)
+    up.tick()
+    first = up._ticking
+    up.tick()
+    assert first is not None and up._ticking is first and not first.done()
+    hold.release.set()
+    t.join(WAIT_S)
+    first.result(WAIT_S)  # the owner ran it once it was free
