@@ -68,7 +68,7 @@ from slurm_resilience.uploader.journal import (
     StepState,
     pending_steps,
 )
-from slurm_resilience.uploader.owner import Command, Owner
+from slurm_resilience.uploader.owner import Command, Owner, OwnerStopped, OwnerTimeout
 from slurm_resilience.uploader.records import (
     BackOff,
     DueJobs,
@@ -408,7 +408,13 @@ class Uploader:
         if self._s3 is not None:
             self._s3.close()  # queued parts are cancelled; parts in flight finish
         deadline = time.monotonic() + 5
-        for t in self.ask(_Threads()):
+        try:
+            threads = self.ask(_Threads())
+        except (OwnerTimeout, OwnerStopped) as exc:  # closing goes on; said, not hidden
+            log.error("checkpoint: closing without waiting for the syncs in flight",
+                      error=str(exc))
+            threads = []
+        for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self.owner.stop()  # what is queued still runs; later commands are refused
 

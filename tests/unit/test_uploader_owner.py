@@ -14,7 +14,7 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.uploader.journal import StepState, new_record
 from slurm_resilience.uploader.owner import Command, NotOwnerThread, Owner
-from slurm_resilience.uploader.records import FailJob, StepReport
+from slurm_resilience.uploader.records import FailJob, Forget, StepReport
 from slurm_resilience.uploader.service import Uploader
 
 ROOT = Peer(pid=1, uid=0, gid=0)
@@ -123,3 +123,14 @@ def test_the_agents_tick_never_waits_for_a_stuck_owner(up: Uploader) -> None:
     hold.release.set()
     t.join(WAIT_S)
     first.result(WAIT_S)  # the owner ran it once it was free
+
+
+def test_a_late_report_about_a_forgotten_job_does_not_bring_its_record_back(
+        up: Uploader) -> None:
+    """A worker's report that arrives after the job was forgotten is dropped: the owner
+    never writes a journal record for a job it no longer tracks."""
+    up.tell(StepReport(7, 1, {"state": StepState.PENDING}))
+    assert up.journal.path(7).is_file()
+    up.tell(Forget(7))
+    up.tell(StepReport(7, 1, {"state": StepState.COMMITTED}))
+    assert 7 not in up.jobs and not up.journal.path(7).exists()
