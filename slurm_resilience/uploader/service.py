@@ -114,7 +114,9 @@ def s3_settings(cfg: Config) -> S3Settings:
                       request_timeout_s=ck.request_timeout_s)
 
 
-OWNER_TIMEOUT_S = 60.0  # a request waits this long for the record owner's answer
+# A request waits this share of the client's own bound (agent.request_timeout_s) for
+# the record owner's answer, so the client hears why rather than timing out itself.
+OWNER_SHARE = 0.8
 WORKER_TIMEOUT_S = 600.0  # a worker's report waits this long (the owner does no S3 I/O)
 
 
@@ -130,7 +132,7 @@ class Uploader:
     name = "checkpoint"
 
     def __init__(self, cfg: Config, node: str, s3: S3 | None = None,
-                 owner_timeout_s: float = OWNER_TIMEOUT_S):
+                 owner_timeout_s: float | None = None):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.node = node
@@ -157,6 +159,8 @@ class Uploader:
         log.info("checkpoint uploader started", jobs=sorted(self.jobs),
                  pending={j: pending_steps(r) for j, r in self.jobs.items() if pending_steps(r)})
         self._ticking: Future[None] | None = None  # the agent's tick, queued to the owner
+        if owner_timeout_s is None:
+            owner_timeout_s = OWNER_SHARE * cfg.agent.request_timeout_s
         self.owner: Owner[Uploader] = Owner(self, f"ckpt-records-{node}", owner_timeout_s)
 
     @property
