@@ -192,7 +192,8 @@ class LimitWatch:
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
             return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
         requeue = bool(request.get("requeue")) and cause == "time_limit"
-        if cause == "preempt" and preempted(job) and "REQUEUE" in self._preempt_mode():
+        mode = self._preempt_mode(job) if cause == "preempt" and preempted(job) else ""
+        if "REQUEUE" in mode:
             # A job that ends within its grace time ends by its exit code, not requeued:
             # the job saved, so it goes back to the queue now. Under CANCEL it just ends.
             requeue = True
@@ -203,6 +204,8 @@ class LimitWatch:
             requeue, why = False, "the job is not requeueable (--no-requeue)"
         n, last = planned_count(job.admin_comment)
         text = stop_text(cause, step, seconds_left, requeue)
+        if "CANCEL" in mode:
+            text += ", the job ends (PreemptMode=CANCEL)"
         if requeue:
             try:
                 self.adapter.requeue(job_id, cause=cause)
@@ -223,12 +226,25 @@ class LimitWatch:
                     job_id=job_id, step=step, cause=cause)
         return {"requeued": requeue, "text": text, "why": why}
 
-    def _preempt_mode(self) -> str:
-        """The cluster's PreemptMode (``REQUEUE``, ``CANCEL``...; "" when unreadable)."""
+    def _preempt_mode(self, job: JobInfo) -> str:
+        """What preemption does to ``job``: its partition's PreemptMode (``REQUEUE``,
+        ``CANCEL``...), which Slurm falls back to the cluster's for a partition that sets
+        none; the cluster's when the job names no partition. "" (nothing is requeued here:
+        Slurm ends or requeues the job by its own mode) when unreadable, or under
+        preempt/qos, where the job's QOS decides and this service does not read QOS."""
         try:
-            return self.adapter.show_config().get("PreemptMode", "").upper()
-        except SlurmError as exc:
-            log.warning("limits: couldn't read PreemptMode", error=str(exc))
+            conf = self.adapter.show_config()
+            if "qos" in conf.get("PreemptType", "").lower():
+                log.warning("limits: PreemptType is preempt/qos: the QOS's PreemptMode "
+                            "applies; not read here, so the job is not requeued by us",
+                            job_id=job.job_id)
+                return ""
+            if job.partition:
+                return self.adapter.preempt_mode(job.partition)
+            return conf.get("PreemptMode", "").upper()
+        except (SlurmError, ValueError) as exc:
+            log.warning("limits: couldn't read the PreemptMode", job_id=job.job_id,
+                        partition=job.partition, error=str(exc))
             return ""
 
     # -- the tick ----------------------------------------------------------------------------
