@@ -65,6 +65,7 @@ MAX_JOBS = 256  # armed jobs kept per node
 MAX_PIDS = 1024  # armed processes kept per job (ranks on one node)
 END_REFRESH_S = 30.0  # how often a job's end time is read again from Slurm
 CAUSES = ("time_limit", "preempt")
+GRACE_REQUEUE_SINCE = (24, 5)  # slurmctld requeues a job that ends in its grace time
 _TOKEN = re.compile(r"\[sr-planned n=(\d+) restart=(\d+)\]")
 _TEXT = re.compile(r"(time limit|preempted)[^|]*(\||$)")
 
@@ -194,8 +195,9 @@ class LimitWatch:
         requeue = bool(request.get("requeue")) and cause == "time_limit"
         mode = self._preempt_mode(job) if cause == "preempt" and preempted(job) else ""
         if "REQUEUE" in mode:
-            # A job that ends within its grace time ends by its exit code, not requeued:
-            # the job saved, so it goes back to the queue now. Under CANCEL it just ends.
+            # Up to 23.11 a job that ends within its grace time ends by its exit code, not
+            # requeued: the job saved, so it goes back to the queue now. Under CANCEL it
+            # just ends.
             requeue = True
         why = ""
         if requeue and job.state != "RUNNING":
@@ -206,7 +208,12 @@ class LimitWatch:
         text = stop_text(cause, step, seconds_left, requeue)
         if "CANCEL" in mode:
             text += ", the job ends (PreemptMode=CANCEL)"
-        if requeue:
+        if requeue and cause == "preempt" and self._slurm_requeues_preempted():
+            # 24.05 on, Slurm requeues a --requeue job that ends in its grace time itself,
+            # and only then forgets the preemption: after a requeue of ours it would still
+            # hold it and requeue the next run as well when that one ends.
+            pass
+        elif requeue:
             try:
                 self.adapter.requeue(job_id, cause=cause)
             except SlurmError as exc:
@@ -225,6 +232,16 @@ class LimitWatch:
         log.warning(f"limits: job {job_id}: {text}" + (f" (not requeued: {why})" if why else ""),
                     job_id=job_id, step=step, cause=cause)
         return {"requeued": requeue, "text": text, "why": why}
+
+    def _slurm_requeues_preempted(self) -> bool:
+        """Whether slurmctld requeues a job that ends within its preemption grace time
+        (PreemptMode=REQUEUE, the job requeueable): from Slurm 24.05 on."""
+        try:
+            return self.adapter.slurm_version() >= GRACE_REQUEUE_SINCE
+        except SlurmError as exc:
+            log.warning("limits: couldn't read the Slurm version; requeueing the preempted "
+                        "job ourselves", error=str(exc))
+            return False
 
     def _preempt_mode(self, job: JobInfo) -> str:
         """What preemption does to ``job``: its partition's PreemptMode (``REQUEUE``,

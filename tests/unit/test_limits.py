@@ -40,6 +40,10 @@ class FakeAdapter:
         self.calls: list[tuple[str, Any]] = []
         self.events_path = ""
         self.modes = {"debug": "REQUEUE"}  # partition -> PreemptMode
+        self.version = (22, 5)
+
+    def slurm_version(self) -> tuple[int, int]:
+        return self.version
 
     def preempt_mode(self, partition: str) -> str:
         return self.modes[partition]
@@ -239,3 +243,15 @@ def test_an_unreadable_or_qos_preempt_mode_requeues_nothing(tmp_path: Path) -> N
                                   Peer(os.getpid(), UID, 0))
     assert answer["text"] == "preempted: saved step 9" and not answer["requeued"]
     assert "requeue" not in [c for c, _ in adapter.calls]
+
+
+def test_from_2405_slurm_requeues_a_preempted_job_that_saved_not_us(tmp_path: Path) -> None:
+    """24.05+ requeues a job ending in its grace time itself, and a requeue of ours would
+    leave the preemption set (the next run's end requeued again): we only note it."""
+    j = replace(job(), raw={"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"})
+    watch, adapter = service(tmp_path, j, [0.0], [])
+    adapter.version = (24, 11)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
+    assert [c for c, _ in adapter.calls] == ["comment"]
