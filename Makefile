@@ -68,8 +68,12 @@ unit: setup
 integration: setup
 	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
 
+# The sandbox tests mostly wait (on Slurm's timers and the jobs they run), so the suite runs
+# in PYTEST_WORKERS pytest-xdist processes side by side; each test starts its sandboxes
+# on its own ports and state dirs (tests/conftest.py). PYTEST_WORKERS=0 runs it in one.
+PYTEST_WORKERS ?= 3
 test: setup lint typecheck
-	$(PY) -m pytest tests -q -ra --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=30 -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 # The host's Slurm is bookworm's 22.05 (`make test`); these run the Slurm-facing tests
 # (.ci/leg-tests) against other Slurm versions, each in a cached Debian root (.ci/test-leg).

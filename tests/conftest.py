@@ -71,8 +71,13 @@ _used_bases: set[int] = set()
 
 def free_port_base(nodes: int) -> int:
     """A port base whose slurmctld, slurmd and S3 ports are all free (and unused this run)."""
+    # Below Linux's ephemeral range (32768 up), so that no client connection's local port
+    # can take one between this check and the daemon's bind; under pytest-xdist each
+    # worker draws from its own residue class, so two workers never pick the same base.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     for _ in range(200):
-        base = random.randrange(20000, 40000, 100)
+        base = random.randrange(20000 + 100 * worker, 32600, 100 * workers)
         ports = [*range(base, base + nodes + 1), base + S3_OFFSET,
                  *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1),
                  *range(base + METRICS_OFFSET + 1, base + METRICS_OFFSET + nodes + 1),

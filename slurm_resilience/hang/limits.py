@@ -65,6 +65,7 @@ MAX_JOBS = 256  # armed jobs kept per node
 MAX_PIDS = 1024  # armed processes kept per job (ranks on one node)
 END_REFRESH_S = 30.0  # how often a job's end time is read again from Slurm
 CAUSES = ("time_limit", "preempt")
+GRACE_REQUEUE_SINCE = (24, 5)  # slurmctld requeues a job that ends in its grace time
 _TOKEN = re.compile(r"\[sr-planned n=(\d+) restart=(\d+)\]")
 _TEXT = re.compile(r"(time limit|preempted)[^|]*(\||$)")
 
@@ -192,9 +193,11 @@ class LimitWatch:
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
             return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
         requeue = bool(request.get("requeue")) and cause == "time_limit"
-        if cause == "preempt" and preempted(job) and "REQUEUE" in self._preempt_mode():
-            # A job that ends within its grace time ends by its exit code, not requeued:
-            # the job saved, so it goes back to the queue now. Under CANCEL it just ends.
+        mode = self._preempt_mode(job) if cause == "preempt" and preempted(job) else ""
+        if "REQUEUE" in mode:
+            # Up to 23.11 a job that ends within its grace time ends by its exit code, not
+            # requeued: the job saved, so it goes back to the queue now. Under CANCEL it
+            # just ends.
             requeue = True
         why = ""
         if requeue and job.state != "RUNNING":
@@ -203,7 +206,14 @@ class LimitWatch:
             requeue, why = False, "the job is not requeueable (--no-requeue)"
         n, last = planned_count(job.admin_comment)
         text = stop_text(cause, step, seconds_left, requeue)
-        if requeue:
+        if "CANCEL" in mode:
+            text += ", the job ends (PreemptMode=CANCEL)"
+        if requeue and cause == "preempt" and self._slurm_requeues_preempted():
+            # 24.05 on, Slurm requeues a --requeue job that ends in its grace time itself,
+            # and only then forgets the preemption: after a requeue of ours it would still
+            # hold it and requeue the next run as well when that one ends.
+            pass
+        elif requeue:
             try:
                 self.adapter.requeue(job_id, cause=cause)
             except SlurmError as exc:
@@ -223,12 +233,35 @@ class LimitWatch:
                     job_id=job_id, step=step, cause=cause)
         return {"requeued": requeue, "text": text, "why": why}
 
-    def _preempt_mode(self) -> str:
-        """The cluster's PreemptMode (``REQUEUE``, ``CANCEL``...; "" when unreadable)."""
+    def _slurm_requeues_preempted(self) -> bool:
+        """Whether slurmctld requeues a job that ends within its preemption grace time
+        (PreemptMode=REQUEUE, the job requeueable): from Slurm 24.05 on."""
         try:
-            return self.adapter.show_config().get("PreemptMode", "").upper()
+            return self.adapter.slurm_version() >= GRACE_REQUEUE_SINCE
         except SlurmError as exc:
-            log.warning("limits: couldn't read PreemptMode", error=str(exc))
+            log.warning("limits: couldn't read the Slurm version; requeueing the preempted "
+                        "job ourselves", error=str(exc))
+            return False
+
+    def _preempt_mode(self, job: JobInfo) -> str:
+        """What preemption does to ``job``: its partition's PreemptMode (``REQUEUE``,
+        ``CANCEL``...), which Slurm falls back to the cluster's for a partition that sets
+        none; the cluster's when the job names no partition. "" (nothing is requeued here:
+        Slurm ends or requeues the job by its own mode) when unreadable, or under
+        preempt/qos, where the job's QOS decides and this service does not read QOS."""
+        try:
+            conf = self.adapter.show_config()
+            if "qos" in conf.get("PreemptType", "").lower():
+                log.warning("limits: PreemptType is preempt/qos: the QOS's PreemptMode "
+                            "applies; not read here, so the job is not requeued by us",
+                            job_id=job.job_id)
+                return ""
+            if job.partition:
+                return self.adapter.preempt_mode(job.partition)
+            return conf.get("PreemptMode", "").upper()
+        except (SlurmError, ValueError) as exc:
+            log.warning("limits: couldn't read the PreemptMode", job_id=job.job_id,
+                        partition=job.partition, error=str(exc))
             return ""
 
     # -- the tick ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ HealthCheckProgram, job_submit.lua), with the settings this project relies on:
 ``nohold_on_prolog_fail`` (a failed prolog requeues instead of holding the job),
 ``PrologFlags=Alloc`` (the prolog runs on every node at allocation), a short
 munge ``cred_expire`` (a requeued job may start again after seconds, not minutes), and
-a partition ``urgent`` whose jobs preempt those of ``debug`` (requeued after a grace time).
+a partition ``urgent`` whose jobs preempt those of ``debug`` (requeued after a grace time)
+and of ``spot`` (cancelled after the grace time: its own ``PreemptMode=CANCEL``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from slurm_resilience.sandbox.layout import Layout
 CPUS_PER_NODE = 2
 MEMORY_MB = 2048
 CRED_EXPIRE_S = 10
-GRACE_TIME_S = 30  # a job preempted in partition debug has this long to save
+GRACE_TIME_S = 30  # a job preempted in partition debug or spot has this long to save
 # 5 s would halve the waits for a drain or a resume by the health check, but also double
 # the chance that the health check finds a fault meant for a job's prolog (an Xid) and
 # drains the node before that prolog runs (test_prometheus_sandbox then waits in vain).
@@ -93,10 +94,14 @@ def slurm_conf(layout: Layout, *, job_submit_lua: bool) -> str:
     lines = [_override(line, overrides) for line in lines]
     lines += [f"{k}={v}" for k, v in overrides.items() if v]
     lines += node_lines
-    # "urgent" preempts "debug" (higher PriorityTier): a preempted job gets SIGTERM, then
-    # GRACE_TIME_S to save, and is requeued (PreemptMode=REQUEUE).
+    # "urgent" preempts "debug" and "spot" (higher PriorityTier): a preempted job gets
+    # SIGTERM, then GRACE_TIME_S to save, and is requeued (debug: the cluster's
+    # PreemptMode=REQUEUE) or ends (spot: its own PreemptMode=CANCEL, as with preempt/
+    # partition_prio the preempted job's partition decides).
     lines.append(f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE "
                  f"State=UP OverSubscribe=NO PriorityTier=1 GraceTime={GRACE_TIME_S}")
+    lines.append(f"PartitionName=spot Nodes={','.join(nodes)} MaxTime=INFINITE State=UP "
+                 f"OverSubscribe=NO PriorityTier=1 GraceTime={GRACE_TIME_S} PreemptMode=CANCEL")
     lines.append(f"PartitionName=urgent Nodes={','.join(nodes)} MaxTime=INFINITE State=UP "
                  "OverSubscribe=NO PriorityTier=2 PreemptMode=OFF")
     return "\n".join(lines) + "\n"

@@ -34,6 +34,7 @@ from slurm_resilience.slurm.parse import (
     collect_hostlist,
     parse_job,
     parse_node,
+    parse_partition_preempt_mode,
     parse_sacct_runs,
     parse_show_config,
 )
@@ -46,6 +47,7 @@ log = get_logger("slurm")
 
 _STEP_ID = re.compile(r"^\d+\.\d+$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
 _VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.\d+)?\b")
 # The first release whose scontrol prints JSON (data_parser v0.0.39).
@@ -405,6 +407,17 @@ class SlurmAdapter:
         """The configuration slurmctld runs with (``scontrol show config``): every key
         after Include files and defaults, as the daemons see it."""
         return parse_show_config(self._run("show config", ["scontrol", "show", "config"]).stdout)
+
+    def preempt_mode(self, partition: str) -> str:
+        """What preemption does to a job of ``partition`` (its own PreemptMode, else the
+        cluster's: ``scontrol show partition`` prints the one that applies), upper case."""
+        if not _PARTITION.match(partition):
+            raise ValueError(f"slurm: {partition!r} is not a partition name")
+        out = self._run("show partition", ["scontrol", "show", "partition", partition, "-o"])
+        try:
+            return parse_partition_preempt_mode(out.stdout)
+        except ValueError as exc:
+            raise self._unreadable("show partition", exc) from exc
 
     def ping(self) -> bool:
         """Whether slurmctld answers."""

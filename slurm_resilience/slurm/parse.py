@@ -354,3 +354,16 @@ def parse_show_config(text: str) -> dict[str, str]:
             value = m.group(2).strip()
             out[m.group(1)] = "" if value in ("(null)", "None") else value
     return out
+
+
+_PREEMPT_MODE = re.compile(r"(?:^|\s)PreemptMode=(\S+)")
+
+
+def parse_partition_preempt_mode(text: str) -> str:
+    """``scontrol show partition NAME -o`` → its PreemptMode, upper case (``CANCEL``,
+    ``REQUEUE``, ``GANG,SUSPEND``...). Slurm prints the cluster's mode for a partition that
+    sets none. Raises ValueError when the record has none (not a partition record)."""
+    m = _PREEMPT_MODE.search(text)
+    if not m:
+        raise ValueError(f"no PreemptMode in the partition record: {text[:80]!r}")
+    return m.group(1).upper()

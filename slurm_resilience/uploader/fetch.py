@@ -44,6 +44,7 @@ from slurm_resilience.log import get_logger
 from slurm_resilience.uploader.fairpool import FairPool
 from slurm_resilience.uploader.rootfs import read_step
 from slurm_resilience.uploader.s3 import S3, S3Error, TransientS3Error
+from slurm_resilience.uploader.s3_stream import direct_stream, pwrite_all, read_into
 from slurm_resilience.uploader.stagein import (
     RemoteStep,
     StageinFailed,
@@ -57,7 +58,7 @@ from slurm_resilience.uploader.stagein import (
 log = get_logger("checkpoint.fetch")
 
 MAX_RANGES = 4096  # per request; AgentRanges batches below this
-_CHUNK = 1024 * 1024  # bytes read from a GET's body at a time (bounded memory)
+_CHUNK = 256 * 1024  # bytes read from a GET's body at a time: in cache (s3._STREAM_CHUNK)
 _FILE_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -160,6 +161,7 @@ class RangeFetcher:
         self.slots: dict[int, threading.BoundedSemaphore] = {}
         self.counters: dict[int, FetchCounters] = {}
         self.pool = FairPool(settings.concurrency, "ckpt-fetch")  # jobs take turns
+        self._local = threading.local()  # each pool thread's read buffer
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -428,6 +430,14 @@ class RangeFetcher:
         with self.lock:
             self.present.setdefault((job.job_id, step, f.relpath), set()).add(i)
 
+    def _buffer(self) -> memoryview:
+        """This thread's reused read buffer: a GET's bytes pass through it, in cache for
+        the CRC32C and the pwrite, with no allocation per chunk."""
+        buf: memoryview | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(_CHUNK))
+        return buf
+
     def _get_range(self, uri: S3Uri, step: int, relpath: str, fd: int, start: int, length: int,
                    counters: FetchCounters, blocks: BlockCrcs | None = None) -> str:
         """GET ``length`` bytes at ``start`` (in requests of at most request_bytes), write
@@ -451,19 +461,21 @@ class RangeFetcher:
                 resp = retrying(f"get {key} bytes {first}-{last}", get, self.policy,
                                 SystemClock())
                 body = resp["Body"]
-                while pos <= last:
-                    chunk = body.read(min(_CHUNK, last + 1 - pos))
-                    if not chunk:
-                        break
-                    crc = crc32c_extend(crc, chunk)
-                    if blocks is not None:
-                        blocks.update(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        n = os.pwrite(fd, view, pos)
-                        view = view[n:]
+                direct = direct_stream(body)
+                buf = self._buffer()
+                try:
+                    while pos <= last:
+                        n = read_into(body, buf[:min(len(buf), last + 1 - pos)], direct)
+                        if not n:
+                            break
+                        chunk = buf[:n]
+                        crc = crc32c_extend(crc, chunk)
+                        if blocks is not None:
+                            blocks.update(chunk)
+                        pwrite_all(fd, chunk, pos)
                         pos += n
-                body.close()
+                finally:
+                    body.close()
             except StageinFailed as exc:
                 raise FetchError(f"checkpoint: fetch: step {step}: {exc}") from None
             except S3Error as exc:

@@ -63,7 +63,6 @@ from slurm_resilience.uploader.s3_multipart import (
     MAX_PARTS,
     META_CRC,
     MIN_PART_SIZE,
-    MiB,
     MultipartState,
     UploadEvent,
     b64_crc,
@@ -71,6 +70,7 @@ from slurm_resilience.uploader.s3_multipart import (
     plan_part_size,
     upload_file,
 )
+from slurm_resilience.uploader.s3_stream import direct_stream, pwrite_all, read_into
 
 # Re-exported: callers import the S3 layer's names from here.
 __all__ = [
@@ -433,10 +433,11 @@ class S3:
                 view = local.view = memoryview(bytearray(_STREAM_CHUNK))
             resp = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
             body = resp["Body"]
+            direct = direct_stream(body)
             crc, pos = 0, start
             try:
                 while pos <= end:
-                    n = read_into(body, view[:min(len(view), end + 1 - pos)])
+                    n = read_into(body, view[:min(len(view), end + 1 - pos)], direct)
                     if not n:
                         break
                     crc = crc32c_extend(crc, view[:n])
@@ -462,22 +463,7 @@ class S3:
         return crc_hex(combine_parts([crcs[n] for n in sorted(crcs)]))
 
 
-# Small enough to stay in a core's cache between the read, its CRC32C and the pwrite.
-_STREAM_CHUNK = 1 * MiB
-
-
-def read_into(body: Any, view: memoryview) -> int:
-    """Read up to ``len(view)`` bytes of a response body into ``view``; 0 at its end.
-    botocore's ``readinto`` where it has one (newer releases), else ``read`` and a copy."""
-    readinto = getattr(body, "readinto", None)
-    if readinto is not None:
-        return int(readinto(view))
-    data = body.read(len(view))
-    view[:len(data)] = data
-    return len(data)
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+# Small enough to stay in a core's cache between the read, its CRC32C and the pwrite:
+# on a 2-core EPYC VM, 1 GiB through 8 streams cost 0.6-0.8 s of system time with 256 KiB
+# against 1.5-4.4 s with 512 KiB or 1 MiB (and 1.1 s with 64 KiB, from the calls' count).
+_STREAM_CHUNK = 256 * 1024

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from slurm_resilience.hang.requeue import parse_ledger
 from slurm_resilience.health.faultrequeue import parse_ledger as fault_ledger
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.sandbox.slurmconf import CRED_EXPIRE_S
 
 pytestmark = pytest.mark.sandbox
 
@@ -61,10 +63,10 @@ def requeues(box: Sandbox, cause: str) -> int:
     return total
 
 
-def submit(box: Sandbox, work: Path, code: int) -> int:
+def submit(box: Sandbox, work: Path, code: int, requeue: str = "--requeue") -> int:
     work.mkdir(mode=0o755)
     return box.sbatch(SCRIPT.format(dir=work, code=code),
-                      args=["-N1", "--requeue", "--open-mode=append"])
+                      args=["-N1", requeue, "--open-mode=append"])
 
 
 def test_job_killed_by_an_xid_is_requeued_elsewhere_and_completes(box: Sandbox,
@@ -102,3 +104,58 @@ def test_job_failing_on_healthy_nodes_is_not_requeued(box: Sandbox, tmp_path: Pa
     assert info.state == "FAILED", box.output(job)
     assert info.restarts == 0
     assert "sr-fault" not in info.admin_comment
+
+
+EXPEDITED_SINCE = (25, 11)
+
+
+def test_a_job_asking_for_expedited_requeue_restarts_at_once_after_a_node_fault(
+        box: Sandbox, sandbox_factory: Callable[..., Sandbox], tmp_path: Path) -> None:
+    """``--requeue=expedite`` is refused where the site does not allow it (and before
+    25.11, whose sbatch has no such value). Where it does: the epilog's node-fault requeue
+    (held, the node excluded, released) makes the job eligible at its first scheduling
+    pass (no cred_expire wait) and it completes on the other node; a failure on healthy
+    nodes is Slurm's to hold (REQUEUE_HOLD), never a node-fault requeue of ours."""
+    refused = box.run(["sbatch", "--requeue=expedite", "--wrap=true"], check=False)
+    assert refused.returncode != 0, refused.stdout
+    print(refused.stderr.strip())
+    version = box.adapter().slurm_version()  # 26.05's scontrol --version needs a config
+    if version < EXPEDITED_SINCE:
+        return  # what Slurm does with it from 25.11 on is checked on those versions
+    box = sandbox_factory(nodes=2, leaves=1, slurm_overrides={
+        "SlurmctldParameters": "enable_expedited_requeue"})
+    try:
+        expedited_after_a_fault(box, tmp_path)
+    finally:
+        for node in box.nodes:
+            faults.heal(box.state_dir, node)
+
+
+def expedited_after_a_fault(box: Sandbox, tmp_path: Path) -> None:
+    work = tmp_path / "expedite-xid"
+    job = submit(box, work, 3, "--requeue=expedite")
+    node = wait_file(work / "node")
+    print(faults.inject(box.state_dir, node, "gpu-xid:0:79"))
+    (work / "go").touch()
+    info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180, poll=0.5)
+    out = box.output(job)
+    print(f"job {job}: {info.state} on {info.nodes}\n{out}")
+    assert info.state == "COMPLETED", out
+    assert info.restarts == 1 and node in info.exc_nodes and node not in info.nodes
+    assert fault_ledger(info.admin_comment).requeues == 1, info.admin_comment
+    # Slurm makes a requeued job eligible requeue_delay (here cred_expire) + 1 s after its
+    # new SubmitTime, an expedited one at its first scheduling pass after the release.
+    eligible: Any = info.raw.get("eligible_time")
+    eligible = int(eligible.get("number", 0)) if isinstance(eligible, dict) else int(eligible)
+    assert info.submit_time <= eligible < info.submit_time + CRED_EXPIRE_S + 1, \
+        (info.submit_time, eligible)
+
+    work = tmp_path / "expedite-healthy"
+    job = submit(box, work, 5, "--requeue=expedite")
+    wait_file(work / "node")
+    (work / "go").touch()
+    info = box.wait_job(job, {"REQUEUE_HOLD", "COMPLETED", "FAILED", "CANCELLED"},
+                        timeout=120, poll=0.5)
+    assert info.state == "REQUEUE_HOLD" and info.restarts == 1, box.output(job)
+    assert "sr-fault" not in info.admin_comment
+    box.run(["scancel", str(job)])

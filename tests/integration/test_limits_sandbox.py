@@ -27,12 +27,10 @@ TORCHRUN = PYTHON.parent / "torchrun"
 
 
 def counted(box: Sandbox, kind: str, cause: str) -> int:
-    total = 0
-    for node in box.nodes:
-        path = Path(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"), node))
-        if path.exists():
-            total += json.loads(path.read_text())["counters"].get(f"{kind}|{cause}", 0)
-    return total
+    """Every node agent's count of ``kind``/``cause`` (the metrics' events files)."""
+    template = str(box.state_dir / "nodes" / "{node}" / "state")
+    return sum(events.read(events.path_for(template, node))["counters"].get(
+        f"{kind}|{cause}", 0) for node in box.nodes)
 
 
 def check_planned_restarts(box: Sandbox, job_id: int, out: str) -> list[tuple[int, int]]:
@@ -110,16 +108,13 @@ def test_the_same_under_srun_torchrun(sandbox: Sandbox, test_users: tuple[str, .
                     extra_env="export PYTHONUNBUFFERED=1\n")
 
 
-def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
-        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
-    """A job of the higher-tier partition takes the nodes: the training job gets SIGTERM,
-    saves the step it is at within the partition's GraceTime, Slurm requeues it, and it
-    resumes from that step once the nodes are free; counted as planned, not as a hang."""
-    user = test_users[0]
-    work = sandbox.user_dir(user, "preempt")
-    hangs = counted(sandbox, events.REQUEUE, "hang")
-    before = counted(sandbox, events.PLANNED, "preempt")
-    job_id = submit(sandbox, user, work, "--steps 100 --ckpt-every 100000 --step-seconds 0.5")
+def preempt(sandbox: Sandbox, user: str, name: str, sbatch_args: tuple[str, ...] = ()
+            ) -> tuple[Path, int]:
+    """Start training (100 steps, no periodic save), and once it runs its first step take
+    its nodes with a job of partition urgent; returns the work dir and the job id."""
+    work = sandbox.user_dir(user, name)
+    job_id = submit(sandbox, user, work, "--steps 100 --ckpt-every 100000 --step-seconds 0.5",
+                    sbatch_args=sbatch_args)
     wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 300,
              "the job's first step")
     nodes = sandbox.job(job_id).nodes
@@ -127,6 +122,17 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
     urgent = sandbox.sbatch(["sleep", "1"], args=["-p", "urgent", f"-N{len(nodes)}",
                                                  "--exclusive", f"--nodelist={','.join(nodes)}"])
     assert sandbox.wait_job(urgent, timeout=300, poll=1.0).state == "COMPLETED"
+    return work, job_id
+
+
+def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A job of the higher-tier partition takes the nodes: the training job gets SIGTERM,
+    saves the step it is at within the partition's GraceTime, Slurm requeues it, and it
+    resumes from that step once the nodes are free; counted as planned, not as a hang."""
+    hangs = counted(sandbox, events.REQUEUE, "hang")
+    before = counted(sandbox, events.PLANNED, "preempt")
+    work, job_id = preempt(sandbox, test_users[0], "preempt")
     final = sandbox.wait_job(job_id, timeout=600, poll=1.0)
     out = output(work, job_id)
     print(out)
@@ -142,3 +148,51 @@ def test_a_preempted_job_saves_within_its_grace_time_and_resumes(
     assert parse_ledger(final.admin_comment) is None
     assert counted(sandbox, events.PLANNED, "preempt") == before + 1
     assert counted(sandbox, events.REQUEUE, "hang") == hangs
+
+
+def test_a_job_preempted_under_cancel_saves_within_its_grace_time_and_ends(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """Partition spot preempts with PreemptMode=CANCEL (its own, the cluster's is REQUEUE):
+    the training job saves the step it is at within the GraceTime, that step is committed
+    and lands in S3 as the run's newest, and the job ends as Slurm ends a preempted job,
+    not requeued (though --requeue); counted as a planned stop, never a hang or a
+    failure."""
+    user = test_users[0]
+    hangs = counted(sandbox, events.REQUEUE, "hang")
+    before = counted(sandbox, events.PLANNED, "preempt")
+    requeues = counted(sandbox, events.REQUEUE, "preempt")
+    work, job_id = preempt(sandbox, user, "preempt-cancel", ("-p", "spot"))
+    final = sandbox.wait_job(job_id, timeout=600, poll=1.0)
+    out = output(work, job_id)
+    print(out)
+    # A job that ends within its grace time: PREEMPTED from Slurm 24.05 on; up to 23.11
+    # Slurm knows no grace-time preemption at the job's end, and its exit code decides.
+    ends_as = "PREEMPTED" if sandbox.adapter().slurm_version() >= (24, 5) else "COMPLETED"
+    assert final.state == ends_as, (final.state, out)
+    assert final.restarts == 0
+    m = re.search(r"stopped step=(\d+) cause=preempt at=[\d.]+: preempted: saved step "
+                  r"([\d,]+), the job ends \(PreemptMode=CANCEL\)", out)
+    assert m and int(m.group(1)) == int(m.group(2).replace(",", "")), out
+    saved = int(m.group(1))
+    assert "restarts=1" not in out and "done step=" not in out, out
+    # The upload goes on after the job is gone: wait for the step's commit in S3.
+    run = sandbox.layout.s3_dir / "ckpt" / user / work.name
+    wait_for(lambda: (run / f"step-{saved:08d}" / "COMMIT.json").is_file(), 300,
+             f"step {saved} committed in S3")
+    in_s3 = sorted(int(p.parent.name.removeprefix("step-")) for p in run.glob("step-*/COMMIT.json"))
+    assert in_s3[-1] == saved, in_s3
+    assert planned_count(final.admin_comment)[0] == 1, final.admin_comment
+    assert parse_ledger(final.admin_comment) is None
+    assert counted(sandbox, events.PLANNED, "preempt") == before + 1
+    assert counted(sandbox, events.REQUEUE, "preempt") == requeues
+    assert counted(sandbox, events.REQUEUE, "hang") == hangs
+    # goodput: the one run ends in a planned stop, no failure (no restart, lost or hung time)
+    nodes = sorted(set(re.findall(r"rank \d+ running step=\d+ at=[\d.]+ restarts=\d+ "
+                                  r"node=(\w+)", out)))
+    b = goodput(sandbox, job_id, nodes)
+    print(json.dumps(b, indent=1))
+    assert len(b["runs"]) == 1, b
+    losses = b["runs"][0]["losses"]
+    assert losses["planned_restart"] > 0, b
+    assert losses["restart"] == losses["lost_since_checkpoint"] == 0, b
+    assert losses["hung_before_detection"] == 0, b

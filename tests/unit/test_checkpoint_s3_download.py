@@ -7,6 +7,7 @@ cuts connections)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import socket
 import threading
@@ -16,7 +17,8 @@ import google_crc32c
 import pytest
 
 from slurm_resilience.checkpoint.crc import crc_hex
-from slurm_resilience.uploader.s3 import S3, MiB, S3Settings, TransientS3Error, read_into
+from slurm_resilience.uploader.s3 import S3, MiB, S3Settings, TransientS3Error
+from slurm_resilience.uploader.s3_stream import direct_stream, read_into
 
 SIZE = 3 * MiB + 1000  # four ranges of 1 MiB, the last short
 
@@ -134,6 +136,60 @@ def test_a_range_that_keeps_failing_raises_naming_it(s3: S3, moto_endpoint: str,
         relay.close()
 
 
+def test_a_plain_get_body_is_read_from_the_socket_directly(s3: S3) -> None:
+    """With the pinned boto3/urllib3, a GET's body is read straight into our buffer (no
+    allocation and copy per chunk). A release that hides the stack under the body fails
+    here instead of making restores quietly slower."""
+    payload = _put(s3)
+    body = s3.client.get_object(Bucket="ckpt", Key="obj", Range="bytes=0-99999")["Body"]
+    try:
+        direct = direct_stream(body)
+        assert direct is not None
+        buf = memoryview(bytearray(65536))
+        got = b"".join(bytes(buf[:n]) for n in iter(lambda: read_into(body, buf, direct), 0))
+    finally:
+        body.close()
+    assert got == payload[:100_000]
+
+
+def test_an_encoded_body_is_left_to_urllib3() -> None:
+    class Raw:
+        _fp = http.client.HTTPResponse(socket.socket())
+        headers = {"content-encoding": "gzip"}
+
+    class Body:
+        _raw_stream = Raw()
+
+    assert direct_stream(Body()) is None
+
+
+def test_a_body_cut_short_of_its_length_is_a_connection_error() -> None:
+    """http.client's IncompleteRead is not an OSError: it is raised as ConnectionError, which
+    the retry loop treats as transient like any cut connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabcde")
+        conn.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    http_conn = http.client.HTTPConnection("127.0.0.1", server.getsockname()[1], timeout=10)
+    try:
+        http_conn.request("GET", "/")
+        resp = http_conn.getresponse()
+        buf = memoryview(bytearray(64))
+        assert read_into(None, buf, resp) == 5
+        with pytest.raises(ConnectionError, match="ended early"):
+            read_into(None, buf, resp)
+    finally:
+        http_conn.close()
+        server.close()
+        t.join(timeout=10)
+
+
 class ReadOnlyBody:
     """A response body of an older botocore: ``read`` but no ``readinto``."""
 
@@ -148,5 +204,5 @@ class ReadOnlyBody:
 def test_read_into_takes_a_body_without_readinto() -> None:
     buf = memoryview(bytearray(4))
     body = ReadOnlyBody(b"abcdefghij")
-    got = [bytes(buf[:n]) for n in iter(lambda: read_into(body, buf), 0)]
+    got = [bytes(buf[:n]) for n in iter(lambda: read_into(body, buf, None), 0)]
     assert got == [b"abcd", b"efgh", b"ij"]

@@ -24,6 +24,7 @@ from slurm_resilience.hang.limits import (
     planned_count,
 )
 from slurm_resilience.heartbeat import paths as P
+from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import JobInfo
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job records are root-owned")
@@ -38,6 +39,14 @@ class FakeAdapter:
         self.job = job
         self.calls: list[tuple[str, Any]] = []
         self.events_path = ""
+        self.modes = {"debug": "REQUEUE"}  # partition -> PreemptMode
+        self.version = (22, 5)
+
+    def slurm_version(self) -> tuple[int, int]:
+        return self.version
+
+    def preempt_mode(self, partition: str) -> str:
+        return self.modes[partition]
 
     def show_job(self, job_id: int) -> JobInfo:
         return self.job
@@ -191,3 +200,58 @@ def test_a_job_preempted_under_requeue_that_saved_is_requeued_at_once(tmp_path: 
                                   Peer(os.getpid(), UID, 0))
     assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
     assert adapter.calls[0] == ("requeue", "preempt")
+
+
+def test_the_preempted_jobs_partition_decides_between_requeue_and_cancel(tmp_path: Path
+                                                                         ) -> None:
+    """The cluster says REQUEUE, partition spot says CANCEL: a job preempted in spot saved
+    and ends (Slurm ends it); one in a REQUEUE partition under a CANCEL cluster is
+    requeued."""
+    preempted = {"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"}
+    j = replace(job(), partition="spot", raw=preempted)
+    watch, adapter = service(tmp_path, j, [0.0], [])
+    adapter.modes["spot"] = "CANCEL"
+    me = Peer(os.getpid(), UID, 0)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
+    assert answer == {"requeued": False, "why": "", "text": "preempted: saved step 9, the "
+                      "job ends (PreemptMode=CANCEL)"}
+    assert [c for c, _ in adapter.calls] == ["comment"]
+    adapter.job = replace(j, partition="debug", restarts=1)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
+    assert answer["requeued"] and adapter.calls[-2] == ("requeue", "preempt")
+
+
+def test_an_unreadable_or_qos_preempt_mode_requeues_nothing(tmp_path: Path) -> None:
+    """Slurm ends or requeues the job by its own mode; we never guess REQUEUE."""
+    j = replace(job(), partition="gone", raw={"EndTime": "Unknown",
+                                              "PreemptTime": "2026-11-27T22:25:25"})
+    watch, adapter = service(tmp_path, j, [0.0], [])
+
+    def unreadable(partition: str) -> str:
+        raise SlurmError("show partition", f"Partition {partition} not found")
+
+    adapter.preempt_mode = unreadable  # type: ignore[method-assign]
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer["text"] == "preempted: saved step 9" and not answer["requeued"]
+    # Under preempt/qos the job's QOS decides, which is not read: nothing requeued either.
+    adapter.preempt_mode = lambda partition: "REQUEUE"  # type: ignore[method-assign]
+    adapter.show_config = lambda: {"PreemptType": "preempt/qos",  # type: ignore[method-assign]
+                                   "PreemptMode": "REQUEUE"}
+    adapter.job = replace(j, restarts=1)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer["text"] == "preempted: saved step 9" and not answer["requeued"]
+    assert "requeue" not in [c for c, _ in adapter.calls]
+
+
+def test_from_2405_slurm_requeues_a_preempted_job_that_saved_not_us(tmp_path: Path) -> None:
+    """24.05+ requeues a job ending in its grace time itself, and a requeue of ours would
+    leave the preemption set (the next run's end requeued again): we only note it."""
+    j = replace(job(), raw={"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"})
+    watch, adapter = service(tmp_path, j, [0.0], [])
+    adapter.version = (24, 11)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
+                                  Peer(os.getpid(), UID, 0))
+    assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
+    assert [c for c, _ in adapter.calls] == ["comment"]

@@ -268,3 +268,27 @@ def test_keys_with_a_colon_are_keys_in_every_versions_text_record(version: str) 
     assert job.raw["ReqB:S:C:T"] == "0:0:*:*"
     assert job.raw["NtasksPerN:B:S:C"] == "0:0:*:*"
     assert job.req_nodes == ()
+
+
+@pytest.mark.parametrize("version", CAPTURED)
+def test_preempt_mode_is_the_partitions_own_or_the_clusters(version: str) -> None:
+    """The sandbox's partitions: debug inherits the cluster's REQUEUE, spot sets CANCEL,
+    urgent OFF; scontrol prints the mode that applies to each, the adapter reads it."""
+    lines = {ln.split()[0].removeprefix("PartitionName="): ln
+             for ln in _read(version, "show_partition_o.txt").splitlines()}
+    asked: list[list[str]] = []
+
+    def answer(argv: Sequence[str]) -> Completed:
+        asked.append(list(argv))
+        return completed(lines[argv[3]] + "\n")
+
+    adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [answer]}, slurm_version=version))
+    modes = {name: adapter.preempt_mode(name) for name in ("debug", "spot", "urgent")}
+    assert modes == {"debug": "REQUEUE", "spot": "CANCEL", "urgent": "OFF"}
+    assert asked[0] == ["scontrol", "show", "partition", "debug", "-o"]
+    with pytest.raises(ValueError, match="not a partition name"):
+        adapter.preempt_mode("spot --all")
+    broken = SlurmAdapter(runner=FakeRunner({"scontrol": [completed("Partition x\n")]},
+                                            slurm_version=version))
+    with pytest.raises(SlurmError, match="no PreemptMode"):
+        broken.preempt_mode("x")
