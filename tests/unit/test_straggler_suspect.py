@@ -303,3 +303,33 @@ def test_observe_mode_records_the_suspect_drain_it_would_make(tmp_path: Path) ->
     assert ctl.updates == []
     (d,) = observed.read(str(tmp_path / "state" / observed.FILENAME))["decisions"]
     assert observed.line(d).startswith("would drain n1: SR: suspect hang job 12 user bob at ")
+
+
+def test_the_stragglers_service_ticks_on_the_watchers_views_and_hands_out_snapshots(
+        tmp_path: Path) -> None:
+    """The agent's stragglers service reads the hang watcher's job views on its own tick
+    (its live config too); what the metrics get is a frozen snapshot."""
+    import dataclasses
+
+    from agent_state import Watcher
+
+    ctl = Ctl({NODE: ("IDLE", "")})
+    cfg = load_text(Config, json.dumps({
+        "node": {"state_dir": str(tmp_path / "state")}, "stragglers": FAST}), "test")
+    watcher = Watcher()
+    watcher.cfg = cfg  # type: ignore[attr-defined]
+    svc = StragglerService(cfg, NODE, SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]})),
+                           watcher, wall=lambda: NOW)
+    for i, row in enumerate(steps(8, 40, 31)):
+        watcher.jobs[31] = job_view(31, "alice", i + 1, row, 6)
+        svc.tick()
+    snap = svc.snapshot()
+    (job,) = snap.jobs
+    assert (job.job_id, job.ranks, job.straggler_ranks) == (31, 8, (6,))
+    assert [(e.job_id, e.ranks) for e in snap.recent] == [(31, (6,))]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.jobs = ()  # type: ignore[misc]
+    watcher.jobs.clear()
+    svc.tick()
+    assert svc.snapshot().jobs == () and snap.jobs[0].job_id == 31
+    assert ctl.updates == []  # one job: no suspect
