@@ -73,7 +73,7 @@ integration: setup
 # on its own ports and state dirs (tests/conftest.py). PYTEST_WORKERS=0 runs it in one.
 PYTEST_WORKERS ?= 3
 test: setup lint typecheck
-	$(PY) -m pytest tests -q -ra --durations=30 -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=30 -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The host's Slurm is bookworm's 22.05 (`make test`); these run the Slurm-facing tests
 # (.ci/leg-tests) against other Slurm versions, each in a cached Debian root (.ci/test-leg).
