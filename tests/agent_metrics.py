@@ -7,7 +7,7 @@ import re
 import threading
 from pathlib import Path
 
-from agent_state import Uploads, Watcher, feed, journal_record
+from agent_state import Goodput, Stragglers, Uploads, Watcher, feed, journal_record
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,8 +16,8 @@ from slurm_resilience.agent.daemon import Agent
 from slurm_resilience.agent.service import AgentContext, Peer
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.goodput.ledger import Ledger
+from slurm_resilience.goodput.saves import SaveBook
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
-from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
@@ -52,7 +52,8 @@ def exported(tmp_path: Path) -> set[str]:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(AgentSources(
         node="n1", events_path=ev, nccl_path=nccl, watcher=watcher,
-        uploader=Uploads({42: journal_record(42)}), steps=watch, ledger=ledger, saves=saves,
+        uploader=Uploads({42: journal_record(42)}), stragglers=Stragglers(watch),
+        goodput=Goodput(ledger, saves),
         agent=agent, services=("heartbeat",))))
     release = threading.Event()
     watcher.threads[7] = threading.Thread(target=release.wait, daemon=True)  # an incident

@@ -11,11 +11,18 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.goodput.ledger import Ledger
+from slurm_resilience.goodput.saves import SaveBook
+from slurm_resilience.goodput.service import GoodputSnapshot
+from slurm_resilience.goodput.service import snapshot_of as goodput_snapshot
 from slurm_resilience.hang import detect, jobrecord
 from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.watcher import WatcherSnapshot
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.stragglers.jobsteps import StepWatch
+from slurm_resilience.stragglers.nodeexchange import NodeExchange
+from slurm_resilience.stragglers.service import StragglerSnapshot
+from slurm_resilience.stragglers.service import snapshot_of as straggler_snapshot
 from slurm_resilience.stragglers.synthetic import steps
 from slurm_resilience.uploader.service import UploaderSnapshot
 
@@ -78,6 +85,30 @@ class Uploads:
     def snapshot(self) -> UploaderSnapshot:
         with self.lock:
             return UploaderSnapshot(copy.deepcopy(self.jobs))  # type: ignore[arg-type]
+
+
+class Stragglers:
+    """The stragglers service as the collector reads it: the snapshot of a real step watch
+    (and node exchange) that a test feeds itself."""
+
+    def __init__(self, steps: StepWatch, nodes: NodeExchange | None = None) -> None:
+        self.steps = steps
+        self.nodes = nodes
+
+    def snapshot(self) -> StragglerSnapshot:
+        return straggler_snapshot(self.steps, self.nodes)
+
+
+class Goodput:
+    """The goodput service as the collector reads it: the snapshot of a real ledger and
+    save book that a test feeds itself."""
+
+    def __init__(self, ledger: Ledger | None = None, saves: SaveBook | None = None) -> None:
+        self.ledger = ledger
+        self.saves = saves
+
+    def snapshot(self) -> GoodputSnapshot:
+        return goodput_snapshot(self.ledger, self.saves)
 
 
 def journal_record(job_id: int) -> dict[str, Any]:

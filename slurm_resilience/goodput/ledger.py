@@ -1,7 +1,7 @@
 """The agent's per-job run timeline on this node, kept for goodput.
 
-The agent's metrics tick hands it the hang watcher's job views; it notes per run (the
-slots' restart count): when the allocation started (the prolog's record), when the first
+The agent's goodput service hands it the hang watcher's job views each tick; it notes per
+run (the slots' restart count): when the allocation started (the prolog's record), when the first
 step completed, the last progress, when the local checkpoint step last advanced, the time
 ranks spent in ``section("checkpoint")``, the uploader's stage-in time, and whether the
 training loop said it was done. One small root-owned JSON file per job, replaced

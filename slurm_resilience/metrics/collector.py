@@ -1,8 +1,9 @@
 """The agent's Prometheus collector: reads the agent's in-memory state and a few small
 node files at scrape time, instead of instrumenting every call site.
 
-Sources: the hang watcher's job views and the step watch (per-job step times,
-stragglers), the uploader's journal records (backlog, commit latency, stage-in), the
+Sources, each read through its snapshot: the hang watcher's job views, the stragglers
+service (per-job step times, straggler ranks and nodes), the goodput service (run timelines,
+save times), the uploader's journal records (backlog, commit latency, stage-in), the
 node's events file (:mod:`.events`: drains, returns, requeues, holds, incidents, gate
 results), the NCCL test's cached result, and the agent itself. A source that fails is
 counted in ``slurm_resilience_agent_collect_errors`` and logged; the rest is still served.
@@ -15,23 +16,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from slurm_resilience import __version__, events
 from slurm_resilience.goodput import compute as goodput
-from slurm_resilience.goodput.ledger import Ledger
+from slurm_resilience.goodput.saves import SaveStats
+from slurm_resilience.goodput.service import GoodputSnapshot
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import observe
 from slurm_resilience.metrics.configstate import ConfigWatch
-from slurm_resilience.metrics.saves import SaveBook
 from slurm_resilience.nccl import cache as nccl_cache
-from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import jobs_of, users_of
+from slurm_resilience.stragglers.service import StragglerSnapshot
 from slurm_resilience.uploader.journal import StepState, failed_steps, pending_steps
 
 log = get_logger("metrics")
@@ -69,6 +70,18 @@ EVENT_FAMILIES = {
 }
 
 
+class StragglerSource(Protocol):
+    """The stragglers service (stragglers.service.StragglerService)."""
+
+    def snapshot(self) -> StragglerSnapshot: ...
+
+
+class GoodputSource(Protocol):
+    """The goodput service (goodput.service.GoodputService)."""
+
+    def snapshot(self) -> GoodputSnapshot: ...
+
+
 @dataclass
 class AgentSources:
     """What the collector reads; every part may be absent (service off)."""
@@ -79,10 +92,8 @@ class AgentSources:
     started: float = field(default_factory=time.time)
     watcher: Any = None  # hang.watcher.HangWatcher
     uploader: Any = None  # uploader.service.Uploader
-    steps: StepWatch | None = None
-    nodes: Any = None  # stragglers.nodeexchange.NodeExchange
-    ledger: Ledger | None = None
-    saves: SaveBook | None = None
+    stragglers: StragglerSource | None = None
+    goodput: GoodputSource | None = None
     agent: Any = None  # agent.daemon.Agent (server stats, tick failures)
     services: tuple[str, ...] = ()
 
@@ -247,9 +258,12 @@ class AgentCollector(Collector):
                        "suspect_threshold the node gets the deeper verification)")
             g.add_metric([], suspects.recent_users())
             yield g
-        steps = self.s.steps
-        if steps is None:
-            return
+        if self.s.stragglers is not None:
+            yield from self._stragglers(self.s.stragglers.snapshot())
+        elif self.s.goodput is not None:
+            yield from self._goodput(self.s.goodput.snapshot())
+
+    def _stragglers(self, snap: StragglerSnapshot) -> Iterator[Metric]:
         p50 = _gauge("job_step_time_p50_seconds", "median step time of the job's ranks on "
                      "this node over their recent window", ["job_id"])
         p95 = _gauge("job_step_time_p95_seconds", "95th percentile step time of the job's "
@@ -258,7 +272,7 @@ class AgentCollector(Collector):
                          "node (all ranks); the quantiles are over these", ["job_id"])
         slow = _gauge("job_straggler_ranks", "ranks of the job on this node named stragglers",
                       ["job_id"])
-        for s in steps.snapshot():
+        for s in snap.jobs:
             samples.add_metric([str(s.job_id)], s.samples)
             if s.samples:
                 p50.add_metric([str(s.job_id)], s.p50_s)
@@ -271,29 +285,27 @@ class AgentCollector(Collector):
         g = _gauge("job_straggler_node_slowdown_ratio", "while the job's judging agent names "
                    "this node a straggler (persistently slower than the job's other nodes): "
                    "its median step time over the job's, minus one", ["job_id"])
-        for job_id, v in steps.named_here():
+        for job_id, v in snap.named_here:
             g.add_metric([str(job_id)], round(v.slowdown, 4))
         yield g
-        if self.s.nodes is not None:
-            g = _gauge("job_straggler_nodes", "nodes of the job named stragglers by this node, "
-                       "the job's judging agent (its first node)", ["job_id"])
-            for job_id, named in sorted(self.s.nodes.judged_now().items()):
-                g.add_metric([str(job_id)], len(named))
-            yield g
-        if self.s.ledger is not None:
-            yield from self._goodput(self.s.ledger)
+        g = _gauge("job_straggler_nodes", "nodes of the job named stragglers by this node, "
+                   "the job's judging agent (its first node)", ["job_id"])
+        for job_id, named in sorted(snap.judged_now.items()):
+            g.add_metric([str(job_id)], len(named))
+        yield g
+        if self.s.goodput is not None:
+            yield from self._goodput(self.s.goodput.snapshot())
         g = _gauge("node_straggler_recent_jobs", "jobs in which this node (ranks of it, or "
                    "the whole node) was named a straggler within stragglers.record_window_s")
-        recent = steps.recent_jobs()
-        g.add_metric([], jobs_of(recent))
+        g.add_metric([], jobs_of(list(snap.recent)))
         yield g
         g = _gauge("node_straggler_recent_users", "different users whose jobs named this node "
                    "a straggler within stragglers.record_window_s; the node is called a "
                    "recurring straggler only from 2 (one user's slow ranks are their own)")
-        g.add_metric([], users_of(recent))
+        g.add_metric([], users_of(list(snap.recent)))
         yield g
 
-    def _goodput(self, ledger: Ledger) -> Iterator[Metric]:
+    def _goodput(self, snap: GoodputSnapshot) -> Iterator[Metric]:
         ratio = _gauge("job_goodput_ratio", "productive share of the job's allocated time on "
                        "this node so far (slurm-resilience goodput JOBID has the breakdown)",
                        ["job_id"])
@@ -301,11 +313,10 @@ class AgentCollector(Collector):
                       "lost so far, by kind; kind=unexplained is what productive time (from "
                       "step times) and the other kinds leave, negative where they overlap",
                       ["job_id", "kind"])
-        for job_id, job in sorted(dict(ledger.jobs).items()):
-            runs = [r.to_run() for r in list(job.runs.values())]
+        for job_id, runs in sorted(snap.runs.items()):
             if not runs:
                 continue
-            b = goodput.breakdown(job_id, runs, last_over=False)
+            b = goodput.breakdown(job_id, list(runs), last_over=False)
             if b.allocated_s <= 0:
                 continue
             ratio.add_metric([str(job_id)], b.ratio)
@@ -318,8 +329,8 @@ class AgentCollector(Collector):
     # -- checkpoint ----------------------------------------------------------------------------
 
     def _checkpoint(self) -> Iterator[Metric]:
-        if self.s.saves is not None:
-            yield from self._saves(self.s.saves)
+        if self.s.goodput is not None:
+            yield from self._saves(self.s.goodput.snapshot().saves)
         up = self.s.uploader
         if up is None:
             return
@@ -355,7 +366,7 @@ class AgentCollector(Collector):
         yield total
 
     @staticmethod
-    def _saves(book: SaveBook) -> Iterator[Metric]:
+    def _saves(saves: Mapping[int, SaveStats]) -> Iterator[Metric]:
         last = _gauge("checkpoint_save_stall_last_seconds", "how long the job's last save() "
                       "stalled training (this node's local leader)", ["job_id"])
         peak = _gauge("checkpoint_save_stall_max_seconds", "the longest save() stall of the "
@@ -365,7 +376,7 @@ class AgentCollector(Collector):
         count = _counter("checkpoint_saves", "saves of the job's current run", ["job_id"])
         write = _gauge("checkpoint_save_write_seconds", "how long the job's last save took "
                        "to be written and committed on this node", ["job_id"])
-        for job_id, st in sorted(book.snapshot().items()):
+        for job_id, st in sorted(saves.items()):
             j = [str(job_id)]
             last.add_metric(j, st.last_stall_s)
             peak.add_metric(j, st.max_stall_s)

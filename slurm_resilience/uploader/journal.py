@@ -22,7 +22,6 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import TypedDict, cast
@@ -282,7 +281,6 @@ class Journal:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if stat.S_IMODE(self.dir.stat().st_mode) != 0o700:  # a read-only disk can't chmod
             os.chmod(self.dir, 0o700)
-        self.lock = threading.RLock()
 
     def path(self, job_id: int) -> Path:
         return self.dir / f"job-{int(job_id)}.json"
@@ -324,17 +322,15 @@ class Journal:
         log.error("checkpoint: journal: quarantined a mis-shaped record", file=name,
                   moved_to=str(dest), reason=why)
 
+    # One writer: the uploader's record owner thread (owner.py) writes and deletes.
     def write(self, rec: JobRecord) -> None:
-        with self.lock:
-            write_durable(self.path(int(rec["job_id"])),
-                          json.dumps(rec, sort_keys=True).encode())
+        write_durable(self.path(int(rec["job_id"])), json.dumps(rec, sort_keys=True).encode())
 
     def delete(self, job_id: int) -> None:
-        with self.lock:
-            try:
-                os.unlink(self.path(job_id))
-            except FileNotFoundError:
-                return
+        try:
+            os.unlink(self.path(job_id))
+        except FileNotFoundError:
+            return
 
 
 def new_record(job_id: int, uid: int, gid: int, user: str, staging_root: str) -> JobRecord:

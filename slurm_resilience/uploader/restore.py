@@ -19,9 +19,9 @@ from slurm_resilience.uploader.journal import (
     JobRecord,
     StageinDoc,
     StageinState,
-    StepState,
     pending_steps,
 )
+from slurm_resilience.uploader.records import AllowOlder
 from slurm_resilience.uploader.s3 import S3
 from slurm_resilience.uploader.stage_agreed import stage_step
 from slurm_resilience.uploader.stagein import (
@@ -55,7 +55,9 @@ def make_fetcher(cfg: Config, s3: Callable[[], S3]) -> RangeFetcher:
 
 
 def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
-    """Stage the job's newest committed step in; the journal's ``stagein`` record."""
+    """Stage the job's newest committed step in, on a stage-in thread over the working
+    copy ``rec``; the journal's ``stagein`` record, for the record owner to keep (it
+    also marks a step taken from S3 committed: never uploaded again)."""
     started = time.monotonic()
     job_id = int(rec["job_id"])
     try:
@@ -89,16 +91,12 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                 res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]),
                                int(rec["gid"]), policy(up.cfg), upload_local=upload_local,
                                exclude=excluded_steps(rec), set_aside=set_aside,
-                               allow_older=lambda: rec.get("allow_older_step") is True)
+                               allow_older=lambda: up.tell(AllowOlder(job_id)))
         result: StageinDoc = {
             "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,
             "fallbacks": [_fallback_doc(f) for f in res.fallbacks],
             "seconds": round(time.monotonic() - started, 3)}
-        if res.source == "s3" and res.step is not None:
-            with up.lock:  # already in S3: never upload it again
-                rec["steps"][str(res.step)] = {"state": StepState.COMMITTED,
-                                                   "staged_in": True}
         if res.remote is not None and res.step is not None:
             up.fetcher.remember(job_id, res.step, res.remote)
         if res.fallbacks:

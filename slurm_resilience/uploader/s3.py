@@ -70,6 +70,9 @@ from slurm_resilience.uploader.s3_multipart import (
     plan_part_size,
     upload_file,
 )
+from slurm_resilience.uploader.s3_multipart import (
+    MiB as MiB,  # tests and callers size parts with it
+)
 from slurm_resilience.uploader.s3_stream import direct_stream, pwrite_all, read_into
 
 # Re-exported: callers import the S3 layer's names from here.

@@ -24,19 +24,23 @@ Jobs are synced side by side (at most ``MAX_JOB_THREADS`` at once) and their
 parts share one fair pool, so a huge upload does not hold a small one back. A
 failure inside one job's work is logged and marks that job (or that step) failed
 with the reason; the pass goes on.
+
+Ownership: the journal records and their bookkeeping belong to one thread (owner.py);
+request handlers and workers send it typed commands (records.py, upload_requests.py)
+and wait a bounded time for the answer. A worker does its I/O on a working copy the
+owner handed out and reports each change of a step as a frozen copy; only the owner
+changes a record or writes the journal, and metrics read snapshots it makes.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import random
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from types import MappingProxyType
+from typing import TypeVar
 
 from slurm_resilience.agent.service import (
     AgentContext,
@@ -64,6 +68,24 @@ from slurm_resilience.uploader.journal import (
     StepState,
     pending_steps,
 )
+from slurm_resilience.uploader.owner import Command, Owner, OwnerStopped, OwnerTimeout
+from slurm_resilience.uploader.records import (
+    BackOff,
+    DueJobs,
+    FailJob,
+    Forget,
+    NoteSteps,
+    RecordCopy,
+    Snapshot,
+    SpaceView,
+    StageinFinished,
+    StepReport,
+    SyncBegin,
+    SyncSucceeded,
+)
+from slurm_resilience.uploader.records import (
+    UploaderSnapshot as UploaderSnapshot,
+)
 from slurm_resilience.uploader.restore import make_fetcher, run_stagein
 from slurm_resilience.uploader.rootfs import committed_steps_at
 from slurm_resilience.uploader.s3 import (
@@ -76,6 +98,7 @@ from slurm_resilience.uploader.s3 import (
 from slurm_resilience.uploader.space import SpaceKeeper
 
 log = get_logger("checkpoint.uploader")
+T = TypeVar("T")
 
 MAX_JOB_THREADS = 16  # jobs synced at once; their parts share the S3 fair pool
 FAILED_RETRY_S = 3600.0  # a job whose upload work failed is tried again after this long
@@ -91,20 +114,25 @@ def s3_settings(cfg: Config) -> S3Settings:
                       request_timeout_s=ck.request_timeout_s)
 
 
-@dataclass(frozen=True)
-class UploaderSnapshot:
-    """What other services (metrics) read of the uploader: copies of its journal records,
-    taken under its own lock, theirs to keep."""
-
-    jobs: Mapping[int, JobRecord]
+# A request waits this share of the client's own bound (agent.request_timeout_s) for
+# the record owner's answer, so the client hears why rather than timing out itself.
+OWNER_SHARE = 0.8
+WORKER_TIMEOUT_S = 600.0  # a worker's report waits this long (the owner does no S3 I/O)
 
 
 class Uploader:
-    """The ``checkpoint`` service of the node agent."""
+    """The ``checkpoint`` service of the node agent.
+
+    Ownership: ``jobs`` (the journal records) and the bookkeeping beside them
+    (``syncing``, ``stageins``, ``backoff``, ``orphans_checked``, ``stale_due``,
+    ``space_due``) belong to one thread, ``owner``; everyone else sends it commands
+    (records.py, and the requests' in upload_requests.py). Workers do their I/O on
+    working copies and report what they found; only the owner writes the journal."""
 
     name = "checkpoint"
 
-    def __init__(self, cfg: Config, node: str, s3: S3 | None = None):
+    def __init__(self, cfg: Config, node: str, s3: S3 | None = None,
+                 owner_timeout_s: float | None = None):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.node = node
@@ -114,7 +142,6 @@ class Uploader:
         self.journal = Journal(node_path(jdir, node))
         self.jobs: dict[int, JobRecord] = self.journal.load_all()
         self._s3 = s3
-        self.lock = threading.RLock()
         self.syncing: dict[int, threading.Thread] = {}  # job -> its sync in flight
         self.stageins: dict[int, threading.Thread] = {}
         self.backoff: dict[int, tuple[float, float]] = {}  # job → (next try, delay)
@@ -131,6 +158,10 @@ class Uploader:
                 rec["stagein"] = {"state": StageinState.PENDING}  # cut by a restart: redo it
         log.info("checkpoint uploader started", jobs=sorted(self.jobs),
                  pending={j: pending_steps(r) for j, r in self.jobs.items() if pending_steps(r)})
+        self._ticking: Future[None] | None = None  # the agent's tick, queued to the owner
+        if owner_timeout_s is None:
+            owner_timeout_s = OWNER_SHARE * cfg.agent.request_timeout_s
+        self.owner: Owner[Uploader] = Owner(self, f"ckpt-records-{node}", owner_timeout_s)
 
     @property
     def s3(self) -> S3:
@@ -138,9 +169,31 @@ class Uploader:
             self._s3 = S3(s3_settings(self.cfg))
         return self._s3
 
+    def ask(self, command: Command[Uploader, T], timeout_s: float | None = None) -> T:
+        """Run a command on the record owner and wait for its answer (owner.py)."""
+        return self.owner.ask(command, timeout_s)
+
+    def tell(self, command: Command[Uploader, T]) -> T:
+        """A worker's report: applied by the owner, its errors raised here as before."""
+        return self.owner.ask(command, WORKER_TIMEOUT_S)
+
+    def write(self, rec: JobRecord) -> None:
+        """Persist a record (owner thread only)."""
+        self.owner.check(f"journal write of job {rec.get('job_id')}")
+        self.journal.write(rec)
+
     def snapshot(self) -> UploaderSnapshot:
-        with self.lock:
-            return UploaderSnapshot(MappingProxyType(copy.deepcopy(self.jobs)))
+        return self.ask(Snapshot())
+
+    def current(self, job_id: int) -> JobRecord | None:
+        """A fresh working copy of a job's record, None once it is forgotten."""
+        return self.tell(RecordCopy(job_id))
+
+    def report_step(self, rec: JobRecord, step: int) -> None:
+        """Hand the owner this worker's state of one step (a frozen copy)."""
+        doc = rec["steps"].get(str(step))
+        if doc is not None:
+            self.tell(StepReport(int(rec["job_id"]), step, copy.deepcopy(doc)))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -188,21 +241,21 @@ class Uploader:
     # -- stage-in ---------------------------------------------------------------------------
 
     def start_stagein(self, rec: JobRecord) -> None:
+        """Mark the stage-in running and start it on its own thread (owner thread only:
+        called by the requests' commands)."""
+        self.owner.check("start a stage-in")
         job_id = int(rec["job_id"])
-        rec["stagein"] = {"state": StageinState.RUNNING, "started": time.time()}
-        self.journal.write(rec)
-        t = threading.Thread(target=self._stagein, args=(rec,), name=f"stagein-{job_id}",
-                             daemon=True)
+        started = time.time()
+        rec["stagein"] = {"state": StageinState.RUNNING, "started": started}
+        self.write(rec)
+        t = threading.Thread(target=self._stagein, args=(copy.deepcopy(rec), started),
+                             name=f"stagein-{job_id}", daemon=True)
         self.stageins[job_id] = t
         t.start()
 
-    def _stagein(self, rec: JobRecord) -> None:
-        started = float(rec["stagein"].get("started") or time.time())
+    def _stagein(self, rec: JobRecord, started: float) -> None:
         result = run_stagein(self, rec)
-        with self.lock:
-            # When it ran, for the metrics (stage-in time) and goodput.
-            rec["stagein"] = {**result, "started": started, "finished": time.time()}
-            self.journal.write(rec)
+        self.tell(StageinFinished(int(rec["job_id"]), result, started))
         log.info("stage-in finished", job_id=rec["job_id"], **result)
 
     # -- uploads ----------------------------------------------------------------------------
@@ -213,31 +266,37 @@ class Uploader:
         and its parts take turns with the huge one's in the fair pool."""
         if self.stopping.is_set():
             return
-        with self.lock:
-            if self.stale_due and not (self.cleaning and self.cleaning.is_alive()):
-                self.cleaning = threading.Thread(target=self.clean_stale, name="ckpt-stale",
-                                                 daemon=True)
-                self.cleaning.start()
-            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
-            if time.monotonic() >= self.space_due and not (self.spacing
-                                                          and self.spacing.is_alive()):
-                self.space_due = time.monotonic() + SPACE_EVERY_S
-                self.spacing = threading.Thread(target=self.keep_space, name="ckpt-space",
-                                                daemon=True)
-                self.spacing.start()
-            for rec in self._due():
-                if len(self.syncing) >= MAX_JOB_THREADS:
-                    break
-                job_id = int(rec["job_id"])
-                t = threading.Thread(target=self._sync_guarded, args=(rec,),
-                                     name=f"ckpt-job-{job_id}", daemon=True)
-                self.syncing[job_id] = t
-                t.start()
+        if self._ticking is not None and not self._ticking.done():
+            return  # the last one is still queued: the owner is busy, one is enough
+        self._ticking = self.owner.post(_Tick())
 
-    def _due(self) -> list[JobRecord]:
-        """Jobs to sync now: not failed, not backing off, no sync in flight (under lock)."""
+    def start_due(self) -> None:
+        """``tick``'s work, on the owner thread: start what is due."""
+        self.owner.check("start syncs")
+        if self.stale_due and not (self.cleaning and self.cleaning.is_alive()):
+            self.cleaning = threading.Thread(target=self.clean_stale, name="ckpt-stale",
+                                             daemon=True)
+            self.cleaning.start()
+        self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
+        if time.monotonic() >= self.space_due and not (self.spacing
+                                                      and self.spacing.is_alive()):
+            self.space_due = time.monotonic() + SPACE_EVERY_S
+            self.spacing = threading.Thread(target=self.keep_space, name="ckpt-space",
+                                            daemon=True)
+            self.spacing.start()
+        for job_id in self.due():
+            if len(self.syncing) >= MAX_JOB_THREADS:
+                break
+            t = threading.Thread(target=self._sync_guarded, args=(job_id,),
+                                 name=f"ckpt-job-{job_id}", daemon=True)
+            self.syncing[job_id] = t
+            t.start()
+
+    def due(self) -> list[int]:
+        """Jobs to sync now: not failed, not backing off, no sync in flight (owner only)."""
+        self.owner.check("due jobs")
         now, wall = time.monotonic(), time.time()
-        return [rec for job_id, rec in sorted(self.jobs.items())
+        return [job_id for job_id, rec in sorted(self.jobs.items())
                 if job_id not in self.syncing
                 and now >= self.backoff.get(job_id, (0.0, 0.0))[0]
                 and (rec.get("state") != JobState.FAILED
@@ -249,9 +308,7 @@ class Uploader:
         if self.stale_due:
             self.clean_stale()
         self.keep_space()
-        with self.lock:
-            self.syncing = {j: t for j, t in self.syncing.items() if t.is_alive()}
-            due = self._due()
+        due = self.ask(DueJobs())
         if not due or self.stopping.is_set():
             return
         with ThreadPoolExecutor(max_workers=min(MAX_JOB_THREADS, len(due)),
@@ -261,71 +318,43 @@ class Uploader:
 
     def keep_space(self) -> None:
         """Quota, eviction under pressure, the reclaimable record (space.py)."""
-        with self.lock:
-            jobs = [copy.deepcopy(r) for r in self.jobs.values()]  # sync threads change them
-            # A job uploading now keeps its steps this pass; a job without a run URI has
-            # nothing to upload, so its sync never holds its steps back.
-            busy = {j for j, t in self.syncing.items() if t.is_alive()
-                    and j in self.jobs and self.jobs[j].get("uri")}
+        jobs, busy = self.tell(SpaceView())
         try:
             self.space.run(jobs, busy)
         except (CheckpointError, OSError) as exc:
             log.error("checkpoint: space: couldn't check the staging disk", error=str(exc))
 
-    def _sync_guarded(self, rec: JobRecord) -> None:
-        """Sync one job; whatever goes wrong stays with this job."""
+    def _sync_guarded(self, job_id: int) -> None:
+        """Sync one job on a working copy; whatever goes wrong stays with this job."""
         if self.stopping.is_set():
             return
-        job_id = int(rec["job_id"])
-        _, delay = self.backoff.get(job_id, (0.0, self.ck.retry_initial_s))
-        delay = delay or self.ck.retry_initial_s
-        if rec.get("state") == JobState.FAILED:  # FAILED_RETRY_S later: one more try
-            with self.lock:
-                rec["state"] = rec.get("failed_from") or JobState.ACTIVE
+        begun = self.tell(SyncBegin(job_id))
+        if begun is None:
+            return
+        rec, delay = begun
         try:
             self.sync_job(rec)
-            self.backoff.pop(job_id, None)
-            if rec.get("error"):
-                with self.lock:
-                    rec.pop("error", None)
-                    rec.pop("failed_at", None)
-                    rec.pop("failed_from", None)
-                    self.journal.write(rec)
+            if self.tell(SyncSucceeded(job_id)):
                 log.info("upload work of a failed job went through this time", job_id=job_id)
         except TransientS3Error as exc:
-            self._back_off(job_id, delay)
+            self.tell(BackOff(job_id, delay))
             log.warning("S3 unreachable; uploads wait", job_id=job_id,
                         retry_in_s=round(delay, 1), pending=pending_steps(rec), error=str(exc))
         except (CheckpointError, OSError) as exc:
             log.error("checkpoint sync failed", job_id=job_id, error=str(exc))
-            self._back_off(job_id, delay)
-        except Exception as exc:  # noqa: BLE001 - a bug or a hostile tree: this job only
+            self.tell(BackOff(job_id, delay))
+        except Exception as exc:
             if self.stopping.is_set():  # cancelled parts at shutdown: not the job's fault
                 log.info("upload interrupted by shutdown", job_id=job_id, error=repr(exc))
                 return
-            self._fail_job(rec, f"{type(exc).__name__}: {exc}")
-
-    def _back_off(self, job_id: int, delay: float) -> None:
-        jittered = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreads retries, not crypto
-        self.backoff[job_id] = (time.monotonic() + jittered,
-                                min(delay * 2, self.ck.retry_max_s))
-
-    def _fail_job(self, rec: JobRecord, why: str) -> None:
-        """Stop working on a job after an unexpected error (tried again FAILED_RETRY_S
-        later); other jobs go on."""
-        log.exception("checkpoint: upload: couldn't sync job; marked failed, other jobs go on",
-                      job_id=rec["job_id"], reason=why, pending=pending_steps(rec))
-        with self.lock:
-            if rec.get("state") != JobState.FAILED:
-                rec["failed_from"] = rec.get("state")
-            rec["state"], rec["error"], rec["failed_at"] = JobState.FAILED, why, time.time()
-            try:
-                self.journal.write(rec)
-            except (OSError, TypeError, ValueError) as exc:
-                log.error("checkpoint: journal: couldn't record failed job", job_id=rec["job_id"],
-                          error=str(exc))
+            why = f"{type(exc).__name__}: {exc}"
+            log.exception("checkpoint: upload: couldn't sync job; marked failed, other jobs "
+                          "go on", job_id=job_id, reason=why, pending=pending_steps(rec))
+            self.tell(FailJob(job_id, why))
 
     def sync_job(self, rec: JobRecord) -> None:
+        """One job's sync, on its working copy ``rec``: changes reach the record as
+        reports to the owner."""
         job_id = int(rec["job_id"])
         root = rec["staging_root"]
         try:
@@ -335,7 +364,7 @@ class Uploader:
                                           f"by uid {rec['uid']}")
                 if rec["uri"] and rec["stagein"].get("state") not in ("running", "pending"):
                     uri = parse_uri(rec["uri"])
-                    self.note_local_steps(rec, jfd)  # pending even while S3 is down
+                    rec = self.note_local_steps(rec, jfd)  # pending even while S3 is down
                     try:
                         protocol.abort_orphans(self, rec, uri)
                     except PermanentS3Error as exc:  # housekeeping: uploads still go on
@@ -355,22 +384,18 @@ class Uploader:
                     retention.retain_remote(self, rec, uri)
                 retention.retain_local(self, rec, jfd)
         except FileNotFoundError:
-            if rec["state"] == JobState.ENDED:
-                self.forget(rec)
+            fresh = self.current(job_id)  # a job_end may have come during the sync
+            if fresh is not None and fresh["state"] == JobState.ENDED:
+                self.forget(fresh)
             return
-        if rec["state"] == JobState.ENDED:
-            retention.finish_ended(self, rec)
+        fresh = self.current(job_id)
+        if fresh is not None and fresh["state"] == JobState.ENDED:
+            retention.finish_ended(self, fresh)
 
-    def note_local_steps(self, rec: JobRecord, jfd: int) -> None:
-        changed = False
-        with self.lock:
-            for step in committed_steps_at(jfd):
-                if str(step) not in rec["steps"]:
-                    rec["steps"][str(step)] = {"state": StepState.PENDING, "files": {},
-                                               "since": time.time()}
-                    changed = True
-            if changed:
-                self.journal.write(rec)
+    def note_local_steps(self, rec: JobRecord, jfd: int) -> JobRecord:
+        """Report the steps committed in the staging dir; a fresh working copy back."""
+        fresh = self.tell(NoteSteps(int(rec["job_id"]), tuple(committed_steps_at(jfd))))
+        return fresh if fresh is not None else rec
 
     def budget(self) -> RemovalBudget:
         return RemovalBudget(max_entries=self.ck.remove_max_entries,
@@ -379,11 +404,7 @@ class Uploader:
     def forget(self, rec: JobRecord) -> None:
         job_id = int(rec["job_id"])
         self.fetcher.forget(job_id)
-        with self.lock:
-            self.jobs.pop(job_id, None)
-            self.journal.delete(job_id)
-            self.backoff.pop(job_id, None)  # per-job bookkeeping goes with the job
-            self.orphans_checked.pop(job_id, None)
+        self.tell(Forget(job_id))
 
     def close(self) -> None:
         self.stopping.set()
@@ -391,8 +412,29 @@ class Uploader:
         if self._s3 is not None:
             self._s3.close()  # queued parts are cancelled; parts in flight finish
         deadline = time.monotonic() + 5
-        for t in list(self.syncing.values()):
+        try:
+            threads = self.ask(_Threads())
+        except (OwnerTimeout, OwnerStopped) as exc:  # closing goes on; said, not hidden
+            log.error("checkpoint: closing without waiting for the syncs in flight",
+                      error=str(exc))
+            threads = []
+        for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.owner.stop()  # what is queued still runs; later commands are refused
+
+
+@dataclass(frozen=True)
+class _Tick(Command[Uploader, None]):
+    def apply(self, up: Uploader) -> None:
+        up.start_due()
+
+
+@dataclass(frozen=True)
+class _Threads(Command[Uploader, "list[threading.Thread]"]):
+    """The syncs in flight (for close to wait on)."""
+
+    def apply(self, up: Uploader) -> list[threading.Thread]:
+        return list(up.syncing.values())
 
 
 def factory(ctx: AgentContext) -> Uploader | None:

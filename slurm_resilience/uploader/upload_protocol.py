@@ -1,6 +1,10 @@
 """The upload of one committed step: its files, then each rank's manifest, then
 COMMIT.json once every rank of the save is in S3 (the uploader's ``sync_job`` calls it).
 
+It runs on a worker (a job's sync or its stage-in) over the worker's working copy of the
+job's record: every change of a step is reported to the record owner (``report_step``),
+which writes the journal; nothing here touches the owner's records.
+
 Before each file and manifest it writes, the upload checks that the step is still its
 save's in S3 (``check_save``): a later save, or a commit by another save, stops it
 without mixing its keys in. A step that must not be uploaded is rejected (``reject``),
@@ -38,6 +42,7 @@ from slurm_resilience.uploader.journal import (
     JobRecord,
     StepState,
 )
+from slurm_resilience.uploader.records import OrphansDue, StaleDue
 from slurm_resilience.uploader.rootfs import read_small, read_step
 from slurm_resilience.uploader.s3 import (
     S3Error,
@@ -87,10 +92,9 @@ def new_save(up: Uploader, rec: JobRecord, jfd: int, step: int) -> bool:
     log.info("a new save of a step whose earlier save was not uploaded; uploading it",
              job_id=rec["job_id"], step=step, save_id=marker.save_id,
              earlier_save_id=st["save_id"], earlier_state=str(st.get("state")))
-    with up.lock:
-        rec["steps"][str(step)] = {"state": StepState.PENDING, "files": {},
-                                   "since": time.time()}
-        up.journal.write(rec)
+    rec["steps"][str(step)] = {"state": StepState.PENDING, "files": {},
+                               "since": time.time()}
+    up.report_step(rec, step)
     return True
 
 
@@ -205,16 +209,15 @@ def upload_parts(up: Uploader, rec: JobRecord, jfd: int, uri: S3Uri, step: int,
                                      f"{os.fstat(fd).st_size}, manifest says {f.size}")
                         return False
                     up.s3.upload_fd(fd, f.size, f.crc32c, uri.bucket, key, resume_of(frec),
-                                    functools.partial(keep_event, up, rec, frec),
+                                    functools.partial(keep_event, up, rec, step, frec),
                                     blocks=f.blocks, block_size=f.block_size,
                                     owner=f"job-{rec['job_id']}", before_write=check)
                 finally:
                     os.close(fd)
-                with up.lock:
-                    frec.pop("upload_id", None)
-                    frec.pop("parts", None)
-                    frec["done"] = True
-                    up.journal.write(rec)
+                frec.pop("upload_id", None)
+                frec.pop("parts", None)
+                frec["done"] = True
+                up.report_step(rec, step)
             mkey = uri.join(sname, rank_name(rank), MANIFEST)
             if not st["files"].get(mkey, {}).get("done"):
                 body = read_small(sfd, f"{rank_name(rank)}/{MANIFEST}", uid)
@@ -226,7 +229,7 @@ def upload_parts(up: Uploader, rec: JobRecord, jfd: int, uri: S3Uri, step: int,
                 check()
                 up.s3.put_bytes(uri.bucket, mkey, body, crc.hexdigest())
                 st["files"][mkey] = {"done": True}
-                up.journal.write(rec)
+                up.report_step(rec, step)
     finally:
         os.close(sfd)
     return True
@@ -265,7 +268,7 @@ def commit(up: Uploader, rec: JobRecord, uri: S3Uri, step: int, marker: CommitMa
         have -= set(stale)
     if len(have) < marker.world_size:
         st["state"] = StepState.WAITING_PEERS
-        up.journal.write(rec)
+        up.report_step(rec, step)
         log.info("step waits for other nodes' ranks", job_id=rec["job_id"], step=step,
                  ranks_in_s3=len(have), world_size=marker.world_size,
                  save_id=marker.save_id)
@@ -309,7 +312,7 @@ def committed(up: Uploader, rec: JobRecord, step: int, uri: S3Uri, what: str) ->
     st["state"] = StepState.COMMITTED
     st["files"] = {}
     st["committed_at"] = time.time()
-    up.journal.write(rec)
+    up.report_step(rec, step)
     log.info(what, job_id=rec["job_id"], step=step, uri=str(uri),
              save_id=st.get("save_id", ""))
 
@@ -337,7 +340,7 @@ def abandon_step(up: Uploader, rec: JobRecord, step: int, why: str) -> None:
     """Stage-in passed over a local step and set it aside: a pending upload of it will
     never finish (its intent is withdrawn, its objects go); ``.stale/`` is cleaned
     on the next pass."""
-    up.stale_due = True
+    up.tell(StaleDue(True))
     st = rec["steps"].get(str(step))
     if st is not None and st.get("state") not in DONE_STATES:
         reject(up, rec, step, why)
@@ -369,15 +372,13 @@ def reject(up: Uploader, rec: JobRecord, step: int, why: str,
     rec["steps"][str(step)] = {"state": state, "reason": why}
     if "save_id" in old:  # a later save of the step number is uploaded anew
         rec["steps"][str(step)]["save_id"] = old["save_id"]
-    up.journal.write(rec)
+    up.report_step(rec, step)
 
 
 def abort_orphans(up: Uploader, rec: JobRecord, uri: S3Uri) -> None:
     """Abort multipart uploads under the run that no journal record will finish."""
-    job_id = int(rec["job_id"])
-    if time.monotonic() - up.orphans_checked.get(job_id, -1e9) < 600:
+    if not up.tell(OrphansDue(int(rec["job_id"]), 600.0)):
         return
-    up.orphans_checked[job_id] = time.monotonic()
     ours: dict[str, str] = {}
     for st in rec["steps"].values():
         for key, frec in st.get("files", {}).items():
@@ -403,23 +404,23 @@ def resume_of(frec: FileDoc) -> MultipartState:
                for n, p in frec.get("parts", {}).items()})
 
 
-def keep_event(up: Uploader, rec: JobRecord, frec: FileDoc, event: UploadEvent) -> None:
+def keep_event(up: Uploader, rec: JobRecord, step: int, frec: FileDoc,
+               event: UploadEvent) -> None:
     """Apply one report of the S3 layer (on the job's sync thread: the part workers only
-    return results) to the file's journal entry and persist the record, so a killed agent
-    resumes without re-sending parts."""
-    with up.lock:
-        parts = frec.setdefault("parts", {})
-        if isinstance(event, UploadStarted):
-            frec["upload_id"], frec["part_size"] = event.upload_id, event.part_size
-            frec["checksums"] = event.checksums
-            parts.clear()
-        elif isinstance(event, PartUploaded):
-            p = event.part
-            parts[str(p.number)] = {"etag": p.etag, "size": p.size, "crc32c": p.crc32c}
-        elif isinstance(event, PartsDropped):
-            for n in event.numbers:
-                parts.pop(str(n), None)
-        else:  # UploadForgotten: the upload was aborted
-            frec.pop("upload_id", None)
-            parts.clear()
-        up.journal.write(rec)
+    return results) to the working copy's file entry and report the step to the record
+    owner, which persists it, so a killed agent resumes without re-sending parts."""
+    parts = frec.setdefault("parts", {})
+    if isinstance(event, UploadStarted):
+        frec["upload_id"], frec["part_size"] = event.upload_id, event.part_size
+        frec["checksums"] = event.checksums
+        parts.clear()
+    elif isinstance(event, PartUploaded):
+        p = event.part
+        parts[str(p.number)] = {"etag": p.etag, "size": p.size, "crc32c": p.crc32c}
+    elif isinstance(event, PartsDropped):
+        for n in event.numbers:
+            parts.pop(str(n), None)
+    else:  # UploadForgotten: the upload was aborted
+        frec.pop("upload_id", None)
+        parts.clear()
+    up.report_step(rec, step)

@@ -1,5 +1,8 @@
 """What the uploader removes: local and S3 steps past retention, an ended job's staging
-dir once its steps are safe, and what was set aside under ``.stale/``."""
+dir once its steps are safe, and what was set aside under ``.stale/``.
+
+These run on workers (a job's sync, the ``.stale/`` cleaner) over working copies; what
+they change in a record reaches it as a report to the record owner (records.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from slurm_resilience.uploader.journal import (
     StepState,
     pending_steps,
 )
+from slurm_resilience.uploader.records import StaleDue
 from slurm_resilience.uploader.retention import plan_remote_retention
 from slurm_resilience.uploader.rootfs import committed_steps_at
 from slurm_resilience.uploader.upload_protocol import ORPHAN_AGE_S
@@ -40,13 +44,13 @@ PEER_WAIT_S = 3600.0  # an ended job's step whose other ranks never reached S3 i
 def clean_stale(up: Uploader) -> None:
     """One bounded pass over ``.stale/``; what is left waits for the next pass. The
     only remover of ``.stale/`` (one at a time, from ``tick`` or ``run_pass``)."""
-    up.stale_due = False  # a request that comes during this pass asks for another
+    up.tell(StaleDue(False))  # a request that comes during this pass asks for another
     try:
         count = remove_stale(up.staging_root, up.budget())
     except FileNotFoundError:
         return  # no staging root yet: nothing was set aside
     except RemovalIncomplete as exc:
-        up.stale_due = True
+        up.tell(StaleDue(True))
         log.info("leftover staging entries only partly removed; the rest goes next pass",
                  error=str(exc))
         return
@@ -96,10 +100,9 @@ def retain_remote(up: Uploader, rec: JobRecord, uri: S3Uri) -> None:
             # complete; every other key (intent records too) belongs to the step.
             up.s3.delete_keys(uri.bucket, [k for k in keys if k == marker])
             up.s3.delete_keys(uri.bucket, [k for k in keys if k != marker])
-            with up.lock:
-                if str(step) in rec["steps"]:
-                    rec["steps"][str(step)] = {"state": StepState.PRUNED}
-                    up.journal.write(rec)
+            if str(step) in rec["steps"]:
+                rec["steps"][str(step)] = {"state": StepState.PRUNED}
+                up.report_step(rec, step)
             log.info("removed S3 step (retention)", job_id=rec["job_id"], step=step,
                      uri=str(uri), keep_remote=up.ck.keep_remote)
     except CheckpointError as exc:  # retention waits; uploads must not
@@ -116,6 +119,7 @@ def finish_ended(up: Uploader, rec: JobRecord) -> None:
             rec["steps"][str(s)]["state"] = StepState.REJECTED
             rec["steps"][str(s)]["reason"] = "other ranks never reached S3"
             intent.withdraw(up.s3, rec, rec["steps"][str(s)], s, up.node)  # intent.py
+            up.report_step(rec, s)
         pending = []
     if pending:
         return
@@ -130,5 +134,5 @@ def finish_ended(up: Uploader, rec: JobRecord) -> None:
     if removed:
         log.info("removed staging dir of ended job", job_id=rec["job_id"],
                  local_only=not rec.get("uri"))
-    up.stale_due = True  # and what the prolog or the epilog set aside, next pass
+    up.tell(StaleDue(True))  # and what the prolog or the epilog set aside, next pass
     up.forget(rec)

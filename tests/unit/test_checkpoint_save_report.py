@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_state import samples, slot, view
+from agent_state import Goodput, samples, slot, view
 from conftest import as_user
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -20,8 +20,8 @@ from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.goodput.ledger import Ledger
+from slurm_resilience.goodput.saves import SaveBook
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources
-from slurm_resilience.metrics.saves import SaveBook
 
 ME = os.getuid()
 
@@ -87,7 +87,7 @@ def test_metrics_and_goodput_use_the_reported_stalls(tmp_path: Path) -> None:
                     0)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(AgentSources(node="n1", events_path="", nccl_path="",
-                                             saves=book)))
+                                             goodput=Goodput(saves=book))))
     got = samples(generate_latest(reg).decode())
     j = (("job_id", "8"),)
     assert got[("slurm_resilience_checkpoint_save_stall_last_seconds", j)] == 0.6
@@ -117,7 +117,7 @@ print("huge:", ask({**good, "job_id": 2, "stall_s": 1e300}))
 
 def test_an_unprivileged_user_reports_only_for_their_own_job(
         tmp_path: Path, test_users: tuple[str, ...]) -> None:
-    """Through the agent's real socket and the metrics service's handler: a user's report
+    """Through the agent's real socket and the goodput service's handler: a user's report
     for root's job is refused, for their own job accepted, nonsense refused."""
     import pwd
     import shutil
@@ -125,8 +125,7 @@ def test_an_unprivileged_user_reports_only_for_their_own_job(
     import tempfile
 
     from slurm_resilience.config import Config, load_text
-    from slurm_resilience.metrics.service import MetricsService
-    from slurm_resilience.slurm.adapter import SlurmAdapter
+    from slurm_resilience.goodput.service import GoodputService
 
     pw = pwd.getpwnam(test_users[0])
 
@@ -134,7 +133,7 @@ def test_an_unprivileged_user_reports_only_for_their_own_job(
 
     cfg = load_text(Config, f"node: {{state_dir: '{tmp_path}'}}\nmetrics: {{port: 0}}\n", "t")
     uploads = Uploads({1: {"job_id": 1, "uid": 0}, 2: {"job_id": 2, "uid": pw.pw_uid}})
-    svc = MetricsService(cfg, "n1", SlurmAdapter(), {"checkpoint": uploads})
+    svc = GoodputService(cfg, "n1", {"checkpoint": uploads})
     run = Path(tempfile.mkdtemp(prefix="sr-sock-", dir="/tmp"))
     run.chmod(0o755)
     srv = AgentServer(str(run / "agent.sock"))

@@ -9,7 +9,7 @@ import socket
 import threading
 from pathlib import Path
 
-from agent_state import Uploads, Watcher, journal_record, slot, view
+from agent_state import Goodput, Stragglers, Uploads, Watcher, journal_record, slot, view
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from slurm_resilience import events
@@ -40,7 +40,7 @@ def agent_registry(tmp_path: Path, node: str, slowdown: float) -> CollectorRegis
         mine = watch.snapshot()[0].p50_s
         watch.node_named(Verdict(21, node, "n1", mine, mine / (1 + slowdown)))
     sources = AgentSources(node=node, events_path=str(tmp_path / f"{node}-ev.json"),
-                           nccl_path="", watcher=watcher, steps=watch)
+                           nccl_path="", watcher=watcher, stragglers=Stragglers(watch))
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(sources))
     return reg
@@ -165,9 +165,9 @@ def busy_agent(tmp_path: Path, node: str, goodput: dict[int, int], incidents: li
         uploads[job] = rec
     sources = AgentSources(node=node, events_path=str(tmp_path / f"{node}-ev.json"),
                            nccl_path="", watcher=watcher, uploader=Uploads(uploads),
-                           ledger=ledger, steps=StepWatch(
+                           goodput=Goodput(ledger), stragglers=Stragglers(StepWatch(
                                lambda: CFG.stragglers, node,
-                               StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6))
+                               StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6)))
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(sources))
     return reg

@@ -417,3 +417,48 @@ def test_the_ledger_marks_a_run_whose_ranks_stopped_on_purpose(tmp_path: Path) -
     assert saved is not None and saved.runs[0].planned
     b = compute.breakdown(7, [r.to_run() for r in saved.runs.values()], last_over=True)
     assert b.losses["planned_restart"] > 0 and b.losses["restart"] == 0
+
+
+def test_the_goodput_service_keeps_its_own_state_and_hands_out_frozen_snapshots(
+        tmp_path: Path) -> None:
+    """The agent's goodput service ticks on the watcher's views and the uploader's stage-in
+    times, takes the job owner's save reports, and gives the metrics a snapshot nobody can
+    change; a job that left goes from both."""
+    import dataclasses
+    from types import MappingProxyType
+
+    from agent_state import Uploads, Watcher, journal_record
+
+    from slurm_resilience.agent.service import Peer, RequestError
+    from slurm_resilience.config import Config, load_text
+    from slurm_resilience.goodput.service import GoodputService
+
+    cfg = load_text(Config, json.dumps({"node": {"state_dir": str(tmp_path / "{node}")}}), "t")
+    watcher = Watcher()
+    v = view(5, [slot(r, 31, 1.0, 5) for r in range(2)])
+    object.__setattr__(v.record, "started", 0.0)
+    watcher.jobs[5] = v
+    uploads = Uploads({5: journal_record(5)})
+    svc = GoodputService(cfg, "n1", {"heartbeat": watcher, "checkpoint": uploads})
+    svc.tick()
+    assert os.path.exists(tmp_path / "n1" / "goodput" / "job-5.json")
+    svc.handle_ckpt_saved({"job_id": 5, "run": 0, "step": 30, "stall_s": 0.5, "write_s": 1.0},
+                          Peer(pid=1, uid=1000, gid=1000))
+    with pytest.raises(RequestError, match="belongs to uid 1000"):
+        svc.handle_ckpt_saved({"job_id": 5, "run": 0, "step": 30, "stall_s": 0.5,
+                               "write_s": 1.0}, Peer(pid=1, uid=1001, gid=1001))
+    snap = svc.snapshot()
+    (run,) = snap.runs[5]
+    assert run.stagein_s == 4.5 and snap.saves[5].saves == 1
+    assert isinstance(snap.runs, MappingProxyType) and isinstance(snap.saves, MappingProxyType)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.saves[5].saves = 7  # type: ignore[misc]
+    svc.tick()  # the reported stall reaches the run's timeline
+    assert svc.snapshot().runs[5][0].checkpoint_stall_s == 0.5
+    assert snap.runs[5][0].checkpoint_stall_s == 0.0  # an earlier snapshot stays as it was
+    watcher.jobs.clear()
+    uploads.jobs.clear()
+    svc.tick()
+    after = svc.snapshot()
+    assert dict(after.runs) == {} and dict(after.saves) == {}
+    assert (tmp_path / "n1" / "goodput" / "job-5.json").exists()  # the ledger stays on disk

@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_state import Uploads, Watcher, feed, journal_record, samples, slot, view
+from agent_state import (
+    Goodput,
+    Stragglers,
+    Uploads,
+    Watcher,
+    feed,
+    journal_record,
+    samples,
+    slot,
+    view,
+)
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience import events
@@ -173,7 +183,8 @@ def collector_for(tmp_path: Path, agent: Agent | None = None
                       StragglerRecord(str(tmp_path / "stragglers.json")), lambda: 1e6)
     sources = AgentSources(node="n1", events_path=str(tmp_path / events.FILENAME),
                            nccl_path=str(tmp_path / nccl_cache.FILENAME), watcher=watcher,
-                           uploader=Uploads({42: journal_record(42)}), steps=watch,
+                           uploader=Uploads({42: journal_record(42)}),
+                           stragglers=Stragglers(watch),
                            agent=agent, services=("checkpoint", "heartbeat", "metrics"))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(sources))
@@ -370,7 +381,7 @@ def test_goodput_ratio_and_losses_per_running_job(tmp_path: Path) -> None:
 
     registry, _, _, sources = collector_for(tmp_path)
     ledger = Ledger(str(tmp_path / "goodput"))
-    sources.ledger = ledger
+    sources.goodput = Goodput(ledger)
     # First step at 10, 30 steps of 1 s since: productive 30 s of 40 (from step times).
     v = view(5, [slot(r, 31, 1.0, 5) for r in range(2)])
     object.__setattr__(v.record, "started", 0.0)

@@ -399,7 +399,8 @@ def test_a_service_that_cannot_start_leaves_the_others_running(tmp_path: Path,
         f"  journal_dir: {tmp_path}/blocker/journal", "metrics:", "  port: 0"]) + "\n")
     services = load_services(AgentContext(cfg, "n1", SlurmAdapter()))
     try:
-        assert [s.name for s in services] == ["heartbeat", "run-dir", "limits", "metrics"]
+        assert [s.name for s in services] == ["heartbeat", "run-dir", "limits", "stragglers",
+                                              "goodput", "metrics"]
     finally:
         for svc in services:
             svc.close()

@@ -21,10 +21,10 @@ from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.hang import detect, jobrecord, policy
 from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.suspect import Check, SuspectWatch, Verification
-from slurm_resilience.metrics.service import MetricsService
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.record import Entry, StragglerRecord, suspicion
+from slurm_resilience.stragglers.service import StragglerService, status_of
 from slurm_resilience.stragglers.synthetic import steps
 from slurm_resilience.testing import FakeRunner, completed
 
@@ -71,13 +71,13 @@ class Ctl:
 
 
 def service(tmp_path: Path, ctl: Ctl, wall: list[float], *, need: int = 3,
-            heartbeat: dict[str, Any] | None = None) -> MetricsService:
+            heartbeat: dict[str, Any] | None = None) -> StragglerService:
     cfg = load_text(Config, json.dumps({
         "node": {"state_dir": str(tmp_path / "state")},
         "stragglers": {**FAST, "suspect_after_jobs": need},
         "heartbeat": heartbeat or {}}), "test")
     adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]}))
-    return MetricsService(cfg, NODE, adapter, {}, serve=False, wall=lambda: wall[0])
+    return StragglerService(cfg, NODE, adapter, wall=lambda: wall[0])
 
 
 def job_view(job_id: int, user: str, step: int, row: list[float], slow_rank: int | None
@@ -88,7 +88,7 @@ def job_view(job_id: int, user: str, step: int, row: list[float], slow_rank: int
                                             alive={s.rank: True for s in slots}))
 
 
-def straggle(svc: MetricsService, job_id: int, user: str, slow_rank: int = 6) -> None:
+def straggle(svc: StragglerService, job_id: int, user: str, slow_rank: int = 6) -> None:
     """A whole job on this node with one slow rank, then the job leaves; waits for any
     suspect drain it started."""
     for i, row in enumerate(steps(8, 40, job_id)):
@@ -99,7 +99,7 @@ def straggle(svc: MetricsService, job_id: int, user: str, slow_rank: int = 6) ->
         assert not svc._suspecting.is_alive()
 
 
-def recorded(svc: MetricsService) -> list[tuple[int, str, bool]]:
+def recorded(svc: StragglerService) -> list[tuple[int, str, bool]]:
     return [(e.job_id, e.user, e.suspected) for e in svc.steps.record.load()]
 
 
@@ -120,7 +120,7 @@ def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
     assert parsed is not None and parsed.suspect and parsed.job_id == 13
     assert recorded(svc) == [(11, "alice", True), (12, "bob", True), (13, "alice", True)]
     # Anyone may ask the agent for the record: it answers no job owners.
-    recent = svc.handle_stragglers({}, None)["recent"]  # type: ignore[arg-type]
+    recent = status_of(svc.snapshot())["recent"]
     assert [r["job_id"] for r in recent] == [11, 12, 13] and "user" not in recent[0]
     # Named again while drained (a job that was already running): no second drain.
     straggle(svc, 14, "carol")
@@ -204,7 +204,7 @@ def test_the_per_user_hang_budget_applies(tmp_path: Path) -> None:
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")  # tips it, and bob's hourly budget is spent
     assert ctl.drains == []
-    assert events.read(svc.sources.events_path)["counters"]["budget|straggler"] == 1
+    assert events.read(svc.events_path)["counters"]["budget|straggler"] == 1
     straggle(svc, 13, "carol")  # carol's is not
     assert len(ctl.drains) == 1 and "job 13 user carol" in ctl.drains[0]
 
@@ -278,9 +278,9 @@ def test_whole_node_namings_take_the_same_suspect_path_once_per_job(tmp_path: Pa
         (21, ""), (21, NODE), (22, NODE)]
     whole_node(23, "alice")
     assert len(ctl.drains) == 1 and "straggler in 3 jobs of 2 users" in ctl.drains[0]
-    counters = events.read(svc.sources.events_path)["counters"]
+    counters = events.read(svc.events_path)["counters"]
     assert counters == {"straggler|step_time": 1, "straggler|node_step_time": 3}
-    status = svc.handle_stragglers({}, None)  # type: ignore[arg-type]
+    status = status_of(svc.snapshot())
     assert [(r["job_id"], r["whole_node"]) for r in status["recent"]] == [
         (21, False), (21, True), (22, True), (23, True)]
 
@@ -297,9 +297,39 @@ def test_observe_mode_records_the_suspect_drain_it_would_make(tmp_path: Path) ->
         "stragglers": {**FAST, "suspect_after_jobs": 2}}), "test")
     adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]}))
     adapter.events_path = str(tmp_path / "state" / "metrics-events.json")
-    svc = MetricsService(cfg, NODE, adapter, {}, serve=False, wall=lambda: wall[0])
+    svc = StragglerService(cfg, NODE, adapter, wall=lambda: wall[0])
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.updates == []
     (d,) = observed.read(str(tmp_path / "state" / observed.FILENAME))["decisions"]
     assert observed.line(d).startswith("would drain n1: SR: suspect hang job 12 user bob at ")
+
+
+def test_the_stragglers_service_ticks_on_the_watchers_views_and_hands_out_snapshots(
+        tmp_path: Path) -> None:
+    """The agent's stragglers service reads the hang watcher's job views on its own tick
+    (its live config too); what the metrics get is a frozen snapshot."""
+    import dataclasses
+
+    from agent_state import Watcher
+
+    ctl = Ctl({NODE: ("IDLE", "")})
+    cfg = load_text(Config, json.dumps({
+        "node": {"state_dir": str(tmp_path / "state")}, "stragglers": FAST}), "test")
+    watcher = Watcher()
+    watcher.cfg = cfg  # type: ignore[attr-defined]
+    svc = StragglerService(cfg, NODE, SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]})),
+                           watcher, wall=lambda: NOW)
+    for i, row in enumerate(steps(8, 40, 31)):
+        watcher.jobs[31] = job_view(31, "alice", i + 1, row, 6)
+        svc.tick()
+    snap = svc.snapshot()
+    (job,) = snap.jobs
+    assert (job.job_id, job.ranks, job.straggler_ranks) == (31, 8, (6,))
+    assert [(e.job_id, e.ranks) for e in snap.recent] == [(31, (6,))]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.jobs = ()  # type: ignore[misc]
+    watcher.jobs.clear()
+    svc.tick()
+    assert svc.snapshot().jobs == () and snap.jobs[0].job_id == 31
+    assert ctl.updates == []  # one job: no suspect

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from agent_state import Watcher, slot, view
+from agent_state import Stragglers, Watcher, slot, view
 
 from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.stragglers.detect import Tracker, judge
@@ -180,7 +180,8 @@ def test_one_users_slow_jobs_never_name_the_node_a_straggler(tmp_path: Path) -> 
         watch = StepWatch(lambda: CFG, "n1", record, lambda: 300.0)
         reg = CollectorRegistry(auto_describe=False)
         reg.register(AgentCollector(AgentSources(node="n1", events_path="", nccl_path="",
-                                                 watcher=Watcher(), steps=watch)))
+                                                 watcher=Watcher(),
+                                                 stragglers=Stragglers(watch))))
         scrape = cluster.Scrape("n1", "http://x/n1", cluster.parse(generate_latest(reg).decode()))
         return text, cluster.assemble([], [], [scrape], "SR:", CFG)
 

@@ -2,6 +2,8 @@
 (``metrics.ckpt_saved``, sent by the local leader's background writer after each save).
 
 Kept in memory per job and run, bounded; the job's owner (or root) may report, nobody else.
+They feed goodput (a run's stall time) and the save metrics; the request keeps the name it
+was first given (``metrics.``), which the training side sends.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slurm_resilience.agent.service import Peer, RequestError
@@ -18,7 +20,7 @@ MAX_JOBS = 1024
 MAX_SECONDS = 1e6
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveStats:
     run: int
     step: int = -1
@@ -65,11 +67,11 @@ class SaveBook:
             if st is None or st.run != run:
                 if st is None and len(self.jobs) >= MAX_JOBS:
                     raise RequestError("metrics: ckpt_saved: too many jobs on this node")
-                st = self.jobs[job_id] = SaveStats(run)
-            st.step, st.saves = step, st.saves + 1
-            st.last_stall_s, st.last_write_s = stall, write
-            st.max_stall_s = max(st.max_stall_s, stall)
-            st.total_stall_s += stall
+                st = SaveStats(run)
+            self.jobs[job_id] = replace(st, step=step, saves=st.saves + 1, last_stall_s=stall,
+                                        last_write_s=write, max_stall_s=max(st.max_stall_s,
+                                                                            stall),
+                                        total_stall_s=st.total_stall_s + stall)
 
     def keep_only(self, job_ids: set[int]) -> None:
         with self.lock:
@@ -78,4 +80,4 @@ class SaveBook:
 
     def snapshot(self) -> dict[int, SaveStats]:
         with self.lock:
-            return {k: SaveStats(**vars(v)) for k, v in self.jobs.items()}
+            return dict(self.jobs)  # the stats are frozen: replaced, never changed
