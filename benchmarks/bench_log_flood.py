@@ -65,7 +65,7 @@ def flood(tmp: str, slots: int, seconds: int, budgeted: bool) -> tuple[int, int]
                           sleep=lambda s: None, config_path="")
     if not budgeted:  # every refusal logged, as before the budget
         watcher.slot_log = LogBudget(log.get_logger("heartbeat"), "refused heartbeat slots",
-                                     lines=1 << 62, clock=clock.monotonic)
+                                     lines=1 << 62, clock=clock)
     try:
         for _ in range(seconds):
             watcher.tick()

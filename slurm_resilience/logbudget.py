@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.log import Logger, escape
 
 # Characters of a user's text (a payload, a path, a reason quoting them) kept in one field.
@@ -57,12 +56,12 @@ class LogBudget:
     """At most ``lines`` lines per key and ``window_s``, then one summary line per key.
 
     ``what`` names the events in the summary ("refused heartbeat slots"); the key names who
-    caused them ("job 12", "uid 1002", "peer 10.0.0.5"). ``clock`` is monotonic seconds.
+    caused them ("job 12", "uid 1002", "peer 10.0.0.5"). ``clock`` gives the monotonic time.
     """
 
     def __init__(self, logger: Logger, what: str, *, lines: int = 10, window_s: float = 60.0,
                  max_keys: int = 256, level: str = "warning",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Clock = SystemClock()):
         if level not in _LEVELS:
             raise ValueError(f"log budget: level {level!r}: valid levels are "
                              f"{', '.join(_LEVELS)}")
@@ -79,7 +78,7 @@ class LogBudget:
     def log(self, key: object, event: str, *, level: str | None = None, **fields: Any) -> bool:
         """Log ``event`` (at the budget's level, or ``level``) unless ``key`` spent its lines
         in this window; True when the line was written."""
-        now = self.clock()
+        now = self.clock.monotonic()
         name = str(key)
         with self._lock:
             due = self._take_due(now)
@@ -103,7 +102,7 @@ class LogBudget:
 
     def flush(self) -> int:
         """Write the summaries of windows that have ended; returns how many were written."""
-        now = self.clock()
+        now = self.clock.monotonic()
         with self._lock:
             due = self._take_due(now)
         return self._summarize(due, now)

@@ -24,13 +24,12 @@ import socket
 import stat
 import struct
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from slurm_resilience.agent.service import Handler, Peer, RequestError, Response
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
 
@@ -77,7 +76,7 @@ class AgentServer:
                  max_connections: int = 128, max_per_uid: int = 32,
                  root_reserve: int = ROOT_RESERVE, newcomer_reserve: int = NEWCOMER_RESERVE,
                  backlog: int = 256,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Clock = SystemClock()):
         self.path = path
         self.max_bytes = max_bytes
         self.io_timeout = io_timeout
@@ -260,12 +259,12 @@ class AgentServer:
     def _read_request(self, conn: socket.socket) -> bytes:
         """One line, whole within ``io_timeout`` and ``max_bytes``: a client that trickles
         bytes is cut at the same deadline as one that sends nothing."""
-        deadline = self.clock() + self.io_timeout
+        deadline = self.clock.monotonic() + self.io_timeout
         buf = bytearray()
         while b"\n" not in buf:
             if len(buf) > self.max_bytes:
                 break
-            left = deadline - self.clock()
+            left = deadline - self.clock.monotonic()
             if left <= 0:
                 self.stats.timed_out += 1
                 raise _Incomplete(f"agent: couldn't read request: not complete within "

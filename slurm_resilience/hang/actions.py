@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from slurm_resilience.clock import Clock
 from slurm_resilience.hang import takeouts as T
 from slurm_resilience.heartbeat.attempt import restarts_of
 from slurm_resilience.log import get_logger
@@ -83,13 +84,18 @@ def step_from_json(data: object) -> Step:
 
 
 class Clocked:
-    """Wall clock, sleep and stop flag of the retry loop (injected in tests)."""
+    """The retry loop's clock (its wall time), its wait between tries and its stop flag.
+    The agent's wait is its stop event's, so that stopping ends it at once; without one
+    the clock's sleep waits."""
 
-    def __init__(self, now: Callable[[], float], sleep: Callable[[float], object],
+    def __init__(self, clock: Clock, sleep: Callable[[float], object] | None = None,
                  stopping: Callable[[], bool] = lambda: False):
-        self.now = now
-        self.sleep = sleep
+        self.clock = clock
+        self.sleep = sleep or clock.sleep
         self.stopping = stopping
+
+    def now(self) -> float:
+        return self.clock.time()
 
 
 class DeadlinePassed(Exception):

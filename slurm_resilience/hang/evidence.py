@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
 from slurm_resilience import safefs
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
@@ -53,8 +54,6 @@ REAP_GRACE_S = 1.0
 # Names tried for one dump before giving up keeping it (a taken name is never reused).
 SAVE_ATTEMPTS = 16
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-
-Clock = Callable[[], float]
 
 
 def process_uid(pid: int) -> int | None:
@@ -192,7 +191,7 @@ def _trigger_pipe(pipe: str, uid: int) -> str:
 
 
 def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None, *,
-                         wait_s: float = 5.0, clock: Clock = time.monotonic,
+                         wait_s: float = 5.0, clock: Clock = SystemClock(),
                          poll_s: float = 0.2, save_prefix: str = "nccl-trace") -> NcclTraceDoc:
     """Trigger the NCCL flight recorder of one rank and keep its dump as opaque bytes.
 
@@ -214,7 +213,7 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
     if error:
         result["error"] = error
         return result
-    deadline = clock() + wait_s
+    deadline = clock.monotonic() + wait_s
     # PyTorch writes the dump in place, so one read can catch it half written: it is taken
     # once two polls in a row see the same non-empty content.
     previous: bytes | None = None
@@ -226,7 +225,7 @@ def nccl_flight_recorder(pid: int, rank: int, uid: int, save_dir_fd: int | None,
             previous = data if mtime >= started - 1 else None
         except OSError:
             previous = None  # absent yet, or refused: both look the same to the job
-        if clock() >= deadline:
+        if clock.monotonic() >= deadline:
             result["error"] = (f"no dump in {dump} within {wait_s:g}s (it must be a regular "
                                "file of the job's user in a directory the user owns)")
             return result
@@ -288,7 +287,7 @@ class CaptureOutcome:
 
 def capture_ranks(slots: Sequence[SlotView], uid: int, *, py_spy: str | None, timeout: float,
                   save_dir_fd: int | None = None, workers: int = 8,
-                  clock: Clock = time.monotonic, runner: Runner | None = None
+                  clock: Clock = SystemClock(), runner: Runner | None = None
                   ) -> list[RankEvidence]:
     """Stacks (and NCCL traces) of every rank, in parallel, all within ``timeout``."""
     return capture_ranks_bounded(slots, uid, py_spy=py_spy, timeout=timeout,
@@ -304,7 +303,7 @@ def reap_grace(timeout: float) -> float:
 
 def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | None,
                           timeout: float, save_dir_fd: int | None = None, workers: int = 8,
-                          clock: Clock = time.monotonic, runner: Runner | None = None,
+                          clock: Clock = SystemClock(), runner: Runner | None = None,
                           node_checks: Mapping[str, NodeCheck] | None = None,
                           poll_s: float = 0.05, save_prefix: str = "nccl-trace"
                           ) -> CaptureOutcome:
@@ -317,7 +316,7 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
     node checks still running are reported as timed out and left to end by their own limit.
     Nothing waits past the deadline for a straggler.
     """
-    started = clock()
+    started = clock.monotonic()
     deadline = started + timeout
     grace = reap_grace(timeout)
     cut = deadline - grace
@@ -329,8 +328,9 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
         if not same_process(v.pid, v.pid_start, uid):
             ev.stack_error = (f"pid {v.pid} is gone or is not the job's process: no stack")
             return ev
-        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, cut - clock(), runner, group)
-        left = cut - clock()
+        ev.stack, ev.stack_error = py_spy_dump(py_spy, v.pid, cut - clock.monotonic(), runner,
+                                               group)
+        left = cut - clock.monotonic()
         if left <= 0:
             ev.nccl_trace = {"error": f"{TIMED_OUT}: flight recorder not triggered"}
             return ev
@@ -344,7 +344,7 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
 
     node_pool = cf.ThreadPoolExecutor(max_workers=max(1, len(checks)),
                                       thread_name_prefix="evidence-node")
-    node_futs = {name: node_pool.submit(check, max(0.0, cut - clock()))
+    node_futs = {name: node_pool.submit(check, max(0.0, cut - clock.monotonic()))
                  for name, check in checks.items()}
     pool = cf.ThreadPoolExecutor(max_workers=max(1, min(workers, len(slots))),
                                  thread_name_prefix="evidence")
@@ -352,10 +352,10 @@ def capture_ranks_bounded(slots: Sequence[SlotView], uid: int, *, py_spy: str | 
     everything: set[cf.Future[Any]] = {*futures, *node_futs.values()}
     # Short waits against the clock rather than one long one, so the cut follows the
     # capture's own clock (injected in tests) and not only the time the wait began with.
-    while not all(f.done() for f in everything) and (left := cut - clock()) > 0:
+    while not all(f.done() for f in everything) and (left := cut - clock.monotonic()) > 0:
         cf.wait(everything, timeout=min(left, poll_s))
     done = {f for f in everything if f.done()}
-    cut_at = None if len(done) == len(everything) else clock()
+    cut_at = None if len(done) == len(everything) else clock.monotonic()
     # Not `with pool`: its exit waits for every task, which is what made 80 slots with a
     # slow py-spy take minutes. Cancel what has not started, kill what runs, move on.
     pool.shutdown(wait=False, cancel_futures=True)

@@ -86,7 +86,7 @@ class IncidentRunner:
         self.rdv = rendezvous
         self.store = store
         self.clock = clock
-        self.clocked = Clocked(clock.time, sleep, stopping)
+        self.clocked = Clocked(clock, sleep, stopping)
         self.incident_dir = incident_dir
         self.launches = launches  # the launchers on this node (slurm-resilience launch)
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import re
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from slurm_resilience.agent.service import Peer, Request, RequestError, Response, int_arg
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.heartbeat.attempt import MAX_RELAUNCHES
 
 # A launcher that has not polled for this long is gone (its batch host lost, killed):
@@ -78,7 +77,7 @@ def _nodes(request: Request, key: str) -> tuple[str, ...]:
 class Launches:
     """The registry; its methods are called from socket threads and incident threads."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Clock = SystemClock()):
         self.clock = clock
         self.lock = threading.Lock()
         self.jobs: dict[int, Launch] = {}
@@ -103,7 +102,7 @@ class Launches:
             order = old.order if old is not None and old.order is not None and \
                 old.order.relaunch > relaunch else None
             self.jobs[job_id] = Launch(job_id, owner_uid, peer.pid, relaunch, nodes, spares,
-                                       max_restarts, self.clock(), order)
+                                       max_restarts, self.clock.monotonic(), order)
         return {"job_id": job_id, "relaunch": relaunch}
 
     def poll(self, request: Request, peer: Peer) -> Response:
@@ -114,7 +113,7 @@ class Launches:
             if launch is None or peer.uid not in (0, launch.uid):
                 raise RequestError(f"no launcher of job {job_id} for uid {peer.uid} is "
                                    "registered here")
-            self.jobs[job_id] = replace(launch, seen=self.clock())
+            self.jobs[job_id] = replace(launch, seen=self.clock.monotonic())
             order = launch.order
         return {"order": order.to_json() if order is not None else None}
 
@@ -122,7 +121,7 @@ class Launches:
         """The job's launcher when it polled recently, else None."""
         with self.lock:
             launch = self.jobs.get(job_id)
-        if launch is None or self.clock() - launch.seen > STALE_S:
+        if launch is None or self.clock.monotonic() - launch.seen > STALE_S:
             return None
         return launch
 
@@ -131,7 +130,7 @@ class Launches:
         relaunch is no longer the one the order follows)."""
         with self.lock:
             launch = self.jobs.get(job_id)
-            if launch is None or self.clock() - launch.seen > STALE_S:
+            if launch is None or self.clock.monotonic() - launch.seen > STALE_S:
                 return False
             if launch.order is not None and launch.order.relaunch == order.relaunch:
                 return True  # a resumed plan gives it again

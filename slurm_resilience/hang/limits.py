@@ -30,7 +30,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,6 +46,7 @@ from slurm_resilience.agent.service import (
     str_arg,
 )
 from slurm_resilience.checkpoint.interrupt import stop_text
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.hang import evidence, jobrecord
 from slurm_resilience.heartbeat import paths as P
@@ -128,7 +128,7 @@ class LimitWatch:
     interval_s = 1.0
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, *,
-                 clock: Callable[[], float] = time.time,
+                 clock: Clock = SystemClock(),
                  kill: Callable[[int, int], None] = os.kill):
         self.cfg = cfg
         self.node = node
@@ -282,7 +282,7 @@ class LimitWatch:
     def tick(self) -> None:
         records, _ = jobrecord.read_all(self.records_dir)
         running = {r.job_id for r in records}
-        now = self.clock()
+        now = self.clock.time()
         lead = self.cfg.checkpoint.limit_lead_s
         with self.lock:
             for job_id in set(self.armed) - running:

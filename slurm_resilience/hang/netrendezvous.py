@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config.heartbeat import ExchangeSection
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
@@ -108,7 +109,7 @@ class NetworkRendezvous:
 
     def __init__(self, cfg: ExchangeSection, node: str, *, credentials: Credentials,
                  resolver: Resolver | None = None, listen: bool = True,
-                 wall: Callable[[], float] = time.time, hang: bool = True):
+                 clock: Clock = SystemClock(), hang: bool = True):
         self.cfg = cfg
         # Hang pieces are accepted only where this is the hang watcher's rendezvous; other
         # services add kinds of their own (:meth:`on`).
@@ -117,7 +118,7 @@ class NetworkRendezvous:
         self.node = node
         self.credentials = credentials
         self.addresses = AddressBook(cfg, resolver)
-        self.wall = wall
+        self.clock = clock  # its wall time: run ages and credential times
         self.lock = threading.Condition()
         self.runs: collections.OrderedDict[tuple[int, int], _Run] = collections.OrderedDict()
         self.nonces: dict[str, float] = {}
@@ -195,7 +196,7 @@ class NetworkRendezvous:
             old = [k for k, st in self.runs.items() if st.touched < older_than]
             for k in old:
                 del self.runs[k]
-            now = self.wall()
+            now = self.clock.time()
             for nonce in [n for n, exp in self.nonces.items() if exp < now]:
                 del self.nonces[nonce]
         return len(old)
@@ -249,7 +250,7 @@ class NetworkRendezvous:
             elif st.batch_host != batch_host or set(st.nodes) != set(nodes):
                 raise MessageError(f"job {job_id} run {run}: batch host or nodes differ from "
                                    "what this node already holds")
-            st.touched = self.wall()
+            st.touched = self.clock.time()
             return st
 
     def _store(self, job_id: int, run: int, st: _Run, pieces: dict[str, bytes],
@@ -434,7 +435,7 @@ class NetworkRendezvous:
 
     def _check_binding(self, msg: Message, encode_time: int) -> str:
         """The reasons a well-formed, authenticated message is not for this node now."""
-        now = self.wall()
+        now = self.clock.time()
         if msg.receiver != self.node:
             return f"addressed to {msg.receiver}, this is {self.node}"
         if msg.sender not in msg.nodes or msg.batch_host not in msg.nodes:

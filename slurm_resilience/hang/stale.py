@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable
 
 from slurm_resilience import safefs
 from slurm_resilience.agent.service import AgentContext, Handler
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.hang.jobfs import STALE
 from slurm_resilience.heartbeat import paths as P
@@ -38,7 +37,7 @@ class StaleSweeper:
     interval_s = SWEEP_EVERY_S
 
     def __init__(self, cfg: Config, node: str, *, max_entries: int = PASS_MAX_ENTRIES,
-                 max_s: float = PASS_MAX_S, clock: Callable[[], float] = time.monotonic):
+                 max_s: float = PASS_MAX_S, clock: Clock = SystemClock()):
         self.root = P.run_root(cfg.node.run_dir, node)
         self.max_entries = max_entries
         self.max_s = max_s
@@ -63,7 +62,7 @@ class StaleSweeper:
     def sweep(self) -> int:
         """One bounded pass; returns the entries removed. What is left waits for the next."""
         removed = 0
-        started = self.clock()
+        started = self.clock.monotonic()
         try:
             rfd = safefs.open_dir(self.root)
         except OSError as exc:
@@ -84,9 +83,9 @@ class StaleSweeper:
                           path=self.root, owner=st.st_uid, mode=oct(st.st_mode & 0o7777))
                 return 0
             for name in os.listdir(sfd):
-                left_s = self.max_s - (self.clock() - started)
+                left_s = self.max_s - (self.clock.monotonic() - started)
                 budget = RemovalBudget(max_entries=self.max_entries - removed,
-                                       max_seconds=max(left_s, 0.0), clock=self.clock)
+                                       max_seconds=max(left_s, 0.0), clock=self.clock.monotonic)
                 removed += remove_tree_at(sfd, name, missing_ok=True, budget=budget)
         except RemovalIncomplete as exc:
             removed += exc.removed

@@ -15,10 +15,10 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from slurm_resilience import safefs
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config.budgets import run_dir_remove_s
 from slurm_resilience.hang import jobfs, jobrecord
 from slurm_resilience.heartbeat import paths as P
@@ -68,7 +68,7 @@ def _detach(fd: int, root: str, name: str, run: Runner | None, hook: str) -> Run
 
 
 def _clear_leftover(fd: int, root: str, name: str, ctx: HookContext, run: Runner | None,
-                    clock: Callable[[], float]) -> Runner | None:
+                    clock: Clock) -> Runner | None:
     """Move a leftover ``job-<id>`` out of the way: detach its tmpfs, then set it aside
     under ``.stale/`` (a rename: instant whatever it holds, whoever owns it). Only when that
     fails is it removed here, within the prolog's share; raises OSError when neither works."""
@@ -88,7 +88,7 @@ def _clear_leftover(fd: int, root: str, name: str, ctx: HookContext, run: Runner
     budget_s = run_dir_remove_s(ctx.cfg, "hooks.prolog_timeout_s")
     log.warning("prolog: couldn't set a leftover job run directory aside; removing it within "
                 "the prolog's budget", name=name, error=why, budget_s=budget_s)
-    remove_tree(fd, name, RemovalBudget(max_seconds=budget_s, clock=clock))
+    remove_tree(fd, name, RemovalBudget(max_seconds=budget_s, clock=clock.monotonic))
     return run
 
 
@@ -128,7 +128,7 @@ def _mount_or_plain(fd: int, root: str, name: str, ctx: HookContext, uid: int, g
 
 
 def prolog_run_dir(ctx: HookContext, *, run: Runner | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> list[Problem]:
+                   clock: Clock = SystemClock()) -> list[Problem]:
     """Create the job's private run directory and the agent's record of the job.
 
     ``run`` (mount/umount) and ``clock`` (the removal budget) are for tests."""
@@ -163,7 +163,7 @@ def prolog_run_dir(ctx: HookContext, *, run: Runner | None = None,
 
 
 def epilog_run_dir(ctx: HookContext, *, run: Runner | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> list[Problem]:
+                   clock: Clock = SystemClock()) -> list[Problem]:
     """Remove the job's run directory and record, never following a link out of it.
 
     The tmpfs is detached first (instant); what is left (a plain dir: mounting was off or
@@ -189,7 +189,8 @@ def epilog_run_dir(ctx: HookContext, *, run: Runner | None = None,
             log.error("epilog: couldn't unmount the job run directory's tmpfs",
                       job_id=ctx.job_id, error=str(exc))
         try:
-            removed = remove_tree(fd, name, RemovalBudget(max_seconds=budget_s, clock=clock))
+            removed = remove_tree(fd, name,
+                                  RemovalBudget(max_seconds=budget_s, clock=clock.monotonic))
             log.debug("job run directory removed", job_id=ctx.job_id, entries=removed)
         except RemovalIncomplete as exc:
             _hand_off(fd, name, ctx.job_id, budget_s, str(exc))

@@ -87,16 +87,16 @@ class HangWatcher:
         self._side_exchange: Any = None
         # Set by close(): retry waits end at once and incidents are left for the next start.
         self.stopping = threading.Event()
-        self.launches = Launches(self.clock.monotonic)
+        self.launches = Launches(self.clock)
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
                                      self.clock, sleep or self.stopping.wait, self.incident_dir,
                                      self.stopping.is_set, self.launches)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
         # A user decides how many of their slots are refused, and how often stragglers change.
-        self.slot_log = LogBudget(log, "refused heartbeat slots", clock=self.clock.monotonic)
+        self.slot_log = LogBudget(log, "refused heartbeat slots", clock=self.clock)
         self.straggler_log = LogBudget(log, "changes of straggler ranks",
-                                       clock=self.clock.monotonic)
+                                       clock=self.clock)
         for progress in self.store.unfinished():
             self._spawn(-1 - len(self.threads), self.runner.resume, progress)
 

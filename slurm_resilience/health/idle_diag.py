@@ -19,12 +19,12 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 
 RECORD = "idle_diag"  # state file in the node's health state directory
@@ -59,7 +59,7 @@ def due(last: IdleRecord | None, now: float, interval_s: float) -> bool:
 
 
 def run_idle(cfg: Config, node: str, is_idle: Callable[[], bool],
-             clock: Callable[[], float] = time.time) -> IdleRecord | None:
+             clock: Clock = SystemClock()) -> IdleRecord | None:
     """Hold the node lock, re-check that the node is idle, run the diagnostics and record
     the result. None when it did not run (lock busy, node no longer idle)."""
     from slurm_resilience.config.paths import node_path
@@ -93,7 +93,7 @@ def run_idle(cfg: Config, node: str, is_idle: Callable[[], bool],
         gdr = cfg.health.gdr.enabled and shutil.which("ib_write_bw") is not None
         report = gate.run(cfg, node, "idle", only=("diag", "gdr") if gdr else ("diag",))
         steps.count_results(cfg, node, "idle", report)
-        record = IdleRecord(clock(), report.verdict.healthy,
+        record = IdleRecord(clock.time(), report.verdict.healthy,
                             "" if report.verdict.healthy else report.verdict.reason())
         store = gate.StateStore(gate.state_dir(cfg, node))
         store.save(RECORD, record.to_state())

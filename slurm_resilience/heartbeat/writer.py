@@ -12,8 +12,9 @@ import math
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.heartbeat import slot as S
 
 _EWMA_ALPHA = 0.1
@@ -33,9 +34,8 @@ class Heartbeat:
 
     def __init__(self, path: str, *, rank: int, world_size: int, local_rank: int = 0,
                  job_id: int = 0, restart_count: int = 0, step_timeout_s: float = 0.0,
-                 flags: int = 0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
-        """``clock`` (monotonic) and ``wall_clock`` are injectable so tests need not sleep."""
+                 flags: int = 0, clock: Clock = SystemClock()):
+        """``clock`` is injectable so tests need not sleep."""
         if not 0 <= rank < world_size:
             raise ValueError(f"heartbeat: rank {rank} is not in [0, {world_size})")
         if not (math.isfinite(step_timeout_s) and step_timeout_s >= 0):
@@ -47,13 +47,16 @@ class Heartbeat:
             self._mm = mmap.mmap(fd, S.SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._clock = clock  # bound once: beat() reads it as a plain attribute call
-        now = clock()
+        # Bound once: beat() reads it as a plain attribute call, the real one without a
+        # method of ours in between.
+        self._clock = (
+            time.monotonic if isinstance(clock, SystemClock) else clock.monotonic)
+        now = self._clock()
         self._mm[:] = bytes(S.SIZE)
         self._mm[: S.HEADER.size] = S.encode_header(
             rank=rank, world_size=world_size, local_rank=local_rank, pid=os.getpid(),
             pid_start=process_start_ticks(), job_id=job_id, restart_count=restart_count,
-            clock_offset=wall_clock() - now, created=now, job_step_timeout_s=step_timeout_s)
+            clock_offset=clock.time() - now, created=now, job_step_timeout_s=step_timeout_s)
         self._flags = flags
         S.FLAGS.pack_into(self._mm, S.FLAGS_OFF, flags)
         S.CKPT.pack_into(self._mm, S.CKPT_OFF, -1)

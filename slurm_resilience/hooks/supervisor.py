@@ -11,11 +11,10 @@ when the agent is gone, so a SIGKILLed agent leaves no server behind.
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
 
 from slurm_resilience import config, proc
 from slurm_resilience.agent.service import AgentContext, Handler
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.log import get_logger
 
 log = get_logger("agent", service="hook-server")
@@ -29,7 +28,7 @@ class HookServerService:
     name = "hook-server"
     interval_s = 1.0
 
-    def __init__(self, argv: list[str], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, argv: list[str], clock: Clock = SystemClock()):
         self.argv = argv
         self.proc: proc.Child[bytes] | None = None
         self.backoff = BACKOFF_MIN_S
@@ -41,11 +40,11 @@ class HookServerService:
     def start(self) -> None:
         self.proc = proc.spawn(self.argv, stdout=None, stderr=None, new_session=False)
         self.starts += 1
-        self.started_at = self._clock()
+        self.started_at = self._clock.monotonic()
         log.info("hook server started", pid=self.proc.pid, starts=self.starts)
 
     def tick(self) -> None:
-        now = self._clock()
+        now = self._clock.monotonic()
         if self.proc is not None:
             code = self.proc.poll()
             if code is None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.launch import plan as P
 
 
@@ -56,7 +56,7 @@ class Launcher:
     def __init__(self, alloc: P.Allocation, command: Sequence[str], settings: Settings,
                  agent: Agent, start: Callable[[list[str], dict[str, str]], Step],
                  end_step: Callable[[int], None], env: Mapping[str, str], srun: str = "srun",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Clock = SystemClock()):
         self.alloc = alloc
         self.command = list(command)
         self.settings = settings
@@ -95,7 +95,7 @@ class Launcher:
             argv = P.srun_argv(self.srun, self.alloc, self.place, self.command)
             say(f"relaunch {self.place.relaunch}: {' '.join(self.place.nodes)}"
                 + (f" (spares {' '.join(self.place.spares)})" if self.place.spares else "")
-                + f" at={time.time():.3f}")
+                + f" at={self.clock.time():.3f}")
             self._register()
             step = self.start(argv, P.step_env(self.env, self.alloc, self.place))
             order = self._supervise(step)
@@ -104,9 +104,9 @@ class Launcher:
                 order = self._poll()  # a decision that raced the step's end
                 if order is None:
                     return code
-            say(f"order for relaunch {order.get('relaunch')} at={time.time():.3f}")
+            say(f"order for relaunch {order.get('relaunch')} at={self.clock.time():.3f}")
             self._end(step)
-            say(f"step of relaunch {self.place.relaunch} ended at={time.time():.3f}")
+            say(f"step of relaunch {self.place.relaunch} ended at={self.clock.time():.3f}")
             self._follow(order)
 
     def _supervise(self, step: Step) -> Mapping[str, object] | None:

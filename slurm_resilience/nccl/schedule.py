@@ -16,10 +16,10 @@ import errno
 import fcntl
 import os
 import signal
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.log import get_logger
 
 log = get_logger("nccl")
@@ -73,15 +73,13 @@ def _open_lock(path: str) -> int:
 class NodeLock:
     """An flock on ``<run_dir>/nccl.lock`` whose file names the holder's pid.
 
-    ``clock`` and ``sleep`` time the waits (tests pass a fake pair that advances on sleep).
+    ``clock`` times the waits (tests pass a fake one that advances on sleep).
     """
 
-    def __init__(self, path: str, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, path: str, *, clock: Clock = SystemClock()):
         self.path = path
         self.fd: int | None = None
         self.clock = clock
-        self.sleep = sleep
 
     def try_acquire(self) -> bool:
         fd = _open_lock(self.path)
@@ -98,11 +96,11 @@ class NodeLock:
         return True
 
     def acquire(self, timeout_s: float, poll_s: float = 0.01) -> bool:
-        deadline = self.clock() + timeout_s
+        deadline = self.clock.monotonic() + timeout_s
         while not self.try_acquire():
-            if self.clock() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 return False
-            self.sleep(poll_s)
+            self.clock.sleep(poll_s)
         return True
 
     def release(self) -> None:
@@ -158,16 +156,16 @@ def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
     or ``nccl-test`` by hand), ask it to stop (SIGTERM: it kills its ranks and lets go),
     wait up to ``timeout_s``, and past that kill it. A holder that is not ours is never
     signalled nor waited for: the job goes on and the caller runs no test."""
-    started = lock.clock()
+    started = lock.clock.monotonic()
     if lock.try_acquire():
-        return Handoff(False, lock.clock() - started)
+        return Handoff(False, lock.clock.monotonic() - started)
     pid = holder_pid(lock.path)
-    if pid is None and lock.acquire(min(0.2, timeout_s)):
-        return Handoff(False, lock.clock() - started)  # the holder was just letting go
+    if pid is None and lock.acquire(min(0.2, timeout_s)):  # the holder was just letting go
+        return Handoff(False, lock.clock.monotonic() - started)
     if pid is None or not _is_ours(pid):
         log.warning("nccl: node lock held by a process that is not ours; not waiting",
                     holder=pid, lock=lock.path)
-        return Handoff(True, lock.clock() - started, pid, locked=False)
+        return Handoff(True, lock.clock.monotonic() - started, pid, locked=False)
     # Gone already: it finished on its own and the lock is about to be free.
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -180,7 +178,7 @@ def take_over(lock: NodeLock, timeout_s: float) -> Handoff:
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signal.SIGKILL)
         lock.acquire(1.0)
-    seconds = lock.clock() - started
+    seconds = lock.clock.monotonic() - started
     log.info("nccl: took the node back from idle verification", holder=pid,
              seconds=round(seconds, 3), forced=forced)
     return Handoff(True, seconds, pid, forced, lock.fd is not None)

@@ -22,6 +22,7 @@ from slurm_resilience import safefs
 from slurm_resilience.hang import evidence
 from slurm_resilience.heartbeat.slot import SlotView
 from slurm_resilience.heartbeat.writer import process_start_ticks
+from slurm_resilience.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks need root")
 
@@ -133,10 +134,10 @@ def test_flight_recorder_dump_in_a_root_dir_is_never_opened(
     # a non-blocking writer).
     reader = os.open(mine / "pipe0.pipe", os.O_RDONLY | os.O_NONBLOCK)
     watch = OpenWatch(secret)
-    ticks = iter(range(1000))
+    ticks = Ticks()
     try:
         result = evidence.nccl_flight_recorder(job.pid, 0, uid, None, wait_s=3,
-                                               clock=lambda: float(next(ticks)), poll_s=0)
+                                               clock=ticks, poll_s=0)
     finally:
         job.kill()
         job.wait()
@@ -174,17 +175,28 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-class CaptureClock:
+class Ticks(FakeClock):
+    """A clock a second later at each reading: a wait ends after a few polls, however
+    busy the machine is."""
+
+    def monotonic(self) -> float:
+        now = super().monotonic()
+        self.advance(1.0)
+        return now
+
+
+class CaptureClock(FakeClock):
     """The capture's clock, moved by the test: it reads 0 while the slow work starts, and
     ``at`` once ``ready()`` says all of it is running (or, so a broken capture can't hang the
     test, after 60 real seconds). Real waits inside are short polls, so the cut follows it."""
 
     def __init__(self, ready: Callable[[], bool], at: float):
+        super().__init__()
         self.ready, self.at = ready, at
         self.moved = False
         self.give_up = time.monotonic() + 60
 
-    def __call__(self) -> float:
+    def monotonic(self) -> float:
         if not self.moved and (self.ready() or time.monotonic() > self.give_up):
             self.moved = True
         return self.at if self.moved else 0.0

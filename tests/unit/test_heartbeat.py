@@ -17,6 +17,7 @@ from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.hang import detect
 from slurm_resilience.heartbeat import slot as S
 from slurm_resilience.heartbeat.writer import Heartbeat, process_start_ticks
+from slurm_resilience.testing import FakeClock
 
 CFG = HeartbeatSection(step_timeout_s=10, warmup_timeout_s=30, warmup_steps=2,
                        section_timeouts_s={"checkpoint": 100.0}, nccl_timeout_s=120,
@@ -49,12 +50,11 @@ def test_fresh_slot_decodes_with_header_and_no_beats(tmp_path: Path) -> None:
 def test_beats_record_step_and_step_time_stats(tmp_path: Path) -> None:
     """Beats store the step, count and step-time statistics (the first interval excluded),
     and the slot maps its monotonic times to Unix time."""
-    now = [500.0]
+    clock = FakeClock(500.0, wall=1_700_000_000.0)
     path = tmp_path / S.slot_filename(0)
-    hb = Heartbeat(str(path), rank=0, world_size=2, clock=lambda: now[0],
-                   wall_clock=lambda: 1_700_000_000.0)
+    hb = Heartbeat(str(path), rank=0, world_size=2, clock=clock)
     for step, dt in enumerate([30.0, 2.0, 1.0, 4.0, 2.0]):  # the first: start-up, excluded
-        now[0] += dt
+        clock.advance(dt)
         hb.beat(step)
     v = _read(path)
     assert v.step == 4 and v.beats == 5 and v.last_dt == 2.0

@@ -21,19 +21,17 @@ from slurm_resilience.hang.stale import StaleSweeper
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.proc import CommandError
 from slurm_resilience.sandbox import sweep
+from slurm_resilience.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root-side hooks, real mounts")
 
 
-class Ticks:
+class Ticks(FakeClock):
     """A clock that moves one second each time it is read."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
+    def monotonic(self) -> float:
+        self.advance(1.0)
+        return super().monotonic()
 
 
 def _cfg(tmp_path: Path, *, tmpfs: bool, size: str = "1MiB", inodes: int = 64) -> Config:

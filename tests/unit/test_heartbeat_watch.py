@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -197,7 +197,7 @@ def test_nccl_dump_is_copied_as_bytes_never_unpickled(tmp_path: Path) -> None:
         (save / f"{prefix}-rank3.bin").write_bytes(b"an earlier capture's dump")
         fd = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
         result = evidence.nccl_flight_recorder(proc.pid, 3, os.getuid(), fd, wait_s=5,
-                                               clock=_until_done(reader), poll_s=0.01,
+                                               clock=_UntilDone(reader), poll_s=0.01,
                                                save_prefix=prefix)
         os.close(fd)
     finally:
@@ -231,20 +231,20 @@ def test_a_dump_that_could_not_be_kept_names_no_file(tmp_path: Path) -> None:
         b"other"}
 
 
-def _until_done(thread: threading.Thread, polls_after: int = 3) -> Callable[[], float]:
+class _UntilDone(FakeClock):
     """A clock that stands still while ``thread`` runs and for a few polls after it ends, then
     jumps past any deadline: the wait is bounded by the writer's progress, not by how busy
     the machine is."""
-    left = polls_after
 
-    def clock() -> float:
-        nonlocal left
-        if thread.is_alive():
+    def __init__(self, thread: threading.Thread, polls_after: int = 3) -> None:
+        super().__init__()
+        self.thread, self.left = thread, polls_after
+
+    def monotonic(self) -> float:
+        if self.thread.is_alive():
             return 0.0
-        left -= 1
-        return 0.0 if left >= 0 else 1e9
-
-    return clock
+        self.left -= 1
+        return 0.0 if self.left >= 0 else 1e9
 
 
 class _Boom:
@@ -396,8 +396,7 @@ def test_auto_tuned_timeout_survives_an_agent_restart(tmp_path: Path) -> None:
     steps.prolog_run_dir(_ctx(cfg, uid=0))
     slot = Path(P.job_dir(cfg.node.run_dir, NODE, 42)) / "hb-rank-0.slot"
     clock = FrozenClock()
-    hb = Heartbeat(str(slot), rank=0, world_size=1, job_id=42, clock=clock.monotonic,
-                   wall_clock=clock.time)
+    hb = Heartbeat(str(slot), rank=0, world_size=1, job_id=42, clock=clock)
     for step, dt in enumerate([5.0, 0.1, 0.3, 0.2]):  # the first interval is start-up
         clock.advance(dt)
         hb.beat(step)

@@ -26,6 +26,7 @@ from slurm_resilience.hooks import client, endpoint, server, supervisor
 from slurm_resilience.procstat import read_proc
 from slurm_resilience.sandbox import faults, hardware, resilience_conf
 from slurm_resilience.sandbox.layout import Layout
+from slurm_resilience.testing import FakeClock
 
 NODE = "node1"
 PYTHON = sys.executable
@@ -411,22 +412,22 @@ def test_socket_names_separate_nodes_and_files() -> None:
 
 
 def test_agent_restarts_a_server_that_exits_with_backoff() -> None:
-    now = [100.0]
-    svc = supervisor.HookServerService(["sh", "-c", "exit 3"], clock=lambda: now[0])
+    clock = FakeClock(100.0)
+    svc = supervisor.HookServerService(["sh", "-c", "exit 3"], clock=clock)
     svc.start()
     assert svc.proc is not None
     svc.proc.wait()
     svc.tick()  # noticed: restart in 1 s
     assert svc.proc is None and svc.starts == 1
-    now[0] += 1.0
+    clock.advance(1.0)
     svc.tick()
     assert svc.starts == 2 and svc.proc is not None
     svc.proc.wait()
     svc.tick()
-    now[0] += 1.5
+    clock.advance(1.5)
     svc.tick()
     assert svc.starts == 2  # the second wait is 2 s
-    now[0] += 0.5
+    clock.advance(0.5)
     svc.tick()
     assert svc.starts == 3
     svc.close()

@@ -19,6 +19,7 @@ from slurm_resilience.hang.launches import STALE_S, Launch, Launches, Order
 from slurm_resilience.heartbeat import attempt as A
 from slurm_resilience.launch import plan as P
 from slurm_resilience.launch.supervise import Launcher, Settings
+from slurm_resilience.testing import FakeClock
 
 ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n1",
        "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_RESTART_COUNT": "1"}
@@ -81,8 +82,8 @@ def _register(reg: Launches, peer: Peer = OWNER, owner: int | None = 1001,
 
 
 def test_only_the_jobs_owner_registers_and_polls() -> None:
-    now = [0.0]
-    reg = Launches(lambda: now[0])
+    clock = FakeClock()
+    reg = Launches(clock)
     for peer, owner in ((OTHER, 1001), (OWNER, None)):
         with pytest.raises(RequestError, match="no job 42 of uid"):
             _register(reg, peer, owner)
@@ -106,8 +107,8 @@ def test_registrations_are_checked(over: dict[str, object], why: str) -> None:
 
 
 def test_an_order_waits_for_a_live_launcher_and_ends_when_it_relaunches() -> None:
-    now = [0.0]
-    reg = Launches(lambda: now[0])
+    clock = FakeClock()
+    reg = Launches(clock)
     _register(reg)
     order = Order(1, ("n1", "n3"), ("n3",), ("n2",), "why")
     assert not reg.give(42, Order(2, ("n1",), (), (), "skips one"))
@@ -117,7 +118,7 @@ def test_an_order_waits_for_a_live_launcher_and_ends_when_it_relaunches() -> Non
     assert reg.poll({"job_id": 42}, OWNER) == {"order": None}
     with pytest.raises(RequestError, match="is at relaunch 1"):
         _register(reg, relaunch=0)
-    now[0] += STALE_S + 1
+    clock.advance(STALE_S + 1)
     assert reg.live(42) is None and not reg.give(42, Order(2, ("n1",), (), (), ""))
     reg.forget(set())
     assert reg.jobs == {}

@@ -26,6 +26,7 @@ from slurm_resilience.hang.limits import (
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import JobInfo
+from slurm_resilience.testing import FakeClock
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job records are root-owned")
 UID = os.getuid()
@@ -67,14 +68,14 @@ def job(state: str = "RUNNING", end: str = "2030-01-01T00:01:00", requeue: bool 
                    admin_comment=admin, restarts=restarts, raw={"EndTime": end})
 
 
-def service(tmp_path: Path, j: JobInfo, now: list[float], kills: list[tuple[int, int]]
+def service(tmp_path: Path, j: JobInfo, clock: FakeClock, kills: list[tuple[int, int]]
             ) -> tuple[LimitWatch, FakeAdapter]:
     cfg = replace(Config(), node=replace(Config().node, run_dir=str(tmp_path / "run")))
     assert isinstance(cfg.node, NodeSection)
     jobrecord.write(P.records_dir(cfg.node.run_dir, NODE),
                     jobrecord.JobRecord(7, UID, os.getgid(), "u", 0.0, (NODE,)))
     adapter = FakeAdapter(j)
-    watch = LimitWatch(cfg, NODE, adapter, clock=lambda: now[0],  # type: ignore[arg-type]
+    watch = LimitWatch(cfg, NODE, adapter, clock=clock,  # type: ignore[arg-type]
                        kill=lambda pid, sig: kills.append((pid, sig)))
     return watch, adapter
 
@@ -82,20 +83,20 @@ def service(tmp_path: Path, j: JobInfo, now: list[float], kills: list[tuple[int,
 def test_an_armed_rank_is_warned_once_lead_seconds_before_the_end(tmp_path: Path) -> None:
     end = end_time(job())
     assert end is not None
-    now, kills = [end - 200.0], []
-    watch, _ = service(tmp_path, job(), now, kills)
+    clock, kills = FakeClock(wall=end - 200.0), []
+    watch, _ = service(tmp_path, job(), clock, kills)
     me = Peer(os.getpid(), UID, os.getgid())
     assert watch.handle_arm({"job_id": 7, "signal": "USR1"}, me) == {"lead_s": 180.0}
     watch.tick()
     assert kills == []
-    now[0] = end - 179.0
+    clock.advance(21.0)  # 179 s before the end
     watch.tick()
     watch.tick()
     assert kills == [(os.getpid(), signal.SIGUSR1)]
 
 
 def test_arming_someone_elses_job_or_a_bad_signal_is_refused(tmp_path: Path) -> None:
-    watch, _ = service(tmp_path, job(), [0.0], [])
+    watch, _ = service(tmp_path, job(), FakeClock(wall=0.0), [])
     with pytest.raises(RequestError, match="no job 7 of uid 4242"):
         watch.handle_arm({"job_id": 7}, Peer(os.getpid(), 4242, 4242))
     with pytest.raises(RequestError, match="one of USR1, USR2, URG"):
@@ -103,7 +104,8 @@ def test_arming_someone_elses_job_or_a_bad_signal_is_refused(tmp_path: Path) -> 
 
 
 def test_a_stop_ahead_of_the_limit_requeues_the_job_and_notes_it(tmp_path: Path) -> None:
-    watch, adapter = service(tmp_path, job(admin="[sr-hang n=1 ckpt=5 restart=0] x"), [0.0], [])
+    watch, adapter = service(tmp_path, job(admin="[sr-hang n=1 ckpt=5 restart=0] x"),
+                             FakeClock(wall=0.0), [])
     answer = watch.handle_stopped({"job_id": 7, "step": 4812, "cause": "time_limit",
                                    "requeue": True, "seconds_left": 120.2},
                                   Peer(os.getpid(), UID, 0))
@@ -116,7 +118,7 @@ def test_a_stop_ahead_of_the_limit_requeues_the_job_and_notes_it(tmp_path: Path)
 
 
 def test_a_preempted_job_is_not_requeued_by_us_and_a_done_one_neither(tmp_path: Path) -> None:
-    watch, adapter = service(tmp_path, job(), [0.0], [])
+    watch, adapter = service(tmp_path, job(), FakeClock(wall=0.0), [])
     me = Peer(os.getpid(), UID, 0)
     answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
     assert answer["text"] == "preempted: saved step 9" and not answer["requeued"]
@@ -185,7 +187,7 @@ def test_stop_saves_the_step_and_the_next_run_resumes_from_it(
 
 
 def test_a_cancelled_job_that_saved_is_not_counted_as_planned(tmp_path: Path) -> None:
-    watch, adapter = service(tmp_path, job(state="CANCELLED"), [0.0], [])
+    watch, adapter = service(tmp_path, job(state="CANCELLED"), FakeClock(wall=0.0), [])
     answer = watch.handle_stopped({"job_id": 7, "step": 1200, "cause": "preempt"},
                                   Peer(os.getpid(), UID, 0))
     assert answer == {"requeued": False, "text": "cancelled: saved step 1,200", "why": ""}
@@ -195,7 +197,7 @@ def test_a_cancelled_job_that_saved_is_not_counted_as_planned(tmp_path: Path) ->
 def test_a_job_preempted_under_requeue_that_saved_is_requeued_at_once(tmp_path: Path) -> None:
     """Ending within its grace time, a job would end by its exit code, not requeued."""
     j = replace(job(), raw={"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"})
-    watch, adapter = service(tmp_path, j, [0.0], [])
+    watch, adapter = service(tmp_path, j, FakeClock(wall=0.0), [])
     answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
                                   Peer(os.getpid(), UID, 0))
     assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
@@ -209,7 +211,7 @@ def test_the_preempted_jobs_partition_decides_between_requeue_and_cancel(tmp_pat
     requeued."""
     preempted = {"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"}
     j = replace(job(), partition="spot", raw=preempted)
-    watch, adapter = service(tmp_path, j, [0.0], [])
+    watch, adapter = service(tmp_path, j, FakeClock(wall=0.0), [])
     adapter.modes["spot"] = "CANCEL"
     me = Peer(os.getpid(), UID, 0)
     answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
@@ -225,7 +227,7 @@ def test_an_unreadable_or_qos_preempt_mode_requeues_nothing(tmp_path: Path) -> N
     """Slurm ends or requeues the job by its own mode; we never guess REQUEUE."""
     j = replace(job(), partition="gone", raw={"EndTime": "Unknown",
                                               "PreemptTime": "2026-11-27T22:25:25"})
-    watch, adapter = service(tmp_path, j, [0.0], [])
+    watch, adapter = service(tmp_path, j, FakeClock(wall=0.0), [])
 
     def unreadable(partition: str) -> str:
         raise SlurmError("show partition", f"Partition {partition} not found")
@@ -249,7 +251,7 @@ def test_from_2405_slurm_requeues_a_preempted_job_that_saved_not_us(tmp_path: Pa
     """24.05+ requeues a job ending in its grace time itself, and a requeue of ours would
     leave the preemption set (the next run's end requeued again): we only note it."""
     j = replace(job(), raw={"EndTime": "Unknown", "PreemptTime": "2026-11-27T22:25:25"})
-    watch, adapter = service(tmp_path, j, [0.0], [])
+    watch, adapter = service(tmp_path, j, FakeClock(wall=0.0), [])
     adapter.version = (24, 11)
     answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"},
                                   Peer(os.getpid(), UID, 0))

@@ -31,7 +31,7 @@ from slurm_resilience.logbudget import flush_all
 from slurm_resilience.metrics import http as metrics_http
 from slurm_resilience.proc import Runner, Stats
 from slurm_resilience.slurm.adapter import SlurmAdapter
-from slurm_resilience.testing import FakeRunner
+from slurm_resilience.testing import FakeClock, FakeRunner
 from slurm_resilience.transport.credentials import CredentialError, MungeCredentials
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="real users need root")
@@ -51,23 +51,6 @@ for rank in range(int(sys.argv[2])):
 """
 
 
-class Clock:
-    """The watcher's clocks, moved by the test: the flood's minutes pass without a sleep."""
-
-    def __init__(self) -> None:
-        self.mono, self.wall = time.monotonic(), time.time()
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def time(self) -> float:
-        return self.wall
-
-    def advance(self, seconds: float) -> None:
-        self.mono += seconds
-        self.wall += seconds
-
-
 def test_a_users_mis_sized_slots_write_a_bounded_log(
         tmp_path: Path, events: Path, test_users: tuple[str, ...]) -> None:
     """4,096 mis-sized slots of one job, read by the watcher once a second, write 10 lines
@@ -85,7 +68,8 @@ def test_a_users_mis_sized_slots_write_a_bounded_log(
                        **as_user(user.pw_name), pass_fds=(jfd,), check=True, timeout=120)
     finally:
         os.close(jfd)
-    clock = Clock()
+    # The watcher's clocks, moved by the test: the flood's minutes pass without a sleep.
+    clock = FakeClock(time.monotonic(), wall=time.time())
     watcher = HangWatcher(cfg, NODE, SlurmAdapter(runner=FakeRunner()), clock=clock,
                           sleep=lambda s: None, config_path="")
     try:
@@ -154,7 +138,8 @@ def test_a_replayed_credential_is_decoded_once_and_logged_a_bounded_number_of_ti
     assert "Replayed credential" in out[2], out
     assert stats.calls["unmunge"] == 1
     assert sum(agent.refusals.values()) == 300
-    agent.refusal_log.clock = lambda: time.monotonic() + 61  # the minute has passed
+    agent.refusal_log.clock = FakeClock(real=True)
+    agent.refusal_log.clock.advance(61)  # the minute has passed
     assert agent.refusal_log.flush() == 1
     assert len(events_saying(events, "refused a message")) == 10
     summary = events_saying(events, "refused messages of peer 127.0.0.1 in the last minute")

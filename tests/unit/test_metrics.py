@@ -125,6 +125,7 @@ def test_a_drain_counts_a_node_going_into_our_drain_not_each_call(tmp_path: Path
     requeue-hold the plan releases counts as a requeue, one it leaves held as a hold."""
     from slurm_resilience.hang import actions
     from slurm_resilience.hang.actions import Clocked, Step, StepKind
+    from slurm_resilience.testing import FakeClock
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -157,7 +158,7 @@ esac; done
     assert events.read(adapter.events_path)["counters"] == {"drain|health": 1}
     assert adapter.resume("n1")
     adapter.drain("n1", "health: gpu3 XID 79")
-    clock = Clocked(lambda: 0.0, lambda s: None)
+    clock = Clocked(FakeClock(wall=0.0), lambda s: None)
     requeue = (Step(StepKind.REQUEUE_HOLD, text="c"), Step(StepKind.EXCLUDE, nodes=("n2",)),
                Step(StepKind.RELEASE))
     actions.execute(adapter, 7, 0, requeue, 0, 60.0, clock, lambda i: None)

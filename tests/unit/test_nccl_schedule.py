@@ -225,7 +225,7 @@ def test_waiting_for_the_lock_gives_up_at_its_deadline(tmp_path: Path) -> None:
     """acquire() polls a held lock until its timeout on the lock's clock, then refuses."""
     clock = FakeClock()
     a = schedule.NodeLock(str(tmp_path / "l"))
-    b = schedule.NodeLock(str(tmp_path / "l"), clock=clock.monotonic, sleep=clock.sleep)
+    b = schedule.NodeLock(str(tmp_path / "l"), clock=clock)
     assert a.try_acquire()
     assert not b.acquire(0.1, poll_s=0.03)
     assert clock.now >= 0.1 and clock.slept == [0.03] * 4
@@ -241,7 +241,7 @@ def test_a_holder_that_is_not_ours_is_neither_signalled_nor_waited_for(tmp_path:
     holder = start_holder(path, "0", ours=False)
     clock = FakeClock()
     try:
-        lock = schedule.NodeLock(path, clock=clock.monotonic, sleep=clock.sleep)
+        lock = schedule.NodeLock(path, clock=clock)
         h = schedule.take_over(lock, 5.0)
         assert h.held and not h.locked and lock.fd is None
         assert h.seconds == 0.0 and clock.slept == []  # not the 5 s hand-off wait

@@ -22,7 +22,7 @@ from slurm_resilience.hooks.context import HookContext, Problem
 from slurm_resilience.metrics import cluster, observe
 from slurm_resilience.slurm import observed
 from slurm_resilience.slurm.adapter import SlurmAdapter, from_config
-from slurm_resilience.testing import FakeRunner, completed
+from slurm_resilience.testing import FakeClock, FakeRunner, completed
 
 IDLE = "NodeName=node7 CPUAlloc=0 CPUTot=2 State=IDLE Partitions=debug Reason=(null)"
 DRAINED = ("NodeName=node7 CPUAlloc=0 CPUTot=2 State=IDLE+DRAIN Partitions=debug "
@@ -60,7 +60,7 @@ def test_a_hang_plan_under_observe_is_recorded_step_by_step_and_not_run(tmp_path
             Step(StepKind.REQUEUE_HOLD, text="SR: hang job 12"),
             Step(StepKind.EXCLUDE, nodes=("node7",)), Step(StepKind.RELEASE))
     done, complete = actions.execute(ctl, 12, 0, plan, 0, 1e12,
-                                     actions.Clocked(lambda: 0.0, lambda s: None),
+                                     actions.Clocked(FakeClock(wall=0.0), lambda s: None),
                                      lambda i: None)
     assert complete and all(a.startswith("not carried out (mode observe): ") for a in done)
     assert all(c[1] == "show" for c in fake.calls), fake.calls
