@@ -216,8 +216,10 @@ def test_the_agent_checks_a_part_already_on_the_node_block_by_block(
         data[pos] ^= 0x10
         (local / DATA).write_bytes(bytes(data))
         for uri, ok in ((parse_uri(URI), True), (None, False)):
-            fetcher = RangeFetcher(FetchSettings(retry_s=0), lambda: s3,
-                                   StageinPolicy(retry_s=0))
+            # Retries of a transient S3 error (a loaded machine's slow moto) for up to 30 s;
+            # a block that does not verify is no transient error and is never retried.
+            fetcher = RangeFetcher(FetchSettings(retry_s=30), lambda: s3,
+                                   StageinPolicy(retry_s=30))
             job = FetchJob(7, os.getuid(), os.getgid(), str(root), uri)
             try:
                 if ok:

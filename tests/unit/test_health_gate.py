@@ -28,7 +28,7 @@ NODE = "node1"
 def conf(tmp_path: Path, **health: Any) -> dict[str, Any]:
     root = f"{tmp_path}/nodes/{{node}}"
     section: dict[str, Any] = {
-        "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios", "collector_timeout_s": 3,
+        "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios", "collector_timeout_s": 10,
         "gpu": {"expected_count": 8, "pci_sysfs_root": f"{root}/sys/bus/pci/devices"},
         "xid": {"source": "file", "path": f"{root}/kmsg", "boot_id_file": f"{root}/boot_id"},
         "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,

@@ -66,7 +66,7 @@ def load(tmp_path: Path) -> Config:
         "logging": {"syslog": False},
         "health": {
             "backend": "fake", "scenario_dir": f"{tmp_path}/scenarios",
-            "collector_timeout_s": 3, "gpu": {"expected_count": 8}, "resume_after_passes": 2,
+            "collector_timeout_s": 10, "gpu": {"expected_count": 8}, "resume_after_passes": 2,
             "xid": {"source": "file", "path": f"{root}/kmsg",
                     "boot_id_file": f"{root}/boot_id"},
             "infiniband": {"sysfs_root": f"{root}/sys/class/infiniband", "min_rate_gbps": 400,
