@@ -75,14 +75,7 @@ def test_job_killed_by_an_xid_is_requeued_elsewhere_and_completes(box: Sandbox,
     the node and requeues the job (its own count, not the hang count) onto another node,
     where it completes."""
     before = requeues(box, "node_fault")
-    work = tmp_path / "xid"
-    job = submit(box, work, 3)
-    node = wait_file(work / "node")
-    print(faults.inject(box.state_dir, node, "gpu-xid:0:79"))
-    (work / "go").touch()
-    info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180, poll=0.5)
-    out = box.output(job)
-    print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)\n{out}")
+    node, info, out = killed_by_an_xid(box, tmp_path / "xid")
     assert info.state == "COMPLETED", out
     assert info.restarts == 1
     assert node not in info.nodes and node in info.exc_nodes
@@ -131,15 +124,22 @@ def test_a_job_asking_for_expedited_requeue_restarts_at_once_after_a_node_fault(
             faults.heal(box.state_dir, node)
 
 
-def expedited_after_a_fault(box: Sandbox, tmp_path: Path) -> None:
-    work = tmp_path / "expedite-xid"
-    job = submit(box, work, 3, "--requeue=expedite")
+def killed_by_an_xid(box: Sandbox, work: Path, requeue: str = "--requeue"
+                     ) -> tuple[str, Any, str]:
+    """A requeueable job whose node gets a fatal Xid mid-run (its process then exits
+    non-zero): the node it was on, its final job info and its output."""
+    job = submit(box, work, 3, requeue)
     node = wait_file(work / "node")
     print(faults.inject(box.state_dir, node, "gpu-xid:0:79"))
     (work / "go").touch()
     info = box.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180, poll=0.5)
     out = box.output(job)
-    print(f"job {job}: {info.state} on {info.nodes}\n{out}")
+    print(f"job {job}: {info.state} on {info.nodes} after {info.restarts} requeue(s)\n{out}")
+    return node, info, out
+
+
+def expedited_after_a_fault(box: Sandbox, tmp_path: Path) -> None:
+    node, info, out = killed_by_an_xid(box, tmp_path / "expedite-xid", "--requeue=expedite")
     assert info.state == "COMPLETED", out
     assert info.restarts == 1 and node in info.exc_nodes and node not in info.nodes
     assert fault_ledger(info.admin_comment).requeues == 1, info.admin_comment
