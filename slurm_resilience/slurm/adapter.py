@@ -12,9 +12,12 @@ re-reads the node just before acting and never touches anyone else's drain.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from slurm_resilience.log import get_logger
@@ -139,6 +142,41 @@ class SlurmAdapter:
         observed.record(observed.path_beside(self.events_path), action, target, detail)
         return True
 
+    @contextlib.contextmanager
+    def _node_actions_lock(self, name: str) -> Iterator[None]:
+        """Serialise read-then-act on this node's drain state among the hooks and the agent
+        of the node (they share its events file): a prolog and a HealthCheckProgram pass
+        that find the same Xid at once would both see the node in service, both drain it
+        and count two drains. Waits at most for two Slurm calls of the holder; past that it
+        acts without the lock and says so. Drains of other nodes (a hang's suspect drained
+        by the batch host's agent) are not covered: they share no file."""
+        if not self.events_path:
+            yield
+            return
+        path = os.path.join(os.path.dirname(self.events_path) or ".", ".node-actions.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning("acting without the node-action lock", target=name, path=path,
+                        error=str(exc))
+            yield
+            return
+        try:
+            deadline = time.monotonic() + 2 * self.timeout + 1.0
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        log.warning("acting without the node-action lock: its holder kept "
+                                    "it past two Slurm calls", target=name, path=path)
+                        break
+                    time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)
+
     def _count(self, kind: str, reason: str) -> None:
         if self.events_path:
             from slurm_resilience import events
@@ -222,6 +260,10 @@ class SlurmAdapter:
         the node goes into our drain: a node already out with one of our reasons (a hook
         or health check draining again at each pass) gets the new reason, not a count.
         """
+        with self._node_actions_lock(name):
+            return self._drain_locked(name, reason)
+
+    def _drain_locked(self, name: str, reason: str) -> str:
         node = self.show_node(name)
         out = node.drained or node.down
         if out and node.reason and not self.ours(node.reason):
@@ -245,6 +287,10 @@ class SlurmAdapter:
         Returns False when the node is not drained. Raises :class:`ForeignDrain`
         when someone else's reason is on it.
         """
+        with self._node_actions_lock(name):
+            return self._resume_locked(name)
+
+    def _resume_locked(self, name: str) -> bool:
         node = self.show_node(name)
         if not (node.drained or node.down):
             return False

@@ -142,7 +142,11 @@ def check_goodput(box: Sandbox, job_id: int, b: dict[str, Any], out: str) -> Non
             "checkpoint_stall": (sum(s for _, s in clock["checkpoints"].values()), 0.5)}
     for kind, (known_s, tol) in want.items():
         assert abs(losses[kind] - known_s) <= tol, (kind, losses[kind], known_s, tol)
-    assert 28 * 0.1 <= b["productive_s"] <= 28 * 0.5, b
+    # Kept progress: run 0 up to the step-10 save, run 1 from its first step to the step-30
+    # save, less the saves' stalls (steps slow down on a loaded machine: no per-step bound).
+    kept = (ckpt10 - clock["running"][0]) + (ckpt30 - clock["running"][1]) \
+        - sum(s for _, s in clock["checkpoints"].values())
+    assert abs(b["productive_s"] - kept) <= 2.0, (b["productive_s"], kept, b)
     assert b["explained_share"] >= 0.95, (b["unexplained_s"], b["allocated_s"])
 
 

@@ -239,8 +239,10 @@ def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: s
     # one Xid drain, one NCCL drain, one hang incident, one requeue by hang handling and
     # one by Slurm after the Xid prolog: each an increase of 1, once
     drains = panel("Drains by cause (1h)", "{{cause}}")
+    by_node = instant(prom, f"increase(slurm_resilience_node_drains_total[1h]) {J}")
     assert near({k: v for k, v in drains.items() if k != "cause=hang_suspect"},
-                {"cause=health": 1, "cause=nccl": 1}), drains
+                {"cause=health": 1, "cause=nccl": 1}), (
+        drains, by_node, sandbox.run(["sinfo", "-R", "-h", "-o", "%n|%E"]).stdout)
     assert drains.get("cause=hang_suspect", 0) < 1.1, drains  # the hang's suspect, if drained
     assert near(panel("Incidents by decision (1h)", "{{decision}}"),
                 {"decision=requeue": 1}), got

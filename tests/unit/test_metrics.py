@@ -167,6 +167,61 @@ esac; done
         "drain|health": 2, "resume|nccl": 1, "requeue|hang": 1, "hold|hang": 1}
 
 
+class _RacingScontrol:
+    """scontrol for one node whose first ``show node`` waits (up to 2 s) until a second
+    caller has asked too: without a lock both see the node in service."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self.shows = 0
+        self.second_asked = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self, argv: Any, *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Any:
+        from slurm_resilience.proc import Completed
+
+        args = list(argv)[1:]
+        out = ""
+        if args[:2] == ["show", "node"]:
+            with self.lock:
+                self.shows += 1
+                first = self.shows == 1
+                seen = self.reason
+            if first:
+                self.second_asked.wait(2.0)
+            else:
+                self.second_asked.set()
+            state = "IDLE+DRAIN" if seen else "IDLE"
+            out = f"NodeName={args[2]} State={state} Reason={seen}\n"
+        for a in args:
+            if a.startswith("Reason="):
+                with self.lock:
+                    self.reason = a[len("Reason="):]
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+def test_two_hooks_draining_one_node_at_once_count_one_drain(tmp_path: Path) -> None:
+    """A prolog and a HealthCheckProgram pass that find the same Xid at the same moment:
+    the node goes into drain once, so it is counted once (the node's hooks and agent
+    serialise read-then-drain under one lock beside the events file)."""
+    fake = _RacingScontrol()
+    path = str(tmp_path / events.FILENAME)
+
+    def drain() -> None:
+        adapter = SlurmAdapter(runner=fake, slurm_version=(22, 5))
+        adapter.events_path = path
+        adapter.drain("n1", "health: gpu3 XID 79")
+
+    threads = [threading.Thread(target=drain) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fake.shows == 2
+    assert events.read(path)["counters"] == {"drain|health": 1}
+
+
 # -- the collector ------------------------------------------------------------------------------
 
 @pytest.fixture
