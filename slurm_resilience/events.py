@@ -45,8 +45,10 @@ BUDGET = "budget"  # hang handling kept a blamed node in service: the hourly bud
 SUSPICION = "suspicion"
 CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, epilog)
 PLANNED = "planned"  # a job saved and stopped ahead of its time limit or on preemption
+# A launcher's step ended with a node of it lost (launch.nodeloss): what was decided.
+NODE_LOSS = "node_loss"
 KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION,
-         CKPT_AGENT, PLANNED)
+         CKPT_AGENT, PLANNED, NODE_LOSS)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -70,6 +72,7 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     GATE: ("gpu", "xid", "kernel", "infiniband", "nvme", "mounts", "services", "diag", "gdr"),
     CKPT_AGENT: ("prolog", "epilog"),
     PLANNED: ("time_limit", "preempt"),  # hang.limits.CAUSES
+    NODE_LOSS: ("relaunch", "requeue", "leave"),  # hang.nodeloss.Verdict's acting values
 }
 
 

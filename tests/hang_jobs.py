@@ -40,7 +40,7 @@ def submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int 
 
 def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 3,
                   spares: int = 1, launch_args: str = "", train: Path = TRAIN,
-                  runner: str = "") -> int:
+                  runner: str = "", sbatch_args: tuple[str, ...] = ()) -> int:
     """Submit examples/train.py under ``slurm-resilience launch --spares``: one task per
     node, requeueable (the fallback) and appending, as the README says. ``runner``:
     what each task runs the script with (default: the venv's python)."""
@@ -50,7 +50,7 @@ def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, node
               f"{runner or f'{PYTHON} -u'} {shlex.quote(str(train))} --state-mb 1 {args}\n")
     return sandbox.sbatch(script, user=user, args=[
         f"-N{nodes}", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
-        f"--output={workdir}/slurm-%j.out"])
+        f"--output={workdir}/slurm-%j.out", *sbatch_args])
 
 
 def output(workdir: Path, job_id: int) -> str:

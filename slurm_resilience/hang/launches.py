@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from slurm_resilience.agent.service import Peer, Request, RequestError, Response, int_arg
@@ -58,6 +59,10 @@ class Launch:
     max_restarts: int
     seen: float  # monotonic time of its last request
     order: Order | None = None
+    # Its step ended non-zero (launch.step_ended): when it first said so, and the answer
+    # once decided (repeated, never decided twice).
+    ended_at: float | None = None
+    settled: Mapping[str, object] | None = None
 
 
 def _nodes(request: Request, key: str) -> tuple[str, ...]:
@@ -107,15 +112,37 @@ class Launches:
 
     def poll(self, request: Request, peer: Peer) -> Response:
         """``launch.poll``: the pending order of the caller's job, if any."""
-        job_id = int_arg(request, "job_id")
+        order = self.owned(int_arg(request, "job_id"), peer).order
+        return {"order": order.to_json() if order is not None else None}
+
+    def owned(self, job_id: int, peer: Peer) -> Launch:
+        """The caller's job's launcher (owner or root), marked as seen now; the same
+        refusal for another's job and for none."""
         with self.lock:
             launch = self.jobs.get(job_id)
             if launch is None or peer.uid not in (0, launch.uid):
                 raise RequestError(f"no launcher of job {job_id} for uid {peer.uid} is "
                                    "registered here")
-            self.jobs[job_id] = replace(launch, seen=self.clock.monotonic())
-            order = launch.order
-        return {"order": order.to_json() if order is not None else None}
+            launch = self.jobs[job_id] = replace(launch, seen=self.clock.monotonic())
+        return launch
+
+    def step_ended(self, job_id: int, relaunch: int) -> Launch:
+        """Note that the step of ``relaunch`` ended non-zero (the first time only)."""
+        with self.lock:
+            launch = self.jobs[job_id]
+            if launch.relaunch != relaunch:
+                raise RequestError(f"job {job_id} is at relaunch {launch.relaunch}, not "
+                                   f"{relaunch}")
+            if launch.ended_at is None:
+                launch = self.jobs[job_id] = replace(launch, ended_at=self.clock.monotonic())
+        return launch
+
+    def settle(self, job_id: int, relaunch: int, answer: Mapping[str, object]) -> None:
+        """Keep the answer decided for the step of ``relaunch`` (repeated from now on)."""
+        with self.lock:
+            launch = self.jobs.get(job_id)
+            if launch is not None and launch.relaunch == relaunch:
+                self.jobs[job_id] = replace(launch, settled=dict(answer))
 
     def live(self, job_id: int) -> Launch | None:
         """The job's launcher when it polled recently, else None."""

@@ -29,6 +29,7 @@ from slurm_resilience.hang.incidentrecords import Clock, SystemClock
 from slurm_resilience.hang.launches import Launches
 from slurm_resilience.hang.live import LiveConfig
 from slurm_resilience.hang.localpiece import JobView
+from slurm_resilience.hang.nodelossflow import NodeLossDesk
 from slurm_resilience.hang.slotreader import read_slots
 from slurm_resilience.hang.store import IncidentStore
 from slurm_resilience.hang.suspect import SuspectWatch, Verifier, verify
@@ -91,6 +92,7 @@ class HangWatcher:
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
                                      self.clock, sleep or self.stopping.wait, self.incident_dir,
                                      self.stopping.is_set, self.launches)
+        self.node_loss = NodeLossDesk(lambda: self.cfg, self.launches, adapter, self.clock)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
         # A user decides how many of their slots are refused, and how often stragglers change.
@@ -313,10 +315,16 @@ class HangWatcher:
         """The relaunch order for the caller's job, if an incident decided one."""
         return self.launches.poll(request, peer)
 
+    def handle_launch_step_ended(self, request: Request, peer: Peer) -> Response:
+        """The caller's launcher's step ended non-zero without an order: was a node of it
+        lost (a relaunch on a spare or a requeue away from it), or wait, or end?"""
+        return self.node_loss.step_ended(request, peer)
+
     def handlers(self) -> dict[str, Handler]:
         return {"hang.status": self.handle_status, "hang.report": self.handle_report,
                 "hang.fetch": self.handle_fetch, "launch.register": self.handle_launch_register,
-                "launch.poll": self.handle_launch_poll}
+                "launch.poll": self.handle_launch_poll,
+                "launch.step_ended": self.handle_launch_step_ended}
 
     def wait(self, timeout: float = 60.0) -> None:
         """Wait until the incidents and the verification running now have ended."""

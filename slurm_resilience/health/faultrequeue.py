@@ -24,10 +24,12 @@ faulty node in between (the same order the hang path uses).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.log import get_logger
+from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
 from slurm_resilience.slurm.parse import JobInfo
 
@@ -124,24 +126,31 @@ def after_fault(ctx: HookContext, fault: str) -> None:
                    exit_code=code, restarts=job.restarts)
     if d.action != "requeue":
         return
+    done, what = requeue_away(adapter, job, d.ledger, [ctx.node],
+                              f"node fault on {ctx.node}: {fault}")
+    if not done:
+        logger.error(f"node fault: {what}")
+
+
+def requeue_away(adapter: SlurmAdapter, job: JobInfo, ledger: FaultLedger,
+                 nodes: Sequence[str], text: str) -> tuple[bool, str]:
+    """Requeue ``job`` held, record ``ledger`` and ``text`` in its AdminComment, add
+    ``nodes`` to its excluded list, release it: (whether it is back in the queue, released,
+    and what happened). Held first so that it can't start on those nodes in between."""
     try:
         adapter.requeue_hold(job.job_id, cause=CAUSE, released=True)
     except SlurmError as exc:
-        logger.error("node fault: couldn't requeue the job", error=str(exc))
-        return
+        return False, f"couldn't requeue the job: {exc}"
     try:
-        adapter.set_admin_comment(job.job_id, merge_comment(
-            job.admin_comment, d.ledger, f"node fault on {ctx.node}: {fault}"))
-        adapter.exclude_nodes(job.job_id, [ctx.node])
+        adapter.set_admin_comment(job.job_id, merge_comment(job.admin_comment, ledger, text))
+        adapter.exclude_nodes(job.job_id, list(nodes))
     except SlurmError as exc:
-        # Without the count the cap can't hold, without the exclusion the job may land here
-        # again: it stays held for an operator, and says why.
-        logger.error("node fault: the job is requeued but held: couldn't record the requeue "
-                     "or exclude this node (release it with scontrol release)",
-                     error=str(exc))
-        return
+        # Without the count the cap can't hold, without the exclusion the job may land on
+        # the node again: it stays held for an operator, and says why.
+        return False, ("the job is requeued but held: couldn't record the requeue or "
+                       f"exclude {','.join(nodes)} (release it with scontrol release): {exc}")
     try:
         adapter.release(job.job_id)
     except SlurmError as exc:
-        logger.error("node fault: couldn't release the requeued job; it stays held",
-                     error=str(exc))
+        return False, f"couldn't release the requeued job; it stays held: {exc}"
+    return True, f"requeued job {job.job_id} excluding {','.join(nodes)}"

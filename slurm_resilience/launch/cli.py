@@ -56,6 +56,13 @@ class SocketAgent:
             return order
         return None
 
+    def step_ended(self, status: int) -> Mapping[str, object]:
+        from slurm_resilience.agent.client import call
+
+        # Slurm calls on the agent's side: more than a poll's 5 s.
+        return call(self.path, "launch.step_ended", timeout=60.0, job_id=self.job_id,
+                    relaunch=self.relaunch, status=max(-255, min(255, status)))
+
 
 def run(args: argparse.Namespace) -> int:
     from slurm_resilience import config

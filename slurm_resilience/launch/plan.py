@@ -98,10 +98,13 @@ def after(current: Placement, relaunch: int, nodes: Sequence[str]) -> Placement:
 def srun_argv(srun: str, alloc: Allocation, place: Placement, command: Sequence[str],
               extra: Sequence[str] = ()) -> list[str]:
     n = len(place.nodes)
+    # A step that lost a node stays in slurmctld, holding its CPUs on the survivors, until
+    # the job ends (the lost node never reports its part done): a relaunch overlaps it.
+    overlap = ["--overlap"] if place.relaunch > 0 else []
     return [srun, f"--nodes={n}", f"--ntasks={n * alloc.tasks_per_node}",
             f"--ntasks-per-node={alloc.tasks_per_node}", f"--nodelist={','.join(place.nodes)}",
-            "--kill-on-bad-exit=1", f"--job-name={STEP_NAME}-{place.relaunch}", *extra,
-            "--", *command]
+            "--kill-on-bad-exit=1", *overlap, f"--job-name={STEP_NAME}-{place.relaunch}",
+            *extra, "--", *command]
 
 
 def step_env(base: Mapping[str, str], alloc: Allocation, place: Placement) -> dict[str, str]:

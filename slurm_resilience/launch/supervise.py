@@ -23,11 +23,14 @@ from slurm_resilience.launch import plan as P
 
 
 class Agent(Protocol):
-    """The batch host's agent as the launcher uses it (``launch.register``/``launch.poll``)."""
+    """The batch host's agent as the launcher uses it (``launch.register``, ``launch.poll``,
+    ``launch.step_ended``)."""
 
     def register(self, place: P.Placement, max_restarts: int) -> None: ...
 
     def poll(self) -> Mapping[str, object] | None: ...
+
+    def step_ended(self, status: int) -> Mapping[str, object]: ...
 
 
 class Step(Protocol):
@@ -46,6 +49,10 @@ class Settings:
     max_restarts: int
     poll_s: float = 1.0
     end_timeout_s: float = 60.0  # from the order to the old step gone
+
+
+# A launcher past the wait the agent announced ends anyway (an agent that keeps saying wait).
+WAIT_GRACE_S = 30.0
 
 
 def say(message: str) -> None:
@@ -102,6 +109,8 @@ class Launcher:
             if order is None:
                 code = step.wait()
                 order = self._poll()  # a decision that raced the step's end
+                if order is None and code != 0:
+                    order = self._node_lost(code)
                 if order is None:
                     return code
             say(f"order for relaunch {order.get('relaunch')} at={self.clock.time():.3f}")
@@ -117,6 +126,48 @@ class Launcher:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 step.wait(timeout=self.settings.poll_s)
         return None
+
+    def _node_lost(self, code: int) -> Mapping[str, object] | None:
+        """The step failed: ask the agent whether Slurm shows a node of it lost, about once
+        a second while it says to wait (Slurm marks a dead node only after SlurmdTimeout).
+        A relaunch order, or None: end with srun's status (after a requeue Slurm ends this
+        script; waited for up to ``end_timeout_s``)."""
+        deadline: float | None = None
+        while True:
+            try:
+                answer = self.agent.step_ended(code)
+            except Exception as exc:  # noqa: BLE001 - said; the job ends as without us
+                say(f"WARNING: the node agent didn't answer about the step's end ({exc}); "
+                    "ending with srun's status")
+                return None
+            verdict, reason = answer.get("verdict"), str(answer.get("reason", ""))
+            out = answer.get("out")
+            lost = ",".join(str(n) for n in out) if isinstance(out, dict) else ""
+            order = answer.get("order")
+            if verdict == "relaunch" and isinstance(order, dict):
+                nodes = order.get("nodes")
+                say(f"node {lost} lost: relaunch {order.get('relaunch')} on "
+                    f"{' '.join(str(n) for n in nodes) if isinstance(nodes, list) else '?'}")
+                return order
+            if verdict == "wait":
+                wait_s = answer.get("wait_s")
+                left = float(wait_s) if isinstance(wait_s, (int, float)) else 0.0
+                now = self.clock.monotonic()
+                if deadline is None:
+                    deadline = now + left + WAIT_GRACE_S
+                    say(f"step ended with status {code}; asking the node agent whether a "
+                        f"node of it was lost (up to {left:.0f}s)")
+                if now < deadline:
+                    self.clock.sleep(self.settings.poll_s)
+                    continue
+                say(f"the node agent kept waiting past {left:.0f}s; ending with srun's status")
+                return None
+            if verdict == "requeue":
+                say(f"node {lost} lost: {reason}")
+                self.clock.sleep(self.settings.end_timeout_s)  # Slurm ends us before
+                return None
+            say(reason or f"the node agent answered {verdict!r}: ending with srun's status")
+            return None
 
     def _end(self, step: Step) -> None:
         """End the old step: its tasks are killed through Slurm, then srun is waited for,

@@ -54,6 +54,11 @@ EVENT_FAMILIES = {
     events.CANCEL: ("job_cancels", "hung jobs cancelled (no_requeue_policy: cancel)", "cause"),
     events.INCIDENT: ("hang_incidents", "hang incidents decided on this node (the job's batch "
                       "host; each incident once), by decision", "decision"),
+    events.NODE_LOSS: ("node_losses", "step nodes of a slurm-resilience launch that Slurm "
+                       "showed lost (down, not responding, failing, or drained by us) when "
+                       "the step failed, by decision: relaunched on a spare inside the "
+                       "allocation, requeued away from the node, or left (not requeueable "
+                       "or the node-fault cap spent)", "decision"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
     events.BUDGET: ("hang_budget_spent", "times hang handling left a suspect in service "

@@ -305,11 +305,16 @@ def _start_slurmctld(layout: Layout, env: dict[str, str]) -> None:
 
 
 def _start_slurmds(layout: Layout, env: dict[str, str]) -> None:
+    for node in layout.node_names:
+        start_slurmd(layout, node, env)
+
+
+def start_slurmd(layout: Layout, node: str, env: dict[str, str]) -> None:
+    """One node's slurmd (also to bring back a node killed by ``nodekill``)."""
     L = layout
-    for node in L.node_names:
-        daemons.start_forking([tool("slurmd"), "-f", str(L.slurm_conf), "-N", node], env=env,
-                              log_file=L.log_dir / f"slurmd-{node}.out", name=f"slurmd-{node}",
-                              logs=[L.log_dir / f"slurmd-{node}.log"])
+    daemons.start_forking([tool("slurmd"), "-f", str(L.slurm_conf), "-N", node], env=env,
+                          log_file=L.log_dir / f"slurmd-{node}.out", name=f"slurmd-{node}",
+                          logs=[L.log_dir / f"slurmd-{node}.log"])
 
 
 def _start_extras(layout: Layout, env: dict[str, str]) -> None:

@@ -240,6 +240,15 @@ class SlurmAdapter:
         """Every node slurmctld knows."""
         return self._nodes("list nodes", None)
 
+    def show_nodes(self, names: Sequence[str]) -> dict[str, NodeInfo]:
+        """Several nodes' states at once: one ``scontrol show node <hostlist>``; nodes
+        Slurm does not know are left out."""
+        if not names:
+            return {}
+        expr = collect_hostlist([_check_node_name(n) for n in names])
+        wanted = set(names)
+        return {n.name: n for n in self._nodes("show nodes", expr) if n.name in wanted}
+
     def node_addresses(self, names: Sequence[str]) -> dict[str, str]:
         """Where each node is reached: its NodeAddr, else NodeHostName, else its name.
 

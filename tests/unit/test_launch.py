@@ -65,6 +65,9 @@ def test_order_moves_a_spare_into_the_step_and_the_line_keeps_tasks_per_node() -
     assert argv[:6] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
                         "--nodelist=n1,n3", "--kill-on-bad-exit=1"]
     assert argv[-3:] == ["--", "python", "train.py"]
+    # A relaunch overlaps a step that lost a node (slurmctld keeps it until the job ends).
+    assert "--overlap" in argv and "--overlap" not in P.srun_argv(
+        "srun", alloc, P.first(alloc, 1), ["python"])
     env = P.step_env({"SLURM_NTASKS": "6"}, alloc, place)
     assert env[A.ENV_RELAUNCH] == "1" and env[A.ENV_RESTART_COUNT] == "2"
     assert env[A.ENV_JOINED] == "n3" and "SLURM_NTASKS" not in env
@@ -216,6 +219,9 @@ class FakeAgent:
 
     def poll(self) -> Mapping[str, object] | None:
         return self.orders.pop(0) if self.orders else None
+
+    def step_ended(self, status: int) -> Mapping[str, object]:
+        return {"verdict": "exit", "reason": f"status {status}: no node of the step is out"}
 
 
 def test_launcher_ends_the_step_on_an_order_and_relaunches_on_the_spare() -> None:

@@ -1,0 +1,133 @@
+"""``launch.step_ended``: a launcher's step ended non-zero without an order. The batch
+host's agent gathers Slurm's view of the step's nodes and spares (one ``scontrol show
+node``), decides (:mod:`nodeloss`, pure) and acts: a relaunch order for the launcher, or the
+node-fault requeue away from the lost nodes, each recorded once (AdminComment, the node-loss
+counter, the log). Nothing here drains a node: the lost one is left as Slurm (or our gate)
+put it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from slurm_resilience import events
+from slurm_resilience.agent.service import Peer, Request, RequestError, Response, int_arg
+from slurm_resilience.clock import Clock
+from slurm_resilience.config import Config
+from slurm_resilience.hang import nodeloss as NL
+from slurm_resilience.hang.launches import Launches
+from slurm_resilience.health import faultrequeue as FR
+from slurm_resilience.log import get_logger
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.errors import SlurmError
+from slurm_resilience.slurm.parse import JobInfo
+
+log = get_logger("heartbeat")
+
+
+def status_arg(request: Request) -> int:
+    """srun's exit status as the launcher saw it (negative: killed by that signal)."""
+    value = request.get("status")
+    if isinstance(value, bool) or not isinstance(value, int) or not -255 <= value <= 255:
+        raise RequestError(f"status must be an integer in -255..255, got {str(value)[:40]!r}")
+    return value
+
+
+class NodeLossDesk:
+    """Answers ``launch.step_ended``; one decision at a time (the answer is kept per
+    relaunch, so a repeated question is answered the same and acted on once)."""
+
+    def __init__(self, cfg: Callable[[], Config], launches: Launches, adapter: SlurmAdapter,
+                 clock: Clock):
+        self.cfg = cfg
+        self.launches = launches
+        self.adapter = adapter
+        self.clock = clock
+        self.lock = threading.Lock()
+        self._slurmd_timeout: float | None = None
+
+    def slurmd_timeout(self) -> float:
+        """Slurm's SlurmdTimeout, read once (Slurm's default when unreadable, said)."""
+        if self._slurmd_timeout is None:
+            try:
+                found = NL.slurmd_timeout(self.adapter.show_config())
+            except SlurmError as exc:
+                log.warning("launch: couldn't read SlurmdTimeout; using Slurm's default",
+                            default_s=NL.DEFAULT_SLURMD_TIMEOUT_S, error=str(exc))
+                return NL.DEFAULT_SLURMD_TIMEOUT_S  # read again next time
+            self._slurmd_timeout = found if found is not None else NL.DEFAULT_SLURMD_TIMEOUT_S
+        return self._slurmd_timeout
+
+    def step_ended(self, request: Request, peer: Peer) -> Response:
+        job_id, relaunch = int_arg(request, "job_id"), int_arg(request, "relaunch")
+        status = status_arg(request)
+        with self.lock:
+            launch = self.launches.owned(job_id, peer)
+            if launch.settled is not None and launch.relaunch == relaunch:
+                return dict(launch.settled)
+            launch = self.launches.step_ended(job_id, relaunch)
+            assert launch.ended_at is not None
+            bound = NL.wait_bound(self.slurmd_timeout(),
+                                  self.cfg().heartbeat.node_loss_margin_s)
+            try:
+                infos = self.adapter.show_nodes([*launch.nodes, *launch.spares])
+                job = self.adapter.show_job(job_id)
+            except SlurmError as exc:
+                # Slurm can't be asked now: the launcher asks again (bounded like a wait).
+                loss = NL.NodeLoss(NL.Verdict.WAIT, f"couldn't read Slurm: {exc}", {},
+                                   wait_s=1.0)
+                return NL.answer(loss)
+            waited = self.clock.monotonic() - launch.ended_at
+            loss = NL.decide(launch, infos, job_nodes=job.nodes, ours=self.adapter.ours,
+                             waited_s=waited, bound_s=bound)
+            if loss.verdict is NL.Verdict.WAIT:
+                return NL.answer(loss)
+            answer = NL.answer(self._act(loss, job, status))
+            self.launches.settle(job_id, relaunch, answer)
+            return answer
+
+    def _act(self, loss: NL.NodeLoss, job: JobInfo, status: int) -> NL.NodeLoss:
+        lost = ",".join(loss.out)
+        if loss.verdict is NL.Verdict.EXIT:
+            log.info("launch: step failed with its nodes in service", job_id=job.job_id,
+                     status=status)
+            return loss
+        ledger = FR.parse_ledger(job.admin_comment)
+        if loss.verdict is NL.Verdict.RELAUNCH and loss.order is not None:
+            if not self.launches.give(job.job_id, loss.order):
+                loss = NL.NodeLoss(NL.Verdict.REQUEUE, f"{loss.reason}; the launcher moved on "
+                                                       "or went quiet", loss.out)
+            else:
+                self._record(job, ledger, f"node fault on {lost}: {loss.reason}")
+                events.count(self.adapter.events_path, events.NODE_LOSS, "relaunch")
+                log.warning("launch: node lost: relaunch ordered", job_id=job.job_id,
+                            lost=lost, reason=loss.reason)
+                return loss
+        d = FR.decide(job, exit_code=status or 1, cap=self.cfg().health.fault_requeue_max)
+        if d.action != "requeue":
+            events.count(self.adapter.events_path, events.NODE_LOSS, "leave")
+            reason = f"{loss.reason}; not requeued: {d.reason}"
+            log.warning("launch: node lost; job not requeued", job_id=job.job_id, lost=lost,
+                        reason=reason)
+            return NL.NodeLoss(NL.Verdict.EXIT, reason, loss.out)
+        done, what = FR.requeue_away(self.adapter, job, d.ledger, list(loss.out),
+                                     f"node fault on {lost}: {loss.reason}")
+        events.count(self.adapter.events_path, events.NODE_LOSS, "requeue")
+        log.warning("launch: node lost: job requeued" if done else
+                    "launch: node lost: requeue incomplete", job_id=job.job_id, lost=lost,
+                    reason=loss.reason, done=what)
+        return NL.NodeLoss(NL.Verdict.REQUEUE, f"{loss.reason}; {what}", loss.out)
+
+    def _record(self, job: JobInfo, ledger: FR.FaultLedger, text: str) -> None:
+        """The relaunch in the job's AdminComment (a relaunch is not a requeue: the fault
+        ledger's count stays)."""
+        try:
+            self.adapter.set_admin_comment(job.job_id,
+                                           FR.merge_comment(job.admin_comment, ledger, text))
+        except SlurmError as exc:
+            # Slurm refuses updates of a job it resized (the lost node removed) until
+            # accounting gives it a new record; without accounting, for the job's life.
+            log.warning("launch: couldn't record the node-loss relaunch in the job's "
+                        "AdminComment (the counter and this log keep it)",
+                        job_id=job.job_id, error=str(exc))

@@ -1,0 +1,116 @@
+"""A node lost under ``slurm-resilience launch`` (Slurm 22.05 here): every process of one
+step node is SIGKILLed (its slurmd, slurmstepds, tasks and agent), as a power cut would.
+Slurm notices by missed pings (SlurmdTimeout 30 s in the sandbox), srun ends with a node
+failure, and the batch host's agent relaunches the step on the survivor plus the spare
+inside the allocation (``sbatch --no-kill``), or, without a spare, requeues the job away
+from the lost node. Each test runs in a sandbox of its own: a lost node is not put back
+for the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hang_jobs import TRAIN, output, submit_launch, wait_for
+
+from slurm_resilience import events
+from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.sandbox.nodekill import kill_node
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
+              pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
+
+# Long enough that a step is committed in S3 well before the end; a checkpoint every 25
+# steps leaves seconds between commits to lose the node right after one.
+TRAIN_ARGS = "--steps 100 --ckpt-every 25 --step-seconds 0.3"
+
+
+def _committed_in_s3(box: Sandbox, user: str, work: Path) -> list[int]:
+    run = box.layout.s3_dir / "ckpt" / user / work.name
+    return sorted(int(p.parent.name.removeprefix("step-"))
+                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
+
+
+def _node_loss_count(box: Sandbox, decision: str) -> int:
+    total = 0
+    for node in box.nodes:
+        path = Path(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"), node))
+        if path.exists():
+            total += json.loads(path.read_text())["counters"].get(
+                f"{events.NODE_LOSS}|{decision}", 0)
+    return total
+
+
+def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int) -> tuple[str, str]:
+    """Wait for the launcher's first line and step 25 committed in S3, then kill the step
+    node that is not the batch host: (the lost node, the batch host)."""
+    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
+                                       output(work, job_id)), 180, "the launcher's first line")
+    host = box.job(job_id).batch_host
+    lost = first.group(2) if first.group(1) == host else first.group(1)
+    wait_for(lambda: 25 in _committed_in_s3(box, user, work), 240, "step 25 committed in S3")
+    killed = kill_node(box.layout, lost)
+    assert killed, f"nothing of {lost} was running"
+    return lost, host
+
+
+def test_a_lost_node_is_replaced_by_the_spare_inside_the_allocation(
+        sandbox_factory: Callable[..., Sandbox], test_users: tuple[str, ...]) -> None:
+    """2-node step + 1 spare, ``--no-kill``: after step 25 is committed the other step
+    node is lost. Slurm marks it DOWN, the step ends, the agent orders relaunch 1 on the
+    survivor plus the spare; the job resumes from the newest committed step (not step 0),
+    is never requeued (Restarts=0) and completes; the decision is in the job's
+    AdminComment and counted once."""
+    box = sandbox_factory(nodes=3, leaves=1)
+    user = test_users[0]
+    work = box.user_dir(user, "lost")
+    job_id = submit_launch(box, user, work, TRAIN_ARGS, sbatch_args=("--no-kill",))
+    running = box.wait_job(job_id, states={"RUNNING"}, timeout=120)
+    assert len(running.nodes) == 3, running
+    lost, host = _lose_a_step_node(box, user, work, job_id)
+    spare = (set(running.nodes) - {lost, host}).pop()
+    final = box.wait_job(job_id, timeout=420)
+    out = output(work, job_id)
+    assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
+    assert f"slurm-resilience launch: node {lost} lost: relaunch 1 on {host} {spare}" in out, \
+        out
+    done = re.search(r"done step=100 resumed_from=(\d+) restarts=1 ", out)
+    assert done, out
+    resumed = int(done.group(1))
+    assert resumed >= 25 and resumed in _committed_in_s3(box, user, work), (resumed, out)
+    assert box.adapter().show_node(lost).down
+    assert _node_loss_count(box, "relaunch") == 1
+    # The agent's log names it (Slurm refuses AdminComment updates of a job it resized
+    # when there is no accounting, as in this sandbox).
+    lines = [ln for f in box.layout.log_dir.glob("*.*") if f.is_file()
+             for ln in f.read_text(errors="replace").splitlines()
+             if "node lost: relaunch ordered" in ln]
+    assert lines and all(lost in ln for ln in lines), lines
+
+
+def test_without_a_spare_a_lost_node_requeues_the_job_away_from_it(
+        sandbox_factory: Callable[..., Sandbox], test_users: tuple[str, ...]) -> None:
+    """``--spares 0`` on 2 of 3 nodes, ``--no-kill``: the lost node can't be replaced in
+    the allocation, so the agent requeues the job with the node excluded (the node-fault
+    requeue); the requeued run resumes from its checkpoint on the other nodes."""
+    box = sandbox_factory(nodes=3, leaves=1)
+    user = test_users[0]
+    work = box.user_dir(user, "lost-nospare")
+    job_id = submit_launch(box, user, work, TRAIN_ARGS, nodes=2, spares=0,
+                           sbatch_args=("--no-kill",))
+    box.wait_job(job_id, states={"RUNNING"}, timeout=120)
+    lost, _ = _lose_a_step_node(box, user, work, job_id)
+    final = box.wait_job(job_id, timeout=420)
+    out = output(work, job_id)
+    assert final.state == "COMPLETED" and final.restarts == 1, (final, out)
+    assert lost in final.exc_nodes and lost not in final.nodes, final
+    assert f"slurm-resilience launch: node {lost} lost: " in out and "no usable spare" in out
+    done = re.search(r"done step=100 resumed_from=(\d+) restarts=1 ", out)
+    assert done and int(done.group(1)) >= 25, out
+    assert "[sr-fault n=1 " in final.admin_comment, final.admin_comment
+    assert box.adapter().show_node(lost).down
+    assert _node_loss_count(box, "requeue") == 1

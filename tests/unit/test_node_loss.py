@@ -1,0 +1,295 @@
+"""A launcher's step that ended non-zero: which step node Slurm shows lost (pure), the spare
+that replaces it, the wait for Slurm's SlurmdTimeout and its bound (FakeClock), the agent's
+answer (one batched ``scontrol show node``, the owner-only refusal, a decision acted on
+once, the node-fault requeue away from the lost node) and the launcher's loop around it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience import events
+from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.config import Config
+from slurm_resilience.config.heartbeat import HeartbeatSection
+from slurm_resilience.hang import nodeloss as NL
+from slurm_resilience.hang.launches import Launch, Launches
+from slurm_resilience.hang.nodelossflow import NodeLossDesk
+from slurm_resilience.launch import plan as P
+from slurm_resilience.launch.supervise import Launcher, Settings
+from slurm_resilience.proc import Completed
+from slurm_resilience.slurm.adapter import SlurmAdapter
+from slurm_resilience.slurm.parse import NodeInfo
+from slurm_resilience.testing import FakeClock
+
+OWNER = Peer(pid=10, uid=1001, gid=1001)
+OTHER = Peer(pid=11, uid=1002, gid=1002)
+ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n1",
+       "SLURM_TASKS_PER_NODE": "1(x3)"}
+
+
+def ours(reason: str) -> bool:
+    return reason.startswith("SR:")
+
+
+def node(name: str, state: str = "MIXED", *flags: str, reason: str = "") -> NodeInfo:
+    return NodeInfo(name, state, frozenset(flags), reason)
+
+
+def launch(**over: object) -> Launch:
+    base = Launch(42, 1001, 10, 0, ("n1", "n2"), ("n3",), 3, 0.0)
+    return replace(base, **over)  # type: ignore[arg-type]
+
+
+HEALTHY = {"n1": node("n1"), "n2": node("n2"), "n3": node("n3", "IDLE")}
+
+
+# -- which node is out (pure) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("info,out", [
+    (node("n2", "DOWN", "NOT_RESPONDING"), "down+not_responding"),
+    (node("n2", "MIXED", "NOT_RESPONDING"), "mixed+not_responding"),
+    (node("n2", "FAIL"), "fail"),
+    (node("n2", "MIXED", "DRAIN", reason="SR: health: gpu0 XID 79"),
+     "drained (SR: health: gpu0 XID 79)"),
+    (None, "Slurm no longer lists it"),
+])
+def test_a_node_slurm_shows_down_failing_or_drained_by_us_is_out(info: NodeInfo | None,
+                                                                 out: str) -> None:
+    assert NL.why_out(info, ours) == out
+
+
+def test_a_node_in_service_or_drained_by_someone_else_is_not_out() -> None:
+    assert NL.why_out(node("n2"), ours) == ""
+    assert NL.why_out(node("n2", "MIXED", "DRAIN", reason="maintenance"), ours) == ""
+
+
+# -- the decision (pure) -----------------------------------------------------------------------
+
+def test_a_lost_node_is_replaced_by_the_spare() -> None:
+    infos = {**HEALTHY, "n2": node("n2", "DOWN", "NOT_RESPONDING")}
+    loss = NL.decide(launch(), infos, job_nodes=("n1", "n3"), ours=ours, waited_s=0,
+                     bound_s=90)
+    assert loss.verdict is NL.Verdict.RELAUNCH and list(loss.out) == ["n2"]
+    assert loss.order is not None
+    assert (loss.order.relaunch, loss.order.nodes, loss.order.joined, loss.order.out) == (
+        1, ("n1", "n3"), ("n3",), ("n2",))
+    assert "node fault in job 42 (n2 down+not_responding): relaunch 1 of 3" in loss.reason
+
+
+@pytest.mark.parametrize("over,infos,why", [
+    ({}, {"n3": node("n3", "IDLE", "DRAIN", reason="SR: health: x")},
+     "no usable spare for n2; spare n3 not used: idle (SR: health: x)"),
+    ({"spares": ("n9",)}, {}, "spare n9 not used: not in the job's allocation"),
+    ({"spares": ()}, {}, "no usable spare for n2"),
+    ({"relaunch": 3}, {}, "--max-restarts 3 is spent"),
+])
+def test_without_a_usable_spare_or_restarts_left_the_job_is_requeued(
+        over: dict[str, object], infos: dict[str, NodeInfo], why: str) -> None:
+    seen = {**HEALTHY, "n2": node("n2", "DOWN"), **infos}
+    loss = NL.decide(launch(**over), seen, job_nodes=("n1", "n2", "n3"), ours=ours,
+                     waited_s=0, bound_s=90)
+    assert loss.verdict is NL.Verdict.REQUEUE and loss.order is None
+    assert why in loss.reason and list(loss.out) == ["n2"]
+
+
+def test_with_nothing_out_the_agent_waits_up_to_the_bound_then_lets_the_step_end() -> None:
+    bound = NL.wait_bound(30, 15)
+    assert bound == 60
+    waiting = NL.decide(launch(), HEALTHY, job_nodes=("n1", "n2", "n3"), ours=ours,
+                        waited_s=20, bound_s=bound)
+    assert waiting.verdict is NL.Verdict.WAIT and waiting.wait_s == 40
+    ended = NL.decide(launch(), HEALTHY, job_nodes=("n1", "n2", "n3"), ours=ours,
+                      waited_s=60, bound_s=bound)
+    assert ended.verdict is NL.Verdict.EXIT and "left alone" in ended.reason
+
+
+def test_slurmd_timeout_is_read_from_show_config() -> None:
+    assert NL.slurmd_timeout({"SlurmdTimeout": "30 sec"}) == 30
+    assert NL.slurmd_timeout({}) is None
+
+
+# -- the agent's answer ------------------------------------------------------------------------
+
+class SlurmState:
+    """Answers scontrol like slurmctld for job 42 on n[1-3]; node states as a test sets."""
+
+    def __init__(self, states: Mapping[str, str]):
+        self.states = dict(states)
+        self.calls: list[list[str]] = []
+        self.comment = "(null)"
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        if list(argv[1:]) == ["--version"]:
+            return Completed(tuple(argv), 0, "slurm 22.05.8\n", "", 0.0)
+        self.calls.append(list(argv))
+        out = ""
+        if argv[1:3] == ["show", "config"]:
+            out = "SlurmdTimeout           = 30 sec\n"
+        elif argv[1:3] == ["show", "job"]:
+            out = ("JobId=42 JobName=t UserId=u(1001) JobState=RUNNING Restarts=0 "
+                   "BatchHost=n1 NodeList=n[1-3] NumNodes=3 Requeue=1 "
+                   f"AdminComment={self.comment} ExcNodeList=(null) StdOut=/nonexistent/x")
+        elif argv[1:3] == ["show", "node"]:
+            out = "\n".join(f"NodeName={n} State={s} CPUTot=2 CPUAlloc=2 Reason=(null)"
+                            for n, s in self.states.items())
+        elif argv[1:3] == ["update", "JobId=42"] and argv[3].startswith("AdminComment="):
+            self.comment = argv[3].removeprefix("AdminComment=")
+        return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+def desk(tmp_path: Path, states: Mapping[str, str], **register: object
+         ) -> tuple[NodeLossDesk, SlurmState, FakeClock]:
+    clock = FakeClock()
+    slurm = SlurmState(states)
+    adapter = SlurmAdapter(runner=slurm)
+    adapter.events_path = str(tmp_path / events.FILENAME)
+    launches = Launches(clock)
+    launches.register({"job_id": 42, "relaunch": 0, "nodes": ["n1", "n2"], "spares": ["n3"],
+                       "max_restarts": 3, **register}, OWNER, 1001)
+    cfg = Config(heartbeat=HeartbeatSection(node_loss_margin_s=15))
+    return NodeLossDesk(lambda: cfg, launches, adapter, clock), slurm, clock
+
+
+def counted(tmp_path: Path, decision: str) -> int:
+    path = tmp_path / events.FILENAME
+    counters = json.loads(path.read_text())["counters"] if path.exists() else {}
+    return int(counters.get(f"{events.NODE_LOSS}|{decision}", 0))
+
+
+ASK = {"job_id": 42, "relaunch": 0, "status": 1}
+
+
+def test_only_the_jobs_owner_asks_and_the_status_is_checked(tmp_path: Path) -> None:
+    d, _, _ = desk(tmp_path, {"n1": "MIXED", "n2": "MIXED", "n3": "IDLE"})
+    with pytest.raises(RequestError, match="no launcher of job 42 for uid 1002"):
+        d.step_ended(ASK, OTHER)
+    with pytest.raises(RequestError, match="no launcher of job 7 for uid 1001"):
+        d.step_ended({**ASK, "job_id": 7}, OWNER)
+    with pytest.raises(RequestError, match="status must be"):
+        d.step_ended({**ASK, "status": "1"}, OWNER)
+    with pytest.raises(RequestError, match="is at relaunch 0, not 2"):
+        d.step_ended({**ASK, "relaunch": 2}, OWNER)
+
+
+def test_a_lost_node_is_relaunched_on_the_spare_once(tmp_path: Path) -> None:
+    d, slurm, _ = desk(tmp_path, {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING", "n3": "IDLE"})
+    first = d.step_ended(ASK, OWNER)
+    again = d.step_ended(ASK, OWNER)
+    assert first == again and first["verdict"] == "relaunch"
+    assert first["order"]["nodes"] == ["n1", "n3"]  # type: ignore[index]
+    shows = [c for c in slurm.calls if c[1:3] == ["show", "node"]]
+    assert shows == [["scontrol", "show", "node", "n[1-3]", "-o"]]  # one call for all
+    assert "node fault on n2" in slurm.comment and "relaunch 1 of 3" in slurm.comment
+    assert not [c for c in slurm.calls if c[1] in ("requeuehold", "requeue")]
+    assert not [c for c in slurm.calls if "State=DRAIN" in " ".join(c)]  # never drained here
+    assert counted(tmp_path, "relaunch") == 1
+    # The launcher's poll sees the same order.
+    assert d.launches.poll({"job_id": 42}, OWNER)["order"] == first["order"]
+
+
+def test_nothing_out_waits_from_the_first_question_then_ends(tmp_path: Path) -> None:
+    d, slurm, clock = desk(tmp_path, {"n1": "MIXED", "n2": "MIXED", "n3": "IDLE"})
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    clock.advance(59)
+    answer = d.step_ended(ASK, OWNER)
+    assert answer["verdict"] == "wait" and answer["wait_s"] == 1
+    clock.advance(1)
+    assert d.step_ended(ASK, OWNER)["verdict"] == "exit"
+    assert len([c for c in slurm.calls if c[1:3] == ["show", "config"]]) == 1  # read once
+    assert counted(tmp_path, "relaunch") == counted(tmp_path, "requeue") == 0
+
+
+def test_a_node_marked_while_waiting_is_relaunched(tmp_path: Path) -> None:
+    d, slurm, clock = desk(tmp_path, {"n1": "MIXED", "n2": "MIXED", "n3": "IDLE"})
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    clock.advance(31)
+    slurm.states["n2"] = "MIXED+NOT_RESPONDING"
+    assert d.step_ended(ASK, OWNER)["verdict"] == "relaunch"
+
+
+def test_without_a_spare_the_job_is_requeued_away_from_the_lost_node(tmp_path: Path) -> None:
+    d, slurm, _ = desk(tmp_path, {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING"}, spares=[])
+    answer = d.step_ended(ASK, OWNER)
+    assert answer["verdict"] == "requeue" and "no usable spare for n2" in str(answer["reason"])
+    acts = [c[1] if c[1] != "update" else c[3].split("=")[0] for c in slurm.calls
+            if c[1] in ("requeuehold", "release", "update")]
+    assert acts == ["requeuehold", "AdminComment", "ExcNodeList", "release"]
+    assert ["scontrol", "update", "JobId=42", "ExcNodeList=n2"] in slurm.calls
+    assert "[sr-fault n=1 restart=0] node fault on n2" in slurm.comment
+    assert d.step_ended(ASK, OWNER) == answer  # acted on once
+    assert len([c for c in slurm.calls if c[1] == "requeuehold"]) == 1
+    assert counted(tmp_path, "requeue") == 1
+
+
+# -- the launcher's loop ----------------------------------------------------------------------
+
+class Step:
+    def __init__(self, code: int):
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.code
+
+    def kill(self) -> None:
+        self.code = -9
+
+
+class Agent:
+    def __init__(self, answers: list[Mapping[str, object]]):
+        self.answers = answers
+        self.asked: list[int] = []
+        self.registered: list[P.Placement] = []
+
+    def register(self, place: P.Placement, max_restarts: int) -> None:
+        self.registered.append(place)
+
+    def poll(self) -> Mapping[str, object] | None:
+        return None
+
+    def step_ended(self, status: int) -> Mapping[str, object]:
+        self.asked.append(status)
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+WAIT = {"verdict": "wait", "wait_s": 60.0, "reason": "", "out": {}, "order": None}
+RELAUNCH = {"verdict": "relaunch", "reason": "node fault", "out": {"n2": "down"},
+            "order": {"relaunch": 1, "nodes": ["n1", "n3"], "reason": "node fault"}}
+
+
+def test_the_launcher_asks_about_once_a_second_and_relaunches_on_the_order(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    steps = [Step(1), Step(0)]
+    agent = Agent([WAIT, WAIT, RELAUNCH, {"verdict": "exit"}])
+    clock = FakeClock()
+    launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), agent,
+                        lambda argv, env: steps.pop(0), lambda r: None, {}, clock=clock)
+    assert launcher.run() == 0
+    assert agent.asked == [1, 1, 1] and clock.slept == [1.0, 1.0]
+    assert [p.nodes for p in agent.registered] == [("n1", "n2"), ("n1", "n3")]
+    assert "slurm-resilience launch: node n2 lost: relaunch 1 on n1 n3" in capsys.readouterr().err
+
+
+def test_the_launcher_ends_with_sruns_status_past_the_wait_or_when_told() -> None:
+    clock = FakeClock()
+    agent = Agent([WAIT])
+    launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), agent,
+                        lambda argv, env: Step(3), lambda r: None, {}, clock=clock)
+    assert launcher.run() == 3
+    assert 60 <= sum(clock.slept) <= 60 + 31  # the announced wait plus the launcher's grace
+    told = Launcher(P.allocation(ENV), ["t"], Settings(1, 3),
+                    Agent([{"verdict": "exit", "reason": "left alone"}]),
+                    lambda argv, env: Step(3), lambda r: None, {}, clock=FakeClock())
+    assert told.run() == 3
+    ok = Agent([RELAUNCH])
+    fine = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), ok, lambda argv, env: Step(0),
+                    lambda r: None, {}, clock=FakeClock())
+    assert fine.run() == 0 and ok.asked == []  # a step that ended well is never asked about
