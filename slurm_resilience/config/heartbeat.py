@@ -192,7 +192,7 @@ class HeartbeatSection:
              "slow), with backoff, before it gives up and says so",
     )
     node_loss_margin_s: float = setting(
-        15.0, min=0, max=3600,
+        30.0, min=0, max=3600,
         help="when a launcher's step fails with no node of it out yet, how long past Slurm's "
              "SlurmdTimeout (twice this margin: pings) the batch host's agent waits for "
              "Slurm to mark a lost node before the launcher ends with the step's status",

@@ -57,12 +57,16 @@ def slurmd_timeout(config: Mapping[str, str]) -> float | None:
     return float(value[0]) if value and value[0].isdigit() else None
 
 
+def _shown(info: NodeInfo) -> str:
+    return "+".join([info.state, *sorted(info.flags)])
+
+
 def why_out(info: NodeInfo | None, ours: Callable[[str], bool]) -> str:
     """Why Slurm shows a step node out ('' when it does not)."""
     if info is None:
         return "Slurm no longer lists it"
     flags = {info.state.upper(), *(f.upper() for f in info.flags)}
-    shown = "+".join([info.state, *sorted(info.flags)])
+    shown = _shown(info)
     if info.down or "FAIL" in flags or "FAILING" in flags:
         return shown.lower() + (f" ({info.reason})" if info.reason else "")
     if info.drained and ours(info.reason):
@@ -80,9 +84,10 @@ def decide(launch: Launch, infos: Mapping[str, NodeInfo], *, job_nodes: Sequence
         if waited_s < bound_s:
             return NodeLoss(Verdict.WAIT, f"job {job}: no step node is out yet", {},
                             wait_s=bound_s - waited_s)
+        seen = ", ".join(f"{n} {_shown(infos[n]).lower()}" for n in launch.nodes)
         return NodeLoss(Verdict.EXIT, f"job {job}: the step failed and Slurm shows every "
-                                      f"node of it in service after {bound_s:g}s: left "
-                                      "alone", {})
+                                      f"node of it in service after {bound_s:g}s ({seen}): "
+                                      "left alone", {})
     lost = ", ".join(f"{n} {why}" for n, why in out.items())
     if launch.relaunch >= launch.max_restarts:
         return NodeLoss(Verdict.REQUEUE, f"node fault in job {job} ({lost}); the launcher's "

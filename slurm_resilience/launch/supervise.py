@@ -53,6 +53,7 @@ class Settings:
 
 # A launcher past the wait the agent announced ends anyway (an agent that keeps saying wait).
 WAIT_GRACE_S = 30.0
+MAX_LOSS_WAIT_S = 1800.0
 
 
 def say(message: str) -> None:
@@ -132,6 +133,7 @@ class Launcher:
         a second while it says to wait (Slurm marks a dead node only after SlurmdTimeout).
         A relaunch order, or None: end with srun's status (after a requeue Slurm ends this
         script; waited for up to ``end_timeout_s``)."""
+        started = self.clock.monotonic()
         deadline: float | None = None
         while True:
             try:
@@ -154,9 +156,14 @@ class Launcher:
                 left = float(wait_s) if isinstance(wait_s, (int, float)) else 0.0
                 now = self.clock.monotonic()
                 if deadline is None:
-                    deadline = now + left + WAIT_GRACE_S
                     say(f"step ended with status {code}; asking the node agent whether a "
                         f"node of it was lost (up to {left:.0f}s)")
+                    deadline = now + left + WAIT_GRACE_S
+                elif left > 0:
+                    # The agent's own wait shrinks as it goes; a longer one (Slurm
+                    # unreadable at first) moves ours.
+                    deadline = max(deadline, now + left + WAIT_GRACE_S)
+                deadline = min(deadline, started + MAX_LOSS_WAIT_S)
                 if now < deadline:
                     self.clock.sleep(self.settings.poll_s)
                     continue

@@ -20,7 +20,7 @@ from slurm_resilience.hang import nodeloss as NL
 from slurm_resilience.hang.launches import Launch, Launches
 from slurm_resilience.hang.nodelossflow import NodeLossDesk
 from slurm_resilience.launch import plan as P
-from slurm_resilience.launch.supervise import Launcher, Settings
+from slurm_resilience.launch.supervise import MAX_LOSS_WAIT_S, WAIT_GRACE_S, Launcher, Settings
 from slurm_resilience.proc import Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.parse import NodeInfo
@@ -280,11 +280,21 @@ def test_the_launcher_asks_about_once_a_second_and_relaunches_on_the_order(
 
 def test_the_launcher_ends_with_sruns_status_past_the_wait_or_when_told() -> None:
     clock = FakeClock()
-    agent = Agent([WAIT])
-    launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), agent,
+
+    class Shrinking(Agent):
+        """Says wait for what is left of 60 s, and keeps saying it (an agent gone wrong)."""
+
+        def step_ended(self, status: int) -> Mapping[str, object]:
+            return {**WAIT, "wait_s": max(0.0, 60.0 - clock.monotonic())}
+
+    launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), Shrinking([]),
                         lambda argv, env: Step(3), lambda r: None, {}, clock=clock)
     assert launcher.run() == 3
-    assert 60 <= sum(clock.slept) <= 60 + 31  # the announced wait plus the launcher's grace
+    assert 60 <= sum(clock.slept) <= 60 + WAIT_GRACE_S + 1  # the wait plus the grace
+    stuck = FakeClock()
+    forever = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), Agent([WAIT]),
+                       lambda argv, env: Step(3), lambda r: None, {}, clock=stuck)
+    assert forever.run() == 3 and sum(stuck.slept) == MAX_LOSS_WAIT_S
     told = Launcher(P.allocation(ENV), ["t"], Settings(1, 3),
                     Agent([{"verdict": "exit", "reason": "left alone"}]),
                     lambda argv, env: Step(3), lambda r: None, {}, clock=FakeClock())
