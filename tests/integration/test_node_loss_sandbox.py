@@ -19,7 +19,7 @@ from hang_jobs import TRAIN, output, submit_launch, wait_for
 
 from slurm_resilience import events
 from slurm_resilience.sandbox.handle import Sandbox
-from slurm_resilience.sandbox.nodekill import kill_node
+from slurm_resilience.sandbox.nodekill import kill_node, revive_node
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
@@ -90,6 +90,9 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_allocation(
              for ln in f.read_text(errors="replace").splitlines()
              if "node lost: relaunch ordered" in ln]
     assert lines and all(lost in ln for ln in lines), lines
+    # Its slurmd and agent started again, Slurm takes it back (ReturnToService=2).
+    revive_node(box.layout, lost)
+    wait_for(lambda: not box.adapter().show_node(lost).down, 120, f"{lost} back in service")
 
 
 def test_without_a_spare_a_lost_node_requeues_the_job_away_from_it(
