@@ -22,7 +22,7 @@ from typing import Any
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
-from slurm_resilience.hang import detect, evidence, jobrecord, socketapi
+from slurm_resilience.hang import detect, evidence, jobrecord, orphans, socketapi
 from slurm_resilience.hang import rendezvous as RV
 from slurm_resilience.hang.incidentflow import IncidentRunner
 from slurm_resilience.hang.incidentrecords import Clock, SystemClock
@@ -95,6 +95,8 @@ class HangWatcher:
         self.node_loss = NodeLossDesk(lambda: self.cfg, self.launches, adapter, self.clock)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
+        self.next_orphan_check = 0.0
+        self.orphan_thread: threading.Thread | None = None
         # A user decides how many of their slots are refused, and how often stragglers change.
         self.slot_log = LogBudget(log, "refused heartbeat slots", clock=self.clock)
         self.straggler_log = LogBudget(log, "changes of straggler ranks",
@@ -184,9 +186,27 @@ class HangWatcher:
             self.launches.forget(seen)
             self.threads = {k: t for k, t in self.threads.items() if t.is_alive()}
         self.suspects.tick()
+        self._check_orphans()
         if self.clock.monotonic() >= self.next_cleanup:
             self.next_cleanup = self.clock.monotonic() + CLEANUP_EVERY_S
             self.cleanup(self.clock.time() - STATE_RETENTION_S)
+
+    def _check_orphans(self) -> None:
+        """Now and then, in a thread of its own: jobs here that lost their batch host
+        under --no-kill are requeued (see :mod:`orphans`)."""
+        now = self.clock.monotonic()
+        if now < self.next_orphan_check or (self.orphan_thread is not None
+                                            and self.orphan_thread.is_alive()):
+            return
+        self.next_orphan_check = now + orphans.CHECK_EVERY_S
+        with self.lock:
+            views = list(self.jobs.values())
+        if not orphans.quiet_jobs(views, self.node):
+            return
+        self.orphan_thread = threading.Thread(
+            target=self._safely, args=(orphans.check, self.cfg, self.adapter, self.node, views),
+            name="hang-orphans", daemon=True)
+        self.orphan_thread.start()
 
     def watch(self, rec: jobrecord.JobRecord) -> JobView:
         """Read and judge one job's slots; start an incident when a rank is hung."""

@@ -45,13 +45,15 @@ def _node_loss_count(box: Sandbox, decision: str) -> int:
     return total
 
 
-def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int) -> tuple[str, str]:
+def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,
+                      batch_host: bool = False) -> tuple[str, str]:
     """Wait for the launcher's first line and step 25 committed in S3, then kill the step
-    node that is not the batch host: (the lost node, the batch host)."""
+    node that is not the batch host (or the batch host): (the lost node, the batch host)."""
     first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
                                        output(work, job_id)), 180, "the launcher's first line")
     host = box.job(job_id).batch_host
     lost = first.group(2) if first.group(1) == host else first.group(1)
+    lost = host if batch_host else lost
     wait_for(lambda: 25 in _committed_in_s3(box, user, work), 240, "step 25 committed in S3")
     killed = kill_node(box.layout, lost)
     assert killed, f"nothing of {lost} was running"
@@ -118,4 +120,29 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_from_it(
     assert done and int(done.group(1)) >= 25, out
     assert "[sr-fault n=1 " in final.admin_comment, final.admin_comment
     assert box.adapter().show_node(lost).down
+    assert _node_loss_count(box, "requeue") == 1
+
+
+def test_a_lost_batch_host_requeues_the_job_from_its_first_survivor(
+        sandbox_factory: Callable[..., Sandbox], test_users: tuple[str, ...]) -> None:
+    """The batch host itself is lost under ``--no-kill``: Slurm 22.05 removes it from the
+    job, which stays RUNNING on the other node without its script (and its launcher and
+    deciding agent). The other node's agent requeues it away from the lost host; the
+    requeued run resumes from its checkpoint and completes."""
+    box = sandbox_factory(nodes=3, leaves=1)
+    user = test_users[0]
+    work = box.user_dir(user, "lost-host")
+    job_id = submit_launch(box, user, work, TRAIN_ARGS, nodes=2, spares=0,
+                           sbatch_args=("--no-kill",))
+    box.wait_job(job_id, states={"RUNNING"}, timeout=120)
+    lost, host = _lose_a_step_node(box, user, work, job_id, batch_host=True)
+    assert lost == host
+    final = box.wait_job(job_id, timeout=420)
+    out = output(work, job_id)
+    assert final.state == "COMPLETED" and final.restarts == 1, (final, out)
+    assert lost in final.exc_nodes and lost not in final.nodes, final
+    assert f"node fault on {lost}: the batch host was lost" in final.admin_comment, \
+        final.admin_comment
+    done = re.search(r"done step=100 resumed_from=(\d+) restarts=1 ", out)
+    assert done and int(done.group(1)) >= 25, out
     assert _node_loss_count(box, "requeue") == 1

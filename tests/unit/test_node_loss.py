@@ -17,6 +17,10 @@ from slurm_resilience.agent.service import Peer, RequestError
 from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.hang import nodeloss as NL
+from slurm_resilience.hang import orphans
+from slurm_resilience.hang.detect import JobVerdict
+from slurm_resilience.hang.jobrecord import JobRecord
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.launches import Launch, Launches
 from slurm_resilience.hang.nodelossflow import NodeLossDesk
 from slurm_resilience.launch import plan as P
@@ -303,3 +307,41 @@ def test_the_launcher_ends_with_sruns_status_past_the_wait_or_when_told() -> Non
     fine = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), ok, lambda argv, env: Step(0),
                     lambda r: None, {}, clock=FakeClock())
     assert fine.run() == 0 and ok.asked == []  # a step that ended well is never asked about
+
+
+# -- a job that lost its batch host (--no-kill) ------------------------------------------------
+
+def _view(job_id: int, nodes: tuple[str, ...]) -> JobView:
+    rec = JobRecord(job_id, 1001, 1001, "u", 0.0, nodes)
+    return JobView(rec, [], JobVerdict(job_id, "act", ()))
+
+
+class Orphaned(SlurmState):
+    """Job 42 kept running on n2 after Slurm removed its batch host n1 (DOWN)."""
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        done = super().run(argv, timeout=timeout, check=check, input_text=input_text, env=env)
+        return replace(done, stdout=done.stdout.replace("NodeList=n[1-3] NumNodes=3",
+                                                        "NodeList=n2 NumNodes=1"))
+
+
+def test_a_job_that_lost_its_batch_host_is_requeued_by_its_first_survivor(
+        tmp_path: Path) -> None:
+    slurm = Orphaned({"n1": "DOWN+NOT_RESPONDING"})
+    adapter = SlurmAdapter(runner=slurm)
+    adapter.events_path = str(tmp_path / events.FILENAME)
+    views = [_view(42, ("n1", "n2")), _view(7, ("n2", "n3"))]  # n2 is job 7's batch host
+    assert orphans.quiet_jobs(views, "n2") == {42: "n1"}
+    done = orphans.check(Config(), adapter, "n2", views)
+    assert len(done) == 1 and "without its batch host n1" in done[0], done
+    assert [c[1] for c in slurm.calls if c[1] in ("requeuehold", "release")] == [
+        "requeuehold", "release"]
+    assert ["scontrol", "update", "JobId=42", "ExcNodeList=n1"] in slurm.calls
+    assert counted(tmp_path, "requeue") == 1
+    # n3 is not the first survivor; a host that is only not responding is not lost yet.
+    assert orphans.check(Config(), SlurmAdapter(runner=Orphaned({"n1": "DOWN"})), "n3",
+                         [_view(42, ("n1", "n3"))]) == []
+    calm = Orphaned({"n1": "MIXED+NOT_RESPONDING"})
+    assert orphans.check(Config(), SlurmAdapter(runner=calm), "n2", views) == []
+    assert not [c for c in calm.calls if c[1:3] == ["show", "job"]]
