@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from slurm_resilience import __version__, events
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.saves import SaveStats
 from slurm_resilience.goodput.service import GoodputSnapshot
@@ -107,7 +108,7 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
 
 
 class AgentCollector(Collector):
-    def __init__(self, sources: AgentSources, clock: Callable[[], float] = time.time):
+    def __init__(self, sources: AgentSources, clock: Clock = SystemClock()):
         self.s = sources
         self.clock = clock
         self.errors: dict[str, int] = {}
