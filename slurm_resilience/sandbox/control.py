@@ -183,8 +183,10 @@ def write_files(layout: Layout) -> None:
     if L.block_topology:
         # An NVL72 sandbox: the block topology from the nodes' stand-in NVLink domains, in
         # the file this Slurm reads (topology.conf, or topology.yaml from 25.05).
-        topology_install.write_blocks(L.etc, block_records(L),
-                                      SlurmAdapter(slurm_conf=str(L.slurm_conf)).slurm_version())
+        version = SlurmAdapter(slurm_conf=str(L.slurm_conf)).slurm_version()
+        topology_install.write_blocks(L.etc, block_records(L), version,
+                                      resilience_conf.sections(L).get("topology", {}),
+                                      L.slurm_conf)
     _write(L.healthcheck_wrapper, slurmconf.healthcheck_wrapper(L))
     L.healthcheck_wrapper.chmod(0o755)
     (L.etc / "rclone.conf").touch()

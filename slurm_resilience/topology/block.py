@@ -22,6 +22,7 @@ node comes back to its block once repaired without regenerating the topology).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -29,9 +30,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from slurm_resilience.config.topology import TopologySection
 from slurm_resilience.health.checks import gpu_fabric
 from slurm_resilience.health.nvlink_domain import GpuFabric, NodeFabric
 from slurm_resilience.slurm.parse import collect_hostlist
+from slurm_resilience.topology import generate, model, validate
+from slurm_resilience.topology.slurmconf import SlurmNodes
 
 BLOCK_SINCE = (23, 11)  # topology/block
 YAML_SINCE = (25, 5)  # topology.yaml
@@ -177,6 +181,19 @@ def switch_lines(p: Plan) -> str:
     """The blocks as leaf switches (topology.conf tree syntax): the input of job_submit.lua's
     data, which pins a job to one block as it pins one to a leaf."""
     return "".join(f"SwitchName={b.name} Nodes={','.join(b.nodes)}\n" for b in p.blocks)
+
+
+def lua_data(p: Plan, cfg: TopologySection, slurm: SlurmNodes | None) -> str:
+    """job_submit.lua's data with the blocks as its leaves: a job that fits in a block is
+    pinned to one (--switches=1, which topology/block reads as one block), as to one leaf.
+    A larger job is left to Slurm's own block placement (and to the user's --segment, 24.05+):
+    how to split it depends on the job's parallel layout, which only its owner knows."""
+    lines = validate.parse_topology_conf(switch_lines(p))
+    fabric = model.add_root(model.from_switch_lines(lines, source="NVLink domains"),
+                            cfg.root_switch)
+    tree_cfg = dataclasses.replace(cfg, mode="tree" if cfg.mode != "off" else "off",
+                                   large_jobs="leave")
+    return generate.lua_data(fabric, tree_cfg, slurm, unit="block")
 
 
 def render(p: Plan, version: tuple[int, int]) -> tuple[str, str]:

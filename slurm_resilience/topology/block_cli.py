@@ -71,14 +71,9 @@ def run(args: argparse.Namespace) -> int:
     generate.write_atomic(path, text)
     print(f"topology: wrote {path}")
     # job_submit.lua pins a job to one block as to one leaf: the blocks are its leaves.
-    from slurm_resilience.topology import model, validate
-
-    lines = validate.parse_topology_conf(block.switch_lines(plan))
-    fabric = model.add_root(model.from_switch_lines(lines, source="NVLink domains"),
-                            cfg.root_switch)
     slurm = parse_slurm_conf(args.slurm_conf) if args.slurm_conf else None
     data = os.path.join(args.out_dir, generate.DATA_FILE)
-    generate.write_atomic(data, generate.lua_data(fabric, cfg, slurm))
+    generate.write_atomic(data, block.lua_data(plan, cfg, slurm))
     print(f"topology: wrote {data}")
     if plan.left_out:
         print(f"topology: {len(plan.left_out)} node(s) in no block (listed above): Slurm "

@@ -63,8 +63,12 @@ def write_blocks(etc: Path, records: list[NodeFabric], version: tuple[int, int],
         raise InstallError("topology: install: nodes in no block: " + "; ".join(
             f"{n}: {why}" for n, why in sorted(plan.left_out.items())))
     name, text = block.render(plan, version)
-    write_generated(etc, block.switch_lines(plan), settings, slurm_conf)
+    cfg = settings if isinstance(settings, TopologySection) else TopologySection(**settings)
     generate.write_atomic(str(etc / name), text)
+    if name == "topology.yaml":  # Slurm ignores topology.conf then: none to mislead a reader
+        (etc / "topology.conf").unlink(missing_ok=True)
+    generate.write_atomic(str(etc / generate.DATA_FILE),
+                          block.lua_data(plan, cfg, parse_slurm_conf(str(slurm_conf))))
     return plan
 
 

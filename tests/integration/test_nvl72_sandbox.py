@@ -81,11 +81,15 @@ def test_slurmctld_loads_the_generated_block_topology(box: Sandbox) -> None:
     name = block.output_for(version)
     text = (box.layout.etc / name).read_text()
     assert "--from-nvlink-domains" in text
+    if name == "topology.yaml":
+        assert not (box.layout.etc / "topology.conf").exists()
+    # e.g. "BlockName=nvl-2b19cdc2-32766 BlockIndex=0 Nodes=node[1-3] BlockSize=3"
     shown = box.run(["scontrol", "show", "topology"]).stdout
     blocks = sorted(set(blocks_of(box).values()))
     assert len(blocks) == 2
-    for b in blocks:
-        assert b in shown, f"{b} not in scontrol show topology:\n{shown}"
+    assert re.findall(r"BlockName=(\S+)", shown) == blocks, shown
+    log = (box.layout.log_dir / "slurmctld.log").read_text(errors="replace")
+    assert "leaf-pin: loaded 2 NVLink blocks (largest 3 nodes), mode tree" in log
     assert {n: b for n, b in blocks_of(box).items()} == {
         "node1": blocks[0], "node2": blocks[0], "node3": blocks[0],
         "node4": blocks[1], "node5": blocks[1], "node6": blocks[1]}
@@ -106,6 +110,7 @@ def test_a_multi_node_job_lands_within_one_block(box: Sandbox) -> None:
             assert info.state == "COMPLETED", (job_id, info.state, info.reason)
             spans = {of[n] for n in info.nodes}
             assert len(spans) == 1, f"job {job_id} on {info.nodes} spans blocks {spans}"
+            assert info.switches == 1  # job_submit.lua asked for one block
     finally:
         box.run(["scancel", str(holder)])
 
