@@ -91,7 +91,7 @@ def _domain(rec: NodeFabric) -> tuple[tuple[str, int] | None, str, list[str]]:
         domains.setdefault((g.cluster_uuid or ZERO_UUID, g.clique_id or 0), []).append(g.index)
     if len(domains) > 1:
         parts = "; ".join(f"gpu{','.join(map(str, idx))} in clique {c} of {u}"
-                          for (u, c), idx in sorted(domains.items()))
+                          for (u, c), idx in sorted(domains.items(), key=lambda kv: kv[1]))
         return None, f"split over {len(domains)} NVLink domains: {parts}", []
     (dom,) = domains
     if dom[0] == ZERO_UUID:
