@@ -6,7 +6,7 @@ On a multi-node NVLink system the failure and placement domain is the NVLink par
 fabric (:class:`NodeFabric`, saved as ``nvlink-domain.json`` in the node's health state);
 this module groups the nodes by that pair into blocks and writes what Slurm reads:
 
-* Slurm 23.11 to 25.05: ``topology.conf`` with ``BlockName=... Nodes=...`` lines
+* Slurm 23.11 to 25.02: ``topology.conf`` with ``BlockName=... Nodes=...`` lines
   (``TopologyPlugin=topology/block``);
 * Slurm 25.05 and later: ``topology.yaml`` with one ``block`` topology (topology.conf is
   ignored when topology.yaml exists);
