@@ -204,7 +204,7 @@ def default_gpu(index: int) -> dict[str, Any]:
 
 
 # A GB200 NVL72 GPU's fabric as NCCL's MNNVL line printed it on a real tray (tests/fixtures/
-# nvidia-smi/fabric/nccl-info-mnnvl_gb200-4gpu_healthmask-0xaa.txt): registered, every
+# nvlink-fabric/nccl-info-mnnvl_gb200-4gpu_healthmask-0xaa.txt): registered, every
 # health field FALSE (mask 0xaa). nvl72_fabric() puts it in another clique of that cluster.
 NVL72_FABRIC: dict[str, Any] = {
     "state": C.NVML_GPU_FABRIC_STATE_COMPLETED, "status": C.NVML_SUCCESS,

@@ -24,7 +24,7 @@ from slurm_resilience.health.findings import Severity
 from slurm_resilience.health.nvlink_domain import RECORD, GpuFabric, NodeFabric
 from slurm_resilience.topology import block
 
-FABRIC = REAL_FIXTURES / "nvidia-smi" / "fabric"
+FABRIC = REAL_FIXTURES / "nvlink-fabric"
 REPO = Path(__file__).resolve().parents[2]
 UNHEALTHY = "nvidia-smi-q-fabric_gb200_clique2_summary-unhealthy_excerpt.txt"
 NO_DOMAIN = "nvidia-smi-q-fabric_gb200_status-insufficient-resources_excerpt.txt"
