@@ -8,6 +8,8 @@ groups the nodes into Slurm blocks (:mod:`slurm_resilience.topology.block`).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,3 +59,27 @@ class NodeFabric:
     def same_fabric(self, other: NodeFabric) -> bool:
         """Equal but for when it was read."""
         return (self.node, self.gpus) == (other.node, other.gpus)
+
+
+MAX_RECORD_BYTES = 1 << 20
+
+
+def read(path: str) -> NodeFabric | None:
+    """The record at ``path``; None where there is none (no NVLink fabric, or the gate has
+    not run). One that cannot be used raises ValueError naming the path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read(MAX_RECORD_BYTES + 1)
+    try:
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
+        return NodeFabric.from_json(json.loads(raw))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: not an NVLink domain record: {exc}") from None
+
+
+def path_for(health_state_dir: str) -> str:
+    return os.path.join(health_state_dir, f"{RECORD}.json")

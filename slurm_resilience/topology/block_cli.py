@@ -6,14 +6,17 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from slurm_resilience import config
 from slurm_resilience.cli import UsageError
-from slurm_resilience.health.nvlink_domain import NodeFabric
+from slurm_resilience.health.nvlink_domain import GpuFabric, NodeFabric
+from slurm_resilience.metrics.cluster import P, Scrape
 from slurm_resilience.topology import block, generate
 from slurm_resilience.topology.slurmconf import parse_slurm_conf
 
 MAX_RECORD_BYTES = 1 << 20
+SCRAPE_TIMEOUT_S = 5.0  # per agent, as status --cluster
 
 
 def read_records(paths: list[str]) -> list[NodeFabric]:
@@ -33,6 +36,54 @@ def read_records(paths: list[str]) -> list[NodeFabric]:
     return out
 
 
+def records_from_scrapes(scrapes: list[Scrape]) -> tuple[list[NodeFabric], dict[str, str]]:
+    """Each agent's NVLink domain series back into its node's record; nodes whose agent
+    could not be scraped, or that exports no record, with why."""
+    records, failed = [], {}
+    for sc in scrapes:
+        if sc.error:
+            failed[sc.node] = f"couldn't scrape its agent at {sc.url}: {sc.error}"
+            continue
+        by_gpu: dict[int, dict[str, Any]] = {}
+        when = None
+        for name, labels, value in sc.samples:
+            short = name.removeprefix(P)
+            if short == "gpu_nvlink_domain_timestamp_seconds":
+                when = value
+            elif short == "gpu_nvlink_domain_info":
+                by_gpu.setdefault(int(labels["gpu"]), {}).update(
+                    cluster_uuid=labels["cluster_uuid"] or None,
+                    clique_id=int(labels["clique_id"]))
+            elif short.startswith("gpu_fabric_") and "gpu" in labels:
+                by_gpu.setdefault(int(labels["gpu"]), {})[short.removeprefix("gpu_fabric_")] = \
+                    int(value)
+        if when is None or not by_gpu:
+            failed[sc.node] = "its agent exports no NVLink domain (has its health check run?)"
+            continue
+        gpus = [GpuFabric(i, d.get("state", 0), d.get("status", 0), d.get("cluster_uuid"),
+                          d.get("clique_id"), d.get("health_mask"), d.get("health_summary"))
+                for i, d in sorted(by_gpu.items())]
+        records.append(NodeFabric(sc.node, when, gpus))
+    return records, failed
+
+
+def scrape_agents(args: argparse.Namespace, known: list[str] | None
+                  ) -> tuple[list[NodeFabric], dict[str, str]]:
+    from slurm_resilience.metrics.cluster import metrics_urls, scrape_all
+    from slurm_resilience.slurm.adapter import from_config
+
+    cfg = config.load(args.config)
+    adapter = from_config(cfg)
+    nodes = known if known is not None else [n.name for n in adapter.list_nodes()]
+    addresses = adapter.node_addresses(nodes)
+    urls = metrics_urls(cfg, addresses)
+    records, failed = records_from_scrapes(scrape_all(urls, SCRAPE_TIMEOUT_S))
+    for node in nodes:
+        if node not in urls and node not in failed:
+            failed[node] = "no agent endpoint (metrics.port: 0, or Slurm has no address)"
+    return records, failed
+
+
 def version_of(args: argparse.Namespace) -> tuple[int, int]:
     if args.slurm_version:
         try:
@@ -45,9 +96,21 @@ def version_of(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    records = read_records(args.from_nvlink_domains)
     known = list(parse_slurm_conf(args.slurm_conf).nodes) if args.slurm_conf else None
+    failed: dict[str, str] = {}
+    if args.from_agents:
+        from slurm_resilience.slurm.errors import SlurmError
+
+        try:
+            records, failed = scrape_agents(args, known)
+        except SlurmError as exc:
+            print(f"topology: generate: couldn't ask Slurm for the nodes' agents: {exc}",
+                  file=sys.stderr)
+            return 1
+    else:
+        records = read_records(args.from_nvlink_domains)
     plan = block.plan(records, known)
+    plan.left_out.update(failed)
     for line in plan.warnings:
         print(f"topology: warning: {line}", file=sys.stderr)
     for node, why in sorted(plan.left_out.items()):

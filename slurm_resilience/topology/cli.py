@@ -32,6 +32,9 @@ def register(sub: Any) -> None:
                      help="the nodes' NVLink domain records (nvlink-domain.json in each node's "
                           "health state, GB200 NVL72): one Slurm block per domain, written as "
                           "topology.conf (Slurm 23.11-25.05) or topology.yaml (25.05+)")
+    src.add_argument("--from-agents", action="store_true",
+                     help="the same records, scraped from every node's agent (metrics "
+                          "endpoint, at the node's address in Slurm): no shared filesystem")
     gen.add_argument("--slurm-version", metavar="X.Y",
                      help="the Slurm whose block topology file to write (default: scontrol "
                           "--version); below 23.11 there is no topology/block")
@@ -145,7 +148,7 @@ def summary(fabric: model.Fabric) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.from_nvlink_domains:
+    if args.from_nvlink_domains or args.from_agents:
         return block_cli.run(args)
     cfg = config.load(args.config).topology
     fabric, slurm, findings = build(args, cfg)

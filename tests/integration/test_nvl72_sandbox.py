@@ -117,8 +117,9 @@ def test_a_multi_node_job_lands_within_one_block(box: Sandbox) -> None:
 
 def test_gates_record_the_domains_and_generate_rebuilds_the_installed_file(
         box: Sandbox, tmp_path: Path) -> None:
-    """Each node's health check records its GPUs' NVLink domain; `topology generate
-    --from-nvlink-domains` over those records writes the file slurmctld loaded."""
+    """Each node's health check records its GPUs' NVLink domain; `topology generate` from
+    those records, and from the same records scraped from every node's agent (no shared
+    filesystem), writes the file slurmctld loaded."""
     cfg = config.load(str(box.layout.resilience_conf))
     paths = {n: Path(gate.state_dir(cfg, n)) / f"{RECORD}.json" for n in box.nodes}
     deadline = time.monotonic() + RECORD_WAIT_S
@@ -131,13 +132,16 @@ def test_gates_record_the_domains_and_generate_rebuilds_the_installed_file(
                for n, p in paths.items()}
     assert cliques == {n: {c} for n, c in box.layout.clique_of().items()}
     version = installed_slurm()
-    env = dict(os.environ, SLURM_RESILIENCE_CONFIG=str(box.layout.resilience_conf))
-    done = subprocess.run(
-        [sys.executable, "-m", "slurm_resilience", "topology", "generate",
-         "--from-nvlink-domains", *map(str, paths.values()),
-         "--slurm-conf", str(box.layout.slurm_conf), "--slurm-version",
-         f"{version[0]}.{version[1]:02d}", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr
     name = block.output_for(version)
-    assert (tmp_path / name).read_text() == (box.layout.etc / name).read_text()
+    for source in (["--from-nvlink-domains", *map(str, paths.values())], ["--from-agents"]):
+        out = tmp_path / source[0].lstrip("-")
+        done = subprocess.run(
+            [sys.executable, "-m", "slurm_resilience", "--config",
+             str(box.layout.resilience_conf), "topology", "generate", *source,
+             "--slurm-conf", str(box.layout.slurm_conf), "--slurm-version",
+             f"{version[0]}.{version[1]:02d}", "--out-dir", str(out)],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+            env=dict(os.environ, SLURM_CONF=str(box.layout.slurm_conf)))
+        assert done.returncode == 0, (source[0], done.stderr)
+        assert "left out" not in done.stderr, done.stderr
+        assert (out / name).read_text() == (box.layout.etc / name).read_text(), source[0]

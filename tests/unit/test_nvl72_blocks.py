@@ -241,3 +241,47 @@ def test_cli_generate_from_records(tmp_path: Path) -> None:
     assert old.returncode == 1
     assert "Slurm 22.05 has no topology/block (it came in 23.11)" in old.stderr
 
+
+
+def test_the_agent_exports_the_record_and_topology_reads_it_back(tmp_path: Path) -> None:
+    """The agent's /metrics carries each GPU's domain and health; scraped back, it is the
+    record the gate saved. An agent that could not be scraped, or has no record, is named."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.registry import Collector
+
+    from slurm_resilience.health import nvlink_domain
+    from slurm_resilience.metrics import cluster
+    from slurm_resilience.metrics.collector import nvlink_metrics
+    from slurm_resilience.topology import block_cli
+
+    rec = node("gb-a01", [fake.nvl72_fabric(), dict(fake.nvl72_fabric(), health_mask=0x9A,
+                                                    health_summary=2)])
+    rec.time = 1234.0
+    path = tmp_path / "nvlink-domain.json"
+    path.write_text(json.dumps(rec.to_json()))
+    assert nvlink_domain.read(str(path)) == rec
+    assert nvlink_domain.read(str(tmp_path / "none.json")) is None
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"bad\.json: not an NVLink domain record"):
+        nvlink_domain.read(str(tmp_path / "bad.json"))
+
+    def exported(record: NodeFabric | None) -> str:
+        class One(Collector):
+            def collect(self) -> Any:
+                yield from nvlink_metrics(record)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(One())
+        return generate_latest(registry).decode()
+
+    text = exported(rec)
+    assert 'slurm_resilience_gpu_nvlink_domain_info{clique_id="32766",cluster_uuid=' \
+           '"2b19cdc2-5bb1-4331-935b-fb73549bcc28",gpu="0"} 1.0' in text
+    scrapes = [cluster.Scrape("gb-a01", "http://a:1/metrics", cluster.parse(text)),
+               cluster.Scrape("gb-a02", "http://b:1/metrics", cluster.parse(exported(None))),
+               cluster.Scrape("gb-a03", "http://c:1/metrics", error="URLError: refused")]
+    records, failed = block_cli.records_from_scrapes(scrapes)
+    assert records == [rec]
+    assert failed == {
+        "gb-a02": "its agent exports no NVLink domain (has its health check run?)",
+        "gb-a03": "couldn't scrape its agent at http://c:1/metrics: URLError: refused"}
