@@ -150,10 +150,13 @@ class IncidentRunner:
             return self.finish(self._report(view, piece, run, trigger, timings,
                                             decision=decision))
         # The Protocol's deadline is on time.monotonic(), the transport's own clock.
+        # Under a launcher only the step's nodes run ranks: a spare sends no piece, and
+        # waiting for one cost every relaunch the whole rendezvous_wait_s.
+        step_nodes = [n for n in nodes if launch is None or n in launch.nodes]
         gathered = self.rdv.gather(rec.job_id, run, nodes,
-                                   time.monotonic() + hb.rendezvous_wait_s)
+                                   time.monotonic() + hb.rendezvous_wait_s, wait_for=step_nodes)
         pieces = combine(piece, gathered)
-        missing = [n for n in nodes if n not in pieces]
+        missing = [n for n in step_nodes if n not in pieces]
         ranks = sorted((r for p in pieces.values() for r in p.ranks), key=lambda r: r.rank)
         evidence = {n: p.evidence for n, p in pieces.items()}
         # Under a launcher only the step's nodes are judged: a spare's own findings (it

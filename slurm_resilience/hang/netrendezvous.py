@@ -156,10 +156,12 @@ class NetworkRendezvous:
             return
         self._store(job_id, run, st, {self.node: piece})
 
-    def gather(self, job_id: int, run: int, nodes: Sequence[str],
-               deadline: float) -> dict[str, bytes]:
-        """On the batch host: the other nodes' pieces, waiting for all until ``deadline``."""
-        wanted = set(nodes) - {self.node}
+    def gather(self, job_id: int, run: int, nodes: Sequence[str], deadline: float,
+               wait_for: Sequence[str] | None = None) -> dict[str, bytes]:
+        """On the batch host: the other nodes' pieces, waiting until ``deadline`` for those
+        of ``wait_for`` (default all of ``nodes``; a launcher's spares run no ranks and send
+        none). Pieces of the others that came in time are returned too."""
+        wanted = set(nodes if wait_for is None else wait_for) - {self.node}
         try:
             st = self._run(job_id, run, self.node, tuple(nodes))
         except MessageError as exc:
@@ -176,10 +178,10 @@ class NetworkRendezvous:
                     self._spawn(self._send_collect, job_id, run, st)
                 wait = deadline - now if st.collected else min(deadline, collect_at) - now
                 self.lock.wait(max(0.001, wait))
-            got = {n: p for n, p in st.pieces.items() if n in wanted}
-        if len(got) < len(wanted):
+            got = {n: p for n, p in st.pieces.items() if n != self.node}
+        if not wanted <= got.keys():
             log.warning("exchange: gather: pieces missing at the deadline", job_id=job_id,
-                        run=run, missing=len(wanted) - len(got), got=len(got))
+                        run=run, missing=len(wanted - got.keys()), got=len(got))
         return got
 
     def announced(self) -> list[tuple[int, int, str]]:

@@ -32,10 +32,11 @@ class Rendezvous(Protocol):
         available to the batch host's agent. Never blocks longer than the implementation's
         own bounded send timeout; failures are logged, not raised."""
 
-    def gather(self, job_id: int, run: int, nodes: Sequence[str],
-               deadline: float) -> dict[str, bytes]:
-        """On the batch host: pieces of the other nodes of this run, waiting until all are in
-        or time.monotonic() passes deadline. Keys are node names (authenticated)."""
+    def gather(self, job_id: int, run: int, nodes: Sequence[str], deadline: float,
+               wait_for: Sequence[str] | None = None) -> dict[str, bytes]:
+        """On the batch host: pieces of the other nodes of this run, waiting until those of
+        ``wait_for`` (default: all of ``nodes``) are in or time.monotonic() passes deadline.
+        Keys are node names (authenticated)."""
 
     def announced(self) -> list[tuple[int, int, str]]:
         """(job_id, run, node) for pieces that arrived for jobs whose batch host is this node
@@ -54,8 +55,8 @@ class NoRendezvous:
                 piece: bytes) -> None:
         return None
 
-    def gather(self, job_id: int, run: int, nodes: Sequence[str],
-               deadline: float) -> dict[str, bytes]:
+    def gather(self, job_id: int, run: int, nodes: Sequence[str], deadline: float,
+               wait_for: Sequence[str] | None = None) -> dict[str, bytes]:
         return {}
 
     def announced(self) -> list[tuple[int, int, str]]:
@@ -117,10 +118,10 @@ class DirRendezvous:
         finally:
             os.close(fd)
 
-    def gather(self, job_id: int, run: int, nodes: Sequence[str],
-               deadline: float) -> dict[str, bytes]:
+    def gather(self, job_id: int, run: int, nodes: Sequence[str], deadline: float,
+               wait_for: Sequence[str] | None = None) -> dict[str, bytes]:
         pieces: dict[str, bytes] = {}
-        wanted = [n for n in nodes if n != self.node]
+        wanted = [n for n in (nodes if wait_for is None else wait_for) if n != self.node]
         while True:
             for node in wanted:
                 if node in pieces:

@@ -123,6 +123,44 @@ def test_batch_host_asks_silent_nodes_to_join(munge_socket: str) -> None:
             a.close()
 
 
+class _Warnings:
+    """Stands in for the rendezvous module's logger: keeps the warnings' event names."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def warning(self, event: str, **_: object) -> None:
+        self.events.append(event)
+
+    def info(self, event: str, **_: object) -> None:
+        pass
+
+    error = debug = info
+
+
+def test_gather_waits_only_for_the_step_nodes_not_a_launchers_spare(
+        munge_socket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher's spare runs no ranks and never sends a piece: the batch host's gather
+    returns once the step's nodes are in, with nothing reported missing (it waited out
+    the whole rendezvous wait for the spare before)."""
+    from slurm_resilience.hang import netrendezvous
+
+    warnings = _Warnings()
+    monkeypatch.setattr(netrendezvous, "log", warnings)
+    nodes = ["b", "c1", "c2", "spare"]
+    agents = _agents(_cfg(nodes, fanout=3), nodes, munge_socket)
+    try:
+        for n in ("c1", "c2"):
+            agents[n].publish(12, 0, "b", nodes, _piece(n))
+        got = agents["b"].gather(12, 0, nodes, time.monotonic() + 5,
+                                 wait_for=["b", "c1", "c2"])
+        assert got == {"c1": _piece("c1"), "c2": _piece("c2")}
+        assert "exchange: gather: pieces missing at the deadline" not in warnings.events
+    finally:
+        for a in agents.values():
+            a.close()
+
+
 FORGER = """
 import json, socket, struct, subprocess, sys, time, secrets
 sock, port, job = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
