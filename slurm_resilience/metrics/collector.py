@@ -456,8 +456,8 @@ def nvlink_metrics(rec: nvlink_domain.NodeFabric | None) -> list[Metric]:
         ("state", "NVML fabric registration state (3: COMPLETED)"),
         ("status", "NVML fabric probe status (0: success)"),
         ("health_mask", "NVML fabric health mask (V3; 2-bit fields, 1 = fault)"),
-        ("health_summary", "NVML fabric health summary (1: HEALTHY, 2: UNHEALTHY, 3: "
-                           "LIMITED_CAPACITY)"))}
+        ("health", "NVML fabric health summary (1: HEALTHY, 2: UNHEALTHY, 3: "
+                   "LIMITED_CAPACITY)"))}
     at = _gauge("gpu_nvlink_domain_timestamp_seconds", "when the health gate read it")
     if rec is not None:
         at.add_metric([], rec.time)
@@ -466,7 +466,7 @@ def nvlink_metrics(rec: nvlink_domain.NodeFabric | None) -> list[Metric]:
             info.add_metric([gpu, g.cluster_uuid or "", str(g.clique_id or 0)], 1)
             for name, value in (("state", g.state), ("status", g.status),
                                 ("health_mask", g.health_mask),
-                                ("health_summary", g.health_summary)):
+                                ("health", g.health_summary)):
                 if value is not None:
                     fields[name].add_metric([gpu], value)
     return [info, *fields.values(), at]

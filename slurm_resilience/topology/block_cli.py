@@ -55,8 +55,10 @@ def records_from_scrapes(scrapes: list[Scrape]) -> tuple[list[NodeFabric], dict[
                     cluster_uuid=labels["cluster_uuid"] or None,
                     clique_id=int(labels["clique_id"]))
             elif short.startswith("gpu_fabric_") and "gpu" in labels:
-                by_gpu.setdefault(int(labels["gpu"]), {})[short.removeprefix("gpu_fabric_")] = \
-                    int(value)
+                key = short.removeprefix("gpu_fabric_")
+                # gpu_fabric_health: the summary (promtool refuses a name ending in _summary)
+                by_gpu.setdefault(int(labels["gpu"]), {})[
+                    "health_summary" if key == "health" else key] = int(value)
         if when is None or not by_gpu:
             failed[sc.node] = "its agent exports no NVLink domain (has its health check run?)"
             continue
