@@ -285,3 +285,32 @@ def test_the_agent_exports_the_record_and_topology_reads_it_back(tmp_path: Path)
     assert failed == {
         "gb-a02": "its agent exports no NVLink domain (has its health check run?)",
         "gb-a03": "couldn't scrape its agent at http://c:1/metrics: URLError: refused"}
+
+
+def test_sandbox_block_mode_installs_the_file_its_slurm_reads(tmp_path: Path) -> None:
+    """A sandbox with TopologyPlugin=topology/block: one NVLink domain per leaf, from the real
+    capture's fabric; topology.conf with BlockName= for 24.11, topology.yaml (and no
+    topology.conf) for 26.05; a node in no block is refused."""
+    from slurm_resilience.sandbox import control, slurmconf
+    from slurm_resilience.sandbox.layout import Layout
+    from slurm_resilience.topology import install
+
+    layout = Layout(state_dir=tmp_path, nodes=4, leaves=2, port_base=20000,
+                    slurm_overrides=(("TopologyPlugin", "topology/block"),))
+    assert layout.block_topology and not Layout(state_dir=tmp_path, nodes=4, leaves=2,
+                                                port_base=20000).block_topology
+    assert layout.clique_of() == {"node1": 0x7FFE, "node2": 0x7FFE, "node3": 0x7FFF,
+                                  "node4": 0x7FFF}
+    layout.etc.mkdir(parents=True)
+    layout.slurm_conf.write_text(slurmconf.slurm_conf(layout, job_submit_lua=True))
+    records = control.block_records(layout)
+    install.write_blocks(layout.etc, records, (24, 11), {}, layout.slurm_conf)
+    conf = (layout.etc / "topology.conf").read_text()
+    assert "BlockName=nvl-2b19cdc2-32766 Nodes=node[1-2]" in conf
+    assert "BlockName=nvl-2b19cdc2-32767 Nodes=node[3-4]" in conf
+    assert 'unit = "block"' in (layout.etc / "slurm-resilience-topology.lua").read_text()
+    install.write_blocks(layout.etc, records, (26, 5), {}, layout.slurm_conf)
+    assert not (layout.etc / "topology.conf").exists()
+    assert "block: nvl-2b19cdc2-32767" in (layout.etc / "topology.yaml").read_text()
+    with pytest.raises(install.InstallError, match="node4: no NVLink domain record"):
+        install.write_blocks(layout.etc, records[:3], (24, 11), {}, layout.slurm_conf)
