@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slurm_resilience import events
+from slurm_resilience.clock import SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.hang import detect, jobrecord
@@ -68,7 +69,7 @@ def cpu(fn: Any, n: int) -> float:
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     steps = StepWatch(lambda: Config().stragglers, "n1", StragglerRecord(str(tmp / "s.json")),
-                      time.time)
+                      SystemClock())
     all_views = [views(i) for i in range(1, 121)]
     for v in all_views[:100]:
         steps.observe(v)  # windows full

@@ -1,5 +1,6 @@
 --[[
-slurm-resilience job_submit.lua: keep each tightly coupled job under one InfiniBand leaf.
+slurm-resilience job_submit.lua: keep each tightly coupled job under one InfiniBand leaf,
+or within one NVLink block (GB200 NVL72, TopologyPlugin=topology/block).
 
 Install: beside slurm.conf (JobSubmitPlugins=lua), with the data file that
 `slurm-resilience topology generate` writes (slurm-resilience-topology.lua) in
@@ -15,6 +16,10 @@ For a job with min_nodes > 1 that did not pass --switches itself:
     [leaf_a|leaf_b|...] (leaves big enough, largest first) ANDed with the
     user's own constraint. A constraint that already has brackets (or node
     counts) is left alone: Slurm rejects a second bracketed set.
+  * NVLink blocks (data generated --from-nvlink-domains, unit "block"): the
+    blocks are the leaves of mode "tree"; topology/block reads req_switch = 1
+    as one block. A job larger than any block is left to Slurm's own block
+    placement and to the user's --segment (Slurm 24.05+).
 Opt-outs: a partition in opt_out_partitions; the variable named opt_out_env
 (default SLURM_RESILIENCE_LEAF_PIN) set to off/0/no/false in the batch job's
 environment (job_desc.environment exists for batch jobs only) or in the SPANK
@@ -87,13 +92,16 @@ end
 
 local DATA, LOAD_ERROR = load_data(script_dir() .. "/" .. DATA_FILE)
 local TABLES = {}
+local UNIT = "leaf" -- what a leaf is: an InfiniBand leaf, or an NVLink block (GB200 NVL72)
 if DATA then
 	local max_feature = DATA.max_feature_leaves or 64
 	TABLES[""] = prepare(DATA.leaves, max_feature)
 	for name, leaves in pairs(DATA.partitions or {}) do
 		TABLES[name] = prepare(leaves, max_feature)
 	end
-	slurm.log_info("%s: loaded %d leaves (largest %d nodes), mode %s", TAG, TABLES[""].count,
+	UNIT = DATA.unit or "leaf"
+	slurm.log_info("%s: loaded %d %s (largest %d nodes), mode %s", TAG, TABLES[""].count,
+		UNIT == "block" and "NVLink blocks" or "leaves",
 		TABLES[""].sizes[1] or 0, tostring(DATA.mode))
 else
 	slurm.log_error("%s: couldn't load %s: %s; jobs are not pinned", TAG, DATA_FILE,
@@ -197,14 +205,19 @@ local function decide(job_desc)
 	local fits = leaves_fitting(t, n)
 	if DATA.mode == "feature" then
 		if fits == 0 then
-			return "left alone: larger than any leaf (" .. (t.sizes[1] or 0) .. " nodes)"
+			return "left alone: larger than any " .. UNIT .. " (" .. (t.sizes[1] or 0) .. " nodes)"
 		end
 		return pin_feature(job_desc, t, fits)
 	end
 	local want = 1
 	if fits == 0 then
 		if DATA.large_jobs ~= "min-leaves" then
-			return "left alone: larger than any leaf (" .. (t.sizes[1] or 0) .. " nodes)"
+			local more = ""
+			if UNIT == "block" then
+				more = ": Slurm's block placement (and the job's --segment) splits it"
+			end
+			return "left alone: larger than any " .. UNIT .. " (" .. (t.sizes[1] or 0)
+				.. " nodes)" .. more
 		end
 		want = nil
 		for i = 1, t.count do

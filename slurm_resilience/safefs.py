@@ -20,9 +20,10 @@ import errno
 import os
 import stat
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from slurm_resilience.clock import Clock, SystemClock
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -336,7 +337,7 @@ class RemovalBudget:
 
     max_entries: int | None = None
     max_seconds: float | None = None
-    clock: Callable[[], float] = field(default=time.monotonic)
+    clock: Clock = field(default_factory=SystemClock)
 
 
 class RemovalIncomplete(Exception):
@@ -372,7 +373,7 @@ def remove_tree_at(parent_fd: int, name: str, *, missing_ok: bool = False,
         os.unlink(name, dir_fd=parent_fd)  # a link is removed, never its target
         return 1
     budget = budget or RemovalBudget()
-    started = budget.clock()
+    started = budget.clock.monotonic()
     top = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     stack = [_Level(top, os.scandir(top), name)]
     removed = 0
@@ -381,7 +382,8 @@ def remove_tree_at(parent_fd: int, name: str, *, missing_ok: bool = False,
         while stack:
             if budget.max_entries is not None and removed >= budget.max_entries:
                 raise RemovalIncomplete(name, removed, f"entry budget {budget.max_entries} spent")
-            if budget.max_seconds is not None and budget.clock() - started > budget.max_seconds:
+            if (budget.max_seconds is not None
+                    and budget.clock.monotonic() - started > budget.max_seconds):
                 raise RemovalIncomplete(name, removed, f"time budget {budget.max_seconds}s spent")
             level = stack[-1]
             entry = next(level.entries, None)

@@ -68,8 +68,7 @@ class FakeClock:
 
     Monotonic time starts at ``start`` and wall time at ``wall``; with ``real=True`` both
     are the real clocks moved forward by what was slept and advanced (for files stamped
-    with real times). Called, it gives monotonic time, so it also fits the parameters
-    that take a ``() -> float``.
+    with real times).
     """
 
     def __init__(self, start: float = 0.0, *, wall: float = 1_700_000_000.0,
@@ -93,7 +92,4 @@ class FakeClock:
 
     @property
     def now(self) -> float:
-        return self.monotonic()
-
-    def __call__(self) -> float:
         return self.monotonic()

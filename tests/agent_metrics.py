@@ -23,6 +23,7 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.nodes import Verdict
 from slurm_resilience.stragglers.record import StragglerRecord
+from slurm_resilience.testing import FakeClock
 
 NAME = re.compile(r"\bslurm_resilience_[a-z0-9_]+")
 
@@ -41,7 +42,7 @@ def exported(tmp_path: Path) -> set[str]:
         {"variant": "nvlink", "busbw_gbps": {"1": 1.0}, "expected_gbps": 1.0}]}, boot="b")
     watcher = Watcher()
     watch = StepWatch(lambda: cfg.stragglers, "n1", StragglerRecord(str(tmp_path / "s.json")),
-                      lambda: 1e6)
+                      FakeClock(wall=1e6))
     feed(watcher, watch, 7, 80, slow_rank=1)  # type: ignore[arg-type]
     watch.named_node[7] = Verdict(7, "n1", "n0", 1.3, 1.0)  # named by the job's judge
     ledger = Ledger(str(tmp_path / "goodput"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
-from collections.abc import Callable
+
+from slurm_resilience.clock import Clock, SystemClock
 
 # The agent's answer, one JSON object; callers check the type of each field they use.
 Answer = dict[str, object]
@@ -23,26 +23,26 @@ class AgentRefused(Exception):
 
 
 def call(path: str, op: str, *, timeout: float = 5.0,
-         clock: Callable[[], float] = time.monotonic,
-         sleep: Callable[[float], object] = time.sleep, **args: object) -> Answer:
+         clock: Clock = SystemClock(), **args: object) -> Answer:
     """Send one request and return the answer; raises on transport errors and refusals.
 
     An agent over its connection caps answers "busy" at once; the call tries again, with
     a growing pause, until ``timeout`` has passed (a burst of a job's own ranks gets
     through), then raises :class:`AgentUnavailable` like an agent that can't be reached.
+    The wait is read and slept on ``clock``.
     """
     request = json.dumps({"op": op, **args}).encode() + b"\n"
-    deadline = clock() + timeout
+    deadline = clock.monotonic() + timeout
     pause = BUSY_PAUSE_S
     while True:
-        answer = _once(path, request, max(deadline - clock(), 0.01))
+        answer = _once(path, request, max(deadline - clock.monotonic(), 0.01))
         if not answer.get("busy"):
             break
-        left = deadline - clock()
+        left = deadline - clock.monotonic()
         if left <= 0:
             raise AgentUnavailable(f"agent: couldn't get a connection at {path}: "
                                    f"{answer.get('error', 'busy')}")
-        sleep(min(pause, left))
+        clock.sleep(min(pause, left))
         pause = min(pause * 2, 0.5)
     if not answer.get("ok"):
         raise AgentRefused(str(answer.get("error", "refused")))

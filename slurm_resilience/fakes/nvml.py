@@ -31,6 +31,7 @@ import ctypes
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,19 @@ def default_gpu(index: int) -> dict[str, Any]:
         "lost": False,
         "errors": {},
     }
+
+
+# A GB200 NVL72 GPU's fabric as NCCL's MNNVL line printed it on a real tray (tests/fixtures/
+# nvlink-fabric/nccl-info-mnnvl_gb200-4gpu_healthmask-0xaa.txt): registered, every
+# health field FALSE (mask 0xaa). nvl72_fabric() puts it in another clique of that cluster.
+NVL72_FABRIC: dict[str, Any] = {
+    "state": C.NVML_GPU_FABRIC_STATE_COMPLETED, "status": C.NVML_SUCCESS,
+    "health_mask": 0xAA, "health_summary": C.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY,
+    "clique_id": 0x7FFE, "cluster_uuid": "2b19cdc2-5bb1-4331-935b-fb73549bcc28"}
+
+
+def nvl72_fabric(clique_id: int | None = None) -> dict[str, Any]:
+    return dict(NVL72_FABRIC, **({} if clique_id is None else {"clique_id": clique_id}))
 
 
 def default_scenario(gpus: int = 8) -> dict[str, Any]:
@@ -548,7 +562,17 @@ def nvmlDeviceGetGpuFabricInfoV(handle: _Handle, gpuFabricInfo: Any) -> int:
     info.status = int(fab.get("status", 0))
     info.healthMask = int(fab.get("health_mask", 0))
     info.healthSummary = int(fab.get("health_summary", 0))
+    _identity(info, fab)
     return C.NVML_SUCCESS
+
+
+def _identity(info: Any, fab: dict[str, Any]) -> None:
+    """The NVLink domain's cluster UUID (a UUID string in the scenario) and clique id;
+    zeros where the scenario has none, as NVML answers on a GPU outside any domain."""
+    raw = uuid.UUID(fab["cluster_uuid"]).bytes if fab.get("cluster_uuid") else bytes(16)
+    for i, byte in enumerate(raw):
+        info.clusterUuid[i] = byte
+    info.cliqueId = int(fab.get("clique_id") or 0)
 
 
 def nvmlDeviceGetGpuFabricInfo(handle: _Handle, gpuFabricInfo: Any) -> int:
@@ -558,4 +582,5 @@ def nvmlDeviceGetGpuFabricInfo(handle: _Handle, gpuFabricInfo: Any) -> int:
     info = gpuFabricInfo._obj if hasattr(gpuFabricInfo, "_obj") else gpuFabricInfo
     info.state = int(fab["state"])
     info.status = int(fab.get("status", 0))
+    _identity(info, fab)
     return C.NVML_SUCCESS

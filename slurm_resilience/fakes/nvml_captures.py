@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import re
+import uuid
 from typing import Any
 
 from slurm_resilience.fakes import nvml as N
+from slurm_resilience.fakes import nvml_fabric
 
 # -- building scenarios from real nvidia-smi -q output ----------------------------------------
 
@@ -163,11 +165,10 @@ def _gpu_from_smi(bus_id: str, block: dict[str, Any]) -> dict[str, Any]:
             "pending": remap.get("Pending") == "Yes",
             "failure": remap.get("Remapping Failure Occurred") == "Yes"}
     if isinstance(fabric, dict):
-        states = {"N/A": 0, "Not Supported": 0, "Not Started": 1, "In Progress": 2,
-                  "Completed": 3}
-        gpu["fabric"] = {"state": states.get(str(fabric.get("State")), 0),
-                         "status": 0 if fabric.get("Status") in ("Success", "N/A") else 999,
-                         "health_mask": 0, "health_summary": 0}
+        health = fabric.get("Health")
+        gpu["fabric"] = nvml_fabric.entry(
+            {k.lower(): str(v) for k, v in fabric.items() if not isinstance(v, dict)},
+            {k.lower(): str(v) for k, v in health.items()} if isinstance(health, dict) else {})
     return gpu
 
 
@@ -325,7 +326,9 @@ def _gpu_from_raw(g: dict[str, Any]) -> dict[str, Any]:
         "fabric": None if fabric is None else
         {"state": int(fabric.get("state", 0)), "status": int(fabric.get("status", 0)),
          "health_mask": int(fabric.get("healthMask", 0)),
-         "health_summary": int(fabric.get("healthSummary", 0))},
+         "health_summary": int(fabric.get("healthSummary", 0)),
+         "clique_id": int(fabric.get("cliqueId", 0)),
+         "cluster_uuid": str(uuid.UUID(bytes=bytes(fabric.get("clusterUuid", [0] * 16)[:16])))},
         "lost": False,
         "errors": errors,
     }

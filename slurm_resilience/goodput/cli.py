@@ -15,9 +15,17 @@ from typing import Any
 from slurm_resilience import config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.goodput import compute
-from slurm_resilience.goodput.ledger import JobTimes, Ledger, from_json, merge, note_hangs
+from slurm_resilience.goodput.ledger import (
+    JobTimes,
+    Ledger,
+    chain_relaunches,
+    from_json,
+    merge,
+    note_hangs,
+)
 from slurm_resilience.hang.incident import reports_of_job
 from slurm_resilience.hang.status import incident_dir
+from slurm_resilience.heartbeat.attempt import relaunch_of, restarts_of
 from slurm_resilience.slurm.adapter import from_config
 from slurm_resilience.slurm.jobfacts import SlurmFacts, slurm_facts
 from slurm_resilience.slurm.parse import JobRun
@@ -65,10 +73,11 @@ def only_their_runs(parts: Mapping[str, JobTimes | None], runs: list[JobRun]) ->
         if part is None:
             continue
         for n in sorted(part.runs):
-            if n < len(runs) and runs[n].nodes and node not in runs[n].nodes:
+            acct = restarts_of(n)  # a relaunch runs inside its restart's allocation
+            if acct < len(runs) and runs[acct].nodes and node not in runs[acct].nodes:
                 del part.runs[n]
-                notes.append(f"{node}'s record of run {n} left out: the run's allocation "
-                             f"({','.join(runs[n].nodes)}) did not include it")
+                notes.append(f"{node}'s record of {compute.run_label(n)} left out: the run's "
+                             f"allocation ({','.join(runs[acct].nodes)}) did not include it")
     return notes
 
 
@@ -98,8 +107,9 @@ def job_breakdown(cfg: config.Config, parts: Mapping[str, JobTimes | None], job_
     if facts.info is not None:
         info = facts.info
         over, completed = info.state not in RUNNING_STATES, info.state == "COMPLETED"
-        if not over and max(job.runs) == info.restarts:
-            job.runs[max(job.runs)].end = now  # still running: up to now
+        newest = max(job.runs, key=compute.in_order)
+        if not over and restarts_of(newest) == info.restarts:
+            job.runs[newest].end = now  # still running: up to now
     elif facts.gone:
         completed = bool(acct) and acct[-1].state == "COMPLETED"
         notes.append("slurmctld no longer knows the job: every run is over"
@@ -107,6 +117,7 @@ def job_breakdown(cfg: config.Config, parts: Mapping[str, JobTimes | None], job_
     else:
         notes.append(f"couldn't ask Slurm about the job ({facts.info_error}); the last run "
                      "is taken as ended where the agent last saw it")
+    chain_relaunches(job)
     b = compute.breakdown(job_id, [r.to_run() for r in job.runs.values()], over, completed)
     return compute.Breakdown(b.job_id, b.runs, tuple(notes) + b.notes)
 
@@ -114,16 +125,17 @@ def job_breakdown(cfg: config.Config, parts: Mapping[str, JobTimes | None], job_
 def allocation_times(job: JobTimes, runs: list[JobRun]) -> str:
     """Each run's start and end from Slurm accounting, where it has them: the right source
     for what was allocated. Runs are matched in order (sacct --duplicates lists them oldest
-    first, as the restart count numbers them)."""
+    first, as the restart count numbers them). Relaunches inside one allocation share it:
+    the first starts with it, the last ends with it (chain_relaunches joins the rest)."""
     used = 0
     for n, acct in enumerate(runs):
-        r = job.runs.get(n)
-        if r is None:
+        within = sorted((k for k in job.runs if restarts_of(k) == n), key=compute.in_order)
+        if not within:
             continue
         if acct.start is not None:
-            r.start = acct.start
+            job.runs[within[0]].start = acct.start
         if acct.end is not None:
-            r.end = acct.end
+            job.runs[within[-1]].end = acct.end
         used += 1
     return f"allocation times of {used} run(s) from Slurm accounting (sacct)"
 
@@ -134,7 +146,8 @@ def to_json(b: compute.Breakdown) -> dict[str, Any]:
             "losses_s": {k: round(v, 3) for k, v in b.losses.items()},
             "unexplained_s": round(b.unexplained_s, 3),
             "explained_share": round(b.explained_share, 4),
-            "runs": [asdict(r) for r in b.runs], "notes": list(b.notes)}
+            "runs": [{**asdict(r), "restarts": restarts_of(r.run), "relaunch": relaunch_of(r.run)}
+                     for r in b.runs], "notes": list(b.notes)}
 
 
 def gather(cfg: config.Config, nodes: list[str], job_id: int, timeout: float

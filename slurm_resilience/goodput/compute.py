@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from slurm_resilience.heartbeat.attempt import relaunch_of, restarts_of
+
 CATEGORIES = ("before_first_step", "stagein", "checkpoint_stall", "lost_since_checkpoint",
               "hung_before_detection", "restart", "after_last_step", "planned_restart")
 EXPLAINED_MIN = 0.95  # productive + losses cover at least this share of the allocation
@@ -168,15 +170,26 @@ def run_breakdown(r: Run, ended: bool, ok: bool = False) -> RunBreakdown:
     return RunBreakdown(r.run, allocated, productive, losses, rest - productive, True)
 
 
+def in_order(run: int) -> tuple[int, int]:
+    """A run's place in time: Slurm's restarts, then the launcher's relaunch inside that
+    allocation (run numbers are ``restarts + 1000 * relaunch``, heartbeat.attempt)."""
+    return restarts_of(run), relaunch_of(run)
+
+
+def run_label(run: int) -> str:
+    restarts, relaunch = in_order(run)
+    return f"run {restarts}" + (f" relaunch {relaunch}" if relaunch else "")
+
+
 def breakdown(job_id: int, runs: Sequence[Run], last_over: bool, completed: bool = False
               ) -> Breakdown:
     """``last_over``: the newest run is over too; ``completed``: the job completed."""
-    ordered = sorted(runs, key=lambda r: r.run)
+    ordered = sorted(runs, key=lambda r: in_order(r.run))
     last = len(ordered) - 1
     out = tuple(run_breakdown(r, last_over or i < last, completed and i == last)
                 for i, r in enumerate(ordered))
-    guessed = [r.run for r in out if not r.measured and r.allocated_s > 0]
-    notes = (f"no step times recorded for run(s) {', '.join(map(str, guessed))}: their "
+    guessed = [run_label(r.run) for r in out if not r.measured and r.allocated_s > 0]
+    notes = (f"no step times recorded for {', '.join(guessed)}: their "
              "productive time is what the losses leave",) if guessed else ()
     return Breakdown(job_id, out, notes)
 
@@ -196,7 +209,8 @@ def render(b: Breakdown) -> str:
                     f" (under {EXPLAINED_MIN:.0%}: some loss is not measured)"))
     for r in b.runs:
         lost = ", ".join(f"{c.replace('_', ' ')} {s:.1f}s" for c, s in r.losses.items() if s)
-        lines.append(f"  run {r.run}: {r.allocated_s:.1f} s allocated, {r.productive_s:.1f} s "
+        lines.append(f"  {run_label(r.run)}: {r.allocated_s:.1f} s allocated, "
+                     f"{r.productive_s:.1f} s "
                      f"productive" + (f"; {lost}" if lost else ""))
     lines += [f"  note: {n}" for n in b.notes]
     return "\n".join(lines) + "\n"

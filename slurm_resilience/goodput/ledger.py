@@ -22,6 +22,7 @@ than one tick is missed from the stall time (it is sampled).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -30,9 +31,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from slurm_resilience.goodput.compute import Hang, Run
+from slurm_resilience.goodput.compute import Hang, Run, in_order
 from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.heartbeat import slot as S
+from slurm_resilience.heartbeat.attempt import restarts_of
 from slurm_resilience.log import get_logger
 
 log = get_logger("goodput")
@@ -138,6 +140,21 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
             if r.beats_at_checkpoint is not None:
                 m.beats_at_checkpoint = max(m.beats_at_checkpoint or 0, r.beats_at_checkpoint)
     return out
+
+
+def chain_relaunches(job: JobTimes) -> None:
+    """Relaunches inside one allocation follow each other: each starts where the one before
+    it ended. A node's record of a relaunch starts at the job's start on that node (a spare
+    joined with its prolog's time), which would count the allocation twice."""
+    by_restarts: dict[int, list[RunTimes]] = {}
+    for n in sorted(job.runs, key=in_order):
+        by_restarts.setdefault(restarts_of(n), []).append(job.runs[n])
+    for runs in by_restarts.values():
+        for before, after in itertools.pairwise(runs):
+            if after.start < before.end:
+                after.start = min(before.end, after.end)
+            if after.first_step_at is not None and after.first_step_at < after.start:
+                after.first_step_at = after.start
 
 
 def _pick(fn: Any, a: float | None, b: float | None) -> float | None:
@@ -253,6 +270,7 @@ class Ledger:
         changed = False
         if r is None:
             r = job.runs[run_no] = RunTimes(run_no, view.record.started, now)
+            chain_relaunches(job)  # a relaunch starts where the run before it ended
             while len(job.runs) > MAX_RUNS:
                 del job.runs[min(job.runs)]
             if len(job.runs) > 1 and self.incident_dir:

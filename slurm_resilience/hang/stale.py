@@ -85,7 +85,7 @@ class StaleSweeper:
             for name in os.listdir(sfd):
                 left_s = self.max_s - (self.clock.monotonic() - started)
                 budget = RemovalBudget(max_entries=self.max_entries - removed,
-                                       max_seconds=max(left_s, 0.0), clock=self.clock.monotonic)
+                                       max_seconds=max(left_s, 0.0), clock=self.clock)
                 removed += remove_tree_at(sfd, name, missing_ok=True, budget=budget)
         except RemovalIncomplete as exc:
             removed += exc.removed

@@ -88,7 +88,7 @@ def _clear_leftover(fd: int, root: str, name: str, ctx: HookContext, run: Runner
     budget_s = run_dir_remove_s(ctx.cfg, "hooks.prolog_timeout_s")
     log.warning("prolog: couldn't set a leftover job run directory aside; removing it within "
                 "the prolog's budget", name=name, error=why, budget_s=budget_s)
-    remove_tree(fd, name, RemovalBudget(max_seconds=budget_s, clock=clock.monotonic))
+    remove_tree(fd, name, RemovalBudget(max_seconds=budget_s, clock=clock))
     return run
 
 
@@ -190,7 +190,7 @@ def epilog_run_dir(ctx: HookContext, *, run: Runner | None = None,
                       job_id=ctx.job_id, error=str(exc))
         try:
             removed = remove_tree(fd, name,
-                                  RemovalBudget(max_seconds=budget_s, clock=clock.monotonic))
+                                  RemovalBudget(max_seconds=budget_s, clock=clock))
             log.debug("job run directory removed", job_id=ctx.job_id, entries=removed)
         except RemovalIncomplete as exc:
             _hand_off(fd, name, ctx.job_id, budget_s, str(exc))

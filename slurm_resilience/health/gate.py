@@ -30,6 +30,8 @@ from slurm_resilience.health.findings import (
     warn,
     with_gpu_identity,
 )
+from slurm_resilience.health.nvlink_domain import RECORD as NVLINK_RECORD
+from slurm_resilience.health.nvlink_domain import NodeFabric
 from slurm_resilience.health.verdict import Verdict, decide
 from slurm_resilience.log import get_logger
 
@@ -186,6 +188,20 @@ def _gpu_map(store: StateStore, snap: NvmlSnapshot | None) -> dict[str, int]:
     return merged
 
 
+def _record_nvlink_domain(store: StateStore, node: str, snap: NvmlSnapshot | None) -> None:
+    """Save the GPUs' NVLink fabric (domain and health) when it changed: what
+    ``topology generate --from-nvlink-domains`` groups nodes by."""
+    if snap is None or not any(g.fabric is not None for g in snap.gpus):
+        return
+    now = NodeFabric.from_snapshot(node, snap, time.time())
+    try:
+        saved = NodeFabric.from_json(store.load(NVLINK_RECORD)) if store.directory else None
+    except (ValueError, TypeError):
+        saved = None
+    if saved is None or not saved.same_fabric(now):
+        store.save_or_say(NVLINK_RECORD, now.to_json())
+
+
 def _identities(snap: NvmlSnapshot | None, known: dict[str, int]
                 ) -> dict[int, dict[str, str | None]]:
     """GPU index → PCI address and serial; a GPU NVML no longer lists keeps the address it
@@ -267,6 +283,7 @@ def run(cfg: Config, node: str, kind: str, *, expected_gpus: int | None = None,
                     snaps[source.name] = o.value
         gpu_snap = NvmlSnapshot.from_json(snaps["gpu"]) if "gpu" in snaps else None
         gpu_by_pci = _gpu_map(store, gpu_snap)
+        _record_nvlink_domain(store, node, gpu_snap)
         facts = RunFacts(cfg, kind, names, store.directory, time.time(), expected_gpus,
                          job_gpus, job_start, gpu_snap, gpu_by_pci)
         for spec in sorted(wanted, key=lambda s: not s.first):

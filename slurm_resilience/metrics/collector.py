@@ -24,9 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from slurm_resilience import __version__, events
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.goodput import compute as goodput
 from slurm_resilience.goodput.saves import SaveStats
 from slurm_resilience.goodput.service import GoodputSnapshot
+from slurm_resilience.health import nvlink_domain
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import observe
 from slurm_resilience.metrics.configstate import ConfigWatch
@@ -101,6 +103,7 @@ class AgentSources:
     goodput: GoodputSource | None = None
     agent: Any = None  # agent.daemon.Agent (server stats, tick failures)
     services: tuple[str, ...] = ()
+    nvlink_path: str = ""  # the health gate's NVLink domain record (GB200 NVL72)
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -112,7 +115,7 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
 
 
 class AgentCollector(Collector):
-    def __init__(self, sources: AgentSources, clock: Callable[[], float] = time.time):
+    def __init__(self, sources: AgentSources, clock: Clock = SystemClock()):
         self.s = sources
         self.clock = clock
         self.errors: dict[str, int] = {}
@@ -125,7 +128,8 @@ class AgentCollector(Collector):
             errors: dict[str, int] = {}
             parts: list[tuple[str, Callable[[], Iterator[Metric]]]] = [
                 ("agent", self._agent), ("events", self._events), ("heartbeat", self._jobs),
-                ("checkpoint", self._checkpoint), ("nccl", self._nccl)]
+                ("checkpoint", self._checkpoint), ("nccl", self._nccl),
+                ("nvlink", self._nvlink)]
             out: list[Metric] = []
             for part, fn in parts:
                 try:
@@ -442,6 +446,36 @@ class AgentCollector(Collector):
         elif entry and entry.get("corrupt"):
             raise ValueError(f"{self.s.nccl_path}: unreadable NCCL result")
         yield from (bw, th, ok, at)
+
+
+    def _nvlink(self) -> Iterator[Metric]:
+        """The node's NVLink domain as its health gate last recorded it: what
+        ``topology generate --from-agents`` groups nodes into Slurm blocks by."""
+        yield from nvlink_metrics(nvlink_domain.read(self.s.nvlink_path)
+                                  if self.s.nvlink_path else None)
+
+
+def nvlink_metrics(rec: nvlink_domain.NodeFabric | None) -> list[Metric]:
+    info = _gauge("gpu_nvlink_domain_info", "1 per GPU in an NVLink fabric: its domain "
+                  "(NVML fabric cluster UUID and clique id)", ["gpu", "cluster_uuid", "clique_id"])
+    fields = {name: _gauge(f"gpu_fabric_{name}", doc, ["gpu"]) for name, doc in (
+        ("state", "NVML fabric registration state (3: COMPLETED)"),
+        ("status", "NVML fabric probe status (0: success)"),
+        ("health_mask", "NVML fabric health mask (V3; 2-bit fields, 1 = fault)"),
+        ("health", "NVML fabric health summary (1: HEALTHY, 2: UNHEALTHY, 3: "
+                   "LIMITED_CAPACITY)"))}
+    at = _gauge("gpu_nvlink_domain_timestamp_seconds", "when the health gate read it")
+    if rec is not None:
+        at.add_metric([], rec.time)
+        for g in rec.gpus:
+            gpu = str(g.index)
+            info.add_metric([gpu, g.cluster_uuid or "", str(g.clique_id or 0)], 1)
+            for name, value in (("state", g.state), ("status", g.status),
+                                ("health_mask", g.health_mask),
+                                ("health", g.health_summary)):
+                if value is not None:
+                    fields[name].add_metric([gpu], value)
+    return [info, *fields.values(), at]
 
 
 def nccl_path(state_dir: str, node: str) -> str:

@@ -19,6 +19,8 @@ from slurm_resilience import events
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
+from slurm_resilience.health import nvlink_domain
+from slurm_resilience.health.gate import state_dir as health_state_dir
 from slurm_resilience.log import get_logger
 from slurm_resilience.metrics import http
 from slurm_resilience.metrics.collector import AgentCollector, AgentSources, nccl_path
@@ -62,7 +64,8 @@ class MetricsService:
             nccl_path=nccl_path(cfg.node.state_dir, node), watcher=self.watcher,
             uploader=services.get("checkpoint"), stragglers=self.stragglers,
             goodput=self.goodput, agent=agent,
-            services=tuple(sorted([*services, self.name])))
+            services=tuple(sorted([*services, self.name])),
+            nvlink_path=nvlink_domain.path_for(health_state_dir(cfg, node)))
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = AgentCollector(self.sources)
         self.registry.register(self.collector)

@@ -22,10 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from slurm_resilience import config
+from slurm_resilience.fakes import nvml
+from slurm_resilience.health.nvlink_domain import GpuFabric, NodeFabric
 from slurm_resilience.log import get_logger
 from slurm_resilience.proc import Runner
 from slurm_resilience.sandbox import (
@@ -176,6 +179,14 @@ def write_files(layout: Layout) -> None:
     # topology.conf and job_submit.lua's data come from the topology generator, as on a site.
     topology_install.write_generated(L.etc, slurmconf.topology_conf(L),
                                      resilience_conf.sections(L).get("topology", {}), L.slurm_conf)
+    (L.etc / "topology.yaml").unlink(missing_ok=True)  # Slurm would read it over topology.conf
+    if L.block_topology:
+        # An NVL72 sandbox: the block topology from the nodes' stand-in NVLink domains, in
+        # the file this Slurm reads (topology.conf, or topology.yaml from 25.05).
+        version = SlurmAdapter(slurm_conf=str(L.slurm_conf)).slurm_version()
+        topology_install.write_blocks(L.etc, block_records(L), version,
+                                      resilience_conf.sections(L).get("topology", {}),
+                                      L.slurm_conf)
     _write(L.healthcheck_wrapper, slurmconf.healthcheck_wrapper(L))
     L.healthcheck_wrapper.chmod(0o755)
     (L.etc / "rclone.conf").touch()
@@ -189,6 +200,25 @@ def write_files(layout: Layout) -> None:
             fh.write(f"SR{secrets.token_hex(8).upper()} {secrets.token_urlsafe(24)}\n")
     write_resilience_conf(L, resilience_conf.sections(L))
     save_layout(L)
+
+
+def fabric_of(layout: Layout) -> dict[str, dict[str, Any]]:
+    """Block mode: each node's GPUs' NVLink fabric (the real GB200 capture's, one clique per
+    leaf); otherwise none (HGX H100 stand-ins)."""
+    if not layout.block_topology:
+        return {}
+    return {node: nvml.nvl72_fabric(clique) for node, clique in layout.clique_of().items()}
+
+
+def block_records(layout: Layout) -> list[NodeFabric]:
+    """The NVLink domain records the nodes' health gates will save, from their stand-ins."""
+    out = []
+    for node, entry in fabric_of(layout).items():
+        gpus = [GpuFabric(i, entry["state"], entry["status"], entry["cluster_uuid"],
+                          entry["clique_id"], entry["health_mask"], entry["health_summary"])
+                for i in range(hardware.GPUS)]
+        out.append(NodeFabric(node, 0.0, gpus))
+    return out
 
 
 def write_resilience_conf(layout: Layout, sections: dict[str, dict[str, object]]) -> None:
@@ -235,7 +265,7 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
     ensure_packages(runner, install=install)
     start = time.monotonic()
     write_files(layout)
-    hardware.prepare_node_hardware(layout.state_dir, layout.node_names)
+    hardware.prepare_node_hardware(layout.state_dir, layout.node_names, fabric_of(layout))
     env = daemon_env(layout)
     try:
         for stage in STAGES:

@@ -18,12 +18,14 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurm_resilience.fakes import nvml, sysfs
 from slurm_resilience.log import get_logger
@@ -103,7 +105,13 @@ def reset_node(hw: NodeHardware) -> None:
     ``renameat2(RENAME_EXCHANGE)``, so a reader sees the old tree or the new one,
     never a missing or half-built path.
     """
-    nvml.write_scenario(str(hw.scenario), nvml.default_scenario(GPUS))
+    scenario = nvml.default_scenario(GPUS)
+    fabric = hw.scenario.with_suffix(".fabric.json")
+    if fabric.exists():  # an NVL72 node: its GPUs' NVLink domain
+        entry = json.loads(fabric.read_text())
+        for gpu in scenario["gpus"]:
+            gpu["fabric"] = dict(entry)
+    nvml.write_scenario(str(hw.scenario), scenario)
     hw.sysfs.parent.mkdir(parents=True, exist_ok=True)
     fresh = hw.sysfs.with_name(f".{hw.sysfs.name}.new-{uuid.uuid4().hex[:8]}")
     sysfs.build(str(fresh), HCAS)
@@ -184,11 +192,19 @@ def swap_in(fresh: Path, target: Path) -> None:
     shutil.rmtree(fresh)
 
 
-def prepare_node_hardware(state_dir: Path, nodes: list[str]) -> list[NodeHardware]:
-    """Give every sandbox node healthy stand-in hardware (called by ``sandbox up``)."""
+def prepare_node_hardware(state_dir: Path, nodes: list[str],
+                          fabric_of: Mapping[str, dict[str, Any]] | None = None
+                          ) -> list[NodeHardware]:
+    """Give every sandbox node healthy stand-in hardware (called by ``sandbox up``);
+    ``fabric_of``: node → its GPUs' NVLink fabric entry (GB200 NVL72), kept across resets."""
     out = []
     for node in nodes:
         hw = locate(state_dir, node)
+        fabric = hw.scenario.with_suffix(".fabric.json")
+        if fabric_of and node in fabric_of:
+            replace_text(fabric, json.dumps(fabric_of[node]))
+        elif fabric.exists():
+            fabric.unlink()
         reset_node(hw)
         out.append(hw)
     return out

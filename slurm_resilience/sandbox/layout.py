@@ -21,6 +21,9 @@ S3_OFFSET = 99
 AGENT_OFFSET = 50
 METRICS_OFFSET = 74
 MAX_NODES = min(S3_OFFSET - METRICS_OFFSET - 1, METRICS_OFFSET - AGENT_OFFSET)
+# Block mode: leaf i is the NVLink domain with clique id CLIQUE_BASE + i (the real GB200
+# capture's clique 0x7ffe for the first).
+CLIQUE_BASE = 0x7FFE
 BUCKET = "ckpt"
 
 
@@ -65,6 +68,16 @@ class Layout:
         for i, node in enumerate(self.node_names):
             out[node] = self.leaf_names[i * self.leaves // self.nodes]
         return out
+
+    @property
+    def block_topology(self) -> bool:
+        """TopologyPlugin=topology/block: each leaf is an NVLink domain (an NVL72 rack)."""
+        return dict(self.slurm_overrides).get("TopologyPlugin") == "topology/block"
+
+    def clique_of(self) -> dict[str, int]:
+        """Node → the clique id of its NVLink domain (block mode: one per leaf)."""
+        return {node: CLIQUE_BASE + self.leaf_names.index(leaf)
+                for node, leaf in self.leaf_of().items()}
 
     @property
     def cluster_name(self) -> str:

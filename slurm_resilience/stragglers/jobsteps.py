@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from slurm_resilience.clock import Clock
 from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.hang.jobrecord import JobRecord
 from slurm_resilience.hang.localpiece import JobView
@@ -63,12 +64,12 @@ class StepWatch:
     """Fed by the agent with the hang watcher's job views (one call per tick)."""
 
     def __init__(self, cfg: Callable[[], StragglerSection], node: str, record: StragglerRecord,
-                 wall: Callable[[], float], on_named: Callable[[int, list[Entry]], None]
+                 clock: Clock, on_named: Callable[[int, list[Entry]], None]
                  | None = None):
         self.cfg = cfg
         self.node = node
         self.record = record
-        self.wall = wall
+        self.clock = clock  # its wall time stamps the record
         self.on_named = on_named
         self.jobs: dict[int, _Job] = {}
         # Jobs in which the job's judging agent named this whole node (for the metrics).
@@ -115,7 +116,7 @@ class StepWatch:
         log.warning("straggler ranks named", job_id=job_id, ranks=ranks,
                     slowdown=round(slowdown, 3),
                     reference_s=round(j.reference_s, 4) if j else None)
-        now = self.wall()
+        now = self.clock.time()
         try:
             kept = self.record.add(Entry(now, job_id, tuple(ranks), slowdown, user), now,
                                    self.cfg().record_window_s)
@@ -131,7 +132,7 @@ class StepWatch:
         the median of its ranks' windows, the longest window, its ranks, its latest step."""
         with self.lock:
             jobs = list(self.jobs.items())
-        now = self.wall()
+        now = self.clock.time()
         out = []
         for job_id, job in sorted(jobs):
             if job.record is None:
@@ -158,7 +159,7 @@ class StepWatch:
         log.warning("straggler node: this node named slower than the rest of its job",
                     job_id=v.job_id, judge=v.judge, slowdown=round(v.slowdown, 3),
                     median_s=round(v.median_s, 4), reference_s=round(v.reference_s, 4))
-        now = self.wall()
+        now = self.clock.time()
         try:
             kept = self.record.add(Entry(now, v.job_id, (), v.slowdown, job.record.user,
                                          node=self.node), now, self.cfg().record_window_s)
@@ -185,4 +186,4 @@ class StepWatch:
             return sorted(self.named_node.items())
 
     def recent_jobs(self) -> list[Entry]:
-        return recent(self.record.load(), self.wall(), self.cfg().record_window_s)
+        return recent(self.record.load(), self.clock.time(), self.cfg().record_window_s)

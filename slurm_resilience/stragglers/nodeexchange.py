@@ -19,11 +19,11 @@ never waits on the network.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config.metrics import StragglerSection
 from slurm_resilience.log import get_logger
 from slurm_resilience.stragglers.detect import MIN_MEMBERS
@@ -64,13 +64,11 @@ class NodeExchange:
     """This agent's part: summarise, forward, judge where it is the judge, tell and be told."""
 
     def __init__(self, cfg: Callable[[], StragglerSection], node: str, *,
-                 judged: StragglerRecord | None = None, wall: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 judged: StragglerRecord | None = None, clock: Clock = SystemClock()):
         self.cfg = cfg
         self.node = node
         self.judged = judged
-        self.wall = wall
-        self.monotonic = monotonic
+        self.clock = clock  # monotonic: the exchange's interval; wall: the record
         self.transport: Any = None  # NetworkRendezvous (or a test's stand-in)
         self.lock = threading.Lock()
         self.known: dict[int, _Known] = {}
@@ -122,11 +120,11 @@ class NodeExchange:
         interval = cfg.node_interval_s
         if self.transport is None or not interval:
             return mine
-        now_m = self.monotonic()
+        now_m = self.clock.monotonic()
         if now_m < self.next_at:
             return mine
         self.next_at = now_m + interval
-        now = self.wall()
+        now = self.clock.time()
         for k in known.values():
             self._interval(cfg, k, now, interval)
         with self.lock:
@@ -295,4 +293,4 @@ class NodeExchange:
             return []
         from slurm_resilience.stragglers.record import recent
 
-        return recent(self.judged.load(), self.wall(), self.cfg().record_window_s)
+        return recent(self.judged.load(), self.clock.time(), self.cfg().record_window_s)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from slurm_resilience import events
 from slurm_resilience.agent.service import AgentContext, Handler
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hang import policy
@@ -73,9 +73,9 @@ class StragglerService:
     name = "stragglers"
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, watcher: Any = None,
-                 *, wall: Callable[[], float] = time.time):
+                 *, clock: Clock = SystemClock()):
         self.cfg = cfg
-        self.wall = wall
+        self.clock = clock
         self.node = node
         self.adapter = adapter
         self.watcher = watcher  # hang.watcher.HangWatcher: job views, exchange, suspects
@@ -84,13 +84,13 @@ class StragglerService:
         self.events_path = adapter.events_path or events.path_for(cfg.node.state_dir, node)
         state = node_path(cfg.node.state_dir, node)
         self.steps = StepWatch(lambda: self.live_cfg.stragglers, node,
-                               StragglerRecord(os.path.join(state, FILENAME)), wall,
+                               StragglerRecord(os.path.join(state, FILENAME)), clock,
                                self._on_named)
         # Straggler nodes: this node's summaries to each job's judge, and judging where
         # this node is a job's first node (over the agents' exchange, see tick()).
         self.nodes = NodeExchange(lambda: self.live_cfg.stragglers, node,
                                   judged=StragglerRecord(os.path.join(state, JUDGED_FILENAME)),
-                                  wall=wall)
+                                  clock=clock)
         self._suspecting: threading.Thread | None = None
         self._nodes_on: bool | None = None
 
@@ -174,7 +174,7 @@ class StragglerService:
         done. The jobs are counted only once the drain is set, so a failure tries again at
         the next naming and a drain is never repeated for the same jobs."""
         hb = self.live_cfg.heartbeat
-        now = self.wall()
+        now = self.clock.time()
         try:
             nodes = self.adapter.list_nodes()
         except SlurmError as exc:

@@ -13,21 +13,31 @@ import yaml
 from slurm_resilience import config
 from slurm_resilience.cli import UsageError
 from slurm_resilience.config.topology import TopologySection
-from slurm_resilience.topology import generate, ibnetdiscover, model, validate
+from slurm_resilience.topology import block_cli, generate, ibnetdiscover, model, validate
 from slurm_resilience.topology.slurmconf import SlurmNodes, parse_slurm_conf
 
 MAX_LISTED = 20
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("topology", help="InfiniBand fabric → topology.conf, leaf features, "
-                                        "job_submit.lua data")
+    p = sub.add_parser("topology", help="InfiniBand fabric or NVLink domains → topology.conf "
+                                        "(or topology.yaml), leaf features, job_submit.lua data")
     tsub = p.add_subparsers(dest="topology_command", metavar="ACTION", required=True)
     gen = tsub.add_parser("generate", help="build the fabric model and write the outputs")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-ibnetdiscover", metavar="FILE",
                      help="an ibnetdiscover capture (default or -p format)")
     src.add_argument("--from-topology-conf", metavar="FILE", help="an existing topology.conf")
+    src.add_argument("--from-nvlink-domains", metavar="FILE", nargs="+",
+                     help="the nodes' NVLink domain records (nvlink-domain.json in each node's "
+                          "health state, GB200 NVL72): one Slurm block per domain, written as "
+                          "topology.conf (Slurm 23.11-25.05) or topology.yaml (25.05+)")
+    src.add_argument("--from-agents", action="store_true",
+                     help="the same records, scraped from every node's agent (metrics "
+                          "endpoint, at the node's address in Slurm): no shared filesystem")
+    gen.add_argument("--slurm-version", metavar="X.Y",
+                     help="the Slurm whose block topology file to write (default: scontrol "
+                          "--version); below 23.11 there is no topology/block")
     gen.add_argument("--slurm-conf", metavar="FILE",
                      help="slurm.conf: hosts it lacks are left out (ibnetdiscover) or refused "
                           "(topology.conf); partitions size the leaves per partition")
@@ -138,6 +148,8 @@ def summary(fabric: model.Fabric) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.from_nvlink_domains or args.from_agents:
+        return block_cli.run(args)
     cfg = config.load(args.config).topology
     fabric, slurm, findings = build(args, cfg)
     report(fabric, findings)

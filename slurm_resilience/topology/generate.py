@@ -89,11 +89,13 @@ def _lua_leaves(leaves: Iterable[tuple[str, int]], cfg: TopologySection, indent:
             for name, count in ordered]
 
 
-def lua_data(fabric: Fabric, cfg: TopologySection, slurm: SlurmNodes | None = None) -> str:
+def lua_data(fabric: Fabric, cfg: TopologySection, slurm: SlurmNodes | None = None,
+             unit: str = "leaf") -> str:
     """The table job_submit.lua loads once: settings plus leaves, largest first.
 
     With slurm.conf known, ``partitions`` gives the leaf sizes counted within
     each partition, so a job is pinned only to leaves its partition can fill.
+    ``unit`` names a leaf in the log ("block": the leaves are NVLink blocks).
     """
     src = f" from {fabric.source}" if fabric.source else ""
     out = [
@@ -106,6 +108,7 @@ def lua_data(fabric: Fabric, cfg: TopologySection, slurm: SlurmNodes | None = No
         f"  large_jobs = {_lua_str(cfg.large_jobs)},",
         f"  opt_out_env = {_lua_str(cfg.opt_out_env)},",
         f"  max_feature_leaves = {cfg.max_feature_leaves},",
+        *([f"  unit = {_lua_str(unit)},"] if unit != "leaf" else []),
         "  opt_out_partitions = {",
         *[f"    [{_lua_str(p)}] = true," for p in sorted(cfg.opt_out_partitions)],
         "  },",

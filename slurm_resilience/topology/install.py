@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from slurm_resilience.config.topology import TopologySection
-from slurm_resilience.topology import generate, model, validate
+from slurm_resilience.health.nvlink_domain import NodeFabric
+from slurm_resilience.topology import block, generate, model, validate
 from slurm_resilience.topology.slurmconf import parse_slurm_conf
 
 
@@ -49,6 +50,26 @@ def write_generated(etc: Path, topology_text: str, settings: Mapping[str, Any] |
     generate.write_atomic(str(etc / "topology.conf"), generate.topology_conf(fabric))
     generate.write_atomic(str(etc / generate.DATA_FILE), generate.lua_data(fabric, cfg, slurm))
     return fabric
+
+
+def write_blocks(etc: Path, records: list[NodeFabric], version: tuple[int, int],
+                 settings: Mapping[str, Any] | TopologySection, slurm_conf: Path) -> block.Plan:
+    """Write the block topology of ``records`` for Slurm ``version`` (topology.conf with
+    BlockName= lines, or topology.yaml from 25.05) and job_submit.lua's data (its blocks as
+    leaves). Refuses a node slurm.conf has that no block holds."""
+    nodes = list(parse_slurm_conf(str(slurm_conf)).nodes)
+    plan = block.plan(records, nodes)
+    if plan.left_out:
+        raise InstallError("topology: install: nodes in no block: " + "; ".join(
+            f"{n}: {why}" for n, why in sorted(plan.left_out.items())))
+    name, text = block.render(plan, version)
+    cfg = settings if isinstance(settings, TopologySection) else TopologySection(**settings)
+    generate.write_atomic(str(etc / name), text)
+    if name == "topology.yaml":  # Slurm ignores topology.conf then: none to mislead a reader
+        (etc / "topology.conf").unlink(missing_ok=True)
+    generate.write_atomic(str(etc / generate.DATA_FILE),
+                          block.lua_data(plan, cfg, parse_slurm_conf(str(slurm_conf))))
+    return plan
 
 
 def reload_job_submit(script: Path) -> None:

@@ -13,8 +13,6 @@ never counted as reclaimable, so they can still make the gate drain.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slurm_resilience.checkpoint import quota as quotas
@@ -23,6 +21,7 @@ from slurm_resilience.checkpoint.commit import COMMIT, step_name
 from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.checkpoint.reclaim_record import tree_bytes_at
 from slurm_resilience.checkpoint.staging import open_job_dir, remove_at
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.config.schema import Config
 from slurm_resilience.log import get_logger
@@ -97,7 +96,7 @@ class SpaceKeeper:
 
     cfg: Config
     node: str
-    clock: Callable[[], float] = time.time
+    clock: Clock = field(default_factory=SystemClock)  # its wall time ages the steps
     over_quota: dict[int, str] = field(default_factory=dict)  # job → the message
 
     def __post_init__(self) -> None:
@@ -131,7 +130,7 @@ class SpaceKeeper:
                             job_id=rec["job_id"], error=str(exc))
         self._note_quota(usages, limit)
         steps = [s for u in usages for s in u.steps]
-        now = self.clock()
+        now = self.clock.time()
         plan = [s for s in plan_eviction(steps, space.free, self.target, now,
                                          ck.eviction_grace_s) if s.job_id not in busy]
         evicted = self._evict(plan, {int(r["job_id"]): r for r in jobs})

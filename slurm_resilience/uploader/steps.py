@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call, list_field
 from slurm_resilience.checkpoint.errors import CheckpointError
@@ -13,6 +12,7 @@ from slurm_resilience.checkpoint.staging import (
     remove_job_dir,
     set_aside_job_dir,
 )
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config.budgets import epilog_remove_s
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hooks.context import HookContext, Problem
@@ -22,13 +22,13 @@ from slurm_resilience.safefs import RemovalBudget, RemovalIncomplete
 log = get_logger("checkpoint.hooks")
 
 
-def prolog(ctx: HookContext, *, clock: Callable[[], float] = time.monotonic,
-           sleep: Callable[[float], object] = time.sleep) -> list[Problem]:
+def prolog(ctx: HookContext, *, clock: Clock = SystemClock()) -> list[Problem]:
     """Create the job's staging dir (owner = job user, 0700, no links) and tell the agent.
 
     An agent that can't be reached fails at once; one that stays busy (over its caps) is
     tried again until ``agent.request_timeout_s`` (a share of the prolog's budget, see
-    config.budgets). Either way the job runs and the log says why it gets no stage-in."""
+    config.budgets), read and slept on ``clock``. Either way the job runs and the log says
+    why it gets no stage-in."""
     ck = ctx.cfg.checkpoint
     if not ck.enabled or ctx.job_id is None or ctx.uid is None:
         return []
@@ -42,7 +42,7 @@ def prolog(ctx: HookContext, *, clock: Callable[[], float] = time.monotonic,
         # With the SPANK option --ckpt-uri the agent starts staging in right now, while
         # Slurm launches the tasks; otherwise when the job registers its URI.
         answer = call(node_path(ctx.cfg.agent.socket, ctx.node), "ckpt.job_start",
-                      timeout=ctx.cfg.agent.request_timeout_s, clock=clock, sleep=sleep,
+                      timeout=ctx.cfg.agent.request_timeout_s, clock=clock,
                       job_id=ctx.job_id, uid=ctx.uid, gid=gid, user=ctx.user,
                       uri=ctx.job_option("CKPT_URI"))
         if answer.get("refused"):
@@ -113,7 +113,7 @@ def epilog(ctx: HookContext) -> list[Problem]:
 
 
 def remove_or_hand_off(root: str, job_id: int, sock: str, *, budget_s: float, timeout: float,
-                       clock: Callable[[], float] = time.monotonic) -> None:
+                       clock: Clock = SystemClock()) -> None:
     """Remove the job's staging dir within ``budget_s``; what doesn't fit (a job that left
     millions of files) is set aside under ``.stale/`` and the agent is asked to remove it in
     its own time, so the epilog never runs into its limit on a big tree."""

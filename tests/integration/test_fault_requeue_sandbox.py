@@ -3,7 +3,6 @@ on healthy nodes is left alone. Real slurmctld/slurmd; the fault is the stand-in
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -54,13 +53,10 @@ def wait_file(path: Path, timeout: float = 120.0) -> str:
 
 
 def requeues(box: Sandbox, cause: str) -> int:
-    total = 0
-    for node in box.nodes:
-        path = events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"), node)
-        if Path(path).exists():
-            total += json.loads(Path(path).read_text())["counters"].get(
-                f"{events.REQUEUE}|{cause}", 0)
-    return total
+    """The node-local requeue counters of ``cause``, summed over the sandbox's nodes."""
+    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
+                                           node))["counters"].get(f"{events.REQUEUE}|{cause}", 0)
+               for node in box.nodes)
 
 
 def submit(box: Sandbox, work: Path, code: int, requeue: str = "--requeue") -> int:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from hang_jobs import PYTHON, TRAIN, acting, output, reports, submit_launch, wait_for
+from hang_jobs import (
+    PYTHON,
+    TRAIN,
+    acting,
+    goodput,
+    output,
+    reports,
+    submit_launch,
+    wait_for,
+)
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -68,6 +77,12 @@ def test_hang_is_relaunched_on_the_spare_inside_the_allocation(
     print(f"\nspare path: hang -> relaunch ordered {ordered - hang_at:.1f}s, -> training "
           f"running again {again - hang_at:.1f}s")
     assert hang_at < ordered < again
+    # Goodput counts the allocation once: the relaunch starts where run 0 ended (after the
+    # order), not at the job's start where each node's record of it begins.
+    g = goodput(sandbox, job_id, list(running.nodes))
+    assert [(r["restarts"], r["relaunch"]) for r in g["runs"]] == [(0, 0), (0, 1)], g
+    done = float(re.search(r"done step=30 resumed_from=10 restarts=1 at=([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    assert g["runs"][1]["allocated_s"] <= done - ordered + 4.0, (g, done - ordered)
 
 
 def test_without_a_spare_the_job_is_requeued_as_before(

@@ -20,6 +20,7 @@ from slurm_resilience.health.checks import nvme as nvme_check
 from slurm_resilience.health.checks.spec import NoState
 from slurm_resilience.health.collectors import nvme as collector
 from slurm_resilience.health.findings import Severity
+from slurm_resilience.testing import FakeClock
 from slurm_resilience.uploader.eviction import (
     StagedStep,
     evictable,
@@ -194,18 +195,18 @@ def test_ended_jobs_local_step_filling_the_disk_never_fails_the_gate(tmp_path: P
     root = tmp_path / "nvme"
     _step(root, 4, 1, 45 * GiB)
     _step(root, 5, 1, 45 * GiB)
-    now = [NOW]
-    keeper = SpaceKeeper(_cfg(tmp_path), "n1", clock=lambda: now[0])
+    clock = FakeClock(wall=NOW)
+    keeper = SpaceKeeper(_cfg(tmp_path), "n1", clock=clock)
     recs = [_rec(tmp_path, 4, NOW - 10), _rec(tmp_path, 5, None)]
     assert keeper.run(recs, set()) == []  # job 4's grace runs; job 5 runs
     assert _gate(tmp_path, NOW) == []
     assert keeper.over_quota == {}
-    now[0] = NOW + 600
+    clock.advance(600)
     assert [(s.job_id, s.step) for s in keeper.run(recs, set())] == [(4, 1)]
     assert not (root / "job-4" / step_name(1)).exists()
     assert (root / "job-5" / step_name(1)).exists()
-    assert reclaim_record.read(f"{tmp_path}/state", apparent=True, now=now[0]) == (0, None)
-    assert _gate(tmp_path, now[0]) == []
+    assert reclaim_record.read(f"{tmp_path}/state", apparent=True, now=clock.time()) == (0, None)
+    assert _gate(tmp_path, clock.time()) == []
 
 
 def test_job_over_its_quota_is_named_and_evicted_at_once(tmp_path: Path) -> None:
@@ -213,7 +214,7 @@ def test_job_over_its_quota_is_named_and_evicted_at_once(tmp_path: Path) -> None
     first pass under pressure, and ckpt.status's message names the quota."""
     root = tmp_path / "nvme"
     _step(root, 7, 1, 95 * GiB)
-    keeper = SpaceKeeper(_cfg(tmp_path), "n1", clock=lambda: NOW)
+    keeper = SpaceKeeper(_cfg(tmp_path), "n1", clock=FakeClock(wall=NOW))
     rec = _rec(tmp_path, 7, NOW - 1)
     assert [(s.job_id, s.step) for s in keeper.run([rec], set())] == [(7, 1)]
     assert "job 7 uses" in keeper.over_quota[7] and "job_quota_fraction" in keeper.over_quota[7]
@@ -224,14 +225,14 @@ def test_running_job_filling_the_disk_keeps_its_step_and_the_gate_fails(
         tmp_path: Path) -> None:
     """A running job's newest step is not reclaimable: the gate still fails for space."""
     _step(tmp_path / "nvme", 8, 1, 95 * GiB)
-    keeper = SpaceKeeper(_cfg(tmp_path, fraction=1.0), "n1", clock=lambda: NOW)
+    keeper = SpaceKeeper(_cfg(tmp_path, fraction=1.0), "n1", clock=FakeClock(wall=NOW))
     assert keeper.run([_rec(tmp_path, 8, None)], set()) == []
     assert _gate(tmp_path, NOW) == ["nvme 5.0GiB free of 100.0GiB (expected >=10.0GiB)"]
 
 
 def test_a_node_without_a_staging_root_yet_has_nothing_to_do(tmp_path: Path) -> None:
     """Before any job staged on the node the pass evicts nothing and raises nothing."""
-    assert SpaceKeeper(_cfg(tmp_path), "n1", clock=lambda: NOW).run([], set()) == []
+    assert SpaceKeeper(_cfg(tmp_path), "n1", clock=FakeClock(wall=NOW)).run([], set()) == []
 
 
 def test_ckpt_status_names_a_job_over_its_staging_quota(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from slurm_resilience.checkpoint.commit import committed_steps
 from slurm_resilience.checkpoint.manager import CheckpointManager
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.testing import FakeClock
 from slurm_resilience.uploader import steps
 from slurm_resilience.uploader.service import Uploader
 
@@ -136,15 +137,12 @@ def test_epilog_without_agent_keeps_dir(tmp_path: Path) -> None:
     assert (d / "keep").exists() and not (d / "step-00000001" / "rank-00000.tmp").exists()
 
 
-class _Ticks:
+class _Ticks(FakeClock):
     """A clock that moves one second each time the removal looks at it."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
+    def monotonic(self) -> float:
+        self.advance(1.0)
+        return super().monotonic()
 
 
 def _big_tree(root: Path, job: int) -> Path:

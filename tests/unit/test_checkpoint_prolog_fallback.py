@@ -40,7 +40,7 @@ def test_prolog_without_an_agent_socket_lets_the_job_run_and_says_why(
     """No socket at all: the first try fails, nothing is waited for, the job's staging dir
     is there, and the warning names the socket that is missing."""
     clock = FakeClock(100.0)
-    assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
+    assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock) == []
     assert clock.slept == []
     assert (tmp_path / "nvme" / "n1" / "job-31").is_dir()
     said = events_saying(events, "couldn't reach the node agent; the job's checkpoints on "
@@ -62,7 +62,7 @@ def test_prolog_against_a_busy_agent_gives_up_at_its_timeout(tmp_path: Path,
     thread.start()
     try:
         clock = FakeClock(100.0)
-        assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock, sleep=clock.sleep) == []
+        assert steps.prolog(_ctx(_cfg(tmp_path)), clock=clock) == []
     finally:
         server.shutdown()
         server.server_close()
@@ -82,7 +82,7 @@ def test_epilog_without_an_agent_logs_and_counts_it_and_keeps_the_staging_dir(
     not uploaded), logs an error event naming the hook, and counts it for the metrics."""
     cfg = _cfg(tmp_path)
     clock = FakeClock(100.0)
-    assert steps.prolog(_ctx(cfg), clock=clock, sleep=clock.sleep) == []
+    assert steps.prolog(_ctx(cfg), clock=clock) == []
     epilog = HookContext(kind="epilog", cfg=cfg, node="n1", env={}, job_id=31, uid=UID,
                          gid=GID, user="nobody")
     assert steps.epilog(epilog) == []

@@ -22,6 +22,7 @@ from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.nodes import Verdict
 from slurm_resilience.stragglers.record import StragglerRecord
 from slurm_resilience.stragglers.synthetic import steps
+from slurm_resilience.testing import FakeClock
 
 CFG = Config()
 
@@ -31,7 +32,7 @@ def agent_registry(tmp_path: Path, node: str, slowdown: float) -> CollectorRegis
     was named by the job's judging agent (n1), as it tells the named node's agent."""
     watcher = Watcher()
     watch = StepWatch(lambda: CFG.stragglers, node,
-                      StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6)
+                      StragglerRecord(str(tmp_path / f"{node}-s.json")), FakeClock(wall=1e6))
     for i, row in enumerate(steps(2, 120, int(node[1:]))):
         v = view(21, [slot(r, i + 1, x * (1 + slowdown), 21) for r, x in enumerate(row)])
         watcher.jobs[21] = v
@@ -167,7 +168,8 @@ def busy_agent(tmp_path: Path, node: str, goodput: dict[int, int], incidents: li
                            nccl_path="", watcher=watcher, uploader=Uploads(uploads),
                            goodput=Goodput(ledger), stragglers=Stragglers(StepWatch(
                                lambda: CFG.stragglers, node,
-                               StragglerRecord(str(tmp_path / f"{node}-s.json")), lambda: 1e6)))
+                               StragglerRecord(str(tmp_path / f"{node}-s.json")),
+                               FakeClock(wall=1e6))))
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(sources))
     return reg

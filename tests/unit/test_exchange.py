@@ -485,20 +485,21 @@ def test_straggler_nodes_are_judged_by_the_jobs_first_node_and_told_over_the_exc
     from slurm_resilience.stragglers.nodeexchange import NodeExchange
     from slurm_resilience.stragglers.record import StragglerRecord
     from slurm_resilience.stragglers.synthetic import steps
+    from slurm_resilience.testing import FakeClock
 
     nodes = ["n0", "n1", "n2", "n3", "n4"]
     cfg = _cfg(nodes, fanout=2)
     scfg = StragglerSection(window_steps=20, min_steps=10, persist_evaluations=3,
                             node_interval_s=1.0)
-    wall, mono = [1_800_000_000.0], [0.0]
+    clock = FakeClock(0.0, wall=1_800_000_000.0)
     rdv = {n: NetworkRendezvous(cfg, n, credentials=MungeCredentials(socket=munge_socket),
                                 hang=False) for n in nodes}
     named: dict[str, list[int]] = {n: [] for n in nodes}
     watch = {n: StepWatch(lambda: scfg, n, StragglerRecord(str(tmp_path / n / "s.json")),
-                          lambda: wall[0], lambda j, kept, n=n: named[n].append(j))
+                          clock, lambda j, kept, n=n: named[n].append(j))
              for n in nodes}
     ex = {n: NodeExchange(lambda: scfg, n, judged=StragglerRecord(str(tmp_path / n / "j.json")),
-                          wall=lambda: wall[0], monotonic=lambda: mono[0]) for n in nodes}
+                          clock=clock) for n in nodes}
     rec = jobrecord.JobRecord(job_id=31, uid=1000, gid=1000, user="alice", started=0.0,
                               nodes=tuple(nodes))
     rows = steps(len(nodes) * 4, 200, 5)
@@ -516,8 +517,7 @@ def test_straggler_nodes_are_judged_by_the_jobs_first_node_and_told_over_the_exc
                     watch[n].observe([JobView(rec, slots, detect.judge(
                         31, slots, 0.0, HeartbeatSection(),
                         alive={s.rank: True for s in slots}))])
-            wall[0] += 1.0
-            mono[0] += 1.0
+            clock.advance(1.0)
             for n in reversed(nodes):  # leaves first; each send lands before its parent ticks
                 for verdict in ex[n].tick(watch[n].local_jobs()):
                     watch[n].node_named(verdict)

@@ -7,6 +7,7 @@ import ctypes
 import dataclasses
 import inspect
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,10 @@ def test_stand_in_loaded_from_the_raw_capture_gives_the_captured_snapshot(
         gpu["pcie_aer_source"] = "nvml"
         gpu["unsupported"].remove("pcie_aer")
         gpu["serial"] = real["nvmlDeviceGetSerial"]["value"]
+        # and the NVLink domain's identity (fabric info V3: clusterUuid, cliqueId).
+        fab = real["nvmlDeviceGetGpuFabricInfoV"]["value"]
+        gpu["fabric"]["cluster_uuid"] = str(uuid.UUID(bytes=bytes(fab["clusterUuid"][:16])))
+        gpu["fabric"]["clique_id"] = fab["cliqueId"]
     assert got == want
     assert got["gpus"][0]["pcie_aer"] == {"correctable": 0, "nonfatal": 0, "fatal": 0}
 

@@ -47,7 +47,7 @@ def test_a_job_that_hung_once_and_resumed_is_split_into_each_loss() -> None:
     # No step times in these records: productive is the remainder, and the note says so.
     assert b.productive_s == 1900.0 - 461.0
     assert b.accounted_s == b.allocated_s and b.unexplained_s == 0
-    assert b.notes == ("no step times recorded for run(s) 0, 1: their productive time is "
+    assert b.notes == ("no step times recorded for run 0, run 1: their productive time is "
                        "what the losses leave",)
     assert b.ratio == pytest.approx(1439 / 1900)
     text = compute.render(b)
@@ -462,3 +462,34 @@ def test_the_goodput_service_keeps_its_own_state_and_hands_out_frozen_snapshots(
     after = svc.snapshot()
     assert dict(after.runs) == {} and dict(after.saves) == {}
     assert (tmp_path / "n1" / "goodput" / "job-5.json").exists()  # the ledger stays on disk
+
+
+def test_relaunches_inside_one_allocation_share_it_and_are_counted_once(
+        tmp_path: Path) -> None:
+    """A hang at 50 relaunched on a spare: the survivor saw run 0 until 60 and its relaunch
+    from 60; the spare's record of the relaunch starts at its own prolog (0). The
+    allocation (sacct: 0 to 200) is counted once: run 0 from 0 to 60, the relaunch from
+    60 to 200, listed after run 0 and named as a relaunch."""
+    from slurm_resilience.config import Config
+    from slurm_resilience.config.loader import load_text
+    from slurm_resilience.goodput.cli import job_breakdown, to_json
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.jobfacts import SlurmFacts
+    from slurm_resilience.slurm.parse import JobRun
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}\n")
+    survivor = JobTimes(9, {
+        0: RunTimes(0, 0.0, 60.0, first_step_at=5.0, last_progress_at=50.0,
+                    hang_detected_at=56.0, hang_started_at=50.0),
+        1000: RunTimes(1000, 0.0, 199.0, first_step_at=70.0, last_progress_at=198.0,
+                       done=True)})
+    spare = JobTimes(9, {1000: RunTimes(1000, 0.0, 199.0, first_step_at=71.0,
+                                        last_progress_at=198.0, done=True)})
+    facts = SlurmFacts(runs=[JobRun("COMPLETED", 0.0, 200.0, ("n1", "n2", "n3"))],
+                       gone=True)
+    b = job_breakdown(cfg, {"n1": survivor, "n3": spare}, 9, 300.0, facts)
+    assert b.allocated_s == 200.0
+    assert [(r.run, r.allocated_s) for r in b.runs] == [(0, 60.0), (1000, 140.0)]
+    assert "run 0 relaunch 1: 140.0 s allocated" in compute.render(b)
+    runs = to_json(b)["runs"]
+    assert [(r["restarts"], r["relaunch"]) for r in runs] == [(0, 0), (0, 1)]

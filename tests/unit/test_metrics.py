@@ -44,6 +44,7 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.reasons import cause_of
 from slurm_resilience.stragglers.jobsteps import StepWatch
 from slurm_resilience.stragglers.record import StragglerRecord
+from slurm_resilience.testing import FakeClock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,7 +126,6 @@ def test_a_drain_counts_a_node_going_into_our_drain_not_each_call(tmp_path: Path
     requeue-hold the plan releases counts as a requeue, one it leaves held as a hold."""
     from slurm_resilience.hang import actions
     from slurm_resilience.hang.actions import Clocked, Step, StepKind
-    from slurm_resilience.testing import FakeClock
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -235,7 +235,7 @@ def collector_for(tmp_path: Path, agent: Agent | None = None
                   ) -> tuple[CollectorRegistry, Watcher, StepWatch, AgentSources]:
     watcher = Watcher()
     watch = StepWatch(lambda: Config().stragglers, "n1",
-                      StragglerRecord(str(tmp_path / "stragglers.json")), lambda: 1e6)
+                      StragglerRecord(str(tmp_path / "stragglers.json")), FakeClock(wall=1e6))
     sources = AgentSources(node="n1", events_path=str(tmp_path / events.FILENAME),
                            nccl_path=str(tmp_path / nccl_cache.FILENAME), watcher=watcher,
                            uploader=Uploads({42: journal_record(42)}),

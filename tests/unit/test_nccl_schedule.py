@@ -175,9 +175,11 @@ def test_job_takes_the_node_back_from_idle_verification(tmp_path: Path) -> None:
     path = str(tmp_path / "nccl.lock")
     holder = start_holder(path, "0.2")
     lock = schedule.NodeLock(path)
-    h = schedule.take_over(lock, 5.0)
-    assert h.held and h.locked and not h.forced and h.holder == holder.pid  # within 5 s
-    assert holder.wait(5) == 0
+    # A generous limit (a loaded machine delayed a 0.2 s stop past 5 s): "not forced" says
+    # the SIGTERM hand-off stopped it; how fast is benchmarks' business.
+    h = schedule.take_over(lock, 60.0)
+    assert h.held and h.locked and not h.forced and h.holder == holder.pid
+    assert holder.wait(60) == 0
     lock.release()
 
 

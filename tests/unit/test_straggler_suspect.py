@@ -26,7 +26,7 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.stragglers.record import Entry, StragglerRecord, suspicion
 from slurm_resilience.stragglers.service import StragglerService, status_of
 from slurm_resilience.stragglers.synthetic import steps
-from slurm_resilience.testing import FakeRunner, completed
+from slurm_resilience.testing import FakeClock, FakeRunner, completed
 
 NODE = "n1"
 NOW = 1_800_000_000.0
@@ -70,14 +70,14 @@ class Ctl:
                 if "State=DRAIN" in u]
 
 
-def service(tmp_path: Path, ctl: Ctl, wall: list[float], *, need: int = 3,
+def service(tmp_path: Path, ctl: Ctl, clock: FakeClock, *, need: int = 3,
             heartbeat: dict[str, Any] | None = None) -> StragglerService:
     cfg = load_text(Config, json.dumps({
         "node": {"state_dir": str(tmp_path / "state")},
         "stragglers": {**FAST, "suspect_after_jobs": need},
         "heartbeat": heartbeat or {}}), "test")
     adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]}))
-    return StragglerService(cfg, NODE, adapter, wall=lambda: wall[0])
+    return StragglerService(cfg, NODE, adapter, clock=clock)
 
 
 def job_view(job_id: int, user: str, step: int, row: list[float], slow_rank: int | None
@@ -106,8 +106,8 @@ def recorded(svc: StragglerService) -> list[tuple[int, str, bool]]:
 def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
         tmp_path: Path) -> None:
     ctl = Ctl({NODE: ("IDLE", ""), "n2": ("IDLE", "")})
-    wall = [NOW]
-    svc = service(tmp_path, ctl, wall)
+    clock = FakeClock(wall=NOW)
+    svc = service(tmp_path, ctl, clock)
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.drains == []  # two jobs of three
@@ -128,12 +128,12 @@ def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
 
     # The suspect verifier recognises the reason, verifies, and returns the node to service.
     passed = Verification((Check("health gate", True, "ok"),), 0.1)
-    watch = SuspectWatch(svc.cfg, NODE, svc.adapter, _Clock(wall), str(tmp_path / "verify"),
+    watch = SuspectWatch(svc.cfg, NODE, svc.adapter, clock, str(tmp_path / "verify"),
                          lambda cfg, node: passed)
     assert watch.poll() == "returned to service"
     assert ctl.nodes[NODE] == ("IDLE", "")
     # Back in service, the take-out still counts against alice's hourly budget.
-    assert dict(policy.budget_used(svc.adapter.list_nodes(), "SR:", wall[0]).by_user) == {
+    assert dict(policy.budget_used(svc.adapter.list_nodes(), "SR:", clock.time()).by_user) == {
         "alice": 1}
 
     # The jobs that drained it are counted: one more job does not drain it again ...
@@ -144,20 +144,9 @@ def test_named_in_n_jobs_of_two_users_drains_once_as_a_verifiable_suspect(
     assert len(ctl.drains) == 2 and "job 16 user carol" in ctl.drains[1]
 
 
-class _Clock:
-    def __init__(self, wall: list[float]):
-        self.wall = wall
-
-    def monotonic(self) -> float:
-        return 0.0
-
-    def time(self) -> float:
-        return self.wall[0]
-
-
 def test_fewer_jobs_or_the_same_job_twice_drain_nothing(tmp_path: Path) -> None:
     ctl = Ctl({NODE: ("IDLE", "")})
-    svc = service(tmp_path, ctl, [NOW])
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW))
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     straggle(svc, 12, "bob", slow_rank=2)  # requeued: the same job id, named again
@@ -169,7 +158,7 @@ def test_fewer_jobs_or_the_same_job_twice_drain_nothing(tmp_path: Path) -> None:
 def test_one_users_jobs_never_drain_a_node(tmp_path: Path) -> None:
     """A user can't take a node out with deliberately slow jobs: their jobs are their word."""
     ctl = Ctl({NODE: ("IDLE", "")})
-    svc = service(tmp_path, ctl, [NOW], need=2)
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW), need=2)
     for job in (11, 12, 13, 14):
         straggle(svc, job, "mallory")
     assert len(recorded(svc)) == 4 and ctl.drains == []
@@ -184,13 +173,13 @@ def test_the_cluster_wide_hang_budget_applies_and_the_jobs_stay_counted_for_late
                "n2": ("IDLE+DRAIN", f"SR: suspect hang job 5 user x at {hour_ago}: w; verifying"),
                "n4": ("IDLE+DRAIN", f"SR: hang job 4 user x at {hour_ago}: rank 0 Xid 79"),
                "n3": ("IDLE+DRAIN", f"SR: suspect hang job 6 user y at {hour_ago}: z; verifying")})
-    wall = [NOW]
-    svc = service(tmp_path, ctl, wall, need=2, heartbeat={"budget_per_hour": 2})
+    clock = FakeClock(wall=NOW)
+    svc = service(tmp_path, ctl, clock, need=2, heartbeat={"budget_per_hour": 2})
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.drains == []
     assert all(not s for _, _, s in recorded(svc))  # not counted: held back, not used
-    wall[0] += 3600  # the others' drains are older than the hour now
+    clock.advance(3600)  # the others' drains are older than the hour now
     straggle(svc, 13, "carol")
     assert len(ctl.drains) == 1 and "job 13 user carol" in ctl.drains[0]
 
@@ -199,7 +188,7 @@ def test_the_per_user_hang_budget_applies(tmp_path: Path) -> None:
     recent = policy.iso(NOW - 60)
     ctl = Ctl({NODE: ("IDLE", ""),
                "n2": ("IDLE+DRAIN", f"SR: suspect hang job 7 user bob at {recent}: x; verifying")})
-    svc = service(tmp_path, ctl, [NOW], need=2,
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW), need=2,
                   heartbeat={"budget_per_hour": 100, "budget_per_user_per_hour": 1})
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")  # tips it, and bob's hourly budget is spent
@@ -214,7 +203,7 @@ def test_the_per_user_hang_budget_applies(tmp_path: Path) -> None:
 def test_no_drain_where_the_hang_handling_takes_no_suspect_out(
         tmp_path: Path, heartbeat: dict[str, Any]) -> None:
     ctl = Ctl({NODE: ("IDLE", "")})
-    svc = service(tmp_path, ctl, [NOW], need=2, heartbeat=heartbeat)
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW), need=2, heartbeat=heartbeat)
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.updates == []
@@ -222,7 +211,7 @@ def test_no_drain_where_the_hang_handling_takes_no_suspect_out(
 
 def test_someone_elses_drain_is_left_alone(tmp_path: Path) -> None:
     ctl = Ctl({NODE: ("IDLE+DRAIN", "admin: replacing a fan")})
-    svc = service(tmp_path, ctl, [NOW], need=2)
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW), need=2)
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.updates == [] and ctl.nodes[NODE][1] == "admin: replacing a fan"
@@ -259,7 +248,7 @@ def test_whole_node_namings_take_the_same_suspect_path_once_per_job(tmp_path: Pa
     from slurm_resilience.stragglers.nodes import Verdict
 
     ctl = Ctl({NODE: ("IDLE", "")})
-    svc = service(tmp_path, ctl, [NOW])
+    svc = service(tmp_path, ctl, FakeClock(wall=NOW))
 
     def whole_node(job_id: int, user: str, slow_rank: int | None = None) -> None:
         rows = list(steps(8, 40, job_id))
@@ -291,13 +280,12 @@ def test_observe_mode_records_the_suspect_drain_it_would_make(tmp_path: Path) ->
     from slurm_resilience.slurm import observed
 
     ctl = Ctl({NODE: ("IDLE", "")})
-    wall = [NOW]
     cfg = load_text(Config, json.dumps({
         "mode": "observe", "node": {"state_dir": str(tmp_path / "state")},
         "stragglers": {**FAST, "suspect_after_jobs": 2}}), "test")
     adapter = SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]}))
     adapter.events_path = str(tmp_path / "state" / "metrics-events.json")
-    svc = StragglerService(cfg, NODE, adapter, wall=lambda: wall[0])
+    svc = StragglerService(cfg, NODE, adapter, clock=FakeClock(wall=NOW))
     straggle(svc, 11, "alice")
     straggle(svc, 12, "bob")
     assert ctl.updates == []
@@ -319,7 +307,7 @@ def test_the_stragglers_service_ticks_on_the_watchers_views_and_hands_out_snapsh
     watcher = Watcher()
     watcher.cfg = cfg  # type: ignore[attr-defined]
     svc = StragglerService(cfg, NODE, SlurmAdapter(runner=FakeRunner({"scontrol": [ctl]})),
-                           watcher, wall=lambda: NOW)
+                           watcher, clock=FakeClock(wall=NOW))
     for i, row in enumerate(steps(8, 40, 31)):
         watcher.jobs[31] = job_view(31, "alice", i + 1, row, 6)
         svc.tick()

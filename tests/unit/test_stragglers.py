@@ -20,6 +20,7 @@ from slurm_resilience.stragglers.detect import Tracker, judge
 from slurm_resilience.stragglers.jobsteps import StepWatch, quantile
 from slurm_resilience.stragglers.record import StragglerRecord
 from slurm_resilience.stragglers.synthetic import JitterModel, steps
+from slurm_resilience.testing import FakeClock
 
 CFG = StragglerSection()
 SEEDS = range(25)
@@ -97,10 +98,10 @@ def run_job(watch: StepWatch, job_id: int, slow_rank: int | None, count: int = 2
 
 def test_step_watch_names_ranks_keeps_a_record_across_jobs_and_forgets_ended_jobs(
         tmp_path: Path) -> None:
-    now = [1_000_000.0]
+    clock = FakeClock(wall=1_000_000.0)
     named: list[tuple[int, int]] = []
     record = StragglerRecord(str(tmp_path / "stragglers.json"))
-    watch = StepWatch(lambda: CFG, "n1", record, lambda: now[0],
+    watch = StepWatch(lambda: CFG, "n1", record, clock,
                       lambda job, kept: named.append((job, len(kept))))
     run_job(watch, 11, slow_rank=None)
     assert [s.straggler_ranks for s in watch.snapshot()] == [()]
@@ -113,13 +114,13 @@ def test_step_watch_names_ranks_keeps_a_record_across_jobs_and_forgets_ended_job
     assert named == [(12, 1)]
     watch.observe([])  # both jobs ended: their state goes, the record stays
     assert watch.snapshot() == []
-    now[0] += 3600
-    again = StepWatch(lambda: CFG, "n1", StragglerRecord(record.path), lambda: now[0],
+    clock.advance(3600)
+    again = StepWatch(lambda: CFG, "n1", StragglerRecord(record.path), clock,
                       lambda job, kept: named.append((job, len(kept))))
     run_job(again, 13, slow_rank=2)
     assert named[-1] == (13, 2)  # recurring: the second job on this node
     assert [e.job_id for e in again.recent_jobs()] == [12, 13]
-    now[0] += CFG.record_window_s - 1800
+    clock.advance(CFG.record_window_s - 1800)
     assert [e.job_id for e in again.recent_jobs()] == [13]
 
 
@@ -177,7 +178,7 @@ def test_one_users_slow_jobs_never_name_the_node_a_straggler(tmp_path: Path) -> 
 
     def shown() -> tuple[str, cluster.ClusterView]:
         text = render_stragglers("n1", stragglers(cfg, "n1", 300.0), CFG.record_window_s)
-        watch = StepWatch(lambda: CFG, "n1", record, lambda: 300.0)
+        watch = StepWatch(lambda: CFG, "n1", record, FakeClock(wall=300.0))
         reg = CollectorRegistry(auto_describe=False)
         reg.register(AgentCollector(AgentSources(node="n1", events_path="", nccl_path="",
                                                  watcher=Watcher(),

@@ -12,7 +12,10 @@ FABRIC_STATES = {0: "NOT_SUPPORTED", 1: "NOT_STARTED", 2: "IN_PROGRESS", 3: "COM
 FABRIC_COMPLETED = 3
 # NVML_GPU_FABRIC_HEALTH_SUMMARY_*
 SUMMARY = {0: "NOT_SUPPORTED", 1: "HEALTHY", 2: "UNHEALTHY", 3: "LIMITED_CAPACITY"}
-# (name, shift, width, values that are a fault) of the health mask's fields.
+# nvmlReturn_t of a probe that completed without joining a domain (nvml.h).
+STATUS_NAMES = {23: "INSUFFICIENT_RESOURCES", 3: "NOT_SUPPORTED", 999: "UNKNOWN"}
+# (name, shift, width, values that are a fault) of the health mask's fields; each 2-bit
+# field is 0 not supported, 1 TRUE (the fault), 2 FALSE, so 0xaa is a healthy mask.
 _MASK = (
     ("degraded bandwidth", 0, 0x3, {1: "yes"}),
     ("route recovery in progress", 2, 0x3, {1: "yes"}),
@@ -50,8 +53,9 @@ def check(check_name: str, gpu: GpuRecord, subject: str, mode: str, health: bool
         return [fail(check_name, subject, f"{subject} fabric {state} (expected COMPLETED; "
                                           "is nvidia-fabricmanager running?)")]
     if fab.status != 0:
-        return [fail(check_name, subject, f"{subject} fabric status NVML error {fab.status} "
-                                          "(expected success)")]
+        name = STATUS_NAMES.get(fab.status, f"NVML error {fab.status}")
+        return [fail(check_name, subject, f"{subject} fabric status {name} (expected success: "
+                                          "the GPU joined no NVLink domain)")]
     if not health:
         return []
     faults = mask_faults(fab.health_mask or 0)
@@ -59,5 +63,6 @@ def check(check_name: str, gpu: GpuRecord, subject: str, mode: str, health: bool
     if summary in ("UNHEALTHY", "LIMITED_CAPACITY") or faults:
         detail = f": {', '.join(faults)}" if faults else ""
         return [fail(check_name, subject, f"{subject} fabric health {summary}{detail} "
-                                          "(expected HEALTHY)", fabric_faults=faults)]
+                                          "(expected HEALTHY)",
+                     fabric_faults=faults, health_mask=fab.health_mask)]
     return []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import uuid
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -278,7 +279,7 @@ def _fabric(nv: ModuleType, g: _Gpu) -> Fabric | None:
         info = v3()
         if g.get("fabric_v3", nv.nvmlDeviceGetGpuFabricInfoV, ctypes.byref(info)) is not None:
             return Fabric(int(info.state), int(info.status), int(info.healthMask),
-                          int(info.healthSummary))
+                          int(info.healthSummary), _uuid(info), int(info.cliqueId))
         if "fabric_v3" in g.record.errors or g.record.lost:
             return None
     info_type = getattr(nv, "c_nvmlGpuFabricInfo_t", None)
@@ -288,7 +289,16 @@ def _fabric(nv: ModuleType, g: _Gpu) -> Fabric | None:
     done = g.get("fabric", nv.nvmlDeviceGetGpuFabricInfo, ctypes.byref(info))
     if done is None:
         return None
-    return Fabric(int(info.state), int(info.status))
+    return Fabric(int(info.state), int(info.status), cluster_uuid=_uuid(info),
+                  clique_id=int(info.cliqueId))
+
+
+def _uuid(info: Any) -> str:
+    """nvmlGpuFabricInfo's clusterUuid (NVML_GPU_FABRIC_UUID_LEN, 16 bytes) as nvidia-smi
+    prints it. Read from the structure's memory: some pynvml releases declare the field as a
+    char array, whose value stops at the first zero byte."""
+    offset = type(info).clusterUuid.offset
+    return str(uuid.UUID(bytes=ctypes.string_at(ctypes.addressof(info) + offset, 16)))
 
 
 def _peermem(modules_file: str) -> bool | None:

@@ -34,12 +34,19 @@ class RemapRows:
 
 @dataclass
 class Fabric:
-    """nvmlGpuFabricInfo (V3 where the driver has it: health mask and summary)."""
+    """nvmlGpuFabricInfo (V3 where the driver has it: health mask and summary).
+
+    ``cluster_uuid`` and ``clique_id`` name the NVLink domain (on GB200 NVL72, the rack's
+    NVLink partition): GPUs that share both share one multi-node NVLink fabric. A clique id
+    alone is not unique across clusters. ``cluster_uuid`` is the 16 bytes as a UUID string.
+    """
 
     state: int
     status: int
     health_mask: int | None = None
     health_summary: int | None = None
+    cluster_uuid: str | None = None
+    clique_id: int | None = None
 
 
 @dataclass
