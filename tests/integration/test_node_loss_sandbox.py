@@ -9,7 +9,6 @@ for the next test.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -36,13 +35,10 @@ def _committed_in_s3(box: Sandbox, user: str, work: Path) -> list[int]:
 
 
 def _node_loss_count(box: Sandbox, decision: str) -> int:
-    total = 0
-    for node in box.nodes:
-        path = Path(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"), node))
-        if path.exists():
-            total += json.loads(path.read_text())["counters"].get(
-                f"{events.NODE_LOSS}|{decision}", 0)
-    return total
+    """The node-local node-loss counters of ``decision``, summed over the sandbox's nodes."""
+    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
+                                           node))["counters"].get(
+        f"{events.NODE_LOSS}|{decision}", 0) for node in box.nodes)
 
 
 def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,

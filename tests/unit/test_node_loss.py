@@ -20,8 +20,8 @@ from slurm_resilience.hang import nodeloss as NL
 from slurm_resilience.hang import orphans
 from slurm_resilience.hang.detect import JobVerdict
 from slurm_resilience.hang.jobrecord import JobRecord
-from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.launches import Launch, Launches
+from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.nodelossflow import NodeLossDesk
 from slurm_resilience.launch import plan as P
 from slurm_resilience.launch.supervise import MAX_LOSS_WAIT_S, WAIT_GRACE_S, Launcher, Settings
