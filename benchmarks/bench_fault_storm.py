@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import free_port_base  # noqa: E402
 from hang_jobs import output, submit_launch, wait_for  # noqa: E402
 
-from slurm_resilience.sandbox import catalogue, control, daemons, faults  # noqa: E402
+from slurm_resilience.sandbox import catalogue, control, daemons, faults, nodekill  # noqa: E402
 from slurm_resilience.sandbox.handle import Sandbox  # noqa: E402
 from slurm_resilience.sandbox.layout import Layout  # noqa: E402
 
@@ -61,30 +61,14 @@ class Struck:
     detail: str
 
 
-def processes_of(node: str, job_id: int | None = None) -> list[int]:
-    """Pids whose environment says they run on sandbox node ``node`` (slurmstepd and the
-    tasks), of job ``job_id`` when given."""
-    want = {f"SLURMD_NODENAME={node}".encode()}
-    if job_id is not None:
-        want.add(f"SLURM_JOB_ID={job_id}".encode())
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = set(fh.read().split(b"\0"))
-        except OSError:
-            continue
-        if want <= env:
-            pids.append(int(entry))
-    return pids
-
-
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def ranks_on(layout: Layout, node: str) -> list[int]:
+    """The training ranks running on sandbox node ``node``."""
+    out = []
+    for pid in nodekill.node_processes(layout, node):
+        with contextlib.suppress(OSError):
+            if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+    return out
 
 
 def step_nodes(out: str) -> list[str]:
@@ -133,17 +117,16 @@ class Storm:
 
     def _xid(self, node: str) -> str:
         done = faults.inject(self.box.state_dir, node, "gpu-xid:0:79")
-        kill_all([p for p in processes_of(node, self.job_id)
-                  if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()])
+        for pid in ranks_on(self.box.layout, node):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.repairs.append((time.time() + REPAIR_AFTER_S, node, lambda: self._heal(node)))
         return f"{done}; its ranks killed"
 
     def _node_loss(self, node: str) -> str:
-        slurmd = catalogue.slurmd(self.box.layout, node)
-        pid = slurmd.pid()
-        kill_all(([pid] if pid else []) + processes_of(node))
+        killed = nodekill.kill_node(self.box.layout, node)
         self.repairs.append((time.time() + REPAIR_AFTER_S, node, lambda: self._revive(node)))
-        return "slurmd and every process of the node killed"
+        return f"slurmd and every process of the node killed ({len(killed)})"
 
     def _s3_outage(self, _node: str) -> str:
         extra = catalogue.s3_extra(self.box.layout)[0]
@@ -169,10 +152,7 @@ class Storm:
         self._resume(node)
 
     def _revive(self, node: str) -> None:
-        L = self.box.layout
-        daemons.start_forking([control.tool("slurmd"), "-f", str(L.slurm_conf), "-N", node],
-                              env=control.daemon_env(L), log_file=L.log_dir / f"slurmd-{node}.out",
-                              name=f"slurmd-{node}", logs=[L.log_dir / f"slurmd-{node}.log"])
+        nodekill.revive_node(self.box.layout, node)
         self._resume(node)
 
     def _resume(self, node: str) -> None:
@@ -226,7 +206,8 @@ def main() -> int:
         job_id = submit_launch(
             box, args.user, work,
             f"--steps {steps} --ckpt-every {every} --step-seconds {STEP_S} --hang-rank 1 "
-            f"--hang-on-file {trigger} --fault-every-run", nodes=4, spares=2)
+            f"--hang-on-file {trigger} --fault-every-run", nodes=4, spares=2,
+            sbatch_args=("--no-kill",))
         print(f"job {job_id}: {steps} steps of about {STEP_S} s, a checkpoint every {every}; "
               f"a fault every {args.every:g} s", flush=True)
         wait_for(lambda: "running step=" in output(work, job_id), 300, "the first step")
