@@ -251,6 +251,10 @@ def main() -> int:
     print(f"  allocated {g['allocated_s']:.0f} s, productive {g['productive_s']:.0f} s "
           f"(goodput); by the job's own log {by_log:.0f} s ({steps} steps x {step_s:.3f} s)")
     print("  losses: " + ", ".join(f"{k} {v:.0f} s" for k, v in g["losses_s"].items() if v))
+    first = min(float(t) for t in re.findall(r"rank \d+ started at=([\d.]+)", out))
+    done = float(re.findall(r"done step=\d+ resumed_from=\d+ restarts=\d+ at=([\d.]+)", out)[-1])
+    print(f"  the job's own span, first rank's start to done: {done - first:.0f} s "
+          f"(the allocation is longer by the first prolog and the last epilog)")
     ratio = g["productive_s"] / g["allocated_s"] if g["allocated_s"] else 0.0
     print(f"goodput {ratio:.1%} (the job's log: {by_log / g['allocated_s']:.1%}); "
           f"goal >= 90%: {'met' if ratio >= 0.9 else 'NOT met'}")

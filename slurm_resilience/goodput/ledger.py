@@ -279,7 +279,11 @@ class Ledger:
 
                 note_hangs(job, reports_of_job(self.incident_dir, job.job_id))
             changed = True
-        r.end = now
+        # The run goes on here while one of its ranks does: a node whose ranks died (an Xid,
+        # or the step relaunched without it) can stay in the allocation, drained, until
+        # the job ends, and must not stretch the run to then.
+        if not view.verdict.ranks or any(k.state != "dead" for k in view.verdict.ranks):
+            r.end = now
         if r.first_step_at is None:
             first = _first_step_at(slots)
             if first is not None:

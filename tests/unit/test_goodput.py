@@ -493,3 +493,27 @@ def test_relaunches_inside_one_allocation_share_it_and_are_counted_once(
     assert "run 0 relaunch 1: 140.0 s allocated" in compute.render(b)
     runs = to_json(b)["runs"]
     assert [(r["restarts"], r["relaunch"]) for r in runs] == [(0, 0), (0, 1)]
+
+
+def test_a_run_ends_on_a_node_when_its_ranks_there_are_gone(tmp_path: Path) -> None:
+    """An Xid killed the node's ranks at 50; the node stays in the allocation (drained)
+    while the step goes on elsewhere: its record of the run ends at 50, not when the job
+    leaves the node at 200."""
+    from agent_state import slot
+
+    from slurm_resilience.config.heartbeat import HeartbeatSection
+    from slurm_resilience.goodput.ledger import Ledger
+    from slurm_resilience.hang import detect, jobrecord
+    from slurm_resilience.hang.localpiece import JobView
+
+    ledger = Ledger(str(tmp_path / "goodput"))
+    rec = jobrecord.JobRecord(job_id=4, uid=1000, gid=1000, user="alice", started=0.0)
+    slots = [slot(rank, 5, 1.0, 4) for rank in range(2)]
+    for now in (10.0, 30.0, 50.0, 120.0, 200.0):
+        alive = now <= 50.0
+        verdict = detect.judge(4, slots, 0.0, HeartbeatSection(),
+                               alive={v.rank: alive for v in slots})
+        ledger.observe([JobView(rec, slots, verdict)], now)
+    ledger.observe([], 201.0)
+    job = ledger.load(4)
+    assert job is not None and job.runs[0].end == 50.0
