@@ -211,6 +211,12 @@ def check_dashboard_and_rules(sandbox: Sandbox, prom: Prom, job_id: int, idle: s
         wait_for(lambda: instant(prom, 'sum(increase(slurm_resilience_job_requeues_total'
                                        '{cause="prolog"}[1h]))').get("-", 0) > 0.9, 120,
                  "the job our prolog failed for the Xid released by a health-check pass")
+    # The hang's incident threads may still be writing their reports or verifying the suspect
+    # after the job ended; the panels are read once none is open (one that never closes
+    # fails this wait).
+    open_expr = next(t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+                     if p["title"] == "Open incidents" for t in p["targets"])
+    wait_for(lambda: instant(prom, open_expr) == {"-": 0}, 180, "no hang incident open")
     prom.gone.shutdown()  # the stand-in agent stops answering
     nodes = sandbox.nodes
     up = {**{f"node={n}": 1.0 for n in nodes}, f"node={GONE}": 0.0}
