@@ -4,6 +4,7 @@ examples/train.py as a test user, wait, and read the incident reports of a job."
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slurm_resilience.sandbox import control
-from slurm_resilience.sandbox.handle import Sandbox
+from slurm_resilience.sandbox.handle import FINISHED, Sandbox
 
 T = TypeVar("T")
 
@@ -67,6 +68,27 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, poll: float = 0.5
             return value
         time.sleep(poll)
     raise TimeoutError(f"{what} not seen within {timeout:g}s")
+
+
+def wait_for_output(sandbox: Sandbox, workdir: Path, job_id: int, pattern: str,
+                    timeout: float, what: str) -> re.Match[str]:
+    """Wait until the job's output matches ``pattern``. Fails at once if the job ends
+    first, and either way names the job's state and reason, the nodes' drain reasons and
+    the output, so a failure says why the line never came."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.search(pattern, output(workdir, job_id))
+        if found:
+            return found
+        job = sandbox.job(job_id)
+        ended = job.state in FINISHED
+        if ended or time.monotonic() > deadline:
+            sinfo = sandbox.run(["sinfo", "-R", "-N"], check=False).stdout
+            state = sandbox.run(["scontrol", "show", "job", str(job_id)], check=False).stdout
+            why = "the job ended first" if ended else f"not seen within {timeout:g}s"
+            raise AssertionError(f"{what}: {why}\n{state}\nsinfo -R:\n{sinfo}\noutput:\n"
+                                 f"{output(workdir, job_id)}")
+        time.sleep(0.5)
 
 
 def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hang_jobs import PYTHON, TRAIN, goodput, output, submit, wait_for
+from hang_jobs import PYTHON, TRAIN, goodput, output, submit, wait_for, wait_for_output
 
 from slurm_resilience import events
 from slurm_resilience.hang.limits import planned_count
@@ -115,8 +115,8 @@ def preempt(sandbox: Sandbox, user: str, name: str, sbatch_args: tuple[str, ...]
     work = sandbox.user_dir(user, name)
     job_id = submit(sandbox, user, work, "--steps 100 --ckpt-every 100000 --step-seconds 0.5",
                     sbatch_args=sbatch_args)
-    wait_for(lambda: re.search(r"rank 0 running step=1 ", output(work, job_id)), 300,
-             "the job's first step")
+    wait_for_output(sandbox, work, job_id, r"rank 0 running step=1 ", 300,
+                    "the job's first step")
     nodes = sandbox.job(job_id).nodes
     # --exclusive: the training job's tasks leave cores free, which a job could share.
     urgent = sandbox.sbatch(["sleep", "1"], args=["-p", "urgent", f"-N{len(nodes)}",
