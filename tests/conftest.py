@@ -69,15 +69,21 @@ def _port_free(port: int) -> bool:
 _used_bases: set[int] = set()
 
 
+# The sandboxes' port bases: each uses base .. base+99.
+PORT_BASES = (10000, 19901)
+
+
 def free_port_base(nodes: int) -> int:
     """A port base whose slurmctld, slurmd and S3 ports are all free (and unused this run)."""
     # Below Linux's ephemeral range (32768 up), so that no client connection's local port
-    # can take one between this check and the daemon's bind; under pytest-xdist each
-    # worker draws from its own residue class, so two workers never pick the same base.
+    # can take one between this check and the daemon's bind; and below 20000, where the
+    # training jobs' rendezvous ports are (examples/train.py: 20000 up), which a daemon
+    # holding one would make fail with EADDRINUSE. Under pytest-xdist each worker draws
+    # from its own residue class, so two workers never pick the same base.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     for _ in range(200):
-        base = random.randrange(20000 + 100 * worker, 32600, 100 * workers)
+        base = random.randrange(PORT_BASES[0] + 100 * worker, PORT_BASES[1], 100 * workers)
         ports = [*range(base, base + nodes + 1), base + S3_OFFSET,
                  *range(base + AGENT_OFFSET + 1, base + AGENT_OFFSET + nodes + 1),
                  *range(base + METRICS_OFFSET + 1, base + METRICS_OFFSET + nodes + 1),
