@@ -60,6 +60,7 @@ class RunTimes:
     checkpoint_stall_s: float = 0.0
     done: bool = False
     planned: bool = False  # the loop saved and stopped ahead of a time limit or preemption
+    ranks_seen: bool = False  # this node had ranks of the run (a spare's record has none)
     in_section_since: float | None = None  # wall time the lowest rank entered "checkpoint"
     stall_reported: bool = False  # checkpoint_stall_s comes from save() itself
     hang_started_at: float | None = None  # from this node's hang report of the run
@@ -123,7 +124,13 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
             if m is None:
                 out.runs[n] = RunTimes(**asdict(r))
                 continue
-            m.start, m.end = min(m.start, r.start), max(m.end, r.end)
+            m.start = min(m.start, r.start)
+            # A run ends where the last node that ran its ranks saw it end: a spare's record
+            # (no ranks of the run) lasts as long as the spare stays allocated.
+            if r.ranks_seen and not m.ranks_seen:
+                m.end, m.ranks_seen = r.end, True
+            elif r.ranks_seen or not m.ranks_seen:
+                m.end = max(m.end, r.end)
             m.first_step_at = _pick(min, m.first_step_at, r.first_step_at)
             m.last_progress_at = _pick(max, m.last_progress_at, r.last_progress_at)
             m.last_checkpoint_at = _pick(max, m.last_checkpoint_at, r.last_checkpoint_at)
@@ -143,9 +150,11 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
 
 
 def chain_relaunches(job: JobTimes) -> None:
-    """Relaunches inside one allocation follow each other: each starts where the one before
-    it ended. A node's record of a relaunch starts at the job's start on that node (a spare
-    joined with its prolog's time), which would count the allocation twice."""
+    """Runs follow each other, none counted twice. Relaunches inside one allocation: each
+    starts where the one before it ended (a node's record of a relaunch starts at the job's
+    start on that node, a spare's with its prolog's time). Allocations: each run of one ends
+    by the next allocation's start (a node whose record outlived its allocation, as one
+    lost and brought back before the epilog ran, would stretch it over the next)."""
     by_restarts: dict[int, list[RunTimes]] = {}
     for n in sorted(job.runs, key=in_order):
         by_restarts.setdefault(restarts_of(n), []).append(job.runs[n])
@@ -155,6 +164,12 @@ def chain_relaunches(job: JobTimes) -> None:
                 after.start = min(before.end, after.end)
             if after.first_step_at is not None and after.first_step_at < after.start:
                 after.first_step_at = after.start
+    groups = [by_restarts[k] for k in sorted(by_restarts)]
+    for earlier, later in itertools.pairwise(groups):
+        cut = later[0].start
+        for r in earlier:
+            r.end = max(r.start, min(r.end, cut))
+            r.start = min(r.start, r.end)
 
 
 def _pick(fn: Any, a: float | None, b: float | None) -> float | None:
@@ -281,8 +296,12 @@ class Ledger:
             changed = True
         # The run goes on here while one of its ranks does: a node whose ranks died (an Xid,
         # or the step relaunched without it) can stay in the allocation, drained, until
-        # the job ends, and must not stretch the run to then.
-        if not view.verdict.ranks or any(k.state != "dead" for k in view.verdict.ranks):
+        # the job ends, and must not stretch the run to then. A node that never had ranks
+        # (start-up, a spare) keeps the run's end too; merge() prefers the nodes that had.
+        if slots and not r.ranks_seen:
+            r.ranks_seen, changed = True, True
+        if any(k.state != "dead" for k in view.verdict.ranks) or not (
+                view.verdict.ranks or r.ranks_seen):
             r.end = now
         if r.first_step_at is None:
             first = _first_step_at(slots)

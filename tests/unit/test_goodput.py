@@ -517,3 +517,77 @@ def test_a_run_ends_on_a_node_when_its_ranks_there_are_gone(tmp_path: Path) -> N
     ledger.observe([], 201.0)
     job = ledger.load(4)
     assert job is not None and job.runs[0].end == 50.0
+
+
+def test_a_spare_without_ranks_does_not_stretch_the_run_it_waited_through(
+        tmp_path: Path) -> None:
+    """Two spares: one takes the relaunch at 60, the other stays idle to the job's end at
+    200 with its record of run 0 (no ranks) running on. Run 0 ends at 60, where the nodes
+    that ran its ranks saw it end; the relaunch gets 60 to 200."""
+    from slurm_resilience.config import Config
+    from slurm_resilience.config.loader import load_text
+    from slurm_resilience.goodput.cli import job_breakdown
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.jobfacts import SlurmFacts
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}\n")
+    survivor = JobTimes(9, {
+        0: RunTimes(0, 0.0, 60.0, first_step_at=5.0, last_progress_at=50.0,
+                    hang_detected_at=56.0, hang_started_at=50.0, ranks_seen=True),
+        1000: RunTimes(1000, 0.0, 199.0, first_step_at=70.0, last_progress_at=198.0,
+                       done=True, ranks_seen=True)})
+    idle_spare = JobTimes(9, {0: RunTimes(0, 0.0, 199.0)})
+    b = job_breakdown(cfg, {"n1": survivor, "n4": idle_spare}, 9, 300.0,
+                      SlurmFacts(gone=True))
+    assert [(r.run, r.allocated_s) for r in b.runs] == [(0, 60.0), (1000, 139.0)]
+    assert b.allocated_s == 199.0
+
+
+def test_a_node_whose_record_outlived_its_allocation_does_not_count_it_twice(
+        tmp_path: Path) -> None:
+    """Node n2 was lost at 100 and brought back before any epilog ran: its agent kept the
+    record of run 0 going to 400, while the requeued job ran again from 150 (run 1). Run 0
+    ends by 150: the two allocations are not counted over each other."""
+    from slurm_resilience.config import Config
+    from slurm_resilience.config.loader import load_text
+    from slurm_resilience.goodput.cli import job_breakdown
+    from slurm_resilience.goodput.ledger import JobTimes, RunTimes
+    from slurm_resilience.slurm.jobfacts import SlurmFacts
+
+    cfg = load_text(Config, f"node:\n  state_dir: {tmp_path}\n")
+    n1 = JobTimes(9, {
+        0: RunTimes(0, 0.0, 120.0, first_step_at=5.0, last_progress_at=100.0, ranks_seen=True),
+        1: RunTimes(1, 150.0, 400.0, first_step_at=160.0, last_progress_at=399.0, done=True,
+                    ranks_seen=True)})
+    n2 = JobTimes(9, {0: RunTimes(0, 0.0, 400.0, first_step_at=5.0, last_progress_at=100.0,
+                                  ranks_seen=True)})
+    b = job_breakdown(cfg, {"n1": n1, "n2": n2}, 9, 500.0, SlurmFacts(gone=True))
+    assert [(r.run, r.allocated_s) for r in b.runs] == [(0, 150.0), (1, 250.0)]
+    assert b.allocated_s == 400.0
+
+
+def test_a_node_whose_ranks_are_gone_stops_its_run_there(tmp_path: Path) -> None:
+    """The node's ranks ran until 50, then their heartbeat slots were gone (the node lost and
+    brought back, its run directory emptied): the run ends there at 50. A node that never had
+    ranks (a spare) keeps its record going, for merge() to weigh."""
+    from agent_state import slot
+
+    from slurm_resilience.config.heartbeat import HeartbeatSection
+    from slurm_resilience.goodput.ledger import Ledger
+    from slurm_resilience.hang import detect, jobrecord
+    from slurm_resilience.hang.localpiece import JobView
+
+    ledger = Ledger(str(tmp_path / "goodput"))
+    rec = jobrecord.JobRecord(job_id=4, uid=1000, gid=1000, user="alice", started=0.0)
+    spare_rec = jobrecord.JobRecord(job_id=5, uid=1000, gid=1000, user="alice", started=0.0)
+    slots = [slot(rank, 5, 1.0, 4) for rank in range(2)]
+    for now in (10.0, 30.0, 50.0, 120.0, 200.0):
+        here = slots if now <= 50.0 else []
+        verdict = detect.judge(4, here, 0.0, HeartbeatSection(),
+                               alive={v.rank: True for v in here})
+        idle = detect.judge(5, [], 0.0, HeartbeatSection(), alive={})
+        ledger.observe([JobView(rec, here, verdict), JobView(spare_rec, [], idle)], now)
+    ledger.observe([], 201.0)
+    job, spare = ledger.load(4), ledger.load(5)
+    assert job is not None and job.runs[0].end == 50.0 and job.runs[0].ranks_seen
+    assert spare is not None and spare.runs[0].end == 200.0 and not spare.runs[0].ranks_seen
