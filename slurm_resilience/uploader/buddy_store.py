@@ -46,6 +46,7 @@ from slurm_resilience.checkpoint.quota import Quota
 from slurm_resilience.uploader.buddy_ring import buddy_of
 
 AREA = ".buddy"
+METADATA = ".metadata"  # DCP's metadata, in rank 0's part: every restoring node needs it
 INCOMING = ".incoming-"
 SMALL_LIMIT = 16 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -72,12 +73,14 @@ class Offer:
     step: int
     marker: CommitMarker
     manifests: dict[int, Manifest]
-    total_bytes: int  # declared: must equal the manifests' sum
+    total_bytes: int  # declared: must equal the sum of the files sent
+    meta: bool = False  # the step's metadata only (``.metadata``), pulled by a restore
 
     def files(self) -> list[tuple[str, int]]:
         """(path relative to the step, size) in the order the bytes are sent."""
         return [(f"{rank_name(r)}/{f.path}", f.size)
-                for r, m in sorted(self.manifests.items()) for f in m.files]
+                for r, m in sorted(self.manifests.items()) for f in m.files
+                if not self.meta or f.path == METADATA]
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class HeldCopy:
     step: int
     marker: CommitMarker
     manifests: dict[int, Manifest]
+    meta: bool = False  # only the manifests and ``.metadata`` are here
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -96,7 +100,9 @@ class HeldCopy:
 
     @property
     def total_bytes(self) -> int:
-        return sum(m.total_bytes for m in self.manifests.values())
+        """The bytes of the files kept here."""
+        return sum(f.size for m in self.manifests.values() for f in m.files
+                   if not self.meta or f.path == METADATA)
 
 
 @dataclass
@@ -139,11 +145,11 @@ class BuddyStore:
         self.staging_root = staging_root
         self.node = node
         self.lock = threading.Lock()
-        self.transfers: dict[tuple[int, str], _Transfer] = {}
+        self.transfers: dict[tuple[int, str, bool], _Transfer] = {}
 
     # -- directories ---------------------------------------------------------------------------
 
-    def _open_source(self, job_id: int, source: str) -> int:
+    def _open_source(self, job_id: int, source: str, meta: bool = False) -> int:
         try:
             root = safefs.open_dir(self.staging_root)
         except OSError as exc:
@@ -152,26 +158,33 @@ class BuddyStore:
         try:
             fds.append(_own_dir(fds[-1], AREA, f"{self.staging_root}/{AREA}"))
             fds.append(_own_dir(fds[-1], f"job-{job_id}", f"{AREA}/job-{job_id}"))
-            return _own_dir(fds[-1], f"from-{source}", f"{AREA}/job-{job_id}/from-{source}")
+            name = f"{'meta' if meta else 'from'}-{source}"
+            return _own_dir(fds[-1], name, f"{AREA}/job-{job_id}/{name}")
         finally:
             for fd in fds:
                 os.close(fd)
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def begin(self, job: JobFacts | None, offer: Offer, quota: Quota, used: int) -> None:
-        """Accept ``offer`` or raise Refused; ``used``: bytes the job's buddy area holds."""
+    def begin(self, job: JobFacts | None, offer: Offer, quota: Quota, used: int,
+              asked: bool = False) -> None:
+        """Accept ``offer`` or raise Refused; ``used``: bytes the job's buddy area holds;
+        ``asked``: this node asked the source for it (a restore's pull), so it need not be
+        the source's buddy."""
         if job is None or job.job_id != offer.job_id:
             raise Refused(f"job {offer.job_id} is not running on {self.node}")
         if offer.source not in job.nodes:
             raise Refused(f"{offer.source} is not a node of job {offer.job_id}")
         buddy = buddy_of(offer.source, job.nodes)
-        if buddy != self.node:
+        if offer.meta and not asked:
+            raise Refused(f"metadata of step {offer.step} from {offer.source} that "
+                          f"{self.node} did not ask for")
+        if buddy != self.node and not asked:
             raise Refused(f"{offer.source}'s buddy in job {offer.job_id} is {buddy}, "
                           f"not {self.node}")
         _check_offer(offer)
-        key = (offer.job_id, offer.source)
-        held = self.held(offer.job_id).get(offer.source)
+        key = (offer.job_id, offer.source, offer.meta)
+        held = self.held(offer.job_id, offer.meta).get(offer.source)
         if held is not None and held.step >= offer.step:
             raise Refused(f"{self.node} already holds step {held.step} of {offer.source}; "
                           f"step {offer.step} is not newer")
@@ -196,7 +209,7 @@ class BuddyStore:
             raise
 
     def _make_incoming(self, offer: Offer) -> None:
-        sfd = self._open_source(offer.job_id, offer.source)
+        sfd = self._open_source(offer.job_id, offer.source, offer.meta)
         try:
             name = INCOMING + step_name(offer.step)
             safefs.remove_tree_at(sfd, name, missing_ok=True)
@@ -205,18 +218,18 @@ class BuddyStore:
             os.close(sfd)
 
     def chunk(self, job_id: int, source: str, step: int, relpath: str, offset: int,
-              data: bytes) -> None:
+              data: bytes, meta: bool = False) -> None:
         """Write the next bytes of the transfer; out of order or oversized: Refused (and the
         transfer is dropped)."""
         with self.lock:
-            t = self.transfers.get((job_id, source))
+            t = self.transfers.get((job_id, source, meta))
             if t is None or t.offer.step != step:
                 raise Refused(f"no transfer of step {step} from {source} for job {job_id} "
                               "is under way")
             try:
                 self._write(t, relpath, offset, data)
             except Refused:
-                self.transfers.pop((job_id, source), None)
+                self.transfers.pop((job_id, source, meta), None)
                 self._drop(t)
                 raise
 
@@ -241,7 +254,7 @@ class BuddyStore:
         t.received += len(data)
 
     def _create(self, t: _Transfer, path: str) -> int:
-        sfd = self._open_source(t.offer.job_id, t.offer.source)
+        sfd = self._open_source(t.offer.job_id, t.offer.source, t.offer.meta)
         try:
             ifd = os.open(INCOMING + step_name(t.offer.step), _DIR_FLAGS, dir_fd=sfd)
         finally:
@@ -258,11 +271,11 @@ class BuddyStore:
         t.fds[path] = fd
         return fd
 
-    def finish(self, job_id: int, source: str, step: int) -> HeldCopy:
+    def finish(self, job_id: int, source: str, step: int, meta: bool = False) -> HeldCopy:
         """Verify the whole copy and put it in place (dropping older copies from
         ``source``); a torn copy is removed and Refused."""
         with self.lock:
-            t = self.transfers.pop((job_id, source), None)
+            t = self.transfers.pop((job_id, source, meta), None)
         if t is None or t.offer.step != step:
             raise Refused(f"no transfer of step {step} from {source} for job {job_id} is "
                           "under way")
@@ -276,7 +289,7 @@ class BuddyStore:
             if size == 0 and path not in t.fds:
                 self._create(t, path)
         _close_all(t)
-        sfd = self._open_source(job_id, source)
+        sfd = self._open_source(job_id, source, meta)
         try:
             name = INCOMING + step_name(step)
             ifd = os.open(name, _DIR_FLAGS, dir_fd=sfd)
@@ -300,18 +313,18 @@ class BuddyStore:
                     safefs.remove_tree_at(sfd, other, missing_ok=True)
         finally:
             os.close(sfd)
-        return HeldCopy(job_id, source, step, offer.marker, dict(offer.manifests))
+        return HeldCopy(job_id, source, step, offer.marker, dict(offer.manifests), meta)
 
-    def abort(self, job_id: int, source: str) -> None:
+    def abort(self, job_id: int, source: str, meta: bool = False) -> None:
         with self.lock:
-            t = self.transfers.pop((job_id, source), None)
+            t = self.transfers.pop((job_id, source, meta), None)
         if t is not None:
             self._drop(t)
 
     def _drop(self, t: _Transfer) -> None:
         _close_all(t)
         with contextlib.suppress(OSError, Refused):
-            sfd = self._open_source(t.offer.job_id, t.offer.source)
+            sfd = self._open_source(t.offer.job_id, t.offer.source, t.offer.meta)
             try:
                 safefs.remove_tree_at(sfd, INCOMING + step_name(t.offer.step), missing_ok=True)
             finally:
@@ -319,8 +332,9 @@ class BuddyStore:
 
     # -- what is held --------------------------------------------------------------------------
 
-    def held(self, job_id: int) -> dict[str, HeldCopy]:
-        """The verified copies kept for ``job_id``: source node → its newest step here."""
+    def held(self, job_id: int, meta: bool = False) -> dict[str, HeldCopy]:
+        """The verified copies kept for ``job_id``: source node → its newest step here
+        (``meta``: the metadata pulled from each node instead)."""
         out: dict[str, HeldCopy] = {}
         try:
             root = safefs.open_dir(self.staging_root)
@@ -341,9 +355,10 @@ class BuddyStore:
                 except OSError as exc:
                     raise _refuse_unsafe(f"{AREA}/job-{job_id}", exc) from None
                 try:
+                    prefix = "meta-" if meta else "from-"
                     for name in os.listdir(jfd):
-                        if name.startswith("from-"):
-                            copy = self._read_held(jfd, job_id, name.removeprefix("from-"))
+                        if name.startswith(prefix):
+                            copy = self._read_held(jfd, job_id, name, meta)
                             if copy is not None:
                                 out[copy.source] = copy
                 finally:
@@ -354,8 +369,9 @@ class BuddyStore:
             os.close(root)
         return out
 
-    def _read_held(self, jfd: int, job_id: int, source: str) -> HeldCopy | None:
-        sfd = os.open(f"from-{source}", _DIR_FLAGS, dir_fd=jfd)
+    def _read_held(self, jfd: int, job_id: int, name: str, meta: bool) -> HeldCopy | None:
+        source = name.partition("-")[2]
+        sfd = os.open(name, _DIR_FLAGS, dir_fd=jfd)
         try:
             steps = sorted(s for s in map(parse_step, os.listdir(sfd)) if s is not None)
             if not steps:
@@ -369,7 +385,7 @@ class BuddyStore:
                     if name.startswith("rank-"):
                         m = Manifest.from_json(_read(stfd, f"{name}/{MANIFEST}"))
                         manifests[m.rank] = m
-                return HeldCopy(job_id, source, step, marker, manifests)
+                return HeldCopy(job_id, source, step, marker, manifests, meta)
             finally:
                 os.close(stfd)
         finally:
@@ -379,14 +395,15 @@ class BuddyStore:
         """Bytes of verified copies and transfers under way for ``job_id``."""
         total = sum(c.total_bytes for c in self.held(job_id).values())
         with self.lock:
-            total += sum(t.offer.total_bytes for (j, _), t in self.transfers.items()
+            total += sum(t.offer.total_bytes for (j, _, _), t in self.transfers.items()
                          if j == job_id)
         return total
 
-    def open_file(self, job_id: int, source: str, step: int, relpath: str) -> int:
+    def open_file(self, job_id: int, source: str, step: int, relpath: str,
+                  meta: bool = False) -> int:
         """An fd of a file of a verified copy (for a restore that reads it)."""
         head, _, name = f"{step_name(step)}/{relpath}".rpartition("/")
-        sfd = self._open_source(job_id, source)
+        sfd = self._open_source(job_id, source, meta)
         try:
             pfd = safefs.open_dir_at(sfd, head)
         finally:
@@ -470,7 +487,7 @@ def _check_offer(offer: Offer) -> None:
         check_save_ids(offer.step, m0, offer.manifests, f"buddy offer from {offer.source}")
     except CheckpointError as exc:
         raise Refused(str(exc)) from None
-    declared = sum(m.total_bytes for m in offer.manifests.values())
+    declared = sum(size for _, size in offer.files())
     if declared != offer.total_bytes:
         raise Refused(f"offer of step {offer.step} declares {offer.total_bytes:,} bytes, its "
                       f"manifests list {declared:,}")
@@ -481,9 +498,12 @@ def _verify(t: _Transfer) -> None:
     if t.received != offer.total_bytes:
         raise Refused(f"step {offer.step} from {offer.source}: torn copy, {t.received:,} of "
                       f"{offer.total_bytes:,} bytes arrived")
+    sent = {p for p, _ in t.files}
     for rank, m in offer.manifests.items():
         for f in m.files:
             path = f"{rank_name(rank)}/{f.path}"
+            if path not in sent:
+                continue  # metadata only: the data stays on its node
             fd = t.fds.get(path)
             if fd is None and f.size == 0:
                 continue  # created empty at the end
