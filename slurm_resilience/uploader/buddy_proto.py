@@ -120,6 +120,8 @@ def decode(data: bytes) -> Piece:
     if not isinstance(doc, dict):
         raise ProtoError("not a JSON object")
     op = doc.get("op")
+    if op not in ("pull", "offer", "data", "end"):
+        raise ProtoError(f"unknown op {str(op)[:20]!r}")
     if op == "pull":
         names = doc.get("copies_of")
         if not isinstance(names, list) or len(names) > MAX_NAMES or \
@@ -146,9 +148,7 @@ def decode(data: bytes) -> Piece:
         except (CheckpointError, binascii.Error) as exc:
             raise ProtoError(f"data piece: {exc}") from None
         return DataPiece(step, meta, path, _int(doc, "offset"), blob)
-    if op == "end":
-        return EndPiece(step, meta)
-    raise ProtoError(f"unknown op {str(op)[:20]!r}")
+    return EndPiece(step, meta)
 
 
 def offer_text(offer: Offer, send: tuple[str, ...]) -> str:

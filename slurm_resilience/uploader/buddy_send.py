@@ -72,7 +72,7 @@ def push(transport: Transport, *, node: str, to: str, job_id: int, nodes: tuple[
          stop: threading.Event | None = None) -> Sent:
     """Send ``offer`` and the bytes of its files to ``to``; ``Sent.ok`` when it verified."""
     files = offer.files()
-    room = data_room(max_piece_bytes)
+    room = data_room(max_piece_bytes - max((len(p) for p, _ in files), default=0))
     messages = 0
 
     def one(piece: Piece) -> str:

@@ -185,9 +185,9 @@ class BuddyStore:
         _check_offer(offer)
         key = (offer.job_id, offer.source, offer.meta)
         held = self.held(offer.job_id, offer.meta).get(offer.source)
-        if held is not None and held.step >= offer.step:
+        if held is not None and held.step > offer.step:
             raise Refused(f"{self.node} already holds step {held.step} of {offer.source}; "
-                          f"step {offer.step} is not newer")
+                          f"step {offer.step} is older")
         if used + offer.total_bytes > quota.limit:
             raise Refused(f"step {offer.step} of {offer.source} ({offer.total_bytes:,} bytes) "
                           f"would take job {offer.job_id}'s buddy area past its quota "
@@ -305,6 +305,8 @@ class BuddyStore:
                 os.fsync(ifd)
             finally:
                 os.close(ifd)
+            # The same step again (a restore's second pull): the new copy verified too.
+            safefs.remove_tree_at(sfd, step_name(step), missing_ok=True)
             os.rename(name, step_name(step), src_dir_fd=sfd, dst_dir_fd=sfd)
             os.fsync(sfd)
             for other in os.listdir(sfd):  # keep only the newest verified copy

@@ -213,7 +213,7 @@ def test_only_the_newest_verified_copy_per_source_is_kept(tmp_path: Path, root: 
     assert store.held(7)["n1"].step == 40
     assert sorted(p.name for p in (root / AREA / "job-7" / "from-n1").iterdir()) == \
         [step_name(40)]
-    with pytest.raises(Refused, match="already holds step 40 of n1; step 30 is not newer"):
+    with pytest.raises(Refused, match="already holds step 40 of n1; step 30 is older"):
         store.begin(JobFacts(7, NODES), _offer(tmp_path / "again", 30)[0], BIG, 0)
 
 
