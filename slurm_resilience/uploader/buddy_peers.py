@@ -165,7 +165,7 @@ def copies_of(svc: BuddyService, job: LocalJob, jfd: int, peers: Peers) -> list[
             marker, manifests = read_step(jfd, step, job.uid)
         except (CheckpointError, OSError):
             continue
-        mine = frozenset(r for r, m in manifests.items() if _has_files(jfd, step, r, m))
+        mine = frozenset(r for r, m in manifests.items() if has_files(jfd, step, r, m))
         if mine:
             out.append(Copy(step, svc.node, mine, marker.world_size, Where.LOCAL, svc.node))
     for node, c in peers.own.items():
@@ -175,7 +175,7 @@ def copies_of(svc: BuddyService, job: LocalJob, jfd: int, peers: Peers) -> list[
     return out
 
 
-def _has_files(jfd: int, step: int, rank: int, m: Manifest) -> bool:
+def has_files(jfd: int, step: int, rank: int, m: Manifest) -> bool:
     """Every file of the rank's manifest is on this node at its size (not a stub)."""
     try:
         rfd = open_dir_at(jfd, f"{step_name(step)}/{rank_name(rank)}")
@@ -259,9 +259,7 @@ def _read_held(svc: BuddyService, job: LocalJob, c: HeldCopy) -> bytes:
 def complete(svc: BuddyService, job: LocalJob, jfd: int, gid: int, step: int) -> list[str]:
     """Bring every rank part of ``step`` this node lacks from the job's nodes into its step
     dir; what came from where (``rank 1 from node3 (buddy copy of node2)``)."""
-    marker, manifests = read_step(jfd, step, job.uid)
-    missing = sorted(r for r in range(marker.world_size)
-                     if r not in manifests or not _has_files(jfd, step, r, manifests[r]))
+    missing = missing_ranks(jfd, step, job.uid)
     if not missing:
         return []
     peers = discover(svc, job, step)
@@ -290,6 +288,13 @@ def complete(svc: BuddyService, job: LocalJob, jfd: int, gid: int, step: int) ->
             log.info("buddy: a restore used a buddy copy", job_id=job.job_id, step=step,
                      source=lost, holder=holder, ranks=want)
     return done
+
+
+def missing_ranks(jfd: int, step: int, uid: int) -> list[int]:
+    """The ranks of ``step`` whose files are not all on this node."""
+    marker, manifests = read_step(jfd, step, uid)
+    return sorted(r for r in range(marker.world_size)
+                  if r not in manifests or not has_files(jfd, step, r, manifests[r]))
 
 
 def _place(svc: BuddyService, job: LocalJob, jfd: int, gid: int, c: HeldCopy, ranks: list[int],

@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,6 +60,7 @@ class Sent:
     messages: int
     waited_s: float
     error: str = ""
+    seconds: float = 0.0  # from the offer to the receiver's answer to the end
 
 
 def lower_priority() -> None:
@@ -85,6 +87,7 @@ def push(transport: Transport, *, node: str, to: str, job_id: int, nodes: tuple[
         return "" if transport.send(msg, [to]) == to else \
             f"{to} refused or couldn't be reached (message {messages}; its log says why)"
 
+    started = time.monotonic()
     text = offer_text(offer, tuple(p for p, _ in files))
     count = max(1, math.ceil(len(text) / room))
     sent = 0
@@ -114,4 +117,5 @@ def push(transport: Transport, *, node: str, to: str, job_id: int, nodes: tuple[
         finally:
             os.close(fd)
     err = one(EndPiece(offer.step, offer.meta))
-    return Sent(not err, sent, messages, rate.waited_s, err)
+    return Sent(not err, sent, messages, rate.waited_s, err,
+                round(time.monotonic() - started, 3))

@@ -223,7 +223,8 @@ class BuddyService:
             self.count("sent", result.data_bytes, "sent")
             log.info("buddy: sent this node's part of the newest step to its buddy",
                      job_id=job.job_id, step=step, buddy=to, bytes=result.data_bytes,
-                     messages=result.messages, rate_wait_s=round(result.waited_s, 3))
+                     messages=result.messages, seconds=result.seconds,
+                     rate_wait_s=round(result.waited_s, 3))
         else:
             self.count("failed")
             log.warning("buddy: couldn't send this node's part to its buddy", job_id=job.job_id,
@@ -242,6 +243,12 @@ class BuddyService:
         try:
             with open_job_dir(root, job.job_id) as jfd:
                 marker, manifests = read_step(jfd, step, job.uid)
+                # Only the ranks whose files are here: a restore may have written other
+                # ranks' manifests (their data elsewhere) into this node's step dir.
+                manifests = {r: m for r, m in manifests.items()
+                             if peers.has_files(jfd, step, r, m)}
+                if not manifests:
+                    return Sent(False, 0, 0, 0.0, f"no rank of step {step} is whole here")
                 offer = Offer(job.job_id, self.node, step, marker, manifests, 0, meta)
                 offer = dataclasses.replace(offer, total_bytes=sum(s for _, s in offer.files()))
                 sfd = open_dir_at(jfd, step_name(step))
@@ -326,6 +333,10 @@ class BuddyService:
         key = (job.job_id, sender, piece.meta)
         with self.lock:
             p = self.pending.get(key)
+            if p is not None and p.source:
+                # A sender pushes one transfer at a time: a new offer means it gave the
+                # last one up (it could not read a file, or its agent restarted).
+                self.store.abort(job.job_id, p.source, piece.meta)
             if p is None or p.step != piece.step or p.count != piece.count or p.source:
                 p = self.pending[key] = _Pending(count=piece.count, step=piece.step)
             p.pieces[piece.index] = piece.text
@@ -435,6 +446,10 @@ class BuddyService:
         job = self.local_jobs().get(job_id)
         if job is None or not self.enabled() or self.transport is None:
             return None
+        if job_id not in self.store.jobs() and not committed_steps_at(jfd):
+            # Nothing of this job's run was committed or copied here: a job just started
+            # (no node holds anything yet), so no node is asked; S3's answer stands.
+            return None
         staged = peers.stage(self, job, jfd, gid, s3_steps, s3_error)
         if staged is not None:
             with self.lock:
@@ -449,16 +464,24 @@ class BuddyService:
         except Refused:
             return False
 
-    def complete(self, job_id: int, jfd: int, gid: int, step: int) -> None:
+    def complete(self, job_id: int, jfd: int, gid: int, step: int) -> bool:
         """Bring the parts of ``step`` this node lacks from the job's nodes (ckpt.fetch of a
-        step S3 can't give); a part that can't be had stays missing, and the fetch says so."""
+        step S3 can't give); whether every part is here now. A part that can't be had
+        stays missing, and the fetch says so."""
         job = self.local_jobs().get(job_id)
         if job is None or not self.enabled() or self.transport is None:
-            return
-        got = peers.complete(self, job, jfd, gid, step)
+            return False
+        try:
+            got = peers.complete(self, job, jfd, gid, step)
+            whole = not peers.missing_ranks(jfd, step, job.uid)
+        except (CheckpointError, OSError, Refused) as exc:
+            log.error("buddy: couldn't bring the parts a restore lacks", job_id=job_id,
+                      step=step, error=str(exc))
+            return False
         if got:
             with self.lock:
                 self.restores[job_id] = f"step {step}: " + "; ".join(got)
+        return whole
 
     # -- the agent's service protocol ----------------------------------------------------------
 
