@@ -511,13 +511,18 @@ class BuddyService:
 
 
 def factory(ctx: Any) -> BuddyService | None:
-    """The agent's service factory: None when checkpoint staging is off."""
+    """The agent's service factory: None when checkpoint staging is off (or its service
+    could not start)."""
     if not ctx.cfg.checkpoint.enabled:
         return None
     services = ctx.extra.get("services", {})
-    svc = BuddyService(ctx.cfg, ctx.node, ctx.adapter.events_path, services.get("heartbeat"))
     uploader = services.get("checkpoint")
-    if uploader is not None:
-        uploader.buddy = svc  # its stage-in and fetch ask for parts through it
-        uploader.fetcher.peers = svc.complete
+    if uploader is None:
+        # The checkpoint service did not start (its own error says why): no staging to
+        # copy from, no restore to serve.
+        log.error("buddy: not started: the agent's checkpoint service is not running")
+        return None
+    svc = BuddyService(ctx.cfg, ctx.node, ctx.adapter.events_path, services.get("heartbeat"))
+    uploader.buddy = svc  # its stage-in and fetch ask for parts through it
+    uploader.fetcher.peers = svc.complete
     return svc

@@ -13,6 +13,7 @@ lost node's part from its buddy), then finish. S3 comes back only after the resu
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -112,5 +113,12 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     assert used and all(lost in ln for ln in used), used
     assert _buddy_count(box, "used") >= 1
     assert _buddy_count(box, "received") >= 1
-    print(f"\nbuddy copy of step 100 on {holder} {copied_s:.1f}s after its commit on {lost}; "
-          f"spare {spare}; resumed from step {resumed}")
+    sent = [json.loads(ln) for ln in _log_lines(box, "buddy: sent this node's part")
+            if ln.startswith("{")]
+    mine = [e for e in sent if e.get("node") == lost and e.get("step") == 100]
+    assert mine, sent
+    rate = mine[0]["bytes"] / max(mine[0]["seconds"], 1e-3)
+    print(f"\nbuddy copy of step 100: {mine[0]['bytes']:,} bytes from {lost} to {holder} in "
+          f"{mine[0]['seconds']:.2f}s ({mine[0]['messages']} messages, {rate / 1e6:.2f} MB/s; "
+          f"seen {copied_s:.1f}s after the commit was seen); spare {spare}; resumed from "
+          f"step {resumed}")
