@@ -36,7 +36,8 @@ def register(sub: Any) -> None:
                       help="the step to download (default: the newest verified step)")
     pull.set_defaults(func=_guarded(run_pull))
     st = csub.add_parser("status", help="a job's stage-in (step, source, fallbacks, error), "
-                                        "fetches and pending uploads, from this node's agent")
+                                        "fetches, where the restore's parts came from, buddy "
+                                        "copies and pending uploads, from this node's agent")
     st.add_argument("job_id", type=int, help="the Slurm job id")
     st.add_argument("--node", default="", help="node whose agent to ask (default: this node)")
     st.add_argument("--json", action="store_true", help="print the agent's answer as JSON")

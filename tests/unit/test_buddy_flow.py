@@ -272,3 +272,51 @@ def test_piece_encoding_round_trips_and_bounds_hold() -> None:
     room = proto.data_room(65536)
     assert len(proto.encode(proto.DataPiece(1 << 40, False, "rank-00001/data.distcp",
                                             1 << 40, b"x" * room))) < 65536 + 64
+
+
+def test_ckpt_status_says_where_each_part_came_from_and_the_copies() -> None:
+    from slurm_resilience.uploader.cli import format_status
+
+    answer = {"stagein": "done", "step": 100, "source": "buddy", "mode": "metadata",
+              "buddy": {"parts": "step 100: rank 0 from node1; rank 1 from node3 (buddy copy "
+                                 "of node2)",
+                        "sent": {"step": 100, "to": "node1", "error": None},
+                        "held": {"node2": 100}}}
+    lines = format_status(JOB, "node3", answer)
+    assert lines[0] == f"job {JOB} on node3: stage-in done: step 100 from buddy (metadata)"
+    assert "  parts of the restore: step 100: rank 0 from node1; rank 1 from node3 (buddy " \
+           "copy of node2)" in lines
+    assert "  buddy copy: step 100 sent to node1" in lines
+    assert "  buddy copy held here: step 100 of node2" in lines
+    failed = {**answer, "buddy": {"sent": {"step": 50, "to": "node1", "error": "refused"}}}
+    assert "  buddy copy: step 50 sent to node1 FAILED: refused" in format_status(JOB, "n",
+                                                                                  failed)
+
+
+def test_a_transfer_that_stops_arriving_is_dropped_on_an_injected_clock(
+        tmp_path: Path, wire: Wire) -> None:
+    n1, n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    now = [1000.0]
+    n2.clock = lambda: now[0]
+    _save(tmp_path, "n1", 20, 0, b"y" * 5000)
+    jdir = tmp_path / "n1" / "nvme" / f"job-{JOB}"
+    fd = os.open(jdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        marker, manifests = read_step(fd, 20, os.getuid())
+    finally:
+        os.close(fd)
+    offer = Offer(JOB, "n1", 20, marker, manifests, sum(m.total_bytes for m in
+                                                       manifests.values()))
+    text = proto.offer_text(offer, tuple(p for p, _ in offer.files()))
+    msg = Message(Kind.BUDDY, JOB, 0, "n1", "n2", "n1", NODES,
+                  {"n1": proto.encode(proto.OfferPiece(20, False, 0, 1, text))})
+    assert n2.on_message(msg) == ""
+    incoming = tmp_path / "n2" / "nvme" / ".buddy" / f"job-{JOB}" / "from-n1"
+    assert [p.name for p in incoming.iterdir()] == [".incoming-" + step_name(20)]
+    now[0] += 599
+    n2.tick()
+    assert [p.name for p in incoming.iterdir()] == [".incoming-" + step_name(20)]
+    now[0] += 2
+    n2.tick()
+    assert list(incoming.iterdir()) == [] and n2.store.transfers == {}
+    assert n1.store.held(JOB) == {}
