@@ -38,6 +38,7 @@ from slurm_resilience.transport.wire import Kind, Message
 from slurm_resilience.uploader import buddy_peers as peers
 from slurm_resilience.uploader.buddy_peers import Staged
 from slurm_resilience.uploader.buddy_proto import (
+    MAX_OFFER_BYTES,
     DataPiece,
     EndPiece,
     OfferPiece,
@@ -59,6 +60,7 @@ log = get_logger("checkpoint.buddy")
 RESULTS = ("sent", "received", "used", "refused", "failed")
 MAX_PUSHES = 4  # pull answers pushed at once
 STALE_TRANSFER_S = 600.0  # a transfer with no message for this long is dropped
+GONE_AFTER_S = 30.0  # a job not running here for this long: its buddy area is removed
 
 
 class Waiter(Protocol):
@@ -123,6 +125,7 @@ class BuddyService:
         self.stopping = threading.Event()
         self.refusals = LogBudget(log, "refused buddy pieces")
         self.restores: dict[int, str] = {}  # job → where the parts of its restore came from
+        self.absent: dict[int, float] = {}  # job with a buddy area here → first seen gone
 
     # -- configuration and jobs ----------------------------------------------------------------
 
@@ -156,15 +159,23 @@ class BuddyService:
     def tick(self) -> None:
         self._attach()
         jobs = self.local_jobs()
-        for gone in [j for j in self.store.jobs() if j not in jobs]:
-            self.store.remove_job(gone)
-            log.info("buddy: the job ended; its buddy area here is removed", job_id=gone)
+        now = self.clock()
+        for job_id in self.store.jobs():
+            if job_id in jobs:
+                self.absent.pop(job_id, None)
+                continue
+            # Gone for a while, not just unseen by a watcher that is still starting up.
+            since = self.absent.setdefault(job_id, now)
+            if now - since >= GONE_AFTER_S:
+                self.store.remove_job(job_id)
+                self.absent.pop(job_id, None)
+                log.info("buddy: the job ended; its buddy area here is removed",
+                         job_id=job_id)
         with self.lock:
             for gone in [j for j in self.jobs if j not in jobs]:
                 del self.jobs[gone]
             for gone in [j for j in self.restores if j not in jobs]:
                 del self.restores[gone]
-            now = self.clock()
             for key in [k for k, p in self.pending.items()
                         if now - p.touched > STALE_TRANSFER_S]:
                 p = self.pending.pop(key)
@@ -341,6 +352,10 @@ class BuddyService:
                 p = self.pending[key] = _Pending(count=piece.count, step=piece.step)
             p.pieces[piece.index] = piece.text
             p.touched = self.clock()
+            if sum(map(len, p.pieces.values())) > MAX_OFFER_BYTES:
+                del self.pending[key]
+                raise Refused(f"offer of step {piece.step} from {sender} is over "
+                              f"{MAX_OFFER_BYTES:,} bytes")
             if len(p.pieces) < p.count:
                 return
             text = "".join(p.pieces[i] for i in range(p.count))

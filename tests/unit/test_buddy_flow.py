@@ -320,3 +320,22 @@ def test_a_transfer_that_stops_arriving_is_dropped_on_an_injected_clock(
     n2.tick()
     assert list(incoming.iterdir()) == [] and n2.store.transfers == {}
     assert n1.store.held(JOB) == {}
+
+
+def test_a_jobs_buddy_area_goes_once_the_job_is_gone_for_a_while(
+        tmp_path: Path, wire: Wire) -> None:
+    n1, n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    _save(tmp_path, "n1", 10, 0, b"z" * 1000)
+    n1.tick()
+    _join(n1)
+    now = [50.0]
+    n2.clock = lambda: now[0]
+    n2.watcher.jobs.clear()  # the job no longer runs here (or the watcher has not read it)
+    n2.tick()
+    assert n2.store.jobs() == [JOB]
+    now[0] += 29
+    n2.tick()
+    assert n2.store.jobs() == [JOB]
+    now[0] += 1
+    n2.tick()
+    assert n2.store.jobs() == []
