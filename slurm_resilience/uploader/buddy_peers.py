@@ -34,6 +34,7 @@ from slurm_resilience.checkpoint.commit import (
     MANIFEST,
     CheckpointError,
     Manifest,
+    check_save_ids,
     rank_name,
     step_name,
 )
@@ -232,6 +233,12 @@ def stage(svc: BuddyService, job: LocalJob, jfd: int, gid: int, s3_steps: set[in
             metadata = _read_held(svc, job, c)
     if marker is None or set(manifests) != set(range(marker.world_size)) or not metadata:
         return None
+    try:  # parts of two saves of one step number (a requeue) never mix
+        check_save_ids(step, marker, manifests, f"step {step} from the job's nodes")
+    except CheckpointError as exc:
+        log.error("buddy: the job's nodes hold parts of different saves of the step",
+                  job_id=job.job_id, step=step, error=str(exc))
+        return None
     place_metadata(jfd, step, RemoteStep(marker, manifests), metadata, job.uid, gid)
     log.info("buddy: stage-in took the step from the job's nodes", job_id=job.job_id,
              step=step, parts=choice.summary(), passed_over=[p.step for p in choice.passed_over])
@@ -301,7 +308,13 @@ def _place(svc: BuddyService, job: LocalJob, jfd: int, gid: int, c: HeldCopy, ra
            where: str) -> list[str]:
     """Copy the files of ``ranks`` of a verified copy into the job's step dir, owned by the
     job's user (a part already there is left alone)."""
-    out = []
+    out: list[str] = []
+    marker, _ = read_step(jfd, c.step, job.uid)
+    if c.marker.save_id != marker.save_id:
+        log.error("buddy: a part of another save of the step is not placed",
+                  job_id=job.job_id, step=c.step, source=c.source,
+                  save_id=c.marker.save_id, here=marker.save_id)
+        return out
     sfd = open_dir_at(jfd, step_name(c.step))
     try:
         for r in ranks:

@@ -114,14 +114,15 @@ def _node(tmp: Path, wire: Wire, node: str) -> BuddyService:
     return svc
 
 
-def _save(tmp: Path, node: str, step: int, rank: int, data: bytes, world: int = 2) -> None:
+def _save(tmp: Path, node: str, step: int, rank: int, data: bytes, world: int = 2,
+          save_id: str = SAVE) -> None:
     job = tmp / node / "nvme" / f"job-{JOB}"
     part = begin_part(job, step, rank)
     (part / "data.distcp").write_bytes(data)
     if rank == 0:
         (part / ".metadata").write_bytes(b"metadata of step %d" % step)
-    commit_part(part, step, rank, save_id=SAVE)
-    write_commit_marker(job, step, world, SAVE)
+    commit_part(part, step, rank, save_id=save_id)
+    write_commit_marker(job, step, world, save_id)
 
 
 def _join(svc: BuddyService) -> None:
@@ -339,3 +340,21 @@ def test_a_jobs_buddy_area_goes_once_the_job_is_gone_for_a_while(
     now[0] += 1
     n2.tick()
     assert n2.store.jobs() == []
+
+
+def test_parts_of_two_saves_of_one_step_are_never_mixed(tmp_path: Path, wire: Wire) -> None:
+    """n2's part of step 20 is of another save than n1's (a requeued run saved step 20
+    again): the spare does not stage step 20 from them."""
+    _n1, n2, n3 = (_node(tmp_path, wire, n) for n in NODES)
+    _save(tmp_path, "n1", 20, 0, b"a" * 1000)
+    _save(tmp_path, "n2", 20, 1, b"b" * 1000, save_id="0000000000000009-j7.r1.ffff")
+    n2.tick()
+    _join(n2)
+    del wire.handlers["n2"]
+    jdir = tmp_path / "n3" / "nvme" / f"job-{JOB}"
+    fd = os.open(jdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert n3.stage(JOB, fd, os.getgid(), set(), "S3 down") is None
+    finally:
+        os.close(fd)
+    assert not (jdir / step_name(20)).exists()
