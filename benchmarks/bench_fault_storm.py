@@ -191,6 +191,8 @@ def main() -> int:
                         help="seconds between faults (default: 120)")
     parser.add_argument("--user", default="srtest1", help="the unprivileged user running the "
                                                           "job (default: srtest1)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="a directory to write the job's output and goodput's JSON to")
     parser.add_argument("--port-base", type=int, default=0,
                         help="first port of the benchmark's own sandbox (default: a free one)")
     args = parser.parse_args()
@@ -234,6 +236,10 @@ def main() -> int:
         if got.returncode != 0:
             raise RuntimeError(f"goodput failed: {got.stderr}")
         g = json.loads(got.stdout)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            (args.keep / f"slurm-{job_id}.out").write_text(out)
+            (args.keep / "goodput.json").write_text(got.stdout)
     finally:
         box.stop()
         shutil.rmtree(state, ignore_errors=True)
@@ -251,6 +257,10 @@ def main() -> int:
     print(f"  allocated {g['allocated_s']:.0f} s, productive {g['productive_s']:.0f} s "
           f"(goodput); by the job's own log {by_log:.0f} s ({steps} steps x {step_s:.3f} s)")
     print("  losses: " + ", ".join(f"{k} {v:.0f} s" for k, v in g["losses_s"].items() if v))
+    for r in g["runs"]:
+        lost = ", ".join(f"{k} {v:.1f}" for k, v in r["losses"].items() if v)
+        print(f"    run {r['restarts']} relaunch {r['relaunch']}: {r['allocated_s']:.1f} s "
+              f"allocated, {r['productive_s']:.1f} s productive" + (f"; {lost}" if lost else ""))
     first = min(float(t) for t in re.findall(r"rank \d+ started at=([\d.]+)", out))
     done = float(re.findall(r"done step=\d+ resumed_from=\d+ restarts=\d+ at=([\d.]+)", out)[-1])
     print(f"  the job's own span, first rank's start to done: {done - first:.0f} s "

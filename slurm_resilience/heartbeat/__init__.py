@@ -121,8 +121,17 @@ def init(env: Mapping[str, str] | None = None) -> Heartbeat | None:
               file=sys.stderr)
         _disabled = True
         return None
-    atexit.register(_current.done)
+    atexit.register(_done_at_exit, _current)
     return _current
+
+
+def _done_at_exit(hb: Heartbeat) -> None:
+    """A rank that exits without calling done() is done, unless it is ending on an uncaught
+    exception (a peer's death raising in a collective, say): Python has printed it and set
+    ``sys.last_value`` by now. That rank crashed; said done, goodput would count its run as
+    one that ended well."""
+    if getattr(sys, "last_value", None) is None:
+        hb.done()
 
 
 def current() -> Heartbeat | None:

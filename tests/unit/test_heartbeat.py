@@ -272,3 +272,24 @@ def test_a_run_dir_the_job_cannot_write_turns_hang_detection_off_not_training(
     assert out.stdout == "trained on\n"
     assert "couldn't create this rank's slot" in out.stderr
     assert "Permission denied; hang detection is off for this rank" in out.stderr
+
+
+@pytest.mark.parametrize(("body", "done"), [("pass", True),
+                                            ("raise RuntimeError('peer closed')", False)])
+def test_a_rank_is_done_at_exit_unless_it_dies_on_an_exception(
+        tmp_path: Path, body: str, done: bool) -> None:
+    """A script that ends without calling done() is done at exit; one that ends on an
+    uncaught exception (a collective raising when a peer died) crashed: not done, so the
+    watcher sees it dead and goodput counts its run as failed."""
+    (tmp_path / "job-7").mkdir()
+    script = ("from slurm_resilience import heartbeat\n"
+              "heartbeat.beat(1)\n"
+              f"{body}\n")
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_RESILIENCE_RUN_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert (got.returncode == 0) == done, got.stderr
+    view = _read(tmp_path / "job-7" / S.slot_filename(0))
+    assert view.beats == 1
+    assert bool(view.flags & S.FLAG_DONE) == done
