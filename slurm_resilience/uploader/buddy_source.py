@@ -63,7 +63,7 @@ class Choice:
     passed_over: tuple[Passed, ...]
 
     def summary(self) -> str:
-        """``step 30: ranks 0-1 local on n1; ranks 2-3 buddy on n3`` for status and logs."""
+        """``step 30: ranks 0, 1 local on n1; ranks 2, 3 buddy on n3`` for status and logs."""
         if self.step is None:
             return "no step"
         parts = "; ".join(f"{ranks_text(s.ranks)} {s.where.value}"

@@ -6,6 +6,9 @@ checked with fstat; anything else there, a link included, is refused, never foll
     <staging_root>/.buddy/job-<id>/from-<node>/step-N/            a verified copy
         COMMIT.json, rank-R/MANIFEST.json, rank-R/<files>        the staging layout
     <staging_root>/.buddy/job-<id>/from-<node>/.incoming-step-N/  a transfer in progress
+    <staging_root>/.buddy/job-<id>/meta-<node>/step-N/            a node's manifests (and
+                                                                 .metadata) a restore here
+                                                                 asked for
 
 A copy is accepted only from a node of the same job whose buddy this node is (the ring of
 buddy_ring.py over the job's nodes as this agent knows them, never as the sender says),
