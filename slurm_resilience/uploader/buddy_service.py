@@ -456,12 +456,14 @@ class BuddyService:
     # -- restores (buddy_peers.py) --------------------------------------------------------------
 
     def stage(self, job_id: int, jfd: int, gid: int, s3_steps: set[int],
-              s3_error: str) -> Staged | None:
-        """Stage-in through the job's nodes; None when they can't do better than S3."""
+              s3_error: str, *, force: bool = False) -> Staged | None:
+        """Stage-in through the job's nodes; None when they can't do better than S3.
+        ``force``: ask them even if nothing of the run is here (ckpt.stage of a step the
+        job's ranks agreed on)."""
         job = self.local_jobs().get(job_id)
         if job is None or not self.enabled() or self.transport is None:
             return None
-        if job_id not in self.store.jobs() and not committed_steps_at(jfd):
+        if not force and job_id not in self.store.jobs() and not committed_steps_at(jfd):
             # Nothing of this job's run was committed or copied here: a job just started
             # (no node holds anything yet), so no node is asked; S3's answer stands.
             return None

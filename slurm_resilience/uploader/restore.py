@@ -87,8 +87,16 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
 
             wanted = rec.get("stagein_wanted")
             if wanted is not None and uri is not None and wanted not in excluded_steps(rec):
-                res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]), wanted,
-                                 policy(up.cfg))  # ckpt.stage: that step or an error
+                try:  # ckpt.stage: that step or an error
+                    res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]),
+                                     wanted, policy(up.cfg))
+                except StageinFailed as exc:
+                    # The job's ranks agreed the step is committed (on the nodes that kept
+                    # running): a part S3 never got may be on its node's buddy.
+                    got = _through_buddies(up, rec, jfd, set(), str(exc), force=True)
+                    if got is None or got.step != wanted:
+                        raise
+                    res = got
             else:
                 try:
                     res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]),
@@ -98,7 +106,10 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                 except StageinFailed as exc:
                     # S3 down, or a step still uploading from a node that is gone: the
                     # job's nodes may hold it (buddy copies); if not, the error stands.
-                    res = _through_buddies(up, rec, jfd, set(), str(exc)) or _reraise(exc)
+                    got = _through_buddies(up, rec, jfd, set(), str(exc))
+                    if got is None:
+                        raise
+                    res = got
                 else:
                     if uri is not None and up.buddy is not None and \
                             up.buddy.newer_held(job_id, res.step):
@@ -131,21 +142,19 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
 
 
 def _through_buddies(up: Uploader, rec: JobRecord, jfd: int, s3_steps: set[int],
-                     s3_error: str) -> StageinResult | None:
+                     s3_error: str, force: bool = False) -> StageinResult | None:
     """The newest step through the job's nodes (buddy_peers.stage), when they hold a
-    newer step than S3 gave, or S3 failed; None otherwise."""
+    newer step than S3 gave, or S3 failed; None otherwise. ``force``: ask them even when
+    this node has nothing of the run (the job's ranks said the step exists)."""
     if up.buddy is None or not rec.get("uri"):
         return None
-    staged = up.buddy.stage(int(rec["job_id"]), jfd, int(rec["gid"]), s3_steps, s3_error)
+    staged = up.buddy.stage(int(rec["job_id"]), jfd, int(rec["gid"]), s3_steps, s3_error,
+                            force=force)
     if staged is None:
         return None
     return StageinResult(staged.choice.step, "buddy", "metadata", staged.nbytes,
                          tuple(Fallback(p.step, p.reason) for p in staged.choice.passed_over),
                          None)
-
-
-def _reraise(exc: BaseException) -> StageinResult:
-    raise exc
 
 
 def _staging_gone(rec: JobRecord) -> bool:

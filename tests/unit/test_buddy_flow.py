@@ -358,3 +358,21 @@ def test_parts_of_two_saves_of_one_step_are_never_mixed(tmp_path: Path, wire: Wi
     finally:
         os.close(fd)
     assert not (jdir / step_name(20)).exists()
+
+
+def test_a_node_with_nothing_of_the_run_asks_no_one_unless_the_ranks_agreed_on_a_step(
+        tmp_path: Path, wire: Wire) -> None:
+    """At a job's start no node holds anything: a stage-in whose S3 failed asks no one
+    (a 1,024-node job would send a million pulls). ``ckpt.stage`` of a step the ranks
+    agreed on (force) asks."""
+    n1, _n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    _save(tmp_path, "n2", 20, 0, b"w" * 1000, world=1)
+    jdir = tmp_path / "n1" / "nvme" / f"job-{JOB}"
+    fd = os.open(jdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert n1.stage(JOB, fd, os.getgid(), set(), "S3 down") is None
+        assert wire.sent == []
+        staged = n1.stage(JOB, fd, os.getgid(), set(), "S3 down", force=True)
+    finally:
+        os.close(fd)
+    assert staged is not None and staged.choice.summary() == "step 20: rank 0 local on n2"
