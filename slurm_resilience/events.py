@@ -47,8 +47,11 @@ CKPT_AGENT = "ckpt_agent_unreachable"  # cause: the hook that found it (prolog, 
 PLANNED = "planned"  # a job saved and stopped ahead of its time limit or on preemption
 # A launcher's step ended with a node of it lost (launch.nodeloss): what was decided.
 NODE_LOSS = "node_loss"
+# Buddy copies of checkpoint parts (uploader.buddy_service): transfers by result, and bytes.
+BUDDY = "buddy"
+BUDDY_BYTES = "buddy_bytes"
 KINDS = (DRAIN, RESUME, REQUEUE, HOLD, CANCEL, INCIDENT, GATE, STRAGGLER, BUDGET, SUSPICION,
-         CKPT_AGENT, PLANNED, NODE_LOSS)
+         CKPT_AGENT, PLANNED, NODE_LOSS, BUDDY, BUDDY_BYTES)
 
 # Every cause each kind can be counted with, so that every series starts at 0 and the first
 # event shows in increase(). Kept here, not imported, so the prolog's import stays light; a
@@ -73,6 +76,10 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     CKPT_AGENT: ("prolog", "epilog"),
     PLANNED: ("time_limit", "preempt"),  # hang.limits.CAUSES
     NODE_LOSS: ("relaunch", "requeue", "leave"),  # hang.nodeloss.Verdict's acting values
+    # uploader.buddy_service.RESULTS: a copy sent, received (verified), used by a restore,
+    # refused by its receiver (or refused here), or failed on the way.
+    BUDDY: ("sent", "received", "used", "refused", "failed"),
+    BUDDY_BYTES: ("sent", "received"),
 }
 
 

@@ -136,3 +136,23 @@ class CheckpointSection:
         8, min=1, max=256, help="ckpt.fetch requests one job may have in flight on a node; "
                                 "more wait for a free slot",
     )
+    buddy_copies: bool = setting(
+        True,
+        help="after each local commit, the agent sends this node's part of the newest step "
+             "to its buddy (the next node of the job's sorted node list, in a ring) over the "
+             "agents' munge-authenticated exchange, so that a node lost before its upload "
+             "still has its part on another node; needs heartbeat.rendezvous other than none")
+    buddy_rate: ByteSize = setting(
+        ByteSize(64 * 1024**2), min=64 * 1024,
+        help="bytes per second one node sends buddy copies at, at most (a one-second burst): "
+             "keep it a small share of the NIC so the copy never slows the training; each "
+             "node sends its own part once per checkpoint, so part size / interval must stay "
+             "below it")
+    buddy_quota_fraction: float = setting(
+        0.25, min=0.01, max=1.0,
+        help="share of the staging disk one job's buddy copies (and a restore's pulled "
+             "parts) may use on a node; a copy that would pass it is refused and logged")
+    buddy_wait_s: float = setting(
+        30.0, min=1, max=3600,
+        help="how long a restore waits for the job's other nodes to answer for their parts "
+             "and buddy copies before it takes the nodes that did not answer as lost")

@@ -142,5 +142,10 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             # S3 faults in tests show up within seconds, not after the 2-minute default.
             "stagein_retry_s": 8.0,
             "stagein_intent_wait_s": 20.0,
+            # Buddy copies (a site's default) have a test of their own that turns them on,
+            # with a rate small enough to be seen at work; the baseline stays as it was.
+            "buddy_copies": False,
+            "buddy_rate": "4MiB",
+            "buddy_wait_s": 15.0,
         },
     }

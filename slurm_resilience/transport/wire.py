@@ -40,6 +40,9 @@ class Kind(str, Enum):
     # travelling up the job's tree to its judge, and the judge telling a node it was named.
     STEPS = "steps"
     NAMED = "named"
+    # Buddy copies of checkpoint parts (slurm_resilience.uploader.buddy_proto): a node's
+    # newest step to its buddy in chunks, and a restoring node's requests for what it lacks.
+    BUDDY = "buddy"
 
 
 class MessageError(ValueError):

@@ -36,7 +36,8 @@ def register(sub: Any) -> None:
                       help="the step to download (default: the newest verified step)")
     pull.set_defaults(func=_guarded(run_pull))
     st = csub.add_parser("status", help="a job's stage-in (step, source, fallbacks, error), "
-                                        "fetches and pending uploads, from this node's agent")
+                                        "fetches, where the restore's parts came from, buddy "
+                                        "copies and pending uploads, from this node's agent")
     st.add_argument("job_id", type=int, help="the Slurm job id")
     st.add_argument("--node", default="", help="node whose agent to ask (default: this node)")
     st.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
@@ -176,6 +177,17 @@ def format_status(job_id: int, node: str, answer: dict[str, Any]) -> list[str]:
         lines.append(f"  fetched {fetch.get('fetched_bytes', 0):,d} bytes in "
                      f"{fetch.get('fetched_blocks', 0)} blocks; "
                      f"{fetch.get('local_blocks', 0)} blocks verified in place")
+    buddy = answer.get("buddy") or {}
+    if buddy.get("parts"):
+        lines.append(f"  parts of the restore: {buddy['parts']}")
+    sent = buddy.get("sent") or {}
+    if sent:
+        lines.append(f"  buddy copy: step {sent.get('step')} sent to {sent.get('to') or '?'}"
+                     + (f" FAILED: {sent['error']}" if sent.get("error") else ""))
+    for source, step in sorted((buddy.get("held") or {}).items()):
+        lines.append(f"  buddy copy held here: step {step} of {source}")
+    if buddy.get("held_error"):
+        lines.append(f"  ERROR: buddy area: {buddy['held_error']}")
     if answer.get("pending"):
         lines.append(f"  uploads pending: steps {answer['pending']}")
     lost = answer.get("unreachable_nodes") or []

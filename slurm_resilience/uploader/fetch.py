@@ -162,6 +162,10 @@ class RangeFetcher:
         self.counters: dict[int, FetchCounters] = {}
         self.pool = FairPool(settings.concurrency, "ckpt-fetch")  # jobs take turns
         self._local = threading.local()  # each pool thread's read buffer
+        # Brings a step's missing rank parts from the job's other nodes (the buddy service's
+        # complete(job_id, job_fd, gid, step)), for a step S3 can't give; None: no service.
+        # Returns whether it brought any part.
+        self.peers: Callable[[int, int, int, int], bool] | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -264,7 +268,17 @@ class RangeFetcher:
                         lambda: read_remote_step(s3, uri, step), self.policy, SystemClock())
                     sf = _files_of(RemoteStep(marker, manifests), "s3")
             except StageinFailed as exc:
-                raise FetchError(f"checkpoint: fetch: step {step}: {exc}") from None
+                # S3 down: the parts this node lacks may come from the job's nodes (buddy
+                # copies, verified on arrival); if none came, S3's error stands.
+                if self.peers is None or not self.peers(job.job_id, jfd, job.gid, step):
+                    raise FetchError(f"checkpoint: fetch: step {step}: {exc}") from None
+                log.warning("fetch: S3 can't be reached; took the parts this node lacked "
+                            "from the job's nodes", job_id=job.job_id, step=step,
+                            error=str(exc))
+            else:
+                if sf is None and self.peers is not None:
+                    # Not in S3 (a node died before its upload): the same from its buddy.
+                    self.peers(job.job_id, jfd, job.gid, step)
         if sf is None:
             # Not in S3 (a local-only run, or not uploaded yet): only the local bytes count,
             # and nothing is ever fetched on the word of a manifest the user could edit.

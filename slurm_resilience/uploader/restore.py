@@ -26,7 +26,9 @@ from slurm_resilience.uploader.s3 import S3
 from slurm_resilience.uploader.stage_agreed import stage_step
 from slurm_resilience.uploader.stagein import (
     Fallback,
+    StageinFailed,
     StageinPolicy,
+    StageinResult,
     StepStillUploading,
     stage_in,
 )
@@ -85,13 +87,35 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
 
             wanted = rec.get("stagein_wanted")
             if wanted is not None and uri is not None and wanted not in excluded_steps(rec):
-                res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]), wanted,
-                                 policy(up.cfg))  # ckpt.stage: that step or an error
+                try:  # ckpt.stage: that step or an error
+                    res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]),
+                                     wanted, policy(up.cfg))
+                except StageinFailed as exc:
+                    # The job's ranks agreed the step is committed (on the nodes that kept
+                    # running): a part S3 never got may be on its node's buddy.
+                    got = _through_buddies(up, rec, jfd, set(), str(exc), force=True)
+                    if got is None or got.step != wanted:
+                        raise
+                    res = got
             else:
-                res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]),
-                               int(rec["gid"]), policy(up.cfg), upload_local=upload_local,
-                               exclude=excluded_steps(rec), set_aside=set_aside,
-                               allow_older=lambda: up.tell(AllowOlder(job_id)))
+                try:
+                    res = stage_in(up.s3 if uri else None, uri, jfd, int(rec["uid"]),
+                                   int(rec["gid"]), policy(up.cfg), upload_local=upload_local,
+                                   exclude=excluded_steps(rec), set_aside=set_aside,
+                                   allow_older=lambda: up.tell(AllowOlder(job_id)))
+                except StageinFailed as exc:
+                    # S3 down, or a step still uploading from a node that is gone: the
+                    # job's nodes may hold it (buddy copies); if not, the error stands.
+                    got = _through_buddies(up, rec, jfd, set(), str(exc))
+                    if got is None:
+                        raise
+                    res = got
+                else:
+                    if uri is not None and up.buddy is not None and \
+                            up.buddy.newer_held(job_id, res.step):
+                        res = _through_buddies(
+                            up, rec, jfd, {res.step} if res.source == "s3" and
+                            res.step is not None else set(), "") or res
         result: StageinDoc = {
             "state": StageinState.DONE, "step": res.step, "source": res.source, "mode": res.mode,
             "fetched_bytes": res.fetched_bytes,
@@ -115,6 +139,22 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
             result["still_uploading"] = exc.step
         log.error("stage-in failed", job_id=job_id, error=error)
     return result
+
+
+def _through_buddies(up: Uploader, rec: JobRecord, jfd: int, s3_steps: set[int],
+                     s3_error: str, force: bool = False) -> StageinResult | None:
+    """The newest step through the job's nodes (buddy_peers.stage), when they hold a
+    newer step than S3 gave, or S3 failed; None otherwise. ``force``: ask them even when
+    this node has nothing of the run (the job's ranks said the step exists)."""
+    if up.buddy is None or not rec.get("uri"):
+        return None
+    staged = up.buddy.stage(int(rec["job_id"]), jfd, int(rec["gid"]), s3_steps, s3_error,
+                            force=force)
+    if staged is None:
+        return None
+    return StageinResult(staged.choice.step, "buddy", "metadata", staged.nbytes,
+                         tuple(Fallback(p.step, p.reason) for p in staged.choice.passed_over),
+                         None)
 
 
 def _staging_gone(rec: JobRecord) -> bool:

@@ -40,7 +40,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from slurm_resilience.agent.service import (
     AgentContext,
@@ -96,6 +96,9 @@ from slurm_resilience.uploader.s3 import (
     TransientS3Error,
 )
 from slurm_resilience.uploader.space import SpaceKeeper
+
+if TYPE_CHECKING:
+    from slurm_resilience.uploader.buddy_service import BuddyService
 
 log = get_logger("checkpoint.uploader")
 T = TypeVar("T")
@@ -153,6 +156,8 @@ class Uploader:
         self.spacing: threading.Thread | None = None
         self.space_due = 0.0
         self.fetcher = make_fetcher(cfg, lambda: self.s3)
+        # The buddy service (buddy_service.py) sets itself here: stage-in and status ask it.
+        self.buddy: BuddyService | None = None
         for rec in self.jobs.values():
             if rec.get("stagein", {}).get("state") == "running":
                 rec["stagein"] = {"state": StageinState.PENDING}  # cut by a restart: redo it

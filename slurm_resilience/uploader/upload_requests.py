@@ -217,7 +217,8 @@ def on_status(up: Uploader, request: Request, peer: Peer) -> Response:
     return {"ok": True, **answer, "failed": failed, "upload_error": rec.get("error"),
             "fetch": up.fetcher.stats(int(rec["job_id"])),
             "unreachable_nodes": list(rec.get("unreachable_nodes") or []),
-            "staging_quota": up.space.over_quota.get(int(rec["job_id"]))}
+            "staging_quota": up.space.over_quota.get(int(rec["job_id"])),
+            "buddy": up.buddy.status(int(rec["job_id"])) if up.buddy is not None else None}
 
 
 def on_fetch(up: Uploader, request: Request, peer: Peer) -> Response:
