@@ -11,10 +11,21 @@ the agent's incident), decision and evidence (to the relaunch order), teardown (
 to the old step gone, the launcher's stamps), srun to the ranks' processes, their Python
 and torch start-up with the process group, and the restore (to running again).
 
+``--fault node-loss`` loses a node instead: once a step is in S3 the S3 endpoint is
+stopped, the next step is committed on the nodes (and copied to each node's buddy), and
+every process of the step node that is not the batch host is SIGKILLed, as a power cut
+would. The spare path (``launch --spares 1``, ``--no-kill``) resumes on the survivor and
+the spare from that step, the lost node's part from its buddy, with S3 still down; the
+requeue path (``launch --spares 0``, S3 up) is requeued away from the lost node. Reported:
+fault (the kill) to the first step after the restore, and for the spare path its parts:
+detection (the kill to the step's end, as the survivor's collective fails), the wait for
+Slurm to mark the node (to the relaunch order), teardown, srun, start-up and restore.
+
 Goal (issue 23): the spare path at most half the requeue path's time. Run as root (the
 sandbox needs it) with a test user that exists (the sandbox tests create srtest1)::
 
     .venv/bin/python benchmarks/bench_recovery.py [--rounds 2] [--user srtest1]
+    .venv/bin/python benchmarks/bench_recovery.py --fault node-loss --rounds 1
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,10 +45,15 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import free_port_base  # noqa: E402
 from hang_jobs import acting, output, reports, submit, submit_launch, wait_for  # noqa: E402
 
+from slurm_resilience.sandbox import control, daemons  # noqa: E402
 from slurm_resilience.sandbox.handle import Sandbox  # noqa: E402
 from slurm_resilience.sandbox.layout import Layout  # noqa: E402
+from slurm_resilience.sandbox.nodekill import kill_node, revive_node  # noqa: E402
 
 ARGS = "--steps 24 --ckpt-every 5 --hang-at-step 12 --hang-rank 1"
+# Node loss: a checkpoint every 20 steps of 0.3 s leaves 6 s between commits to kill the
+# node after one (and its buddy copy), and steps to run after the resume.
+LOSS_ARGS = "--steps 100 --ckpt-every 20 --step-seconds 0.3"
 
 
 def _stamp(pattern: str, out: str) -> float:
@@ -78,11 +95,87 @@ def one(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     return parts
 
 
+def _committed(box: Sandbox, user: str, work: Path) -> list[int]:
+    run = box.layout.s3_dir / "ckpt" / user / work.name
+    return sorted(int(p.parent.name.removeprefix("step-"))
+                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
+
+
+def _local_commit(box: Sandbox, node: str, job_id: int, step: int) -> Path:
+    return box.layout.nodes_dir / node / "nvme" / f"job-{job_id}" / f"step-{step:08d}" / \
+        "COMMIT.json"
+
+
+def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
+    """One node lost after a commit: the spare path with S3 down (the buddy's copy), or the
+    requeue path with S3 up. The lost node is brought back (and resumed) afterwards."""
+    work = box.user_dir(user, f"{'spare' if spare else 'requeue'}-loss-{n}")
+    job_id = submit_launch(box, user, work, LOSS_ARGS, nodes=3 if spare else 2,
+                           spares=1 if spare else 0, sbatch_args=("--no-kill",))
+    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
+                                       output(work, job_id)), 300, "the launcher's first line")
+    host = box.job(job_id).batch_host
+    lost = first.group(2) if first.group(1) == host else first.group(1)
+    wait_for(lambda: 20 in _committed(box, user, work), 300, "step 20 committed in S3")
+    s3 = control.s3_extra(box.layout)[0]
+    if spare:
+        daemons.stop(s3.daemon)
+    try:
+        wait_for(lambda: _local_commit(box, lost, job_id, 40).exists(), 300,
+                 f"step 40 committed on {lost}")
+        if spare:  # its copy on the buddy (spares included in the ring) before the loss
+            buddy = box.layout.nodes_dir / "*" / "nvme" / ".buddy" / f"job-{job_id}" / \
+                f"from-{lost}" / "step-00000040" / "COMMIT.json"
+            wait_for(lambda: list(Path("/").glob(str(buddy).lstrip("/"))), 120,
+                     f"the buddy copy of {lost}'s step 40")
+        killed_at = time.time()
+        assert kill_node(box.layout, lost), f"nothing of {lost} was running"
+        again = wait_for(lambda: re.search(r"rank \d running step=\d+ at=([\d.]+) restarts=1",
+                                           output(work, job_id)), 600,
+                         "the first step after the restore")
+    finally:
+        if spare:
+            daemons.spawn(s3.argv, log_file=box.layout.log_dir / "s3.log",
+                          pid_file=s3.daemon.pid_file,
+                          env={**control.daemon_env(box.layout), **s3.env})
+    final = box.wait_job(job_id, timeout=600)
+    out = output(work, job_id)
+    revive_node(box.layout, lost)
+    if final.state != "COMPLETED":
+        raise RuntimeError(f"job {job_id} ended {final.state}:\n{out}")
+    resumed = re.search(r"done step=100 resumed_from=(\d+) ", out)
+    if not resumed or int(resumed.group(1)) < 40:
+        raise RuntimeError(f"job {job_id} did not resume from step 40 or later:\n{out}")
+    parts = {"total": float(again.group(1)) - killed_at}
+    if spare:
+        found = re.search(r"step ended with status \d+ at=([\d.]+); asking", out)
+        step_end = float(found.group(1)) if found else None
+        ordered = _stamp(r"order for relaunch 1 at=([\d.]+)", out)
+        ended = _stamp(r"step of relaunch 0 ended at=([\d.]+)", out)
+        if step_end is not None:
+            parts["step fails"] = step_end - killed_at
+            parts["Slurm marks"] = ordered - step_end
+        else:
+            parts["to order"] = ordered - killed_at
+        parts["teardown"] = max(0.0, ended - ordered)
+        up = [(float(a), float(b)) for a, b in re.findall(
+            r"started at=([\d.]+) distributed_at=([\d.]+)", out) if float(a) > ordered]
+        started, distributed = min(a for a, _ in up), min(b for _, b in up)
+        parts["srun to process"] = started - max(ended, ordered)
+        parts["import+pg init"] = distributed - started
+        parts["restore"] = float(again.group(1)) - distributed
+    return parts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="jobs per path (default: 2)")
     parser.add_argument("--user", default="srtest1", help="the unprivileged user running the "
                                                           "jobs (default: srtest1)")
+    parser.add_argument("--fault", choices=("hang", "node-loss"), default="hang",
+                        help="what strikes: rank 1 hangs (default), or a step node is lost "
+                             "(S3 down on the spare path: the restore goes through the buddy "
+                             "copy)")
     parser.add_argument("--port-base", type=int, default=0,
                         help="first port of the benchmark's own sandbox (default: a free one)")
     args = parser.parse_args()
@@ -90,26 +183,34 @@ def main() -> int:
     state.chmod(0o755)
     box = Sandbox.start(Layout(state_dir=state, nodes=4, leaves=2,
                                port_base=args.port_base or free_port_base(4), repo=REPO))
+    loss = args.fault == "node-loss"
+    if loss:
+        box.update_resilience_config({"checkpoint": {"buddy_copies": True}})
     results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     try:
         for n in range(args.rounds):
             for spare in (True, False):
-                results[spare].append(one(box, args.user, spare, n))
-                box.reset()
+                results[spare].append(node_loss(box, args.user, spare, n) if loss
+                                      else one(box, args.user, spare, n))
+                box.reset(timeout=120)
+                if loss:
+                    box.update_resilience_config({"checkpoint": {"buddy_copies": True}})
     finally:
         box.stop()
         shutil.rmtree(state, ignore_errors=True)
     med = {spare: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for spare, rs in results.items()}
-    print(f"fault -> first step after restore, median of {args.rounds} (seconds):")
-    print(f"  requeue path        {med[False]['total']:6.1f}  (reference; detect "
-          f"{med[False]['detect']:.1f}, decide {med[False]['decide']:.1f})")
+    print(f"{args.fault}: fault -> first step after restore, median of {args.rounds} "
+          "(seconds):")
+    ref = "" if loss else (f"; detect {med[False]['detect']:.1f}, decide "
+                           f"{med[False]['decide']:.1f}")
+    print(f"  requeue path        {med[False]['total']:6.1f}  (reference{ref})")
     s = med[True]
     print(f"  spare path          {s['total']:6.1f}  {s['total'] / med[False]['total']:.2f}x "
           f"reference")
-    for part in ("detect", "decide", "teardown", "srun to process", "import+pg init",
-                 "restore"):
-        print(f"    {part:18s}{s[part]:6.1f}")
+    for part, seconds in s.items():
+        if part != "total":
+            print(f"    {part:18s}{seconds:6.1f}")
     ok = s["total"] <= 0.5 * med[False]["total"]
     print(f"goal: spare path <= 0.5x the requeue path: {'met' if ok else 'NOT met'}")
     return 0

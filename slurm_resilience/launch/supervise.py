@@ -156,8 +156,8 @@ class Launcher:
                 left = float(wait_s) if isinstance(wait_s, (int, float)) else 0.0
                 now = self.clock.monotonic()
                 if deadline is None:
-                    say(f"step ended with status {code}; asking the node agent whether a "
-                        f"node of it was lost (up to {left:.0f}s)")
+                    say(f"step ended with status {code} at={self.clock.time():.3f}; asking "
+                        f"the node agent whether a node of it was lost (up to {left:.0f}s)")
                     deadline = now + left + WAIT_GRACE_S
                 elif left > 0:
                     # The agent's own wait shrinks as it goes; a longer one (Slurm
