@@ -25,15 +25,15 @@ from hang_jobs import TRAIN, output, submit_launch, wait_for, wait_for_output
 from slurm_resilience import events
 from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
-from slurm_resilience.sandbox.nodekill import kill_node
+from slurm_resilience.sandbox.nodekill import kill_node, revive_node
 from slurm_resilience.uploader.buddy_ring import buddy_of
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
 
 # 15 s between checkpoints: the lost node's copy of step 100 lands (and the node is killed)
-# well before step 150 could commit.
-TRAIN_ARGS = "--steps 200 --ckpt-every 50 --step-seconds 0.3"
+# well before step 150, the last, could commit.
+TRAIN_ARGS = "--steps 150 --ckpt-every 50 --step-seconds 0.3"
 
 
 def _committed_in_s3(box: Sandbox, user: str, work: Path) -> list[int]:
@@ -49,6 +49,12 @@ def _staging(box: Sandbox, node: str) -> Path:
 def _log_lines(box: Sandbox, text: str) -> list[str]:
     return [ln for f in box.layout.log_dir.glob("*.*") if f.is_file()
             for ln in f.read_text(errors="replace").splitlines() if text in ln]
+
+
+def _node_loss_count(box: Sandbox, decision: str) -> int:
+    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
+                                           node))["counters"].get(
+        f"{events.NODE_LOSS}|{decision}", 0) for node in box.nodes)
 
 
 def _buddy_count(box: Sandbox, result: str) -> int:
@@ -105,7 +111,17 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
     # The step committed before the kill, never an older one.
     assert resumed == 100, out
-    assert re.search(r"done step=200 resumed_from=100 restarts=1 ", out), out
+    assert re.search(r"done step=150 resumed_from=100 restarts=1 ", out), out
+    # The node-loss path (this test is also its sandbox case with a spare): the launcher's
+    # line, the lost node DOWN, the decision counted once and named in the agent's log
+    # (Slurm refuses AdminComment updates of a job it resized when there is no accounting,
+    # as in this sandbox).
+    assert f"slurm-resilience launch: node {lost} lost: relaunch 1 on {host} {spare}" in out, \
+        out
+    assert box.adapter().show_node(lost).down
+    assert _node_loss_count(box, "relaunch") == 1
+    ordered = _log_lines(box, "node lost: relaunch ordered")
+    assert ordered and all(lost in ln for ln in ordered), ordered
     # The lost node's part came from its buddy: said in the agents' logs, and counted.
     staged = _log_lines(box, "buddy: stage-in took the step from the job's nodes")
     assert any(f"buddy on {holder}" in ln for ln in staged), staged
@@ -122,3 +138,6 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
           f"{mine[0]['seconds']:.2f}s ({mine[0]['messages']} messages, {rate / 1e6:.2f} MB/s; "
           f"seen {copied_s:.1f}s after the commit was seen); spare {spare}; resumed from "
           f"step {resumed}")
+    # Its slurmd and agent started again, Slurm takes it back (ReturnToService=2).
+    revive_node(box.layout, lost)
+    wait_for(lambda: not box.adapter().show_node(lost).down, 120, f"{lost} back in service")

@@ -4,7 +4,8 @@ Slurm notices by missed pings (SlurmdTimeout 30 s in the sandbox), srun ends wit
 failure, and the batch host's agent relaunches the step on the survivor plus the spare
 inside the allocation (``sbatch --no-kill``), or, without a spare, requeues the job away
 from the lost node. Each test runs in a sandbox of its own: a lost node is not put back
-for the next test.
+for the next test. The case with a spare is tests/integration/test_buddy_sandbox.py: the
+node is lost with S3 down, so the spare path also restores through the buddy copy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hang_jobs import TRAIN, output, submit_launch, wait_for
 
 from slurm_resilience import events
 from slurm_resilience.sandbox.handle import Sandbox
-from slurm_resilience.sandbox.nodekill import kill_node, revive_node
+from slurm_resilience.sandbox.nodekill import kill_node
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
@@ -54,43 +55,6 @@ def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,
     killed = kill_node(box.layout, lost)
     assert killed, f"nothing of {lost} was running"
     return lost, host
-
-
-def test_a_lost_node_is_replaced_by_the_spare_inside_the_allocation(
-        sandbox_factory: Callable[..., Sandbox], test_users: tuple[str, ...]) -> None:
-    """2-node step + 1 spare, ``--no-kill``: after step 25 is committed the other step
-    node is lost. Slurm marks it DOWN, the step ends, the agent orders relaunch 1 on the
-    survivor plus the spare; the job resumes from the newest committed step (not step 0),
-    is never requeued (Restarts=0) and completes; the decision is in the job's
-    AdminComment and counted once."""
-    box = sandbox_factory(nodes=3, leaves=1)
-    user = test_users[0]
-    work = box.user_dir(user, "lost")
-    job_id = submit_launch(box, user, work, TRAIN_ARGS, sbatch_args=("--no-kill",))
-    running = box.wait_job(job_id, states={"RUNNING"}, timeout=120)
-    assert len(running.nodes) == 3, running
-    lost, host = _lose_a_step_node(box, user, work, job_id)
-    spare = (set(running.nodes) - {lost, host}).pop()
-    final = box.wait_job(job_id, timeout=420)
-    out = output(work, job_id)
-    assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
-    assert f"slurm-resilience launch: node {lost} lost: relaunch 1 on {host} {spare}" in out, \
-        out
-    done = re.search(r"done step=100 resumed_from=(\d+) restarts=1 ", out)
-    assert done, out
-    resumed = int(done.group(1))
-    assert resumed >= 25 and resumed in _committed_in_s3(box, user, work), (resumed, out)
-    assert box.adapter().show_node(lost).down
-    assert _node_loss_count(box, "relaunch") == 1
-    # The agent's log names it (Slurm refuses AdminComment updates of a job it resized
-    # when there is no accounting, as in this sandbox).
-    lines = [ln for f in box.layout.log_dir.glob("*.*") if f.is_file()
-             for ln in f.read_text(errors="replace").splitlines()
-             if "node lost: relaunch ordered" in ln]
-    assert lines and all(lost in ln for ln in lines), lines
-    # Its slurmd and agent started again, Slurm takes it back (ReturnToService=2).
-    revive_node(box.layout, lost)
-    wait_for(lambda: not box.adapter().show_node(lost).down, 120, f"{lost} back in service")
 
 
 def test_without_a_spare_a_lost_node_requeues_the_job_away_from_it(
