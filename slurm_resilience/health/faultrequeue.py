@@ -24,9 +24,10 @@ faulty node in between (the same order the hang path uses).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.hooks.context import HookContext
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
@@ -132,25 +133,53 @@ def after_fault(ctx: HookContext, fault: str) -> None:
         logger.error(f"node fault: {what}")
 
 
+# slurmctld's answers that mean "not now": right after a requeue, Slurm refuses updates of
+# the job until its new accounting record is set up ("Job update not available right now,
+# the DB index is being set, try again in a bit"), and a busy or restarting slurmctld
+# doesn't answer. The updates after the requeue are tried again for about 15 s.
+_TRANSIENT = re.compile(r"try again|unable to contact|connection refused|timed out|"
+                        r"zero bytes", re.IGNORECASE)
+RETRY_PAUSES_S = (0.5, 1.0, 2.0, 4.0, 4.0, 4.0)
+
+
+def _retried(what: str, job_id: int, call: Callable[[], object], clock: Clock) -> None:
+    for pause in (*RETRY_PAUSES_S, None):
+        try:
+            call()
+            return
+        except SlurmError as exc:
+            if pause is None or not _TRANSIENT.search(str(exc)):
+                raise
+            get_logger("health").warning(
+                "fault requeue: Slurm said not now; trying again", what=what, job_id=job_id,
+                retry_in_s=pause, error=str(exc))
+            clock.sleep(pause)
+
+
 def requeue_away(adapter: SlurmAdapter, job: JobInfo, ledger: FaultLedger,
-                 nodes: Sequence[str], text: str) -> tuple[bool, str]:
+                 nodes: Sequence[str], text: str, clock: Clock | None = None
+                 ) -> tuple[bool, str]:
     """Requeue ``job`` held, record ``ledger`` and ``text`` in its AdminComment, add
     ``nodes`` to its excluded list, release it: (whether it is back in the queue, released,
     and what happened). Held first so that it can't start on those nodes in between."""
+    clock = clock or SystemClock()
     try:
         adapter.requeue_hold(job.job_id, cause=CAUSE, released=True)
     except SlurmError as exc:
         return False, f"couldn't requeue the job: {exc}"
     try:
-        adapter.set_admin_comment(job.job_id, merge_comment(job.admin_comment, ledger, text))
-        adapter.exclude_nodes(job.job_id, list(nodes))
+        comment = merge_comment(job.admin_comment, ledger, text)
+        _retried("record the requeue", job.job_id,
+                 lambda: adapter.set_admin_comment(job.job_id, comment), clock)
+        _retried(f"exclude {','.join(nodes)}", job.job_id,
+                 lambda: adapter.exclude_nodes(job.job_id, list(nodes)), clock)
     except SlurmError as exc:
         # Without the count the cap can't hold, without the exclusion the job may land on
         # the node again: it stays held for an operator, and says why.
         return False, ("the job is requeued but held: couldn't record the requeue or "
                        f"exclude {','.join(nodes)} (release it with scontrol release): {exc}")
     try:
-        adapter.release(job.job_id)
+        _retried("release the job", job.job_id, lambda: adapter.release(job.job_id), clock)
     except SlurmError as exc:
         return False, f"couldn't release the requeued job; it stays held: {exc}"
     return True, f"requeued job {job.job_id} excluding {','.join(nodes)}"

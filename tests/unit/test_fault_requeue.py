@@ -59,3 +59,61 @@ def test_exit_status_from_the_epilog_environment() -> None:
     assert exit_status("0:9") == 137
     assert exit_status("0:0") == 0
     assert exit_status("") is None and exit_status("x") is None
+
+
+class _Slurm:
+    """Records the requeue's calls; ``refusals`` are raised, in turn, by the AdminComment
+    update (Slurm 22.05 answers so right after a requeue, while the job's new accounting
+    record is set up)."""
+
+    def __init__(self, *refusals: str):
+        self.refusals = list(refusals)
+        self.calls: list[str] = []
+
+    def requeue_hold(self, job_id: int, *, cause: str, released: bool) -> None:
+        self.calls.append("requeue_hold")
+
+    def set_admin_comment(self, job_id: int, text: str) -> None:
+        self.calls.append("set_admin_comment")
+        if self.refusals:
+            from slurm_resilience.slurm.errors import SlurmError
+
+            raise SlurmError("set admin comment", self.refusals.pop(0))
+
+    def exclude_nodes(self, job_id: int, nodes: list[str]) -> tuple[str, ...]:
+        self.calls.append("exclude_nodes")
+        return tuple(nodes)
+
+    def release(self, job_id: int) -> None:
+        self.calls.append("release")
+
+
+NOT_NOW = ("Job update not available right now, the DB index is being set, try again in a "
+           "bit for job 7")
+
+
+def test_a_requeued_job_is_recorded_excluded_and_released_once_slurm_lets_it() -> None:
+    """Found by bench_recovery --fault node-loss: the AdminComment update right after the
+    requeue was refused "try again in a bit", and the job stayed held. Now it is tried again
+    (on the injected clock) and the job is released."""
+    from slurm_resilience.health.faultrequeue import requeue_away
+    from slurm_resilience.testing import FakeClock
+
+    slurm, clock = _Slurm(NOT_NOW, NOT_NOW), FakeClock()
+    done, what = requeue_away(slurm, job(), FaultLedger(1, 0), ["node2"],  # type: ignore[arg-type]
+                              "node fault on node2", clock=clock)
+    assert done, what
+    assert slurm.calls == ["requeue_hold", *["set_admin_comment"] * 3, "exclude_nodes",
+                           "release"]
+    assert clock.monotonic() == 1.5  # two pauses: 0.5 s, then 1 s
+
+
+def test_a_refusal_that_is_not_transient_leaves_the_job_held_and_says_so() -> None:
+    from slurm_resilience.health.faultrequeue import requeue_away
+    from slurm_resilience.testing import FakeClock
+
+    slurm, clock = _Slurm("Access/permission denied"), FakeClock()
+    done, what = requeue_away(slurm, job(), FaultLedger(1, 0), ["node2"],  # type: ignore[arg-type]
+                              "node fault on node2", clock=clock)
+    assert not done and "held" in what and "permission denied" in what
+    assert slurm.calls == ["requeue_hold", "set_admin_comment"] and clock.monotonic() == 0.0
