@@ -123,6 +123,10 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     try:
         wait_for(lambda: _local_commit(box, lost, job_id, 40).exists(), 300,
                  f"step 40 committed on {lost}")
+        if not spare:
+            # A requeue leaves the allocation, and the survivor's buddy copy with it: the
+            # reference path resumes from S3, so the step must be whole there first.
+            wait_for(lambda: 40 in _committed(box, user, work), 300, "step 40 in S3")
         if spare:  # its copy on the buddy (spares included in the ring) before the loss
             buddy = box.layout.nodes_dir / "*" / "nvme" / ".buddy" / f"job-{job_id}" / \
                 f"from-{lost}" / "step-00000040" / "COMMIT.json"
