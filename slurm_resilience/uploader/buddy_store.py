@@ -47,6 +47,7 @@ from slurm_resilience.checkpoint.commit import (
 from slurm_resilience.checkpoint.dcp_verify import check_manifest
 from slurm_resilience.checkpoint.quota import Quota
 from slurm_resilience.uploader.buddy_ring import buddy_of
+from slurm_resilience.uploader.rootfs import read_small
 
 AREA = ".buddy"
 METADATA = ".metadata"  # DCP's metadata, in rank 0's part: every restoring node needs it
@@ -384,11 +385,11 @@ class BuddyStore:
             step = steps[-1]
             stfd = os.open(step_name(step), _DIR_FLAGS, dir_fd=sfd)
             try:
-                marker = CommitMarker.from_json(_read(stfd, COMMIT))
+                marker = CommitMarker.from_json(read_small(stfd, COMMIT, os.geteuid()))
                 manifests = {}
                 for name in os.listdir(stfd):
                     if name.startswith("rank-"):
-                        m = Manifest.from_json(_read(stfd, f"{name}/{MANIFEST}"))
+                        m = Manifest.from_json(read_small(stfd, f"{name}/{MANIFEST}", os.geteuid()))
                         manifests[m.rank] = m
                 return HeldCopy(job_id, source, step, marker, manifests, meta)
             finally:
@@ -459,22 +460,6 @@ class BuddyStore:
         finally:
             os.close(root)
         return sorted(int(n[4:]) for n in names if n.startswith("job-") and n[4:].isdigit())
-
-
-def _read(dir_fd: int, relpath: str) -> bytes:
-    head, _, name = relpath.rpartition("/")
-    pfd = safefs.open_dir_at(dir_fd, head) if head else os.dup(dir_fd)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    finally:
-        os.close(pfd)
-    try:
-        size = os.fstat(fd).st_size
-        if size > SMALL_LIMIT:
-            raise CheckpointError(f"checkpoint: buddy copy: {relpath} is {size} bytes")
-        return os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
 
 
 def _check_offer(offer: Offer) -> None:
