@@ -43,7 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import free_port_base  # noqa: E402
-from hang_jobs import acting, output, reports, submit, submit_launch, wait_for  # noqa: E402
+from hang_jobs import (  # noqa: E402
+    acting,
+    committed_in_s3,
+    output,
+    reports,
+    submit,
+    submit_launch,
+    wait_for,
+)
 
 from slurm_resilience.sandbox import control, daemons  # noqa: E402
 from slurm_resilience.sandbox.handle import Sandbox  # noqa: E402
@@ -95,12 +103,6 @@ def one(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     return parts
 
 
-def _committed(box: Sandbox, user: str, work: Path) -> list[int]:
-    run = box.layout.s3_dir / "ckpt" / user / work.name
-    return sorted(int(p.parent.name.removeprefix("step-"))
-                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
-
-
 def _local_commit(box: Sandbox, node: str, job_id: int, step: int) -> Path:
     return box.layout.nodes_dir / node / "nvme" / f"job-{job_id}" / f"step-{step:08d}" / \
         "COMMIT.json"
@@ -116,7 +118,7 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
                                        output(work, job_id)), 300, "the launcher's first line")
     host = box.job(job_id).batch_host
     lost = first.group(2) if first.group(1) == host else first.group(1)
-    wait_for(lambda: 20 in _committed(box, user, work), 300, "step 20 committed in S3")
+    wait_for(lambda: 20 in committed_in_s3(box, user, work), 300, "step 20 committed in S3")
     s3 = control.s3_extra(box.layout)[0]
     if spare:
         daemons.stop(s3.daemon)
@@ -126,7 +128,7 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
         if not spare:
             # A requeue leaves the allocation, and the survivor's buddy copy with it: the
             # reference path resumes from S3, so the step must be whole there first.
-            wait_for(lambda: 40 in _committed(box, user, work), 300, "step 40 in S3")
+            wait_for(lambda: 40 in committed_in_s3(box, user, work), 300, "step 40 in S3")
         if spare:  # its copy on the buddy (spares included in the ring) before the loss
             buddy = box.layout.nodes_dir / "*" / "nvme" / ".buddy" / f"job-{job_id}" / \
                 f"from-{lost}" / "step-00000040" / "COMMIT.json"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slurm_resilience import events
 from slurm_resilience.sandbox import control
 from slurm_resilience.sandbox.handle import FINISHED, Sandbox
 
@@ -52,6 +53,20 @@ def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, node
     return sandbox.sbatch(script, user=user, args=[
         f"-N{nodes}", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
         f"--output={workdir}/slurm-%j.out", *sbatch_args])
+
+
+def committed_in_s3(sandbox: Sandbox, user: str, workdir: Path) -> list[int]:
+    """The steps of the run in ``workdir`` committed in the sandbox's S3, in order."""
+    run = sandbox.layout.s3_dir / "ckpt" / user / workdir.name
+    return sorted(int(p.parent.name.removeprefix("step-"))
+                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
+
+
+def counted(sandbox: Sandbox, kind: str, cause: str) -> int:
+    """Every node agent's count of ``kind``/``cause`` (the metrics' events files)."""
+    template = str(sandbox.state_dir / "nodes" / "{node}" / "state")
+    return sum(events.read(events.path_for(template, node))["counters"].get(
+        f"{kind}|{cause}", 0) for node in sandbox.nodes)
 
 
 def output(workdir: Path, job_id: int) -> str:

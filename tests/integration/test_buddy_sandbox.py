@@ -20,7 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hang_jobs import TRAIN, output, submit_launch, wait_for, wait_for_output
+from hang_jobs import (
+    TRAIN,
+    committed_in_s3,
+    counted,
+    output,
+    submit_launch,
+    wait_for,
+    wait_for_output,
+)
 
 from slurm_resilience import events
 from slurm_resilience.sandbox import control, daemons
@@ -36,12 +44,6 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
 TRAIN_ARGS = "--steps 150 --ckpt-every 50 --step-seconds 0.3"
 
 
-def _committed_in_s3(box: Sandbox, user: str, work: Path) -> list[int]:
-    run = box.layout.s3_dir / "ckpt" / user / work.name
-    return sorted(int(p.parent.name.removeprefix("step-"))
-                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
-
-
 def _staging(box: Sandbox, node: str) -> Path:
     return box.layout.nodes_dir / node / "nvme"
 
@@ -49,18 +51,6 @@ def _staging(box: Sandbox, node: str) -> Path:
 def _log_lines(box: Sandbox, text: str) -> list[str]:
     return [ln for f in box.layout.log_dir.glob("*.*") if f.is_file()
             for ln in f.read_text(errors="replace").splitlines() if text in ln]
-
-
-def _node_loss_count(box: Sandbox, decision: str) -> int:
-    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
-                                           node))["counters"].get(
-        f"{events.NODE_LOSS}|{decision}", 0) for node in box.nodes)
-
-
-def _buddy_count(box: Sandbox, result: str) -> int:
-    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
-                                           node))["counters"].get(f"{events.BUDDY}|{result}", 0)
-               for node in box.nodes)
 
 
 def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down(
@@ -80,7 +70,7 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     holder = buddy_of(lost, nodes)
     assert holder is not None and holder != lost
     spare = (set(nodes) - {lost, host}).pop()
-    wait_for(lambda: 50 in _committed_in_s3(box, user, work), 240, "step 50 committed in S3")
+    wait_for(lambda: 50 in committed_in_s3(box, user, work), 240, "step 50 committed in S3")
 
     s3 = control.s3_extra(box.layout)[0]
     daemons.stop(s3.daemon)
@@ -93,7 +83,7 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
         started = time.monotonic()
         wait_for(lambda: copy.exists(), 120, f"{lost}'s copy of step 100 on {holder}")
         copied_s = time.monotonic() - started
-        assert 100 not in _committed_in_s3(box, user, work)
+        assert 100 not in committed_in_s3(box, user, work)
         assert kill_node(box.layout, lost), f"nothing of {lost} was running"
 
         # The relaunched ranks' first line, with S3 still down (or the job's end).
@@ -119,7 +109,7 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     assert f"slurm-resilience launch: node {lost} lost: relaunch 1 on {host} {spare}" in out, \
         out
     assert box.adapter().show_node(lost).down
-    assert _node_loss_count(box, "relaunch") == 1
+    assert counted(box, events.NODE_LOSS, "relaunch") == 1
     ordered = _log_lines(box, "node lost: relaunch ordered")
     assert ordered and all(lost in ln for ln in ordered), ordered
     # The lost node's part came from its buddy: said in the agents' logs, and counted.
@@ -127,8 +117,8 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     assert any(f"buddy on {holder}" in ln for ln in staged), staged
     used = _log_lines(box, "buddy: a restore used a buddy copy")
     assert used and all(lost in ln for ln in used), used
-    assert _buddy_count(box, "used") >= 1
-    assert _buddy_count(box, "received") >= 1
+    assert counted(box, events.BUDDY, "used") >= 1
+    assert counted(box, events.BUDDY, "received") >= 1
     sent = [json.loads(ln) for ln in _log_lines(box, "buddy: sent this node's part")
             if ln.startswith("{")]
     mine = [e for e in sent if e.get("node") == lost and e.get("step") == 100]

@@ -11,7 +11,16 @@ import re
 from pathlib import Path
 
 import pytest
-from hang_jobs import PYTHON, TRAIN, goodput, output, submit, wait_for, wait_for_output
+from hang_jobs import (
+    PYTHON,
+    TRAIN,
+    counted,
+    goodput,
+    output,
+    submit,
+    wait_for,
+    wait_for_output,
+)
 
 from slurm_resilience import events
 from slurm_resilience.hang.limits import planned_count
@@ -24,13 +33,6 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
 # its limit at least once whatever the load.
 STEPS = 96
 TORCHRUN = PYTHON.parent / "torchrun"
-
-
-def counted(box: Sandbox, kind: str, cause: str) -> int:
-    """Every node agent's count of ``kind``/``cause`` (the metrics' events files)."""
-    template = str(box.state_dir / "nodes" / "{node}" / "state")
-    return sum(events.read(events.path_for(template, node))["counters"].get(
-        f"{kind}|{cause}", 0) for node in box.nodes)
 
 
 def check_planned_restarts(box: Sandbox, job_id: int, out: str) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hang_jobs import TRAIN, output, submit_launch, wait_for
+from hang_jobs import TRAIN, committed_in_s3, counted, output, submit_launch, wait_for
 
 from slurm_resilience import events
 from slurm_resilience.sandbox.handle import Sandbox
@@ -29,19 +29,6 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
 TRAIN_ARGS = "--steps 100 --ckpt-every 25 --step-seconds 0.3"
 
 
-def _committed_in_s3(box: Sandbox, user: str, work: Path) -> list[int]:
-    run = box.layout.s3_dir / "ckpt" / user / work.name
-    return sorted(int(p.parent.name.removeprefix("step-"))
-                  for p in run.glob("step-*/COMMIT.json")) if run.exists() else []
-
-
-def _node_loss_count(box: Sandbox, decision: str) -> int:
-    """The node-local node-loss counters of ``decision``, summed over the sandbox's nodes."""
-    return sum(events.read(events.path_for(str(box.state_dir / "nodes" / "{node}" / "state"),
-                                           node))["counters"].get(
-        f"{events.NODE_LOSS}|{decision}", 0) for node in box.nodes)
-
-
 def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,
                       batch_host: bool = False) -> tuple[str, str]:
     """Wait for the launcher's first line and step 25 committed in S3, then kill the step
@@ -51,7 +38,7 @@ def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,
     host = box.job(job_id).batch_host
     lost = first.group(2) if first.group(1) == host else first.group(1)
     lost = host if batch_host else lost
-    wait_for(lambda: 25 in _committed_in_s3(box, user, work), 240, "step 25 committed in S3")
+    wait_for(lambda: 25 in committed_in_s3(box, user, work), 240, "step 25 committed in S3")
     killed = kill_node(box.layout, lost)
     assert killed, f"nothing of {lost} was running"
     return lost, host
@@ -80,7 +67,7 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_from_it(
     assert done and int(done.group(1)) >= 25, out
     assert "[sr-fault n=1 " in final.admin_comment, final.admin_comment
     assert box.adapter().show_node(lost).down
-    assert _node_loss_count(box, "requeue") == 1
+    assert counted(box, events.NODE_LOSS, "requeue") == 1
 
 
 def test_a_lost_batch_host_requeues_the_job_from_its_first_survivor(
@@ -105,4 +92,4 @@ def test_a_lost_batch_host_requeues_the_job_from_its_first_survivor(
         final.admin_comment
     done = re.search(r"done step=100 resumed_from=(\d+) restarts=1 ", out)
     assert done and int(done.group(1)) >= 25, out
-    assert _node_loss_count(box, "requeue") == 1
+    assert counted(box, events.NODE_LOSS, "requeue") == 1
