@@ -106,6 +106,31 @@ def wait_for_output(sandbox: Sandbox, workdir: Path, job_id: int, pattern: str,
         time.sleep(0.5)
 
 
+def wait_for_decision(sandbox: Sandbox, workdir: Path, job_id: int, run: int = 0,
+                      timeout: float = 300) -> dict[str, Any]:
+    """Wait for the hang report of restart ``run`` that decided to act. Fails at once if the
+    job ends first, and either way names the job's state, the nodes' drain reasons, the
+    agents' last log lines and the output, so a failure says where the hang went unseen.
+    The timeout is a bound on a lost incident, not on speed: a loaded machine is slow."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = acting(reports(sandbox, job_id), run)
+        if found:
+            return found
+        ended = sandbox.job(job_id).state in FINISHED
+        if ended or time.monotonic() > deadline:
+            sinfo = sandbox.run(["sinfo", "-R", "-N"], check=False).stdout
+            state = sandbox.run(["scontrol", "show", "job", str(job_id)], check=False).stdout
+            logs = "".join(f"{log.name}:\n" + "".join(log.read_text(errors="replace")
+                                                      .splitlines(True)[-15:])
+                           for log in sorted(sandbox.layout.log_dir.glob("*agent*.log")))
+            why = "the job ended first" if ended else f"not seen within {timeout:g}s"
+            raise AssertionError(f"the decision of run {run} of job {job_id}: {why}\n{state}"
+                                 f"\nsinfo -R:\n{sinfo}\nreports: {reports(sandbox, job_id)}"
+                                 f"\n{logs}\noutput:\n{output(workdir, job_id)}")
+        time.sleep(0.5)
+
+
 def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:
     out = []
     for node in sandbox.nodes:
@@ -123,6 +148,19 @@ def acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | No
                 "requeue", "relaunch", "hold"):
             return r
     return None
+
+
+def slow_steps_s(clock: dict[str, Any], productive_s: float) -> float:
+    """For the hung-once job (saves every 5 steps, a hang at step 12, 30 steps): the time its
+    own clock shows it stepping on kept work (run 0 up to the step-10 save, run 1 up to the
+    step-30 save, less the saves' stalls) above goodput's productive time (kept steps times
+    their median). That is each run's first step and the steps slower than the median, which
+    goodput rightly leaves unexplained; on a quiet machine it is a few tenths of a second, on
+    a loaded one seconds. A breakdown may leave that much unexplained and no more."""
+    ckpt = clock["checkpoints"]
+    kept = (ckpt[10][0] - clock["running"][0]) + (ckpt[30][0] - clock["running"][1]) \
+        - sum(stall for _, stall in ckpt.values())
+    return max(0.0, kept - productive_s)
 
 
 def job_clock(out: str) -> dict[str, Any]:

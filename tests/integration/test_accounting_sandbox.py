@@ -16,8 +16,9 @@ hang, done). Tolerances, from those resolutions plus one agent tick (0.5 s):
 * checkpoint stalls: the printed stall_ms of the saves each run kept, 0.5 s in all;
 * productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: between 2.8 s
   and 14 s (0.5 s a step);
-* all of them together explain at least 95% of the allocated time (``explained_share``:
-  productive comes from step times, so the rest can be large).
+* all of them together explain the allocated time, but for the steps slower than their
+  median (productive time is the kept steps times their median step time), which the job's
+  clock measures, within 2 s (sacct's whole seconds at each end of both runs).
 
 Holds: ``scontrol requeuehold`` (the hang cap) requeues the run and holds the job. On
 Slurm 22.05 sacct shows that as the run REQUEUED and the job's newest record PENDING with
@@ -34,7 +35,17 @@ from typing import Any, cast
 
 import pytest
 from conftest import SandboxFactory
-from hang_jobs import TRAIN, acting, job_clock, output, reports, submit, wait_for
+from hang_jobs import (
+    TRAIN,
+    acting,
+    job_clock,
+    output,
+    reports,
+    slow_steps_s,
+    submit,
+    wait_for,
+    wait_for_decision,
+)
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -55,7 +66,7 @@ def test_sacct_shows_the_hang_requeue_and_sacctmgr_our_drains(
     os.chown(hostile, work.stat().st_uid, work.stat().st_gid)
     job_id = submit(box, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                      "--hang-rank 1", nodes=1, tasks=2, train=hostile)
-    wait_for(lambda: acting(reports(box, job_id), 0), 120, "the requeue decision")
+    wait_for_decision(box, work, job_id)
     final = box.wait_job(job_id, timeout=180)
     assert final.state == "COMPLETED"
 
@@ -153,8 +164,10 @@ def check_goodput(box: Sandbox, job_id: int, b: dict[str, Any], out: str) -> Non
     assert abs(b["productive_s"] - kept) <= 2.0 + 2 * step + 0.15 * kept, (
         b["productive_s"], kept, step, b)
     # Productive time is the steps times their median: on a loaded machine the steps slower
-    # than the median go unexplained (2.1 s of a 24 s allocation under two xdist workers).
-    assert b["explained_share"] >= 0.85, (b["unexplained_s"], b["allocated_s"])
+    # than the median go unexplained, and the job's own clock measures them. Everything else
+    # is explained, to sacct's whole seconds (a second at each end of each run).
+    slow = slow_steps_s(clock, b["productive_s"])
+    assert -2.0 <= b["unexplained_s"] <= slow + 2.0, (b["unexplained_s"], slow, b)
 
 
 # The hold reasons sacct may record for ``scontrol requeuehold`` (22.05 records the user's).

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hang_jobs import PYTHON, TRAIN, acting, output, reports, submit, wait_for
+from hang_jobs import PYTHON, TRAIN, acting, output, reports, submit, wait_for, wait_for_decision
 
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.sandbox.handle import Sandbox
@@ -36,7 +36,7 @@ def test_hung_rank_is_detected_blamed_requeued_and_job_resumes(
     work = sandbox.user_dir(user, "hang")
     job_id = submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                          "--hang-rank 1")
-    wait_for(lambda: acting(reports(sandbox, job_id), 0), 120, "the requeue decision")
+    wait_for_decision(sandbox, work, job_id)
     final = sandbox.wait_job(job_id, timeout=180)
     out = output(work, job_id)
     assert final.state == "COMPLETED", out
@@ -89,7 +89,7 @@ def test_xid_during_hang_blames_the_node_with_the_fresh_finding(
     xid_node = node_line.group(1)
     try:
         print(faults.inject(sandbox.layout.state_dir, xid_node, "gpu-xid:5:79"))
-        report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 60, "the decision")
+        report = wait_for_decision(sandbox, work, job_id)
         calls = report["decision"]["nodes"]  # type: ignore[index]
         assert [(c["node"], c["verdict"]) for c in calls] == [(xid_node, "drain")], calls
         assert "XID 79" in calls[0]["reason"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PYTHON_SYS, as_user
-from hang_jobs import TRAIN, acting, output, reports, submit, wait_for
+from hang_jobs import TRAIN, output, submit, wait_for_decision
 
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.transport.credentials import MungeCredentials
@@ -78,8 +78,7 @@ def test_stall_on_a_non_batch_node_is_blamed_over_the_network(
     work = sandbox.user_dir(user, "hangnet")
     job_id = submit(sandbox, user, work, "--steps 400 --ckpt-every 5 --hang-at-step 12 "
                                          "--hang-rank 1")
-    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 120,
-                      "the requeue decision")
+    report = wait_for_decision(sandbox, work, job_id)
     sandbox.run(["scancel", str(job_id)])
     out = output(work, job_id)
     node_line = re.search(r"rank 1 running step=1 at=[\d.]+ restarts=0 node=(\w+)", out)

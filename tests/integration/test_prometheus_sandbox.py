@@ -2,8 +2,9 @@
 
 After an injected Xid, a hang and a checkpointed job, PromQL against that server returns the
 drain, incident, goodput and upload-backlog series. The job hung once and resumed; its
-`goodput` over the nodes it ran on accounts for at least 95% of its allocated time with
-productive time measured from step times (``explained_share``), and the losses match the
+`goodput` over the nodes it ran on accounts for all its allocated time but the steps slower
+than their median (productive time is the kept steps times their median step time; the job's
+clock measures the slower ones, a loaded machine's share), and the losses match the
 job's own printed clock (examples/train.py's ``at=`` stamps) and its hang report, to one
 agent tick (heartbeat.interval_s = 0.5 s) plus the stamp's distance from the event:
 
@@ -44,7 +45,17 @@ from typing import Any
 
 import pytest
 import yaml
-from hang_jobs import acting, goodput, job_clock, output, reports, submit, wait_for
+from hang_jobs import (
+    acting,
+    goodput,
+    job_clock,
+    output,
+    reports,
+    slow_steps_s,
+    submit,
+    wait_for,
+    wait_for_decision,
+)
 
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
@@ -304,7 +315,7 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     work = sandbox.user_dir(user, "prom")
     job_id = submit(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                          "--hang-rank 1")
-    wait_for(lambda: acting(reports(sandbox, job_id), 0), 120, "the requeue decision")
+    wait_for_decision(sandbox, work, job_id)
     final = sandbox.wait_job(job_id, timeout=180)
     out = output(work, job_id)
     assert final.state == "COMPLETED", out
@@ -341,11 +352,14 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     b = goodput(sandbox, job_id, sorted({n for _, n in runs}))
     print(json.dumps(b, indent=1))
     assert len(b["runs"]) == 2
-    assert b["explained_share"] >= 0.95, (b["unexplained_s"], b["allocated_s"])
     report = acting(reports(sandbox, job_id), 0)
     assert report is not None
     clock = job_clock(out)
     print(f"job clock: {clock}")
+    # All the allocation is explained but the steps slower than their median, which the
+    # job's own clock measures (a loaded machine's share); one agent tick a run either way.
+    slow = slow_steps_s(clock, b["productive_s"])
+    assert -1.0 <= b["unexplained_s"] <= slow + 1.0, (b["unexplained_s"], slow, b)
     (hang_step, hung_at), = clock["hangs"]
     assert hang_step == 12
     detected = float(report["detected_at"])  # type: ignore[arg-type]

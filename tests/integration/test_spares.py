@@ -20,6 +20,7 @@ from hang_jobs import (
     reports,
     submit_launch,
     wait_for,
+    wait_for_decision,
 )
 
 from slurm_resilience.sandbox import faults
@@ -49,7 +50,7 @@ def test_hang_is_relaunched_on_the_spare_inside_the_allocation(
                                                 "--hang-rank 1")
     running = sandbox.wait_job(job_id, states={"RUNNING"}, timeout=120)
     assert len(running.nodes) == 3, running
-    wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
+    wait_for_decision(sandbox, work, job_id)
     final = sandbox.wait_job(job_id, timeout=240)
     report = acting(reports(sandbox, job_id), 0)  # the final copy, with the action's time
     assert report is not None
@@ -99,7 +100,7 @@ def test_without_a_spare_the_job_is_requeued_as_before(
     work = sandbox.user_dir(user, "nospare")
     job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                                 "--hang-rank 1", nodes=2, spares=0)
-    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 180, "the decision")
+    report = wait_for_decision(sandbox, work, job_id)
     final = sandbox.wait_job(job_id, timeout=240)
     out = output(work, job_id)
     assert report["decision"]["action"] == "requeue", report  # type: ignore[index]
@@ -127,9 +128,9 @@ def test_a_spare_that_fails_the_gate_is_not_used(
         faults.inject(sandbox.layout.state_dir, spare, "gpu-xid:3:79")
         wait_for(lambda: sandbox.adapter().show_node(spare).drained, 120, "the spare drained")
         trigger.write_text("")  # only now: the gate has spoken before the hang
-        report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 240, "the decision")
+        report = wait_for_decision(sandbox, work, job_id)
         assert report["decision"]["action"] == "requeue", report  # type: ignore[index]
-        assert f"spare {spare} not used" in report["decision"]["reason"], report  # type: ignore[index]
+        assert f"spare {spare} not used" in report["decision"]["reason"], report
     finally:
         sandbox.run(["scancel", str(job_id)])
         faults.heal(sandbox.layout.state_dir, spare)
@@ -159,9 +160,9 @@ def test_srun_torchrun_under_launch_is_relaunched_on_the_spare(
     wrapper.chmod(0o755)
     job_id = submit_launch(sandbox, user, work, "--steps 30 --ckpt-every 5 --hang-at-step 12 "
                                                 "--hang-rank 1", runner=str(wrapper))
-    report = wait_for(lambda: acting(reports(sandbox, job_id), 0), 240, "the decision")
+    report = wait_for_decision(sandbox, work, job_id)
     final = sandbox.wait_job(job_id, timeout=300)
     out = output(work, job_id)
-    assert report["decision"]["action"] == "relaunch", (report, out)  # type: ignore[index]
+    assert report["decision"]["action"] == "relaunch", (report, out)
     assert final.state == "COMPLETED" and final.restarts == 0, (final, out)
     assert re.search(r"done step=30 resumed_from=10 restarts=1 ", out), out
