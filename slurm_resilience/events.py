@@ -77,9 +77,10 @@ KNOWN_CAUSES: dict[str, tuple[str, ...]] = {
     PLANNED: ("time_limit", "preempt"),  # hang.limits.CAUSES
     NODE_LOSS: ("relaunch", "requeue", "leave"),  # hang.nodeloss.Verdict's acting values
     # uploader.buddy_service.RESULTS: a copy sent, received (verified), used by a restore,
-    # refused by its receiver (or refused here), or failed on the way.
-    BUDDY: ("sent", "received", "used", "refused", "failed"),
-    BUDDY_BYTES: ("sent", "received"),
+    # refused by its receiver (or refused here), failed on the way, or uploaded to S3 here
+    # for a node no longer in the job (buddy_handoff.py).
+    BUDDY: ("sent", "received", "used", "refused", "failed", "uploaded"),
+    BUDDY_BYTES: ("sent", "received", "uploaded"),
 }
 
 

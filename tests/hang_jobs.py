@@ -121,9 +121,9 @@ def wait_for_decision(sandbox: Sandbox, workdir: Path, job_id: int, run: int = 0
         if ended or time.monotonic() > deadline:
             sinfo = sandbox.run(["sinfo", "-R", "-N"], check=False).stdout
             state = sandbox.run(["scontrol", "show", "job", str(job_id)], check=False).stdout
-            logs = "".join(f"{log.name}:\n" + "".join(log.read_text(errors="replace")
-                                                      .splitlines(True)[-15:])
-                           for log in sorted(sandbox.layout.log_dir.glob("*agent*.log")))
+            log = sandbox.layout.log_dir / "slurm-resilience.jsonl"
+            logs = "the agents' last log lines:\n" + "".join(
+                log.read_text(errors="replace").splitlines(True)[-30:] if log.exists() else [])
             why = "the job ended first" if ended else f"not seen within {timeout:g}s"
             raise AssertionError(f"the decision of run {run} of job {job_id}: {why}\n{state}"
                                  f"\nsinfo -R:\n{sinfo}\nreports: {reports(sandbox, job_id)}"

@@ -64,10 +64,11 @@ EVENT_FAMILIES = {
     events.BUDDY: ("buddy_copies", "buddy copies of checkpoint parts (a node's part of its "
                    "newest step, kept on the next node of the job), by result: sent by this "
                    "node, received and verified here, used by a restore here, refused (by the "
-                   "receiver, or here), or failed on the way", "result"),
+                   "receiver, or here), failed on the way, or uploaded to S3 here for a node "
+                   "no longer in the job", "result"),
     events.BUDDY_BYTES: ("buddy_copy_bytes", "bytes of checkpoint files this node sent to or "
                          "received from another node's agent as buddy copies and restores' "
-                         "pulls", "direction"),
+                         "pulls, or uploaded to S3 from a copy held here", "direction"),
     events.STRAGGLER: ("straggler_namings", "jobs in which this node was named a straggler",
                        "cause"),
     events.BUDGET: ("hang_budget_spent", "times hang handling left a suspect in service "

@@ -12,8 +12,12 @@ copies other nodes send here, and answer a restoring node's pulls.
 * Pulls: a restoring node asks for parts it lacks (buddy_peers.py); this node pushes its
   own part of the step (manifests and ``.metadata``, or every file) and the buddy copies it
   holds of the nodes named, or an empty answer when it has none.
+* Hand-off: a step whose own part this node uploaded and that waits for ranks held here,
+  from a node no longer in the job, gets them uploaded from the copy (buddy_handoff.py,
+  called from the upload's commit).
 * The job's end (no longer running here): its transfers are dropped and its buddy area
-  removed.
+  removed, once the uploader has no step of the job left to upload (a copy held here may
+  be what completes it; the uploader gives such a step up after an hour).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
 from slurm_resilience.transport.wire import Kind, Message
 from slurm_resilience.uploader import buddy_peers as peers
+from slurm_resilience.uploader.buddy_handoff import HandOffs
 from slurm_resilience.uploader.buddy_peers import Staged
 from slurm_resilience.uploader.buddy_proto import (
     MAX_OFFER_BYTES,
@@ -53,11 +58,12 @@ from slurm_resilience.uploader.buddy_rate import RateLimiter
 from slurm_resilience.uploader.buddy_ring import buddy_of
 from slurm_resilience.uploader.buddy_send import Opener, Sent, lower_priority, push
 from slurm_resilience.uploader.buddy_store import BuddyStore, HeldCopy, JobFacts, Offer, Refused
+from slurm_resilience.uploader.journal import pending_steps
 from slurm_resilience.uploader.rootfs import committed_steps_at, read_step
 from slurm_resilience.uploader.space import disk_space
 
 log = get_logger("checkpoint.buddy")
-RESULTS = ("sent", "received", "used", "refused", "failed")
+RESULTS = ("sent", "received", "used", "refused", "failed", "uploaded")
 MAX_PUSHES = 4  # pull answers pushed at once
 STALE_TRANSFER_S = 600.0  # a transfer with no message for this long is dropped
 GONE_AFTER_S = 30.0  # a job not running here for this long: its buddy area is removed
@@ -126,6 +132,9 @@ class BuddyService:
         self.refusals = LogBudget(log, "refused buddy pieces")
         self.restores: dict[int, str] = {}  # job → where the parts of its restore came from
         self.absent: dict[int, float] = {}  # job with a buddy area here → first seen gone
+        self.uploader: Any = None  # service.Uploader: a job's area stays while it uploads
+        self.kept: set[int] = set()  # jobs whose area is kept for the uploader (logged once)
+        self.handoffs = HandOffs(node, self.store, self._job_nodes, lambda: self.clock())
 
     # -- configuration and jobs ----------------------------------------------------------------
 
@@ -144,6 +153,9 @@ class BuddyService:
             rec = view.record
             out[int(job_id)] = LocalJob(int(job_id), int(rec.uid), tuple(rec.nodes))
         return out
+
+    def _job_nodes(self) -> dict[int, tuple[str, ...]]:
+        return {j: job.nodes for j, job in self.local_jobs().items()}
 
     def facts(self, job_id: int) -> JobFacts | None:
         job = self.local_jobs().get(job_id)
@@ -166,11 +178,21 @@ class BuddyService:
                 continue
             # Gone for a while, not just unseen by a watcher that is still starting up.
             since = self.absent.setdefault(job_id, now)
-            if now - since >= GONE_AFTER_S:
-                self.store.remove_job(job_id)
-                self.absent.pop(job_id, None)
-                log.info("buddy: the job ended; its buddy area here is removed",
-                         job_id=job_id)
+            if now - since < GONE_AFTER_S:
+                continue
+            waiting = self._uploading(job_id)
+            if waiting:
+                if job_id not in self.kept:
+                    self.kept.add(job_id)
+                    log.info("buddy: the job ended; its buddy area here is kept while its "
+                             "steps upload (a copy held here may complete them)",
+                             job_id=job_id, steps=waiting)
+                continue
+            self.store.remove_job(job_id)
+            self.absent.pop(job_id, None)
+            self.kept.discard(job_id)
+            self.handoffs.forget(job_id)
+            log.info("buddy: the job ended; its buddy area here is removed", job_id=job_id)
         with self.lock:
             for gone in [j for j in self.jobs if j not in jobs]:
                 del self.jobs[gone]
@@ -187,6 +209,12 @@ class BuddyService:
             return
         for job in jobs.values():
             self._maybe_send(job)
+
+    def _uploading(self, job_id: int) -> list[int]:
+        """The job's steps the uploader here has yet to finish ([] when it has none or no
+        record of the job)."""
+        rec = self.uploader.current(job_id) if self.uploader is not None else None
+        return pending_steps(rec) if rec is not None else []
 
     def _attach(self) -> None:
         exchange = getattr(self.watcher, "exchange", None)
@@ -540,6 +568,7 @@ def factory(ctx: Any) -> BuddyService | None:
         log.error("buddy: not started: the agent's checkpoint service is not running")
         return None
     svc = BuddyService(ctx.cfg, ctx.node, ctx.adapter.events_path, services.get("heartbeat"))
-    uploader.buddy = svc  # its stage-in and fetch ask for parts through it
+    uploader.buddy = svc  # its stage-in and fetch ask for parts through it; its commit
+    svc.uploader = uploader  # hands off the parts held here
     uploader.fetcher.peers = svc.complete
     return svc

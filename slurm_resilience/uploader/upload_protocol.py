@@ -35,7 +35,7 @@ from slurm_resilience.checkpoint.staging import (
     open_owned_file,
 )
 from slurm_resilience.log import get_logger
-from slurm_resilience.uploader import intent
+from slurm_resilience.uploader import buddy_handoff, intent
 from slurm_resilience.uploader.journal import (
     DONE_STATES,
     FileDoc,
@@ -266,6 +266,14 @@ def commit(up: Uploader, rec: JobRecord, uri: S3Uri, step: int, marker: CommitMa
                         job_id=rec["job_id"], step=step, save_id=marker.save_id,
                         stale_ranks=stale)
         have -= set(stale)
+    if len(have) < marker.world_size and marker.save_id:
+        # Ranks of a node no longer in the job whose copy this node holds (buddy_handoff.py).
+        try:
+            have |= buddy_handoff.upload_held(up, rec, uri, step, marker,
+                                              set(range(marker.world_size)) - have, keys)
+        except (SaveSuperseded, CommittedBySave) as exc:
+            settle_not_ours(up, rec, step, uri, exc)
+            return
     if len(have) < marker.world_size:
         st["state"] = StepState.WAITING_PEERS
         up.report_step(rec, step)

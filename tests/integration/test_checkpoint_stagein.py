@@ -31,20 +31,28 @@ from pathlib import Path
 import pytest
 from conftest import free_port, rclone
 
+from slurm_resilience import events
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE, covering
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
+    MANIFEST,
     ChecksummingWriter,
+    CommitMarker,
+    Manifest,
     begin_part,
     commit_part,
+    rank_name,
     step_name,
     write_commit_marker,
 )
+from slurm_resilience.checkpoint.quota import Quota
 from slurm_resilience.checkpoint.staging import create_job_dir
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.sandbox.s3faults import S3FaultProxy
+from slurm_resilience.uploader.buddy_service import BuddyService
+from slurm_resilience.uploader.buddy_store import JobFacts, Offer
 from slurm_resilience.uploader.s3 import S3
 from slurm_resilience.uploader.service import Uploader, s3_settings
 
@@ -185,7 +193,8 @@ def _wait_stagein(node: Node, job: int) -> dict[str, object]:
     raise AssertionError("stage-in did not finish")
 
 
-def _build_step(w: World, run: str, step: int, world_size: int, seed: int) -> Path:
+def _build_step(w: World, run: str, step: int, world_size: int, seed: int,
+                save_id: str = "") -> Path:
     """A committed step as the training side writes it, in a scratch dir of the test."""
     src = w.base / "src" / run.replace("/", "_")
     src.mkdir(parents=True, exist_ok=True)
@@ -198,8 +207,8 @@ def _build_step(w: World, run: str, step: int, world_size: int, seed: int) -> Pa
             writer = ChecksummingWriter(tmp / name)
             writer.write(rng.randbytes(FILE if name == "data.distcp" else 4096))
             entries.append(writer.close())
-        commit_part(tmp, step, rank, known=entries)
-    write_commit_marker(src, step, world_size)
+        commit_part(tmp, step, rank, known=entries, save_id=save_id)
+    write_commit_marker(src, step, world_size, save_id or None)
     return src / step_name(step)
 
 
@@ -511,3 +520,138 @@ def test_uploader_writes_intent_record_before_any_data(
     assert puts[-1].endswith(f"/step-00000003/{COMMIT}"), puts
     doc = json.loads((w.s3_dir / "ckpt" / run / "step-00000003" / "INTENT-n1.json").read_text())
     assert (doc["job_id"], doc["node"], doc["ranks"], doc["world_size"]) == (701, "n1", [0], 1)
+
+
+class _JobsWatcher:
+    """The hang watcher's view of the jobs running on a node, as the buddy service reads it
+    (the job records the prolog wrote): job → its nodes."""
+
+    @dataclass
+    class _Record:
+        uid: int
+        nodes: tuple[str, ...]
+
+    @dataclass
+    class _View:
+        record: _JobsWatcher._Record
+
+    @dataclass
+    class _Snapshot:
+        jobs: dict[int, _JobsWatcher._View]
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.running: dict[int, tuple[str, ...]] = {}
+
+    def snapshot(self) -> _Snapshot:
+        return self._Snapshot({j: self._View(self._Record(0, nodes))
+                               for j, nodes in self.running.items()})
+
+    def exchange(self) -> None:
+        return None
+
+
+def _hold_copy(svc: BuddyService, job: int, nodes: tuple[str, ...], source: str,
+               sdir: Path, rank: int) -> None:
+    """``source``'s part of a step (rank ``rank``) received and verified in ``svc``'s buddy
+    area, as a transfer from the source leaves it."""
+    marker = CommitMarker.from_json((sdir / COMMIT).read_bytes())
+    manifest = Manifest.from_json((sdir / rank_name(rank) / MANIFEST).read_bytes())
+    offer = Offer(job, source, marker.step, marker, {rank: manifest},
+                  sum(f.size for f in manifest.files))
+    svc.store.begin(JobFacts(job, nodes), offer, Quota(1 << 40, 0.5, 1 << 41), used=0)
+    for rel, _ in offer.files():
+        svc.store.chunk(job, source, marker.step, rel, 0, (sdir / rel).read_bytes())
+    svc.store.finish(job, source, marker.step)
+
+
+def _in_s3(w: World, run: str, step: int) -> set[str]:
+    prefix = f"{run}/{step_name(step)}/"
+    return {k[len(prefix):] for k in w.s3.list_keys("ckpt", prefix)}
+
+
+def test_a_lost_nodes_part_goes_up_from_its_buddys_copy_and_the_next_run_takes_the_step(
+        world: World, test_users: tuple[str, ...]) -> None:
+    """Job 301 on n1 and n2 (rank 0 on n1, rank 1 on n2) commits step 10 on both, and n2's
+    part reaches n1, its buddy, as a verified copy; n2 is lost before its own upload. While
+    n2 is a node of the job as n1 knows it, n1 uploads its own part only and the step waits
+    for n2's. Once the job ended on n1, n1 uploads n2's part from the copy (checked against
+    its manifest on the way), the step commits, and the job's next run, on n3, stages in
+    step 10, not step 5. The buddy area stays while the step uploads, then goes."""
+    user, w = test_users[0], world
+    run = f"{user}/handoff"
+    _upload(w, run, _build_step(w, run, 5, 2, seed=5))
+    step10 = _build_step(w, run, 10, 2, seed=10, save_id="000000000000000a-j301.r0.hand")
+    nodes = ("n1", "n2")
+    with _nodes(w, ["n1", "n3"]) as (n1, n3):
+        st = _start_job(n1, w, 301, user, f"s3://ckpt/{run}")
+        assert (st["stagein"], st["step"]) == ("done", 5), st
+        watcher = _JobsWatcher(n1.up.cfg)
+        watcher.running[301] = nodes
+        now = [1000.0]
+        buddy = BuddyService(n1.up.cfg, "n1", str(w.base / "n1-events.json"), watcher,
+                             clock=lambda: now[0])
+        n1.up.buddy, buddy.uploader = buddy, n1.up
+        _hold_copy(buddy, 301, nodes, "n2", step10, rank=1)
+        job_dir = w.base / "n1" / "nvme" / "job-301"
+        _copy_part(step10, 0, job_dir, user, with_commit=True)  # the job's save on n1
+
+        n1.up.run_pass()  # n2 is still in the job: its part is its own to upload
+        assert _in_s3(w, run, 10) >= {"rank-00000/MANIFEST.json", "rank-00000/data.distcp"}
+        assert not _in_s3(w, run, 10) & {COMMIT, "rank-00001/MANIFEST.json"}
+        assert n1.up.current(301)["steps"]["10"]["state"] == "waiting-peers"
+
+        n1.up.on_job_end({"job_id": 301}, ROOT)  # the job is requeued away from n2
+        del watcher.running[301]
+        now[0] += 60
+        buddy.tick()  # the area outlives the job while its step uploads
+        assert buddy.store.held(301)["n2"].step == 10
+        n1.up.run_pass()
+        got = _in_s3(w, run, 10)
+        assert {COMMIT, "rank-00001/MANIFEST.json", "rank-00001/data.distcp"} <= got, got
+        body = w.s3.client.get_object(Bucket="ckpt", Key=f"{run}/{step_name(10)}/rank-00001/"
+                                                         "data.distcp")["Body"].read()
+        assert body == (step10 / "rank-00001" / "data.distcp").read_bytes()
+        counters = events.read(str(w.base / "n1-events.json"))["counters"]
+        assert counters.get(f"{events.BUDDY}|uploaded") == 1, counters
+        assert counters.get(f"{events.BUDDY_BYTES}|uploaded") == FILE, counters
+
+        st3 = _start_job(n3, w, 301, user, f"s3://ckpt/{run}")  # the requeued run
+        assert (st3["stagein"], st3["step"], st3["source"]) == ("done", 10, "s3"), st3
+        now[0] += 60
+        buddy.tick()
+        assert 301 not in buddy.store.jobs()
+
+
+def test_a_buddy_copy_that_fails_its_check_never_goes_up_nor_stops_the_nodes_own_part(
+        world: World, test_users: tuple[str, ...]) -> None:
+    """The copy held of the lost node's part went bad on the disk: the hand-off reads it
+    against its manifest, uploads nothing of it (no manifest, no commit), logs and counts
+    the failure, and n1's own part of the step stays uploaded and waiting, as before."""
+    user, w = test_users[0], world
+    run = f"{user}/handoff-bad"
+    step10 = _build_step(w, run, 10, 2, seed=11, save_id="000000000000000a-j302.r0.bad")
+    nodes = ("n1", "n2")
+    with _nodes(w, ["n1"]) as (n1,):
+        st = _start_job(n1, w, 302, user, f"s3://ckpt/{run}")
+        assert st["stagein"] == "done", st
+        buddy = BuddyService(n1.up.cfg, "n1", str(w.base / "n1-events.json"),
+                             _JobsWatcher(n1.up.cfg))
+        n1.up.buddy, buddy.uploader = buddy, n1.up
+        _hold_copy(buddy, 302, nodes, "n2", step10, rank=1)
+        held = (w.base / "n1" / "nvme" / ".buddy" / "job-302" / "from-n2" / step_name(10)
+                / "rank-00001" / "data.distcp")
+        with open(held, "r+b") as fh:  # one flipped byte, after its verified arrival
+            fh.seek(FILE // 2)
+            byte = fh.read(1)
+            fh.seek(FILE // 2)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        _copy_part(step10, 0, w.base / "n1" / "nvme" / "job-302", user, with_commit=True)
+        n1.up.on_job_end({"job_id": 302}, ROOT)
+        n1.up.run_pass()
+        got = _in_s3(w, run, 10)
+        assert "rank-00000/MANIFEST.json" in got and COMMIT not in got, got
+        assert "rank-00001/MANIFEST.json" not in got and "rank-00001/data.distcp" not in got
+        assert n1.up.current(302)["steps"]["10"]["state"] == "waiting-peers"
+        counters = events.read(str(w.base / "n1-events.json"))["counters"]
+        assert counters.get(f"{events.BUDDY}|failed") == 1, counters

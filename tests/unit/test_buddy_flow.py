@@ -29,6 +29,7 @@ from slurm_resilience.config.checkpoint import CheckpointSection
 from slurm_resilience.config.loader import ByteSize
 from slurm_resilience.transport.wire import Kind, Message
 from slurm_resilience.uploader import buddy_proto as proto
+from slurm_resilience.uploader.buddy_handoff import HANDOFF_AFTER_S
 from slurm_resilience.uploader.buddy_service import BuddyService
 from slurm_resilience.uploader.buddy_source import Where
 from slurm_resilience.uploader.buddy_store import Offer
@@ -376,3 +377,75 @@ def test_a_node_with_nothing_of_the_run_asks_no_one_unless_the_ranks_agreed_on_a
     finally:
         os.close(fd)
     assert staged is not None and staged.choice.summary() == "step 20: rank 0 local on n2"
+
+
+def test_a_hand_off_takes_only_copies_of_nodes_no_longer_in_the_job(
+        tmp_path: Path, wire: Wire) -> None:
+    """n2 holds n1's copy of step 10. While the job runs with n1 in it, n2 never uploads
+    n1's part; once the job ended there (the uploader's word), or its run back on n2 leaves
+    n1 out (a requeue away from it), the copy is a candidate; of another save or another
+    step, or holding none of the missing ranks, never."""
+    n1, n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    _save(tmp_path, "n1", 10, 0, b"q" * 4000)
+    n1.tick()
+    _join(n1)
+    assert n2.handoffs.candidates(JOB, 10, SAVE, {0}, ended=False) == []
+    assert [c.source for c in n2.handoffs.candidates(JOB, 10, SAVE, {0}, ended=True)] == ["n1"]
+    n2.watcher.jobs[JOB] = _View(_Record(os.getuid(), ("n2", "n3")))  # requeued, n1 excluded
+    assert [c.source for c in n2.handoffs.candidates(JOB, 10, SAVE, {0, 1}, ended=False)] == [
+        "n1"]
+    other = "0000000000000002-j7.r0.beef"
+    assert n2.handoffs.candidates(JOB, 10, other, {0}, ended=True) == []
+    assert n2.handoffs.candidates(JOB, 20, SAVE, {0}, ended=True) == []
+    assert n2.handoffs.candidates(JOB, 10, SAVE, {1}, ended=True) == []
+
+
+def test_a_lost_node_that_began_its_own_upload_is_given_time_before_the_hand_off(
+        tmp_path: Path, wire: Wire) -> None:
+    """A source whose intent record of the save is in S3 began its own upload: its copy
+    goes up from here only HANDOFF_AFTER_S after a hand-off first became possible (an
+    injected clock); one that never began goes up at once."""
+    n1, n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    now = [500.0]
+    n2.clock = lambda: now[0]
+    _save(tmp_path, "n1", 10, 0, b"r" * 4000)
+    n1.tick()
+    _join(n1)
+    held = n2.handoffs.candidates(JOB, 10, SAVE, {0}, ended=True)
+    assert n2.handoffs.ready(JOB, 10, held, announced=set()) == held
+    assert n2.handoffs.ready(JOB, 10, held, announced={"n1"}) == []  # first seen at 500
+    now[0] += HANDOFF_AFTER_S - 1
+    assert n2.handoffs.ready(JOB, 10, held, announced={"n1"}) == []
+    now[0] += 1
+    assert n2.handoffs.ready(JOB, 10, held, announced={"n1"}) == held
+
+
+def test_a_jobs_buddy_area_stays_while_the_uploader_has_its_steps_to_finish(
+        tmp_path: Path, wire: Wire) -> None:
+    """The job is gone from n2, but n2's uploader still has a step of it to upload (a copy
+    held here may complete it): the area stays past GONE_AFTER_S, and goes once the
+    uploader is done with the job."""
+    n1, n2, _n3 = (_node(tmp_path, wire, n) for n in NODES)
+    _save(tmp_path, "n1", 10, 0, b"s" * 1000)
+    n1.tick()
+    _join(n1)
+
+    class Uploader:
+        def __init__(self) -> None:
+            self.steps: dict[str, dict[str, str]] = {"10": {"state": "waiting-peers"}}
+
+        def current(self, job_id: int) -> dict[str, object] | None:
+            return {"job_id": job_id, "steps": self.steps} if self.steps else None
+
+    up = Uploader()
+    n2.uploader = up
+    now = [50.0]
+    n2.clock = lambda: now[0]
+    n2.watcher.jobs.clear()
+    n2.tick()
+    now[0] += 31
+    n2.tick()
+    assert n2.store.jobs() == [JOB]
+    up.steps["10"]["state"] = "committed"
+    n2.tick()
+    assert n2.store.jobs() == []
