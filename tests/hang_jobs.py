@@ -150,17 +150,19 @@ def acting(reports: list[dict[str, object]], run: int) -> dict[str, object] | No
     return None
 
 
-def slow_steps_s(clock: dict[str, Any], productive_s: float) -> float:
-    """For the hung-once job (saves every 5 steps, a hang at step 12, 30 steps): the time its
-    own clock shows it stepping on kept work (run 0 up to the step-10 save, run 1 up to the
-    step-30 save, less the saves' stalls) above goodput's productive time (kept steps times
-    their median). That is each run's first step and the steps slower than the median, which
-    goodput rightly leaves unexplained; on a quiet machine it is a few tenths of a second, on
-    a loaded one seconds. A breakdown may leave that much unexplained and no more."""
+def clock_minus_productive_s(clock: dict[str, Any], productive_s: float) -> float:
+    """For the hung-once job (saves every 5 steps, a hang at step 12, 30 steps): the time
+    its own clock shows it stepping on kept work (run 0 up to the step-10 save, run 1 up to
+    the step-30 save, less the saves' stalls) minus goodput's productive time (the kept
+    steps times their median, sampled once an agent tick). Positive: steps slower than the
+    median, which goodput leaves unexplained; negative: the median of a short, loaded run's
+    few samples above its mean, which goodput claims twice. Either way it is what a
+    breakdown's ``unexplained`` should show, less each run's first step (which the clock
+    counts as stepping and goodput as start-up) and the rounding of the allocation's ends."""
     ckpt = clock["checkpoints"]
     kept = (ckpt[10][0] - clock["running"][0]) + (ckpt[30][0] - clock["running"][1]) \
         - sum(stall for _, stall in ckpt.values())
-    return max(0.0, kept - productive_s)
+    return float(kept - productive_s)
 
 
 def job_clock(out: str) -> dict[str, Any]:

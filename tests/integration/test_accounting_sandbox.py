@@ -16,9 +16,10 @@ hang, done). Tolerances, from those resolutions plus one agent tick (0.5 s):
 * checkpoint stalls: the printed stall_ms of the saves each run kept, 0.5 s in all;
 * productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: between 2.8 s
   and 14 s (0.5 s a step);
-* all of them together explain the allocated time, but for the steps slower than their
-  median (productive time is the kept steps times their median step time), which the job's
-  clock measures, within 2 s (sacct's whole seconds at each end of both runs).
+* all of them together explain the allocated time but for the gap between the steps' time
+  on the job's clock and goodput's estimate of it (the kept steps times their median step
+  time), within 4 s (each run's first step, and sacct's whole seconds at each end of both
+  runs).
 
 Holds: ``scontrol requeuehold`` (the hang cap) requeues the run and holds the job. On
 Slurm 22.05 sacct shows that as the run REQUEUED and the job's newest record PENDING with
@@ -38,10 +39,10 @@ from conftest import SandboxFactory
 from hang_jobs import (
     TRAIN,
     acting,
+    clock_minus_productive_s,
     job_clock,
     output,
     reports,
-    slow_steps_s,
     submit,
     wait_for,
     wait_for_decision,
@@ -163,11 +164,12 @@ def check_goodput(box: Sandbox, job_id: int, b: dict[str, Any], out: str) -> Non
     step = (ckpt30 - clock["running"][1]) / 20
     assert abs(b["productive_s"] - kept) <= 2.0 + 2 * step + 0.15 * kept, (
         b["productive_s"], kept, step, b)
-    # Productive time is the steps times their median: on a loaded machine the steps slower
-    # than the median go unexplained, and the job's own clock measures them. Everything else
-    # is explained, to sacct's whole seconds (a second at each end of each run).
-    slow = slow_steps_s(clock, b["productive_s"])
-    assert -2.0 <= b["unexplained_s"] <= slow + 2.0, (b["unexplained_s"], slow, b)
+    # Productive time is the steps times their median: the gap between the steps' time on
+    # the job's own clock and that estimate is what goes unexplained (slow steps on a loaded
+    # machine, or a median above the mean). Everything else is explained, to the runs'
+    # first steps and sacct's whole seconds (a second at each end of each run).
+    gap = clock_minus_productive_s(clock, b["productive_s"])
+    assert abs(b["unexplained_s"] - gap) <= 4.0, (b["unexplained_s"], gap, b)
 
 
 # The hold reasons sacct may record for ``scontrol requeuehold`` (22.05 records the user's).

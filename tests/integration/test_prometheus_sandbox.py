@@ -2,9 +2,9 @@
 
 After an injected Xid, a hang and a checkpointed job, PromQL against that server returns the
 drain, incident, goodput and upload-backlog series. The job hung once and resumed; its
-`goodput` over the nodes it ran on accounts for all its allocated time but the steps slower
-than their median (productive time is the kept steps times their median step time; the job's
-clock measures the slower ones, a loaded machine's share), and the losses match the
+`goodput` over the nodes it ran on accounts for all its allocated time but the gap between
+the steps' time on the job's clock and goodput's estimate of it (the kept steps times their
+median step time), within 3 s, and the losses match the
 job's own printed clock (examples/train.py's ``at=`` stamps) and its hang report, to one
 agent tick (heartbeat.interval_s = 0.5 s) plus the stamp's distance from the event:
 
@@ -47,11 +47,11 @@ import pytest
 import yaml
 from hang_jobs import (
     acting,
+    clock_minus_productive_s,
     goodput,
     job_clock,
     output,
     reports,
-    slow_steps_s,
     submit,
     wait_for,
     wait_for_decision,
@@ -356,10 +356,11 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     assert report is not None
     clock = job_clock(out)
     print(f"job clock: {clock}")
-    # All the allocation is explained but the steps slower than their median, which the
-    # job's own clock measures (a loaded machine's share); one agent tick a run either way.
-    slow = slow_steps_s(clock, b["productive_s"])
-    assert -1.0 <= b["unexplained_s"] <= slow + 1.0, (b["unexplained_s"], slow, b)
+    # All the allocation is explained but the gap between the steps' time on the job's own
+    # clock and goodput's estimate of it (a loaded machine's slow steps, or a median above
+    # the mean), to the runs' first steps and an agent tick at each end of each run.
+    gap = clock_minus_productive_s(clock, b["productive_s"])
+    assert abs(b["unexplained_s"] - gap) <= 3.0, (b["unexplained_s"], gap, b)
     (hang_step, hung_at), = clock["hangs"]
     assert hang_step == 12
     detected = float(report["detected_at"])  # type: ignore[arg-type]
