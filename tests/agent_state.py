@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.goodput.ledger import Ledger
 from slurm_resilience.goodput.saves import SaveBook
@@ -73,6 +75,42 @@ class Watcher:
         with self.lock:
             return WatcherSnapshot(dict(self.jobs), tuple(
                 sorted(k for k, t in self.threads.items() if k >= 0 and t.is_alive())))
+
+
+@dataclass
+class JobNodes:
+    """The fields of a job record (the prolog's) the buddy service reads."""
+
+    uid: int
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class _JobView:
+    record: JobNodes
+
+
+@dataclass
+class _Jobs:
+    jobs: dict[int, _JobView]
+
+
+class BuddyWatcher:
+    """The hang watcher as the buddy service reads it: its live config, the jobs running
+    here (``jobs``: job → its owner and nodes) and the agents' exchange (a transport, or
+    None for none)."""
+
+    def __init__(self, cfg: Config, transport: Any = None,
+                 jobs: dict[int, JobNodes] | None = None) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.jobs: dict[int, JobNodes] = dict(jobs or {})
+
+    def snapshot(self) -> _Jobs:
+        return _Jobs({j: _JobView(r) for j, r in self.jobs.items()})
+
+    def exchange(self) -> Any:
+        return self.transport
 
 
 class Uploads:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from agent_state import BuddyWatcher, JobNodes
 from conftest import free_port, rclone
 
 from slurm_resilience import events
@@ -522,35 +523,6 @@ def test_uploader_writes_intent_record_before_any_data(
     assert (doc["job_id"], doc["node"], doc["ranks"], doc["world_size"]) == (701, "n1", [0], 1)
 
 
-class _JobsWatcher:
-    """The hang watcher's view of the jobs running on a node, as the buddy service reads it
-    (the job records the prolog wrote): job → its nodes."""
-
-    @dataclass
-    class _Record:
-        uid: int
-        nodes: tuple[str, ...]
-
-    @dataclass
-    class _View:
-        record: _JobsWatcher._Record
-
-    @dataclass
-    class _Snapshot:
-        jobs: dict[int, _JobsWatcher._View]
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.running: dict[int, tuple[str, ...]] = {}
-
-    def snapshot(self) -> _Snapshot:
-        return self._Snapshot({j: self._View(self._Record(0, nodes))
-                               for j, nodes in self.running.items()})
-
-    def exchange(self) -> None:
-        return None
-
-
 def _hold_copy(svc: BuddyService, job: int, nodes: tuple[str, ...], source: str,
                sdir: Path, rank: int) -> None:
     """``source``'s part of a step (rank ``rank``) received and verified in ``svc``'s buddy
@@ -586,8 +558,7 @@ def test_a_lost_nodes_part_goes_up_from_its_buddys_copy_and_the_next_run_takes_t
     with _nodes(w, ["n1", "n3"]) as (n1, n3):
         st = _start_job(n1, w, 301, user, f"s3://ckpt/{run}")
         assert (st["stagein"], st["step"]) == ("done", 5), st
-        watcher = _JobsWatcher(n1.up.cfg)
-        watcher.running[301] = nodes
+        watcher = BuddyWatcher(n1.up.cfg, jobs={301: JobNodes(0, nodes)})
         now = [1000.0]
         buddy = BuddyService(n1.up.cfg, "n1", str(w.base / "n1-events.json"), watcher,
                              clock=lambda: now[0])
@@ -602,7 +573,7 @@ def test_a_lost_nodes_part_goes_up_from_its_buddys_copy_and_the_next_run_takes_t
         assert n1.up.current(301)["steps"]["10"]["state"] == "waiting-peers"
 
         n1.up.on_job_end({"job_id": 301}, ROOT)  # the job is requeued away from n2
-        del watcher.running[301]
+        del watcher.jobs[301]
         now[0] += 60
         buddy.tick()  # the area outlives the job while its step uploads
         assert buddy.store.held(301)["n2"].step == 10
@@ -636,7 +607,7 @@ def test_a_buddy_copy_that_fails_its_check_never_goes_up_nor_stops_the_nodes_own
         st = _start_job(n1, w, 302, user, f"s3://ckpt/{run}")
         assert st["stagein"] == "done", st
         buddy = BuddyService(n1.up.cfg, "n1", str(w.base / "n1-events.json"),
-                             _JobsWatcher(n1.up.cfg))
+                             BuddyWatcher(n1.up.cfg))
         n1.up.buddy, buddy.uploader = buddy, n1.up
         _hold_copy(buddy, 302, nodes, "n2", step10, rank=1)
         held = (w.base / "n1" / "nvme" / ".buddy" / "job-302" / "from-n2" / step_name(10)

@@ -10,11 +10,11 @@ node's part from the buddy; the protocol refuses what is not for it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_state import BuddyWatcher, JobNodes
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -38,22 +38,6 @@ from slurm_resilience.uploader.rootfs import read_step
 NODES = ("n1", "n2", "n3")
 JOB = 7
 SAVE = "0000000000000001-j7.r0.abcd"
-
-
-@dataclass
-class _Record:
-    uid: int
-    nodes: tuple[str, ...]
-
-
-@dataclass
-class _View:
-    record: _Record
-
-
-class _Snapshot:
-    def __init__(self, jobs: dict[int, _View]):
-        self.jobs = jobs
 
 
 class Wire:
@@ -84,19 +68,6 @@ class Wire:
         return Transport()
 
 
-class Watcher:
-    def __init__(self, cfg: Config, transport: Any, jobs: dict[int, _View]):
-        self.cfg = cfg
-        self.transport = transport
-        self.jobs = jobs
-
-    def snapshot(self) -> _Snapshot:
-        return _Snapshot(self.jobs)
-
-    def exchange(self) -> Any:
-        return self.transport
-
-
 def _cfg(tmp: Path) -> Config:
     return Config(checkpoint=CheckpointSection(
         enabled=True, staging_root=str(tmp / "{node}" / "nvme"), buddy_copies=True,
@@ -107,9 +78,9 @@ def _node(tmp: Path, wire: Wire, node: str) -> BuddyService:
     root = tmp / node / "nvme"
     (root / f"job-{JOB}").mkdir(parents=True, mode=0o700)
     cfg = _cfg(tmp)
-    jobs = {JOB: _View(_Record(os.getuid(), NODES))}
+    jobs = {JOB: JobNodes(os.getuid(), NODES)}
     svc = BuddyService(cfg, node, str(tmp / f"events-{node}.json"),
-                       Watcher(cfg, wire.for_node(node), jobs))
+                       BuddyWatcher(cfg, wire.for_node(node), jobs))
     svc._attach()
     wire.services[node] = svc
     return svc
@@ -391,7 +362,7 @@ def test_a_hand_off_takes_only_copies_of_nodes_no_longer_in_the_job(
     _join(n1)
     assert n2.handoffs.candidates(JOB, 10, SAVE, {0}, ended=False) == []
     assert [c.source for c in n2.handoffs.candidates(JOB, 10, SAVE, {0}, ended=True)] == ["n1"]
-    n2.watcher.jobs[JOB] = _View(_Record(os.getuid(), ("n2", "n3")))  # requeued, n1 excluded
+    n2.watcher.jobs[JOB] = JobNodes(os.getuid(), ("n2", "n3"))  # requeued, n1 excluded
     assert [c.source for c in n2.handoffs.candidates(JOB, 10, SAVE, {0, 1}, ended=False)] == [
         "n1"]
     other = "0000000000000002-j7.r0.beef"
