@@ -48,12 +48,13 @@ from hang_jobs import (  # noqa: E402
     committed_in_s3,
     output,
     reports,
+    s3_stopped,
+    step_nodes,
     submit,
     submit_launch,
     wait_for,
 )
 
-from slurm_resilience.sandbox import control, daemons  # noqa: E402
 from slurm_resilience.sandbox.handle import Sandbox  # noqa: E402
 from slurm_resilience.sandbox.layout import Layout  # noqa: E402
 from slurm_resilience.sandbox.nodekill import kill_node, revive_node  # noqa: E402
@@ -114,15 +115,9 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
     work = box.user_dir(user, f"{'spare' if spare else 'requeue'}-loss-{n}")
     job_id = submit_launch(box, user, work, LOSS_ARGS, nodes=3 if spare else 2,
                            spares=1 if spare else 0, sbatch_args=("--no-kill",))
-    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
-                                       output(work, job_id)), 300, "the launcher's first line")
-    host = box.job(job_id).batch_host
-    lost = first.group(2) if first.group(1) == host else first.group(1)
+    _host, lost = step_nodes(box, work, job_id, timeout=300)
     wait_for(lambda: 20 in committed_in_s3(box, user, work), 300, "step 20 committed in S3")
-    s3 = control.s3_extra(box.layout)[0]
-    if spare:
-        daemons.stop(s3.daemon)
-    try:
+    with s3_stopped(box, stop=spare):  # the spare path: S3 down, the buddy's copy
         wait_for(lambda: _local_commit(box, lost, job_id, 40).exists(), 300,
                  f"step 40 committed on {lost}")
         if not spare:
@@ -139,11 +134,6 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
         again = wait_for(lambda: re.search(r"rank \d running step=\d+ at=([\d.]+) restarts=1",
                                            output(work, job_id)), 600,
                          "the first step after the restore")
-    finally:
-        if spare:
-            daemons.spawn(s3.argv, log_file=box.layout.log_dir / "s3.log",
-                          pid_file=s3.daemon.pid_file,
-                          env={**control.daemon_env(box.layout), **s3.env})
     final = box.wait_job(job_id, timeout=600)
     out = output(work, job_id)
     revive_node(box.layout, lost)

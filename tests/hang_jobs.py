@@ -3,18 +3,19 @@ examples/train.py as a test user, wait, and read the incident reports of a job."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from slurm_resilience import events
-from slurm_resilience.sandbox import control
+from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import FINISHED, Sandbox
 
 T = TypeVar("T")
@@ -129,6 +130,33 @@ def wait_for_decision(sandbox: Sandbox, workdir: Path, job_id: int, run: int = 0
                                  f"\nsinfo -R:\n{sinfo}\nreports: {reports(sandbox, job_id)}"
                                  f"\n{logs}\noutput:\n{output(workdir, job_id)}")
         time.sleep(0.5)
+
+
+def step_nodes(sandbox: Sandbox, workdir: Path, job_id: int,
+               timeout: float = 180) -> tuple[str, str]:
+    """(the batch host, the other step node) of a ``launch`` job on two step nodes, from
+    the launcher's first line."""
+    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
+                                       output(workdir, job_id)), timeout,
+                     "the launcher's first line")
+    host = sandbox.job(job_id).batch_host
+    return host, first.group(2) if first.group(1) == host else first.group(1)
+
+
+@contextlib.contextmanager
+def s3_stopped(sandbox: Sandbox, stop: bool = True) -> Iterator[None]:
+    """The sandbox's S3 endpoint stopped for the block (when ``stop``), and started again
+    after it, whatever happens inside."""
+    s3 = control.s3_extra(sandbox.layout)[0]
+    if stop:
+        daemons.stop(s3.daemon)
+    try:
+        yield
+    finally:
+        if stop:
+            daemons.spawn(s3.argv, log_file=sandbox.layout.log_dir / "s3.log",
+                          pid_file=s3.daemon.pid_file,
+                          env={**control.daemon_env(sandbox.layout), **s3.env})
 
 
 def reports(sandbox: Sandbox, job_id: int) -> list[dict[str, Any]]:

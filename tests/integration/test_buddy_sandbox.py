@@ -25,13 +25,14 @@ from hang_jobs import (
     committed_in_s3,
     counted,
     output,
+    s3_stopped,
+    step_nodes,
     submit_launch,
     wait_for,
     wait_for_output,
 )
 
 from slurm_resilience import events
-from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.sandbox.nodekill import kill_node, revive_node
 from slurm_resilience.uploader.buddy_ring import buddy_of
@@ -63,18 +64,13 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
     running = box.wait_job(job_id, states={"RUNNING"}, timeout=120)
     nodes = tuple(running.nodes)
     assert len(nodes) == 3, running
-    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
-                                       output(work, job_id)), 180, "the launcher's first line")
-    host = box.job(job_id).batch_host
-    lost = first.group(2) if first.group(1) == host else first.group(1)
+    host, lost = step_nodes(box, work, job_id)
     holder = buddy_of(lost, nodes)
     assert holder is not None and holder != lost
     spare = (set(nodes) - {lost, host}).pop()
     wait_for(lambda: 50 in committed_in_s3(box, user, work), 240, "step 50 committed in S3")
 
-    s3 = control.s3_extra(box.layout)[0]
-    daemons.stop(s3.daemon)
-    try:
+    with s3_stopped(box):
         # Step 100 committed on the node to be lost, and its verified copy on its buddy.
         mine = _staging(box, lost) / f"job-{job_id}" / "step-00000100" / "COMMIT.json"
         copy = (_staging(box, holder) / ".buddy" / f"job-{job_id}" / f"from-{lost}"
@@ -92,10 +88,6 @@ def test_a_node_lost_before_its_upload_resumes_from_its_buddys_copy_with_s3_down
         out = output(work, job_id)
         assert f"node {lost} lost: relaunch 1 on" in out, out
         resumed = int(seen.group(1)) - 1
-    finally:
-        daemons.spawn(s3.argv, log_file=box.layout.log_dir / "s3.log",
-                      pid_file=s3.daemon.pid_file,
-                      env={**control.daemon_env(box.layout), **s3.env})
     final = box.wait_job(job_id, timeout=420)
     out = output(work, job_id)
     assert final.state == "COMPLETED" and final.restarts == 0, (final, out)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hang_jobs import s3_stopped
 
 from slurm_resilience.agent import client
 from slurm_resilience.sandbox import control, daemons
@@ -108,9 +109,7 @@ def test_s3_down_training_unblocked_epilog_bounded_upload_later(
     user = test_users[0]
     wd = sandbox.user_dir(user, "ckpt-down")
     uri = f"s3://ckpt/{user}/down-{time.time_ns()}"
-    s3 = control.s3_extra(sandbox.layout)[0]
-    daemons.stop(s3.daemon)
-    try:
+    with s3_stopped(sandbox):
         refused = _train(sandbox, user, wd, uri, ["node2"], "--steps 10 --ckpt-every 5")
         assert sandbox.wait_job(refused, timeout=120).state == "FAILED", _out(wd, refused)
         assert "couldn't restore the run: stage-in failed" in _out(wd, refused)
@@ -123,10 +122,6 @@ def test_s3_down_training_unblocked_epilog_bounded_upload_later(
         assert "STARTING FROM SCRATCH" in _out(wd, job)
         time.sleep(2)
         assert not (_s3_run(sandbox, uri) / "step-00000010" / "COMMIT.json").exists()
-    finally:
-        daemons.spawn(s3.argv, log_file=sandbox.layout.log_dir / "s3.log",
-                      pid_file=s3.daemon.pid_file,
-                      env={**control.daemon_env(sandbox.layout), **s3.env})
     marker = _s3_run(sandbox, uri) / "step-00000010" / "COMMIT.json"
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:

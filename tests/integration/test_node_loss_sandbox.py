@@ -18,10 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hang_jobs import TRAIN, committed_in_s3, counted, output, submit_launch, wait_for
+from hang_jobs import (
+    TRAIN,
+    committed_in_s3,
+    counted,
+    output,
+    s3_stopped,
+    step_nodes,
+    submit_launch,
+    wait_for,
+)
 
 from slurm_resilience import events
-from slurm_resilience.sandbox import control, daemons
 from slurm_resilience.sandbox.handle import Sandbox
 from slurm_resilience.sandbox.nodekill import kill_node
 
@@ -37,11 +45,8 @@ def _lose_a_step_node(box: Sandbox, user: str, work: Path, job_id: int,
                       batch_host: bool = False) -> tuple[str, str]:
     """Wait for the launcher's first line and step 25 committed in S3, then kill the step
     node that is not the batch host (or the batch host): (the lost node, the batch host)."""
-    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
-                                       output(work, job_id)), 180, "the launcher's first line")
-    host = box.job(job_id).batch_host
-    lost = first.group(2) if first.group(1) == host else first.group(1)
-    lost = host if batch_host else lost
+    host, other = step_nodes(box, work, job_id)
+    lost = host if batch_host else other
     wait_for(lambda: 25 in committed_in_s3(box, user, work), 240, "step 25 committed in S3")
     killed = kill_node(box.layout, lost)
     assert killed, f"nothing of {lost} was running"
@@ -69,14 +74,9 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_and_its_buddy_uploads
     job_id = submit_launch(box, user, work, TRAIN_ARGS, nodes=2, spares=0,
                            sbatch_args=("--no-kill",))
     box.wait_job(job_id, states={"RUNNING"}, timeout=120)
-    first = wait_for(lambda: re.search(r"relaunch 0: (\S+) (\S+)(?: \(spares \S+\))? at=",
-                                       output(work, job_id)), 180, "the launcher's first line")
-    survivor = box.job(job_id).batch_host
-    lost = first.group(2) if first.group(1) == survivor else first.group(1)
+    survivor, lost = step_nodes(box, work, job_id)
     wait_for(lambda: 25 in committed_in_s3(box, user, work), 240, "step 25 committed in S3")
-    s3 = control.s3_extra(box.layout)[0]
-    daemons.stop(s3.daemon)
-    try:
+    with s3_stopped(box):
         mine = box.layout.nodes_dir / lost / "nvme" / f"job-{job_id}" / "step-00000050"
         copy = (box.layout.nodes_dir / survivor / "nvme" / ".buddy" / f"job-{job_id}"
                 / f"from-{lost}" / "step-00000050" / "COMMIT.json")
@@ -86,10 +86,6 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_and_its_buddy_uploads
         # A site's own drain (not ours: no "SR:"), so the survivor is not taken for lost.
         box.run(["scontrol", "update", f"nodename={survivor}", "state=drain",
                  "reason=site maintenance"])
-    finally:
-        daemons.spawn(s3.argv, log_file=box.layout.log_dir / "s3.log",
-                      pid_file=s3.daemon.pid_file,
-                      env={**control.daemon_env(box.layout), **s3.env})
     final = box.wait_job(job_id, timeout=480)
     out = output(work, job_id)
     assert final.state == "COMPLETED" and final.restarts == 1, (final, out)
