@@ -18,9 +18,9 @@ it is given ``HANDOFF_AFTER_S`` to finish before this node takes over (``HandOff
 the buddy service keeps, decides which copies and when).
 
 A copy that fails its check is never uploaded and never stops this node's own step: it is
-logged and counted (``buddy_copies_total{result="failed"}``), and the step waits as
-before. An S3 outage on the way raises, as any upload's does: the sync backs off and the
-next pass starts the copy's files again.
+logged and counted once (``buddy_copies_total{result="failed"}``), not tried again, and
+the step waits as before. An S3 outage on the way raises, as any upload's does: the sync
+backs off and the next pass starts the copy's files again.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ class HandOffs:
         self.clock = clock
         # (job, source, step) → when a hand-off of it was first possible
         self.seen: dict[tuple[int, str, int], float] = {}
+        # copies that failed their check on the way up: never read again (each pass would
+        # read the whole copy and log the same error)
+        self.failed: set[tuple[int, str, int]] = set()
 
     def candidates(self, job_id: int, step: int, save_id: str, missing: set[int],
                    ended: bool) -> list[HeldCopy]:
@@ -92,7 +95,8 @@ class HandOffs:
                       error=str(exc))
             return []
         return [c for c in held.values() if c.step == step and c.marker.save_id == save_id
-                and c.source != self.node and c.source not in current and c.ranks & missing]
+                and c.source != self.node and c.source not in current and c.ranks & missing
+                and (job_id, c.source, step) not in self.failed]
 
     def ready(self, job_id: int, step: int, held: list[HeldCopy],
               announced: set[str]) -> list[HeldCopy]:
@@ -112,6 +116,7 @@ class HandOffs:
     def forget(self, job_id: int) -> None:
         for key in [k for k in self.seen if k[0] == job_id]:
             del self.seen[key]
+        self.failed = {k for k in self.failed if k[0] != job_id}
 
 
 def announced(up: Uploader, uri: S3Uri, step: int, save_id: str, keys: Iterable[str],
@@ -168,11 +173,12 @@ def upload_held(up: Uploader, rec: JobRecord, uri: S3Uri, step: int, marker: Com
         except (TransientS3Error, SaveSuperseded):
             raise
         except (CheckpointError, Refused, OSError) as exc:
+            buddy.handoffs.failed.add((job_id, copy.source, step))
             buddy.count("failed")
             log.error("buddy: couldn't upload a lost node's part from the copy held here; "
-                      "the step waits for it as before", job_id=job_id, step=step,
-                      source=copy.source, ranks=sorted(copy.ranks & missing),
-                      error=str(exc))
+                      "the step waits for it as before (this copy is not tried again)",
+                      job_id=job_id, step=step, source=copy.source,
+                      ranks=sorted(copy.ranks & missing), error=str(exc))
             continue
         done |= got.ranks
         buddy.count("uploaded", got.nbytes, "uploaded")

@@ -598,7 +598,8 @@ def test_a_buddy_copy_that_fails_its_check_never_goes_up_nor_stops_the_nodes_own
         world: World, test_users: tuple[str, ...]) -> None:
     """The copy held of the lost node's part went bad on the disk: the hand-off reads it
     against its manifest, uploads nothing of it (no manifest, no commit), logs and counts
-    the failure, and n1's own part of the step stays uploaded and waiting, as before."""
+    the failure once (never reading the copy again), and n1's own part of the step stays
+    uploaded and waiting, as before."""
     user, w = test_users[0], world
     run = f"{user}/handoff-bad"
     step10 = _build_step(w, run, 10, 2, seed=11, save_id="000000000000000a-j302.r0.bad")
@@ -620,6 +621,7 @@ def test_a_buddy_copy_that_fails_its_check_never_goes_up_nor_stops_the_nodes_own
         _copy_part(step10, 0, w.base / "n1" / "nvme" / "job-302", user, with_commit=True)
         n1.up.on_job_end({"job_id": 302}, ROOT)
         n1.up.run_pass()
+        n1.up.run_pass()  # the bad copy is not read (nor counted) again
         got = _in_s3(w, run, 10)
         assert "rank-00000/MANIFEST.json" in got and COMMIT not in got, got
         assert "rank-00001/MANIFEST.json" not in got and "rank-00001/data.distcp" not in got
