@@ -327,7 +327,9 @@ def _start_slurmctld(layout: Layout, env: dict[str, str]) -> None:
     ctl = adapter(L, timeout=5)
     deadline = time.monotonic() + 15
     while not _ping(ctl):
-        if L.pid_file("slurmctld").exists() and slurmctld(L).pid() is None:
+        # exited(), not pid(): slurmctld creates its pid file before writing the pid, and
+        # an empty pid file is a slurmctld still starting, not one that exited.
+        if daemons.exited(slurmctld(L)):
             raise failed("slurmctld", "exited while starting", logs)
         if time.monotonic() > deadline:
             raise failed("slurmctld", "did not answer within 15s", logs)
