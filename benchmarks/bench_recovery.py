@@ -18,8 +18,10 @@ would. The spare path (``launch --spares 1``, ``--no-kill``) resumes on the surv
 the spare from that step, the lost node's part from its buddy, with S3 still down; the
 requeue path (``launch --spares 0``, S3 up) is requeued away from the lost node. Reported:
 fault (the kill) to the first step after the restore, and for the spare path its parts:
-detection (the kill to the step's end, as the survivor's collective fails), the wait for
-Slurm to mark the node (to the relaunch order), teardown, srun, start-up and restore.
+detection (the kill to the step's end, as the survivor's collective fails), the node
+found lost (to the relaunch order: its slurmd and agent unreachable for
+``heartbeat.node_unreachable_s``, or Slurm marking it), teardown, srun, start-up and
+restore.
 
 Goal (issue 23): the spare path at most half the requeue path's time. Run as root (the
 sandbox needs it) with a test user that exists (the sandbox tests create srtest1)::
@@ -150,7 +152,7 @@ def node_loss(box: Sandbox, user: str, spare: bool, n: int) -> dict[str, float]:
         ended = _stamp(r"step of relaunch 0 ended at=([\d.]+)", out)
         if step_end is not None:
             parts["step fails"] = step_end - killed_at
-            parts["Slurm marks"] = ordered - step_end
+            parts["node found lost"] = ordered - step_end
         else:
             parts["to order"] = ordered - killed_at
         parts["teardown"] = max(0.0, ended - ordered)

@@ -116,6 +116,13 @@ class CheckpointSection:
         help="how long stage-in retries transient S3 errors (5xx, throttling, timeouts, "
              "refused connections) before it fails with the cause",
     )
+    requeue_announce_wait_s: float = setting(
+        30.0, min=0, max=3600,
+        help="when this node's agent requeues a job away from a lost node, how long it keeps "
+             "the job held while this node announces its newest committed step of the job "
+             "in S3 (after an S3 outage uploads back off), so the requeued run waits for "
+             "that step instead of resuming from an older one; 0: release at once",
+    )
     stagein_intent_wait_s: float = setting(
         600.0, min=0, max=86400,
         help="how long stage-in waits for a step whose intent record is in S3 but whose "

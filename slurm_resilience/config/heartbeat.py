@@ -197,6 +197,13 @@ class HeartbeatSection:
              "SlurmdTimeout (twice this margin: pings) the batch host's agent waits for "
              "Slurm to mark a lost node before the launcher ends with the step's status",
     )
+    node_unreachable_s: float = setting(
+        5.0, min=0, max=3600,
+        help="when a launcher's step fails, a step node whose slurmd and agent both refuse or "
+             "time out a TCP connection from the batch host's agent for this long is taken "
+             "as lost at once (relaunched without, never drained), instead of waiting for "
+             "Slurm to mark it after SlurmdTimeout; 0: wait for Slurm only",
+    )
     max_handled: int = setting(
         4096, min=16, max=1000000,
         help="incidents remembered on disk (newest kept), so a restarted agent never acts twice",

@@ -44,6 +44,12 @@ class JobVerdict:
     def hung(self) -> tuple[RankState, ...]:
         return tuple(r for r in self.ranks if r.state == "hung")
 
+    @property
+    def ranks_died(self) -> bool:
+        """Every rank here has ended, and at least one died (not a clean finish)."""
+        return any(r.state == "dead" for r in self.ranks) and \
+            all(r.state in ("dead", "done") for r in self.ranks)
+
 
 def _clamp(value: float, lo: float, hi: float) -> float:
     return min(max(value, lo), hi)

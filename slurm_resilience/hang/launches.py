@@ -40,10 +40,14 @@ class Order:
     joined: tuple[str, ...]
     out: tuple[str, ...]
     reason: str
+    # Of ``out``, the nodes that are gone (down, or unreachable): their tasks never report,
+    # so srun would wait for them until Slurm marks them; the launcher doesn't.
+    gone: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {"relaunch": self.relaunch, "nodes": list(self.nodes),
-                "joined": list(self.joined), "out": list(self.out), "reason": self.reason}
+                "joined": list(self.joined), "out": list(self.out), "reason": self.reason,
+                "gone": list(self.gone)}
 
 
 @dataclass(frozen=True)

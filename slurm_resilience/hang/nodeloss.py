@@ -1,10 +1,12 @@
 """Pure: a launcher's step ended non-zero with no order; was one of its nodes lost, and
 what then.
 
-Evidence comes from Slurm only (one ``scontrol show node`` of the step's nodes and spares):
-a step node is out when Slurm shows it DOWN, NOT_RESPONDING or FAIL, or drained by us (our
-reason prefix: e.g. the health gate drained it for an Xid while the step ran). A node that
-failed on its own is never drained here. With a node out and enough usable spares (listed in
+Evidence comes from Slurm (one ``scontrol show node`` of the step's nodes and spares) and
+from the batch host's own probes (:mod:`nodereach`): a step node is out when Slurm shows it
+DOWN, NOT_RESPONDING or FAIL, or drained by us (our reason prefix: e.g. the health gate
+drained it for an Xid while the step ran), or when neither its slurmd nor its agent has
+taken a TCP connection for ``heartbeat.node_unreachable_s``. A node that failed on its own
+is never drained here. With a node out and enough usable spares (listed in
 the job's allocation, not drained, down or failing, ``--max-restarts`` not spent) the step is
 relaunched inside the allocation with a spare in the lost node's place; otherwise the job is
 requeued away from the lost nodes (the node-fault requeue). Slurm marks a dead node only
@@ -57,6 +59,12 @@ def slurmd_timeout(config: Mapping[str, str]) -> float | None:
     return float(value[0]) if value and value[0].isdigit() else None
 
 
+def slurmd_port(config: Mapping[str, str]) -> int | None:
+    """SlurmdPort from ``scontrol show config``, None when unreadable."""
+    value = config.get("SlurmdPort", "").strip()
+    return int(value) if value.isdigit() else None
+
+
 def _shown(info: NodeInfo) -> str:
     return "+".join([info.state, *sorted(info.flags)])
 
@@ -75,10 +83,16 @@ def why_out(info: NodeInfo | None, ours: Callable[[str], bool]) -> str:
 
 
 def decide(launch: Launch, infos: Mapping[str, NodeInfo], *, job_nodes: Sequence[str],
-           ours: Callable[[str], bool], waited_s: float, bound_s: float) -> NodeLoss:
+           ours: Callable[[str], bool], waited_s: float, bound_s: float,
+           unreachable: Mapping[str, str] | None = None) -> NodeLoss:
     """The answer for ``launch``'s step that ended non-zero ``waited_s`` ago; ``infos``: its
-    nodes and spares as Slurm shows them now (missing: unknown to Slurm)."""
-    out = {n: why for n in launch.nodes if (why := why_out(infos.get(n), ours))}
+    nodes and spares as Slurm shows them now (missing: unknown to Slurm); ``unreachable``:
+    step nodes the probes found lost, with what they saw."""
+    probed = unreachable or {}
+    out = {n: why for n in launch.nodes
+           if (why := why_out(infos.get(n), ours) or probed.get(n, ""))}
+    # Drained by us but up: its tasks end when told. Down or unreachable: they never report.
+    gone = tuple(n for n, why in out.items() if not why.startswith("drained ("))
     job = launch.job_id
     if not out:
         if waited_s < bound_s:
@@ -115,7 +129,7 @@ def decide(launch: Launch, infos: Mapping[str, NodeInfo], *, job_nodes: Sequence
     reason = (f"node fault in job {job} ({lost}): relaunch {gen} of {launch.max_restarts} "
               f"inside the allocation on {','.join(nodes)} "
               f"({', '.join(f'{s} for {n}' for n, s in replaced.items())}){notes}")
-    order = Order(gen, nodes, tuple(replaced.values()), tuple(out), reason)
+    order = Order(gen, nodes, tuple(replaced.values()), tuple(out), reason, gone)
     return NodeLoss(Verdict.RELAUNCH, reason, out, order)
 
 

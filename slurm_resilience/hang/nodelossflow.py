@@ -8,8 +8,9 @@ put it.
 
 from __future__ import annotations
 
+import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from slurm_resilience import events
 from slurm_resilience.agent.service import Peer, Request, RequestError, Response, int_arg
@@ -17,13 +18,21 @@ from slurm_resilience.clock import Clock
 from slurm_resilience.config import Config
 from slurm_resilience.hang import nodeloss as NL
 from slurm_resilience.hang.launches import Launches
+from slurm_resilience.hang.nodereach import (
+    DEFAULT_SLURMD_PORT,
+    Reach,
+    Target,
+    UnreachableSince,
+    probe_nodes,
+)
 from slurm_resilience.health import faultrequeue as FR
 from slurm_resilience.log import get_logger
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import SlurmError
-from slurm_resilience.slurm.parse import JobInfo
+from slurm_resilience.slurm.parse import JobInfo, NodeInfo
 
 log = get_logger("heartbeat")
+MAX_TRACKED_STEPS = 64  # failed steps whose probes are kept (each decided in minutes)
 
 
 def status_arg(request: Request) -> int:
@@ -39,25 +48,108 @@ class NodeLossDesk:
     relaunch, so a repeated question is answered the same and acted on once)."""
 
     def __init__(self, cfg: Callable[[], Config], launches: Launches, adapter: SlurmAdapter,
-                 clock: Clock):
+                 clock: Clock, node: str = "",
+                 probe: Callable[[Sequence[Target]], Mapping[str, Reach]] = probe_nodes):
         self.cfg = cfg
         self.launches = launches
         self.adapter = adapter
         self.clock = clock
+        self.node = node  # this agent's node: never probed
+        self.probe = probe
+        # Set by the checkpoint service: its newest step of the job announced in S3 before
+        # a requeue releases the job (uploader/announce.py).
+        self.before_requeue: Callable[[int], object] | None = None
         self.lock = threading.Lock()
         self._slurmd_timeout: float | None = None
+        self._slurmd_port = DEFAULT_SLURMD_PORT
+        # (job, relaunch) → its step nodes' unreachable times; the newest few failed steps.
+        self.unreachable: collections.OrderedDict[tuple[int, int], UnreachableSince] = \
+            collections.OrderedDict()
+        self.addresses: collections.OrderedDict[tuple[int, int], dict[str, NodeInfo]] = \
+            collections.OrderedDict()
 
     def slurmd_timeout(self) -> float:
         """Slurm's SlurmdTimeout, read once (Slurm's default when unreadable, said)."""
         if self._slurmd_timeout is None:
             try:
-                found = NL.slurmd_timeout(self.adapter.show_config())
+                config = self.adapter.show_config()
+                found = NL.slurmd_timeout(config)
             except SlurmError as exc:
                 log.warning("launch: couldn't read SlurmdTimeout; using Slurm's default",
                             default_s=NL.DEFAULT_SLURMD_TIMEOUT_S, error=str(exc))
                 return NL.DEFAULT_SLURMD_TIMEOUT_S  # read again next time
             self._slurmd_timeout = found if found is not None else NL.DEFAULT_SLURMD_TIMEOUT_S
+            self._slurmd_port = NL.slurmd_port(config) or DEFAULT_SLURMD_PORT
         return self._slurmd_timeout
+
+    def _unreachable(self, job_id: int, relaunch: int, nodes: Sequence[str],
+                     infos: Mapping[str, NodeInfo]) -> dict[str, str]:
+        """The step nodes found lost by this agent's probes (node → what they saw): neither
+        slurmd nor agent has taken a connection for ``heartbeat.node_unreachable_s``."""
+        hb = self.cfg().heartbeat
+        after_s = hb.node_unreachable_s
+        if after_s <= 0:
+            return {}
+        targets = []
+        for n in nodes:
+            info = infos.get(n)
+            if n == self.node or info is None:
+                continue
+            host = info.address or info.hostname or n
+            agent_host = hb.exchange.addresses.get(n, host)
+            targets.append(Target(n, (host, info.port or self._slurmd_port),
+                                  (agent_host, hb.exchange.port_of(n))))
+        key = (job_id, relaunch)
+        since = self.unreachable.get(key)
+        if since is None:
+            since = self.unreachable[key] = UnreachableSince()
+            while len(self.unreachable) > MAX_TRACKED_STEPS:
+                self.unreachable.popitem(last=False)
+        probes = self.probe(targets)
+        now = self.clock.monotonic()
+        since.update(probes, now)
+        by_node = {t.node: t for t in targets}
+        return {n: f"unreachable for {held:.0f}s ({probes[n].describe(by_node[n])})"
+                for n, held in since.lost(now, after_s).items() if n in probes}
+
+    def ranks_died(self, job_id: int) -> None:
+        """The job's ranks on this node died while its step still runs. srun waits for a
+        lost node's tasks until Slurm marks the node (SlurmdTimeout), so the launcher would
+        not ask before then: probe the step's nodes now, and when one has been unreachable
+        for ``heartbeat.node_unreachable_s`` decide as for a step that ended (the answer is
+        kept: the launcher polls the order, or later asks ``step_ended`` and gets it)."""
+        if self.cfg().heartbeat.node_unreachable_s <= 0:
+            return
+        with self.lock:
+            launch = self.launches.live(job_id)
+            if launch is None or launch.order is not None or launch.settled is not None:
+                return
+            relaunch = launch.relaunch
+            infos = self.addresses.get((job_id, relaunch))
+            try:
+                if infos is None:  # where each node listens; asked once per step
+                    infos = self.addresses[(job_id, relaunch)] = \
+                        self.adapter.show_nodes([*launch.nodes, *launch.spares])
+                    while len(self.addresses) > MAX_TRACKED_STEPS:
+                        self.addresses.popitem(last=False)
+                unreachable = self._unreachable(job_id, relaunch, launch.nodes, infos)
+                if not unreachable:
+                    return
+                infos = self.adapter.show_nodes([*launch.nodes, *launch.spares])
+                job = self.adapter.show_job(job_id)
+            except SlurmError as exc:
+                log.warning("launch: ranks died; couldn't read Slurm (asked again at the next "
+                            "poll)", job_id=job_id, error=str(exc))
+                return
+            loss = NL.decide(launch, infos, job_nodes=job.nodes, ours=self.adapter.ours,
+                             waited_s=0.0, bound_s=float("inf"), unreachable=unreachable)
+            if loss.verdict is NL.Verdict.WAIT:
+                return
+            log.warning("launch: the job's ranks here died and a step node is unreachable; "
+                        "deciding before Slurm marks it", job_id=job_id,
+                        lost=",".join(loss.out))
+            self.launches.settle(job_id, relaunch, NL.answer(self._act(loss, job, 1)))
+            self.unreachable.pop((job_id, relaunch), None)
 
     def step_ended(self, request: Request, peer: Peer) -> Response:
         job_id, relaunch = int_arg(request, "job_id"), int_arg(request, "relaunch")
@@ -79,12 +171,14 @@ class NodeLossDesk:
                                    wait_s=1.0)
                 return NL.answer(loss)
             waited = self.clock.monotonic() - launch.ended_at
+            unreachable = self._unreachable(job_id, relaunch, launch.nodes, infos)
             loss = NL.decide(launch, infos, job_nodes=job.nodes, ours=self.adapter.ours,
-                             waited_s=waited, bound_s=bound)
+                             waited_s=waited, bound_s=bound, unreachable=unreachable)
             if loss.verdict is NL.Verdict.WAIT:
                 return NL.answer(loss)
             answer = NL.answer(self._act(loss, job, status))
             self.launches.settle(job_id, relaunch, answer)
+            self.unreachable.pop((job_id, relaunch), None)
             return answer
 
     def _act(self, loss: NL.NodeLoss, job: JobInfo, status: int) -> NL.NodeLoss:
@@ -112,7 +206,8 @@ class NodeLossDesk:
                         reason=reason)
             return NL.NodeLoss(NL.Verdict.EXIT, reason, loss.out)
         done, what = FR.requeue_away(self.adapter, job, d.ledger, list(loss.out),
-                                     f"node fault on {lost}: {loss.reason}")
+                                     f"node fault on {lost}: {loss.reason}",
+                                     before_release=self.before_requeue)
         events.count(self.adapter.events_path, events.NODE_LOSS, "requeue")
         log.warning("launch: node lost: job requeued" if done else
                     "launch: node lost: requeue incomplete", job_id=job.job_id, lost=lost,

@@ -13,7 +13,7 @@ whose first node Slurm shows DOWN.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from slurm_resilience import events
 from slurm_resilience.config import Config
@@ -59,8 +59,10 @@ def orphaned(job: JobInfo, host: NodeInfo | None, node: str) -> str:
             + (f": {host.reason}" if host.reason else "") + "): its script was lost with it")
 
 
-def check(cfg: Config, adapter: SlurmAdapter, node: str, views: Sequence[JobView]) -> list[str]:
-    """Requeue the jobs on this node that lost their batch host; what was done."""
+def check(cfg: Config, adapter: SlurmAdapter, node: str, views: Sequence[JobView],
+          before_release: Callable[[int], object] | None = None) -> list[str]:
+    """Requeue the jobs on this node that lost their batch host; what was done.
+    ``before_release(job_id)`` runs while a requeued job is still held."""
     quiet = quiet_jobs(views, node)
     if not quiet:
         return []
@@ -78,12 +80,13 @@ def check(cfg: Config, adapter: SlurmAdapter, node: str, views: Sequence[JobView
             job = adapter.show_job(job_id)
         except (JobNotFound, SlurmError):
             continue  # gone, or Slurm busy: the next check looks again
-        done += _act(cfg, adapter, node, job, hosts.get(job.batch_host, info))
+        done += _act(cfg, adapter, node, job, hosts.get(job.batch_host, info),
+                     before_release)
     return done
 
 
 def _act(cfg: Config, adapter: SlurmAdapter, node: str, job: JobInfo,
-         host: NodeInfo) -> list[str]:
+         host: NodeInfo, before_release: Callable[[int], object] | None = None) -> list[str]:
     why = orphaned(job, host, node)
     if not why:
         return []
@@ -95,7 +98,8 @@ def _act(cfg: Config, adapter: SlurmAdapter, node: str, job: JobInfo,
                       "by itself)", job_id=job.job_id)
         return [f"{why}; {d.reason}"]
     ok, what = FR.requeue_away(adapter, job, d.ledger, [job.batch_host],
-                               f"node fault on {job.batch_host}: the batch host was lost")
+                               f"node fault on {job.batch_host}: the batch host was lost",
+                               before_release=before_release)
     events.count(adapter.events_path, events.NODE_LOSS, "requeue")
     log.warning(f"heartbeat: {why}: requeued" if ok else f"heartbeat: {why}: {what}",
                 job_id=job.job_id, done=what)

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from slurm_resilience.agent.service import AgentContext, Handler, Peer, Request, Response
+from slurm_resilience.agent.service import (
+    AgentContext,
+    Handler,
+    Peer,
+    Request,
+    Response,
+    int_arg,
+)
 from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hang import detect, evidence, jobrecord, orphans, socketapi
@@ -92,7 +99,8 @@ class HangWatcher:
         self.runner = IncidentRunner(lambda: self.cfg, node, adapter, self.rdv, self.store,
                                      self.clock, sleep or self.stopping.wait, self.incident_dir,
                                      self.stopping.is_set, self.launches)
-        self.node_loss = NodeLossDesk(lambda: self.cfg, self.launches, adapter, self.clock)
+        self.node_loss = NodeLossDesk(lambda: self.cfg, self.launches, adapter, self.clock,
+                                      node)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
         self.next_cleanup = 0.0
         self.next_orphan_check = 0.0
@@ -204,7 +212,8 @@ class HangWatcher:
         if not orphans.quiet_jobs(views, self.node):
             return
         self.orphan_thread = threading.Thread(
-            target=self._safely, args=(orphans.check, self.cfg, self.adapter, self.node, views),
+            target=self._safely, args=(orphans.check, self.cfg, self.adapter, self.node, views,
+                                       self.node_loss.before_requeue),
             name="hang-orphans", daemon=True)
         self.orphan_thread.start()
 
@@ -332,8 +341,18 @@ class HangWatcher:
                                       view.record.uid if view is not None else None)
 
     def handle_launch_poll(self, request: Request, peer: Peer) -> Response:
-        """The relaunch order for the caller's job, if an incident decided one."""
-        return self.launches.poll(request, peer)
+        """The relaunch order for the caller's job, if an incident decided one, or a node
+        loss found while the step still runs: when the job's ranks here have all ended and
+        one died, the step's nodes are probed (see NodeLossDesk.ranks_died)."""
+        answer = self.launches.poll(request, peer)
+        if answer.get("order") is None:
+            job_id = int_arg(request, "job_id")
+            with self.lock:
+                view = self.jobs.get(job_id)
+            if view is not None and view.verdict.ranks_died:
+                self.node_loss.ranks_died(job_id)
+                answer = self.launches.poll(request, peer)
+        return answer
 
     def handle_launch_step_ended(self, request: Request, peer: Peer) -> Response:
         """The caller's launcher's step ended non-zero without an order: was a node of it

@@ -157,11 +157,13 @@ def _retried(what: str, job_id: int, call: Callable[[], object], clock: Clock) -
 
 
 def requeue_away(adapter: SlurmAdapter, job: JobInfo, ledger: FaultLedger,
-                 nodes: Sequence[str], text: str, clock: Clock | None = None
+                 nodes: Sequence[str], text: str, clock: Clock | None = None,
+                 before_release: Callable[[int], object] | None = None
                  ) -> tuple[bool, str]:
     """Requeue ``job`` held, record ``ledger`` and ``text`` in its AdminComment, add
     ``nodes`` to its excluded list, release it: (whether it is back in the queue, released,
-    and what happened). Held first so that it can't start on those nodes in between."""
+    and what happened). Held first so that it can't start on those nodes in between, nor
+    before ``before_release(job_id)`` (bounded by its own wait) has returned."""
     clock = clock or SystemClock()
     try:
         adapter.requeue_hold(job.job_id, cause=CAUSE, released=True)
@@ -178,6 +180,8 @@ def requeue_away(adapter: SlurmAdapter, job: JobInfo, ledger: FaultLedger,
         # the node again: it stays held for an operator, and says why.
         return False, ("the job is requeued but held: couldn't record the requeue or "
                        f"exclude {','.join(nodes)} (release it with scontrol release): {exc}")
+    if before_release is not None:
+        before_release(job.job_id)
     try:
         _retried("release the job", job.job_id, lambda: adapter.release(job.job_id), clock)
     except SlurmError as exc:

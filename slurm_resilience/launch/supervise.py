@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,6 +50,7 @@ class Settings:
     max_restarts: int
     poll_s: float = 1.0
     end_timeout_s: float = 60.0  # from the order to the old step gone
+    gone_grace_s: float = 3.0  # the same when a node of the step is gone (see _end)
 
 
 # A launcher past the wait the agent announced ends anyway (an agent that keeps saying wait).
@@ -107,15 +109,19 @@ class Launcher:
             self._register()
             step = self.start(argv, P.step_env(self.env, self.alloc, self.place))
             order = self._supervise(step)
-            if order is None:
+            if order is not None:
+                _say_gone(order)
+            else:
                 code = step.wait()
                 order = self._poll()  # a decision that raced the step's end
-                if order is None and code != 0:
+                if order is not None:
+                    _say_gone(order)
+                elif code != 0:
                     order = self._node_lost(code)
                 if order is None:
                     return code
             say(f"order for relaunch {order.get('relaunch')} at={self.clock.time():.3f}")
-            self._end(step)
+            self._end(step, gone=bool(order.get("gone")))
             say(f"step of relaunch {self.place.relaunch} ended at={self.clock.time():.3f}")
             self._follow(order)
 
@@ -176,23 +182,39 @@ class Launcher:
             say(reason or f"the node agent answered {verdict!r}: ending with srun's status")
             return None
 
-    def _end(self, step: Step) -> None:
+    def _end(self, step: Step, gone: bool = False) -> None:
         """End the old step: its tasks are killed through Slurm, then srun is waited for,
-        up to ``end_timeout_s`` (then srun itself is killed)."""
+        up to ``end_timeout_s`` (then srun itself is killed). With a node of it ``gone``
+        (down or unreachable) srun would wait for that node's tasks until Slurm marks it:
+        it gets ``gone_grace_s`` (the relaunch overlaps what is left of the step)."""
         if step.poll() is not None:
             return
+        if gone:
+            # slurmctld may hold the signal's answer until it gives up on the gone node
+            # (over 10 s): the survivors' tasks are signalled on a thread of their own.
+            threading.Thread(target=self._signal, args=(step, self.place.relaunch),
+                             name="end-step", daemon=True).start()
+        else:
+            self._signal(step, self.place.relaunch)
+        wait_s = self.settings.gone_grace_s if gone else self.settings.end_timeout_s
         try:
-            self.end_step(self.place.relaunch)
-        except Exception as exc:  # noqa: BLE001 - killing srun below still ends it
-            say(f"WARNING: couldn't signal the step through Slurm ({exc}); killing srun")
-            step.kill()
-        try:
-            step.wait(timeout=self.settings.end_timeout_s)
+            step.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            say(f"WARNING: the step did not end within {self.settings.end_timeout_s:g}s; "
-                "killing srun")
+            if gone:
+                say(f"the step still waits for its lost node's tasks after {wait_s:g}s; "
+                    "killing srun")
+            else:
+                say(f"WARNING: the step did not end within {wait_s:g}s; killing srun")
             step.kill()
             step.wait()
+
+    def _signal(self, step: Step, relaunch: int) -> None:
+        """Kill the step's tasks through Slurm (srun itself, when Slurm can't be asked)."""
+        try:
+            self.end_step(relaunch)
+        except Exception as exc:  # noqa: BLE001 - killing srun still ends it
+            say(f"WARNING: couldn't signal the step through Slurm ({exc}); killing srun")
+            step.kill()
 
     def _follow(self, order: Mapping[str, object]) -> None:
         relaunch, nodes = order.get("relaunch"), order.get("nodes")
@@ -201,3 +223,11 @@ class Launcher:
             raise P.PlanError(f"the node agent's order is not the next relaunch: {order}")
         self.place = P.after(self.place, relaunch, [str(n) for n in nodes])
         say(f"incident: {order.get('reason', '')}")
+
+
+def _say_gone(order: Mapping[str, object]) -> None:
+    """The line of a node found lost while srun still waited for its tasks."""
+    gone, nodes = order.get("gone"), order.get("nodes")
+    if isinstance(gone, list) and gone:
+        say(f"node {','.join(str(n) for n in gone)} lost: relaunch {order.get('relaunch')} on "
+            f"{' '.join(str(n) for n in nodes) if isinstance(nodes, list) else '?'}")

@@ -83,6 +83,7 @@ class NodeInfo:
     alloc_cpus: int = 0
     address: str = ""
     hostname: str = ""
+    port: int = 0  # its slurmd's port (``Port=``); 0 when Slurm doesn't show one
     # Operators' free text; hang handling keeps its record of recent take-outs in it.
     comment: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -132,6 +133,7 @@ def parse_node(line: str) -> NodeInfo:
         alloc_cpus=int(f.get("CPUAlloc", "0") or 0),
         address=_none(f.get("NodeAddr", "")),
         hostname=_none(f.get("NodeHostName", "")),
+        port=int(f["Port"]) if f.get("Port", "").isdigit() else 0,
         comment=_none(f.get("Comment", "")),
         raw=f,
     )

@@ -190,6 +190,7 @@ def node_from_json(n: Mapping[str, Any]) -> NodeInfo:
         alloc_cpus=_number(n.get("alloc_cpus")),
         address=_text(n.get("address")),
         hostname=_text(n.get("hostname")),
+        port=_number(n.get("port")),
         comment=_text(n.get("comment")),
         raw=n,
     )

@@ -59,6 +59,7 @@ from slurm_resilience.safefs import RemovalBudget
 from slurm_resilience.uploader import upload_protocol as protocol
 from slurm_resilience.uploader import upload_requests as requests
 from slurm_resilience.uploader import upload_retention as retention
+from slurm_resilience.uploader.announce import announce_now
 from slurm_resilience.uploader.journal import (
     DONE_STATES,
     JobRecord,
@@ -406,6 +407,11 @@ class Uploader:
         return RemovalBudget(max_entries=self.ck.remove_max_entries,
                              max_seconds=self.ck.remove_max_s)
 
+    def announce_before_requeue(self, job_id: int) -> str:
+        """This node's newest committed step of the job announced in S3, bounded
+        (announce.py); '' when it is, else why not (also logged)."""
+        return announce_now(self, job_id, self.ck.requeue_announce_wait_s)
+
     def forget(self, rec: JobRecord) -> None:
         job_id = int(rec["job_id"])
         self.fetcher.forget(job_id)
@@ -446,4 +452,8 @@ def factory(ctx: AgentContext) -> Uploader | None:
     """The agent's service factory: None when checkpoint staging is disabled."""
     if not ctx.cfg.checkpoint.enabled:
         return None
-    return Uploader(ctx.cfg, ctx.node)
+    up = Uploader(ctx.cfg, ctx.node)
+    watcher = ctx.extra.get("services", {}).get("heartbeat")
+    if watcher is not None:  # a job requeued away from a lost node: our newest step first
+        watcher.node_loss.before_requeue = up.announce_before_requeue
+    return up

@@ -52,8 +52,10 @@ from slurm_resilience.checkpoint.quota import Quota
 from slurm_resilience.checkpoint.staging import create_job_dir
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.sandbox.s3faults import S3FaultProxy
+from slurm_resilience.uploader.announce import announce_now
 from slurm_resilience.uploader.buddy_service import BuddyService
 from slurm_resilience.uploader.buddy_store import JobFacts, Offer
+from slurm_resilience.uploader.records import BackOff
 from slurm_resilience.uploader.s3 import S3
 from slurm_resilience.uploader.service import Uploader, s3_settings
 
@@ -628,3 +630,44 @@ def test_a_buddy_copy_that_fails_its_check_never_goes_up_nor_stops_the_nodes_own
         assert n1.up.current(302)["steps"]["10"]["state"] == "waiting-peers"
         counters = events.read(str(w.base / "n1-events.json"))["counters"]
         assert counters.get(f"{events.BUDDY}|failed") == 1, counters
+
+
+def test_a_step_committed_during_an_s3_outage_is_announced_before_a_requeue_releases_the_job(
+        world: World) -> None:
+    """After an S3 outage the uploader backs off, so a step committed while S3 was down has
+    no intent record in S3 for a while: a requeued run listing S3 then would resume from an
+    older step. Before the agent releases a job it requeued away from a lost node, the
+    uploader tries the job at once and announces that step (uploader/announce.py); with S3
+    still down it says which step is left unannounced, after a bounded wait."""
+    w = world
+    run = "root/announce"
+    with _nodes(w, ["n1"]) as (n1,):
+        create_job_dir(f"{w.base}/n1/nvme", 801, 0, 0)
+        n1.up.on_job_start({"job_id": 801, "uid": 0, "gid": 0, "user": "root"}, ROOT)
+        n1.up.on_register({"job_id": 801, "uri": f"s3://ckpt/{run}"}, ROOT)
+        _wait_stagein(n1, 801)
+        job_dir = w.base / "n1" / "nvme" / "job-801"
+
+        def commit_locally(step: int) -> None:  # rank 0 of 2: the other node's part never comes
+            tmp = begin_part(job_dir, step, 0)
+            (tmp / "data.distcp").write_bytes(os.urandom(1000))
+            commit_part(tmp, step, 0)
+            write_commit_marker(job_dir, step, 2)
+
+        intent = w.s3_dir / "ckpt" / run / "step-00000003" / "INTENT-n1.json"
+        w.proxy.refuse()
+        commit_locally(3)
+        n1.up.run_pass()  # S3 down: the step is pending here, announced nowhere
+        w.proxy.accept()
+        n1.up.tell(BackOff(801, 600.0))  # the job's uploads back off after the outage
+        n1.up.run_pass()
+        assert not intent.exists()  # the window a requeued run's stage-in could fall into
+        assert announce_now(n1.up, 801, wait_s=60) == ""
+        assert json.loads(intent.read_text())["job_id"] == 801
+
+        w.proxy.refuse()
+        commit_locally(4)
+        why = announce_now(n1.up, 801, wait_s=1)
+    assert why.startswith("step 4, committed on n1, is not announced in S3 after 1s "
+                          "(checkpoint.requeue_announce_wait_s; S3 unreachable?)"), why
+    assert not (w.s3_dir / "ckpt" / run / "step-00000004").exists()

@@ -1,7 +1,9 @@
 """A node lost under ``slurm-resilience launch`` (Slurm 22.05 here): every process of one
 step node is SIGKILLed (its slurmd, slurmstepds, tasks and agent), as a power cut would.
-Slurm notices by missed pings (SlurmdTimeout 30 s in the sandbox), srun ends with a node
-failure, and the batch host's agent relaunches the step on the survivor plus the spare
+The step fails as the survivor's collective does; the batch host's agent finds the node's
+slurmd and agent gone for ``heartbeat.node_unreachable_s`` (5 s), well before Slurm's
+missed pings (SlurmdTimeout 30 s in the sandbox) mark it, and relaunches the step on the
+survivor plus the spare
 inside the allocation (``sbatch --no-kill``), or, without a spare, requeues the job away
 from the lost node; the survivor then uploads the lost node's part of the newest step from
 its buddy copy, so the requeued run finds that step whole in S3. Each test runs in a
@@ -93,10 +95,11 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_and_its_buddy_uploads
     assert survivor not in final.nodes, final
     # The launcher may be ended by the requeue before it prints the agent's answer.
     assert f"node fault on {lost}: " in final.admin_comment, final.admin_comment
+    assert f"{lost} unreachable for " in final.admin_comment, final.admin_comment
     assert "no usable spare" in final.admin_comment, final.admin_comment
     assert re.search(r"done step=100 resumed_from=50 restarts=1 ", out), out
     assert "[sr-fault n=1 " in final.admin_comment, final.admin_comment
-    assert box.adapter().show_node(lost).down
+    wait_for(lambda: box.adapter().show_node(lost).down, 120, f"Slurm marks {lost} down")
     assert counted(box, events.NODE_LOSS, "requeue") == 1
     # Step 50 reached S3 whole through the survivor's hand-off, said and counted there.
     assert 50 in committed_in_s3(box, user, work)
@@ -104,6 +107,12 @@ def test_without_a_spare_a_lost_node_requeues_the_job_away_and_its_buddy_uploads
     said = [json.loads(ln) for ln in (box.layout.log_dir / "slurm-resilience.jsonl").read_text(
         errors="replace").splitlines() if "buddy: uploaded a node's part" in ln]
     assert [(e.get("node"), e["source"], e["step"]) for e in said] == [(survivor, lost, 50)], said
+    # The job was released only once the survivor had announced step 50 in S3 (after the
+    # outage its uploads backed off): the requeued run's stage-in waited for that step.
+    announced = [json.loads(ln) for ln in (box.layout.log_dir / "slurm-resilience.jsonl")
+                 .read_text(errors="replace").splitlines()
+                 if "announced in S3 before the job's requeue" in ln]
+    assert [(e.get("node"), e["step"]) for e in announced] == [(survivor, 50)], announced
 
 
 def test_a_lost_batch_host_requeues_the_job_from_its_first_survivor(

@@ -6,6 +6,7 @@ once, the node-fault requeue away from the lost node) and the launcher's loop ar
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +19,12 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.heartbeat import HeartbeatSection
 from slurm_resilience.hang import nodeloss as NL
 from slurm_resilience.hang import orphans
-from slurm_resilience.hang.detect import JobVerdict
+from slurm_resilience.hang.detect import JobVerdict, RankState
 from slurm_resilience.hang.jobrecord import JobRecord
 from slurm_resilience.hang.launches import Launch, Launches
 from slurm_resilience.hang.localpiece import JobView
 from slurm_resilience.hang.nodelossflow import NodeLossDesk
+from slurm_resilience.hang.nodereach import Reach, Target
 from slurm_resilience.launch import plan as P
 from slurm_resilience.launch.supervise import MAX_LOSS_WAIT_S, WAIT_GRACE_S, Launcher, Settings
 from slurm_resilience.proc import Completed
@@ -115,6 +117,20 @@ def test_with_nothing_out_the_agent_waits_up_to_the_bound_then_lets_the_step_end
 def test_slurmd_timeout_is_read_from_show_config() -> None:
     assert NL.slurmd_timeout({"SlurmdTimeout": "30 sec"}) == 30
     assert NL.slurmd_timeout({}) is None
+    assert NL.slurmd_port({"SlurmdPort": "6818"}) == 6818
+    assert NL.slurmd_port({}) is None
+
+
+def test_a_node_the_probes_found_lost_is_out_as_one_slurm_shows_down() -> None:
+    loss = NL.decide(launch(), HEALTHY, job_nodes=("n1", "n2", "n3"), ours=ours, waited_s=6,
+                     bound_s=60, unreachable={"n2": "unreachable for 6s (...)"})
+    assert loss.verdict is NL.Verdict.RELAUNCH and loss.out == {"n2": "unreachable for 6s (...)"}
+    assert loss.order is not None and loss.order.nodes == ("n1", "n3")
+    # Slurm's own view comes first when it has one.
+    down = {**HEALTHY, "n2": node("n2", "DOWN", "NOT_RESPONDING")}
+    loss = NL.decide(launch(), down, job_nodes=("n1", "n2", "n3"), ours=ours, waited_s=6,
+                     bound_s=60, unreachable={"n2": "unreachable for 6s (...)"})
+    assert loss.out == {"n2": "down+not_responding"}
 
 
 # -- the agent's answer ------------------------------------------------------------------------
@@ -147,8 +163,28 @@ class SlurmState:
         return Completed(tuple(argv), 0, out, "", 0.0)
 
 
-def desk(tmp_path: Path, states: Mapping[str, str], **register: object
-         ) -> tuple[NodeLossDesk, SlurmState, FakeClock]:
+class Probes:
+    """The batch host's probes of the step nodes, as a test sets them: each node's slurmd and
+    agent answer unless listed in ``down`` (what a connect to either then said)."""
+
+    def __init__(self) -> None:
+        self.down: dict[str, str] = {}
+        self.asked: list[list[str]] = []
+
+    def __call__(self, targets: Sequence[Target]) -> dict[str, Reach]:
+        self.asked.append([t.node for t in targets])
+        return {t.node: Reach(t.node, self.down.get(t.node, ""), self.down.get(t.node, ""))
+                for t in targets}
+
+
+def desk(tmp_path: Path, states: Mapping[str, str], unreachable_s: float = 5.0,
+         **register: object) -> tuple[NodeLossDesk, SlurmState, FakeClock]:
+    d, slurm, clock, _ = probed_desk(tmp_path, states, unreachable_s, **register)
+    return d, slurm, clock
+
+
+def probed_desk(tmp_path: Path, states: Mapping[str, str], unreachable_s: float = 5.0,
+                **register: object) -> tuple[NodeLossDesk, SlurmState, FakeClock, Probes]:
     clock = FakeClock()
     slurm = SlurmState(states)
     adapter = SlurmAdapter(runner=slurm)
@@ -156,8 +192,11 @@ def desk(tmp_path: Path, states: Mapping[str, str], **register: object
     launches = Launches(clock)
     launches.register({"job_id": 42, "relaunch": 0, "nodes": ["n1", "n2"], "spares": ["n3"],
                        "max_restarts": 3, **register}, OWNER, 1001)
-    cfg = Config(heartbeat=HeartbeatSection(node_loss_margin_s=15))
-    return NodeLossDesk(lambda: cfg, launches, adapter, clock), slurm, clock
+    cfg = Config(heartbeat=HeartbeatSection(node_loss_margin_s=15,
+                                            node_unreachable_s=unreachable_s))
+    probes = Probes()
+    return (NodeLossDesk(lambda: cfg, launches, adapter, clock, "n1", probes), slurm, clock,
+            probes)
 
 
 def counted(tmp_path: Path, decision: str) -> int:
@@ -215,6 +254,67 @@ def test_a_node_marked_while_waiting_is_relaunched(tmp_path: Path) -> None:
     clock.advance(31)
     slurm.states["n2"] = "MIXED+NOT_RESPONDING"
     assert d.step_ended(ASK, OWNER)["verdict"] == "relaunch"
+
+
+def test_a_node_neither_slurmd_nor_agent_answers_for_long_enough_is_relaunched_without(
+        tmp_path: Path) -> None:
+    """Slurm still shows n2 in service; the batch host's probes find its slurmd and agent
+    gone. It is out once it stayed unreachable through every probe for
+    ``node_unreachable_s``; an answer in between starts that over. Never drained."""
+    d, slurm, clock, probes = probed_desk(tmp_path, {"n1": "MIXED", "n2": "MIXED",
+                                                     "n3": "IDLE"})
+    probes.down["n2"] = "connection refused"
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    assert probes.asked == [["n2"]]  # its own node (n1) is never probed
+    clock.advance(3)
+    probes.down.clear()  # it answered once: the miss before counts for nothing
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    probes.down["n2"] = "connection refused"
+    clock.advance(1)
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    clock.advance(4.5)
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"  # 4.5 s unreachable: not yet
+    clock.advance(0.5)
+    answer = d.step_ended(ASK, OWNER)
+    assert answer["verdict"] == "relaunch", answer
+    assert answer["order"]["nodes"] == ["n1", "n3"]  # type: ignore[index]
+    assert "n2 unreachable for 5s (slurmd n2:6818 connection refused, agent n2:6828 " \
+        "connection refused)" in str(answer["reason"])
+    assert not [c for c in slurm.calls if "State=DRAIN" in " ".join(c)]
+    assert counted(tmp_path, "relaunch") == 1
+
+
+def test_a_node_whose_slurmd_or_agent_still_answers_is_not_out(tmp_path: Path) -> None:
+    d, _, clock, _ = probed_desk(tmp_path, {"n1": "MIXED", "n2": "MIXED", "n3": "IDLE"})
+    half = {"slurmd": Reach("n2", "connection refused", ""),
+            "agent": Reach("n2", "", "no answer in 1s")}
+    for reach in half.values():
+        d.probe = lambda targets, r=reach: {"n2": r}  # type: ignore[misc]
+        clock.advance(30)
+        assert d.step_ended(ASK, OWNER)["verdict"] == "wait", reach
+    assert not d.unreachable[(42, 0)].since
+
+
+def test_with_node_unreachable_s_0_only_slurm_is_asked(tmp_path: Path) -> None:
+    d, _, clock, probes = probed_desk(tmp_path, {"n1": "MIXED", "n2": "MIXED", "n3": "IDLE"},
+                                      unreachable_s=0)
+    probes.down["n2"] = "connection refused"
+    clock.advance(59)
+    assert d.step_ended(ASK, OWNER)["verdict"] == "wait"
+    assert probes.asked == []
+
+
+def test_a_requeued_job_is_released_only_after_the_checkpoint_service_had_its_say(
+        tmp_path: Path) -> None:
+    """The checkpoint service announces this node's newest step of the job in S3 while the
+    job is still held (uploader/announce.py): after the exclusion, before the release."""
+    d, slurm, _ = desk(tmp_path, {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING"}, spares=[])
+    d.before_requeue = lambda job_id: slurm.calls.append(["announce", str(job_id)])
+    assert d.step_ended(ASK, OWNER)["verdict"] == "requeue"
+    acts = [" ".join(c) if c[0] == "announce" else c[1] if c[1] != "update"
+            else c[3].split("=")[0] for c in slurm.calls
+            if c[0] == "announce" or c[1] in ("requeuehold", "release", "update")]
+    assert acts == ["requeuehold", "AdminComment", "ExcNodeList", "announce 42", "release"]
 
 
 def test_without_a_spare_the_job_is_requeued_away_from_the_lost_node(tmp_path: Path) -> None:
@@ -345,3 +445,75 @@ def test_a_job_that_lost_its_batch_host_is_requeued_by_its_first_survivor(
     calm = Orphaned({"n1": "MIXED+NOT_RESPONDING"})
     assert orphans.check(Config(), SlurmAdapter(runner=calm), "n2", views) == []
     assert not [c for c in calm.calls if c[1:3] == ["show", "job"]]
+
+
+# -- ranks that died while srun still waits for a lost node's tasks -----------------------------
+
+def test_ranks_that_died_while_the_step_runs_get_an_order_once_a_node_is_unreachable(
+        tmp_path: Path) -> None:
+    """srun waits for a dead node's tasks until Slurm marks the node, so the launcher would
+    not ask before SlurmdTimeout. The batch host's ranks died: its agent probes the step's
+    nodes at each poll and orders the relaunch once one stayed unreachable long enough;
+    the launcher's later step_ended gets the same answer, acted on once."""
+    d, slurm, clock, probes = probed_desk(tmp_path, {"n1": "MIXED", "n2": "MIXED",
+                                                     "n3": "IDLE"})
+    d.ranks_died(42)  # everything answers: nothing to do
+    assert d.launches.poll({"job_id": 42}, OWNER)["order"] is None
+    probes.down["n2"] = "connection refused"
+    d.ranks_died(42)
+    clock.advance(4)
+    d.ranks_died(42)
+    assert d.launches.poll({"job_id": 42}, OWNER)["order"] is None
+    clock.advance(1)
+    d.ranks_died(42)
+    order = d.launches.poll({"job_id": 42}, OWNER)["order"]
+    assert order is not None and order["nodes"] == ["n1", "n3"] and order["gone"] == ["n2"]
+    shows = [c for c in slurm.calls if c[1:3] == ["show", "node"]]
+    assert len(shows) == 2  # where the nodes listen (once), then the decision's fresh view
+    d.ranks_died(42)  # decided: never again
+    assert d.step_ended(ASK, OWNER)["order"] == order
+    assert counted(tmp_path, "relaunch") == 1
+
+
+def test_ranks_that_died_ask_nothing_with_node_unreachable_s_0(tmp_path: Path) -> None:
+    d, slurm, clock, probes = probed_desk(tmp_path, {"n1": "MIXED", "n2": "MIXED",
+                                                     "n3": "IDLE"}, unreachable_s=0)
+    probes.down["n2"] = "connection refused"
+    for _ in range(10):
+        clock.advance(1)
+        d.ranks_died(42)
+    assert probes.asked == [] and slurm.calls == []
+
+
+def test_a_step_with_a_gone_node_gets_a_short_grace_then_srun_is_killed() -> None:
+    """After an order naming a gone node, srun (waiting for that node's tasks) gets
+    gone_grace_s, not end_timeout_s, before it is killed; a step whose nodes are all up gets
+    the long wait."""
+    waits: list[float | None] = []
+
+    class Stuck(Step):
+        def poll(self) -> int | None:
+            return None if self.code != -9 else self.code
+
+        def wait(self, timeout: float | None = None) -> int:
+            waits.append(timeout)
+            if self.code != -9 and timeout is not None:
+                raise subprocess.TimeoutExpired("srun", timeout)
+            return self.code
+
+    for gone, expected in ((True, 3.0), (False, 60.0)):
+        waits.clear()
+        launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), Agent([WAIT]),
+                            lambda argv, env: Stuck(1), lambda r: None, {}, clock=FakeClock())
+        step = Stuck(1)
+        launcher._end(step, gone=gone)
+        assert waits[0] == expected and step.code == -9
+
+
+def test_ranks_died_means_all_ended_and_one_died() -> None:
+    detect = JobVerdict(1, "act", (RankState(0, "dead", 1, "step", 0, 1),
+                                   RankState(1, "done", 1, "step", 0, 1)))
+    assert detect.ranks_died
+    assert not replace(detect, ranks=(RankState(0, "done", 1, "step", 0, 1),)).ranks_died
+    assert not replace(detect, ranks=(RankState(0, "dead", 1, "step", 0, 1),
+                                      RankState(1, "ok", 1, "step", 0, 1))).ranks_died

@@ -163,6 +163,9 @@ def test_drained_node_reads_the_same_in_text_and_json(version: str) -> None:
     assert node.reason_user == "root" and node.reason_time.startswith("2026-")
     assert node.features == ("leaf01",) and node.partitions == ("debug",)
     assert node.address == "127.0.0.1" and node.cpus == 2
+    # Its slurmd's port (the batch host probes it after a step fails); each capture's
+    # sandbox had its own port base.
+    assert node.port == {"22.05.8": 25002}.get(version, 25012)
     text_nodes = [parse_node(ln) for ln in _read(version, "show_node_o.txt").splitlines()]
     assert [n.name for n in text_nodes] == ["node1", "node2"]
     if version in JSON_SCONTROL:
@@ -171,8 +174,8 @@ def test_drained_node_reads_the_same_in_text_and_json(version: str) -> None:
             j = json_nodes[t.name]
             assert (j.state, j.flags, j.reason, j.reason_user, j.reason_time) == \
                 (t.state, t.flags, t.reason, t.reason_user, t.reason_time)
-            assert (j.features, j.cpus, j.alloc_cpus, j.address) == \
-                (t.features, t.cpus, t.alloc_cpus, t.address)
+            assert (j.features, j.cpus, j.alloc_cpus, j.address, j.port) == \
+                (t.features, t.cpus, t.alloc_cpus, t.address, t.port)
 
 
 def test_v0039_shapes_string_state_and_state_flags() -> None:
