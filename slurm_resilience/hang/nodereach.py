@@ -12,19 +12,17 @@ relaunched step; nothing here drains it (Slurm marks it itself).
 
 Cost at 1,024 nodes: while one job's failed step is decided (seconds, about one round a
 second as its launcher asks), two connects per step node a round, 64 at a time, each at
-most ``CONNECT_TIMEOUT_S``: about 2,000 connects a round on the batch host, none to
+most a second: about 2,000 connects a round on the batch host, none to
 slurmctld.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-CONNECT_TIMEOUT_S = 1.0
-MAX_PROBES = 64  # connects in flight at once, whatever the step's size
+from slurm_resilience.transport.reach import CONNECT_TIMEOUT_S, connect_errors
+
 DEFAULT_SLURMD_PORT = 6818  # Slurm's, for a node whose Port Slurm doesn't show
 
 
@@ -54,27 +52,10 @@ class Reach:
                 f"agent {target.agent[0]}:{target.agent[1]} {self.agent or 'answers'}")
 
 
-def connect_error(address: tuple[str, int], timeout_s: float = CONNECT_TIMEOUT_S) -> str:
-    """'' when a TCP connection to ``address`` is accepted within ``timeout_s``, else why not
-    (the connection is closed at once: nothing is sent)."""
-    try:
-        with socket.create_connection(address, timeout=timeout_s):
-            return ""
-    except TimeoutError:
-        return f"no answer in {timeout_s:g}s"
-    except OSError as exc:
-        return exc.strerror.lower() if exc.strerror else str(exc)
-
-
 def probe_nodes(targets: Sequence[Target], timeout_s: float = CONNECT_TIMEOUT_S
                 ) -> dict[str, Reach]:
-    """Probe every target's slurmd and agent, at most ``MAX_PROBES`` connects at once."""
-    if not targets:
-        return {}
-    addresses = [a for t in targets for a in (t.slurmd, t.agent)]
-    with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(addresses)),
-                            thread_name_prefix="node-probe") as pool:
-        errors = list(pool.map(lambda a: connect_error(a, timeout_s), addresses))
+    """Probe every target's slurmd and agent (transport.reach: 64 connects at a time)."""
+    errors = connect_errors([a for t in targets for a in (t.slurmd, t.agent)], timeout_s)
     return {t.node: Reach(t.node, errors[2 * i], errors[2 * i + 1])
             for i, t in enumerate(targets)}
 

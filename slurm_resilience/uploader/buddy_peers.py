@@ -89,6 +89,11 @@ class PullWait:
 def pull(svc: BuddyService, job: LocalJob, targets: list[str], piece: PullPiece,
          sources: set[str], wait_s: float) -> tuple[set[str], dict[str, HeldCopy]]:
     """Ask ``targets``; (the nodes that answered whole, the copies received by source)."""
+    refusing = svc.refusing(targets)
+    if refusing:
+        log.info("buddy: nodes of the job take no connection; not asked", job_id=job.job_id,
+                 nodes=refusing)
+        targets = [t for t in targets if t not in refusing]
     w = PullWait(job.job_id, set(targets), piece.meta, sources)
     with svc.lock:
         svc.waiters.append(w)

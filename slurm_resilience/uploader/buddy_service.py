@@ -26,7 +26,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import LogBudget, user_text
+from slurm_resilience.transport.reach import connect_errors
 from slurm_resilience.transport.wire import Kind, Message
 from slurm_resilience.uploader import buddy_peers as peers
 from slurm_resilience.uploader.buddy_handoff import HandOffs
@@ -315,6 +316,18 @@ class BuddyService:
         return push(self.transport, node=self.node, to=to, job_id=job.job_id, nodes=job.nodes,
                     offer=offer, opener=opener, rate=self._rate(),
                     max_piece_bytes=self._max_piece(), stop=self.stopping)
+
+    def refusing(self, nodes: Sequence[str]) -> dict[str, str]:
+        """Nodes whose agent takes no TCP connection now (nothing listens, or nothing
+        answers in a second) → what a connect said: a pull asks them nothing, instead of
+        retrying them for ``heartbeat.exchange.send_timeout_s``."""
+        book = getattr(self.transport, "addresses", None)
+        if book is None or not nodes:
+            return {}
+        found = book.lookup(list(nodes))
+        names = [n for n in nodes if n in found]
+        errors = connect_errors([found[n] for n in names])
+        return {n: e for n, e in zip(names, errors, strict=True) if e}
 
     def send_piece(self, job: LocalJob, to: str, piece: Piece) -> bool:
         """One piece (a pull, or an empty answer) to ``to``; True when it was taken."""

@@ -21,6 +21,7 @@ import functools
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -166,6 +167,10 @@ class RangeFetcher:
         # complete(job_id, job_fd, gid, step)), for a step S3 can't give; None: no service.
         # Returns whether it brought any part.
         self.peers: Callable[[int, int, int, int], bool] | None = None
+        # When S3 last couldn't be reached (monotonic; the uploads, a stage-in or a fetch
+        # gave up on it): within stagein_retry_s of that, a step's missing parts are asked
+        # of the job's nodes first, instead of retrying S3 for that long again.
+        self.s3_failed_at: float | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -173,6 +178,13 @@ class RangeFetcher:
         """Stage-in read this step's manifests from S3: keep them as the root-side truth."""
         with self.lock:
             self.steps[(job_id, step)] = _files_of(remote, "s3")
+
+    def note_s3_unreachable(self) -> None:
+        self.s3_failed_at = time.monotonic()
+
+    def _s3_recently_unreachable(self) -> bool:
+        failed = self.s3_failed_at
+        return failed is not None and time.monotonic() - failed < self.policy.retry_s
 
     def forget(self, job_id: int) -> None:
         with self.lock:
@@ -256,7 +268,9 @@ class RangeFetcher:
         if known is not None:
             return known
         sf: _StepFiles | None = None
-        if job.uri is not None:
+        if job.uri is not None and self.peers is not None and self._s3_recently_unreachable():
+            sf = self._from_peers_first(job, jfd, step)
+        if sf is None and job.uri is not None:
             uri = job.uri
             s3 = self._s3()
             try:
@@ -268,6 +282,7 @@ class RangeFetcher:
                         lambda: read_remote_step(s3, uri, step), self.policy, SystemClock())
                     sf = _files_of(RemoteStep(marker, manifests), "s3")
             except StageinFailed as exc:
+                self.note_s3_unreachable()
                 # S3 down: the parts this node lacks may come from the job's nodes (buddy
                 # copies, verified on arrival); if none came, S3's error stands.
                 if self.peers is None or not self.peers(job.job_id, jfd, job.gid, step):
@@ -291,6 +306,21 @@ class RangeFetcher:
         with self.lock:
             self.steps[(job.job_id, step)] = sf
         return sf
+
+    def _from_peers_first(self, job: FetchJob, jfd: int, step: int) -> _StepFiles | None:
+        """S3 couldn't be reached moments ago: the parts this node lacks from the job's nodes
+        (verified on arrival), and the step as this node now holds it; None when they
+        couldn't make it whole here (S3 is tried as usual)."""
+        assert self.peers is not None
+        if not self.peers(job.job_id, jfd, job.gid, step):
+            return None
+        try:
+            marker, manifests = read_step(jfd, step, job.uid)
+        except (CheckpointError, OSError):
+            return None
+        log.info("fetch: S3 couldn't be reached moments ago; took the parts this node lacked "
+                 "from the job's nodes first", job_id=job.job_id, step=step)
+        return _files_of(RemoteStep(marker, manifests), "local")
 
     def _open_target(self, job: FetchJob, sfd: int, step: int, f: _File) -> tuple[int, bool]:
         """An fd of the file (created owned by the user, at full size); (fd, created)."""

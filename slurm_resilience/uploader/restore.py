@@ -91,6 +91,7 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                     res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                                      wanted, policy(up.cfg))
                 except StageinFailed as exc:
+                    up.fetcher.note_s3_unreachable()
                     # The job's ranks agreed the step is committed (on the nodes that kept
                     # running): a part S3 never got may be on its node's buddy.
                     got = _through_buddies(up, rec, jfd, set(), str(exc), force=True)

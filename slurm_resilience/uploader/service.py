@@ -343,6 +343,7 @@ class Uploader:
             if self.tell(SyncSucceeded(job_id)):
                 log.info("upload work of a failed job went through this time", job_id=job_id)
         except TransientS3Error as exc:
+            self.fetcher.note_s3_unreachable()
             self.tell(BackOff(job_id, delay))
             log.warning("S3 unreachable; uploads wait", job_id=job_id,
                         retry_in_s=round(delay, 1), pending=pending_steps(rec), error=str(exc))

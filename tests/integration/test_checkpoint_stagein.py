@@ -671,3 +671,40 @@ def test_a_step_committed_during_an_s3_outage_is_announced_before_a_requeue_rele
     assert why.startswith("step 4, committed on n1, is not announced in S3 after 1s "
                           "(checkpoint.requeue_announce_wait_s; S3 unreachable?)"), why
     assert not (w.s3_dir / "ckpt" / run / "step-00000004").exists()
+
+
+def test_moments_after_s3_failed_a_fetch_asks_the_jobs_nodes_before_s3(
+        world: World, test_users: tuple[str, ...]) -> None:
+    """A relaunch after a node loss with S3 down: the stage-in (or the uploads) just spent
+    stagein_retry_s on S3. Within that long of it, a fetch of parts this node lacks asks the
+    job's nodes first (the buddy service; stubbed here), and S3 is not asked at all when
+    they make the step whole here. Otherwise S3 comes first, as always."""
+    user, w = test_users[0], world
+    run = f"{user}/peers-first"
+    with _nodes(w, ["n1"]) as (n1,):
+        job_dir = w.base / "n1" / "nvme" / "job-901"
+        create_job_dir(f"{w.base}/n1/nvme", 901, *_ids(user))
+        assert _start_job(n1, w, 901, user, f"s3://ckpt/{run}")["stagein"] == "done"
+        asked: list[int] = []
+        steps = {s: _build_step(w, run, s, 2, seed=s) for s in (7, 8)}
+
+        def peers(job_id: int, jfd: int, gid: int, step: int) -> bool:
+            asked.append(step)  # the lost node's part, as its buddy would give it
+            _copy_part(steps[step], 1, job_dir, user, with_commit=False)
+            return True
+
+        n1.up.fetcher.peers = peers
+        for sdir in steps.values():
+            _copy_part(sdir, 0, job_dir, user, with_commit=True)  # this node's own part
+        wanted = [("rank-00001/data.distcp", 0, FILE)]
+        n1.up.fetcher.note_s3_unreachable()
+        out = _ensure_as(user, n1, 901, 7, wanted)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert asked == [7]
+        assert not [p for _, p in w.proxy.requests if "step-00000007" in p]
+        n1.up.fetcher.s3_failed_at = None  # S3 has not failed lately: it is asked first
+        out = _ensure_as(user, n1, 901, 8, wanted)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert asked == [7, 8]
+        assert [m for m, p in w.proxy.requests if "step-00000008/COMMIT.json" in p] == ["HEAD"]
+    assert _same_bytes(job_dir, steps[7], "rank-00001/data.distcp", 0, FILE)

@@ -10,11 +10,13 @@ node's part from the buddy; the protocol refuses what is not for it.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_state import BuddyWatcher, JobNodes
+from conftest import free_port
 
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
@@ -48,11 +50,20 @@ class Wire:
         self.services: dict[str, BuddyService] = {}
         self.sent: list[tuple[str, str, bytes]] = []
         self.handlers: dict[str, Any] = {}
+        # Where each node's agent listens, when a test gives it (a real loopback socket, or a
+        # closed port for a node whose agent is gone); nodes not listed are not looked up.
+        self.listening: dict[str, tuple[str, int]] = {}
 
     def for_node(self, node: str) -> Any:
         wire = self
 
+        class Book:
+            def lookup(self, nodes: list[str]) -> dict[str, tuple[str, int]]:
+                return {n: wire.listening[n] for n in nodes if n in wire.listening}
+
         class Transport:
+            addresses = Book()
+
             def on(self, kind: Kind, handler: Any) -> None:
                 assert kind is Kind.BUDDY
                 wire.handlers[node] = handler
@@ -144,10 +155,19 @@ def test_the_spare_restores_the_newest_step_from_the_survivor_and_the_buddy_copy
     _join(n2)
     assert n3.store.held(JOB)["n2"].step == 20
     del wire.handlers["n2"]  # lost: nothing reaches it any more
+    # Its agent's port takes no connection: a pull never asks it (no send retried for
+    # send_timeout_s), while n1, which listens, is asked.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    wire.listening = {"n1": listener.getsockname(), "n2": ("127.0.0.1", free_port())}
+    sent_before = len(wire.sent)
     jdir = tmp_path / "n3" / "nvme" / f"job-{JOB}"
     fd = os.open(jdir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         staged = n3.stage(JOB, fd, os.getgid(), {10}, "")
+        assert not [to for (_, to, _) in wire.sent[sent_before:] if to == "n2"]
+        assert [to for (_, to, _) in wire.sent[sent_before:] if to == "n1"]
         assert staged is not None and staged.choice.step == 20
         assert [(s.ranks, s.where, s.holder) for s in staged.choice.sources] == [
             ((0,), Where.LOCAL, "n1"), ((1,), Where.BUDDY, "n3")]
@@ -157,6 +177,7 @@ def test_the_spare_restores_the_newest_step_from_the_survivor_and_the_buddy_copy
         n3.complete(JOB, fd, os.getgid(), 20)
     finally:
         os.close(fd)
+        listener.close()
     assert (jdir / step_name(20) / rank_name(0) / "data.distcp").read_bytes() == rank0
     assert (jdir / step_name(20) / rank_name(1) / "data.distcp").read_bytes() == rank1
     parts = n3.status(JOB)["parts"]

@@ -8,13 +8,8 @@ import socket
 
 from conftest import free_port
 
-from slurm_resilience.hang.nodereach import (
-    Reach,
-    Target,
-    UnreachableSince,
-    connect_error,
-    probe_nodes,
-)
+from slurm_resilience.hang.nodereach import Reach, Target, UnreachableSince, probe_nodes
+from slurm_resilience.transport.reach import connect_error, connect_errors
 
 
 def test_a_listener_answers_and_a_closed_port_refuses() -> None:
@@ -30,7 +25,7 @@ def test_a_listener_answers_and_a_closed_port_refuses() -> None:
     assert found["up"] == Reach("up", "", "connection refused")
     assert not found["up"].unreachable  # its slurmd still answers
     assert found["gone"].unreachable
-    assert probe_nodes([]) == {}
+    assert probe_nodes([]) == {} and connect_errors([]) == []
 
 
 def test_a_node_is_lost_only_after_missing_every_probe_for_the_whole_time() -> None:
