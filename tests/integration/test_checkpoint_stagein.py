@@ -501,6 +501,15 @@ def test_fetch_refuses_another_users_job_and_planted_links(
     assert canary.read_bytes() == b"keep" and not Path("/tmp/data.distcp").exists()
 
 
+def _root_job(w: World, node: Node, job: int, run: str) -> Path:
+    """A job of root's on ``node`` with the run's URI, staged in: its staging dir."""
+    create_job_dir(f"{w.base}/{node.name}/nvme", job, 0, 0)
+    node.up.on_job_start({"job_id": job, "uid": 0, "gid": 0, "user": "root"}, ROOT)
+    node.up.on_register({"job_id": job, "uri": f"s3://ckpt/{run}"}, ROOT)
+    _wait_stagein(node, job)
+    return w.base / node.name / "nvme" / f"job-{job}"
+
+
 def test_uploader_writes_intent_record_before_any_data(
         world: World, test_users: tuple[str, ...]) -> None:
     """When the agent finds a newly committed step, its first write to S3 for that step is
@@ -508,11 +517,7 @@ def test_uploader_writes_intent_record_before_any_data(
     w = world
     run = "root/intent-order"
     with _nodes(w, ["n1"]) as (n1,):
-        create_job_dir(f"{w.base}/n1/nvme", 701, 0, 0)
-        n1.up.on_job_start({"job_id": 701, "uid": 0, "gid": 0, "user": "root"}, ROOT)
-        n1.up.on_register({"job_id": 701, "uri": f"s3://ckpt/{run}"}, ROOT)
-        _wait_stagein(n1, 701)
-        job_dir = w.base / "n1" / "nvme" / "job-701"
+        job_dir = _root_job(w, n1, 701, run)
         tmp = begin_part(job_dir, 3, 0)
         (tmp / "data.distcp").write_bytes(os.urandom(1000))
         commit_part(tmp, 3, 0)
@@ -642,11 +647,7 @@ def test_a_step_committed_during_an_s3_outage_is_announced_before_a_requeue_rele
     w = world
     run = "root/announce"
     with _nodes(w, ["n1"]) as (n1,):
-        create_job_dir(f"{w.base}/n1/nvme", 801, 0, 0)
-        n1.up.on_job_start({"job_id": 801, "uid": 0, "gid": 0, "user": "root"}, ROOT)
-        n1.up.on_register({"job_id": 801, "uri": f"s3://ckpt/{run}"}, ROOT)
-        _wait_stagein(n1, 801)
-        job_dir = w.base / "n1" / "nvme" / "job-801"
+        job_dir = _root_job(w, n1, 801, run)
 
         def commit_locally(step: int) -> None:  # rank 0 of 2: the other node's part never comes
             tmp = begin_part(job_dir, step, 0)
