@@ -91,7 +91,7 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                     res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                                      wanted, policy(up.cfg))
                 except StageinFailed as exc:
-                    up.fetcher.note_s3_unreachable()
+                    up.fetcher.note_s3_unreachable()  # the ranks' fetches: peers first
                     # The job's ranks agreed the step is committed (on the nodes that kept
                     # running): a part S3 never got may be on its node's buddy.
                     got = _through_buddies(up, rec, jfd, set(), str(exc), force=True)
@@ -105,6 +105,8 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                                    exclude=excluded_steps(rec), set_aside=set_aside,
                                    allow_older=lambda: up.tell(AllowOlder(job_id)))
                 except StageinFailed as exc:
+                    if not isinstance(exc, StepStillUploading):
+                        up.fetcher.note_s3_unreachable()  # the ranks' fetches: peers first
                     # S3 down, or a step still uploading from a node that is gone: the
                     # job's nodes may hold it (buddy copies); if not, the error stands.
                     got = _through_buddies(up, rec, jfd, set(), str(exc))
