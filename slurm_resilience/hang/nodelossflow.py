@@ -125,6 +125,7 @@ class NodeLossDesk:
             if launch is None or launch.order is not None or launch.settled is not None:
                 return
             relaunch = launch.relaunch
+            self.slurmd_timeout()  # read once with SlurmdPort, for nodes showing no Port
             infos = self.addresses.get((job_id, relaunch))
             try:
                 if infos is None:  # where each node listens; asked once per step
