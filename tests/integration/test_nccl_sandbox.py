@@ -92,19 +92,28 @@ def drained_reason(box: Sandbox, node: str) -> str:
     return info.reason if info.drained else ""
 
 
+def _stop_verifiers(box: Sandbox) -> bool:
+    """SIGTERM every node's NCCL verifier; True when none holds a node."""
+    held = False
+    for node in box.nodes:
+        pid = schedule.holder_pid(str(lock_file(box, node)))
+        if pid is not None:
+            held = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    return not held
+
+
 def clean(box: Sandbox) -> None:
-    """No faults, no cached results, no verifier left from an earlier test."""
+    """No faults, no cached results, no verifier left from an earlier test. An agent that
+    has not yet read the config that turned idle verification off may start one more
+    verifier after the first SIGTERM: each poll stops whichever holds a node."""
     for node in box.nodes:
         faults.write(fault_file(box, node), None)
         for path in (cache_file(box, node), box.node_dir(node) / "state" / "nccl-drains.json"):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        pid = schedule.holder_pid(str(lock_file(box, node)))
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-    wait_for("verifiers gone", lambda: all(
-        schedule.holder_pid(str(lock_file(box, n))) is None for n in box.nodes), 20)
+    wait_for("verifiers gone", lambda: _stop_verifiers(box), 60)
 
 
 @pytest.fixture
