@@ -46,8 +46,12 @@ def _newest_local(up: Uploader, job_id: int, root: str) -> int | None:
     try:
         with open_job_dir(root, job_id) as jfd:
             steps = committed_steps_at(jfd)
-    except (FileNotFoundError, CheckpointError, OSError):
+    except FileNotFoundError:
         return None  # nothing staged here for the job
+    except (CheckpointError, OSError) as exc:
+        log.error("checkpoint: couldn't read the job's staging dir before its requeue; its "
+                  "newest step here is not announced", job_id=job_id, error=str(exc))
+        return None
     return max(steps) if steps else None
 
 
