@@ -9,6 +9,7 @@ that arrives meanwhile.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -92,16 +93,59 @@ def drained_reason(box: Sandbox, node: str) -> str:
     return info.reason if info.drained else ""
 
 
-def _stop_verifiers(box: Sandbox) -> bool:
-    """SIGTERM every node's NCCL verifier; True when none holds a node."""
-    held = False
-    for node in box.nodes:
-        pid = schedule.holder_pid(str(lock_file(box, node)))
-        if pid is not None:
-            held = True
+def _lock_holder(box: Sandbox, node: str) -> int | None:
+    """The pid holding ``node``'s NCCL lock now (0 when the holder has not yet written it);
+    None when the lock is free. The flock says whether it is held, not the file: a holder
+    killed outright (a hook worker, a diagnostics group) leaves its pid written there."""
+    try:
+        fd = os.open(lock_file(box, node), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return schedule.holder_pid(str(lock_file(box, node))) or 0
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+class _Verifiers:
+    """Stops idle verifiers that hold a node: SIGTERM, and SIGKILL for one still there 20 s
+    later. Any other holder (a hook worker running a prolog's or epilog's test, the agent
+    verifying a hang suspect) is waited for, never signalled: the signal would kill the
+    agent or the hook, not a test."""
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box = box
+        self.first_term: dict[int, float] = {}
+        self.last: dict[str, str] = {}
+
+    def gone(self) -> bool:
+        self.last = {}
+        for node in self.box.nodes:
+            pid = _lock_holder(self.box, node)
+            if pid is None:
+                continue
+            cmd = _cmdline(pid) if pid else b""
+            argv = cmd.replace(b"\0", b" ").decode(errors="replace")
+            self.last[node] = f"pid {pid}: {argv}"
+            if b"slurm_resilience.nccl.verify" not in cmd:
+                continue
+            now = time.monotonic()
+            first = self.first_term.setdefault(pid, now)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-    return not held
+                os.kill(pid, signal.SIGKILL if now - first > 20 else signal.SIGTERM)
+        return not self.last
 
 
 def clean(box: Sandbox) -> None:
@@ -113,7 +157,11 @@ def clean(box: Sandbox) -> None:
         for path in (cache_file(box, node), box.node_dir(node) / "state" / "nccl-drains.json"):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-    wait_for("verifiers gone", lambda: _stop_verifiers(box), 60)
+    verifiers = _Verifiers(box)
+    try:
+        wait_for("verifiers gone", verifiers.gone, 60)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; still held: {verifiers.last}") from None
 
 
 @pytest.fixture

@@ -124,8 +124,14 @@ def prometheus(sandbox: Sandbox, tmp_path: Path) -> Iterator[Prom]:
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: len(query(url, 'up{job="slurm-resilience"} == 1')) == len(targets),
-                 60, "every agent scraped by Prometheus")
+        # Each target answered a scrape in the last 10 s: on a loaded machine one scrape in a
+        # few can pass the 1 s timeout, and all five at one instant may take long to line up.
+        try:
+            wait_for(lambda: len(query(url, 'max_over_time(up{job="slurm-resilience"}[10s])'
+                                             ' == 1')) == len(targets),
+                     60, "every agent scraped by Prometheus")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {_target_health(url)}") from None
         yield Prom(url, gone, gone_target, time.time())
     finally:
         gone.shutdown()
@@ -140,6 +146,16 @@ def prometheus(sandbox: Sandbox, tmp_path: Path) -> Iterator[Prom]:
         log.close()
         for node in sandbox.nodes:
             faults.heal(sandbox.state_dir, node)
+
+
+def _target_health(base: str) -> list[str]:
+    """Each scrape target's health and last error, as Prometheus reports them."""
+    try:
+        active = api(base, "targets")["activeTargets"]
+    except (urllib.error.URLError, ValueError, AssertionError) as exc:
+        return [f"targets unreadable: {exc}"]
+    return [f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}".strip()
+            for t in active]
 
 
 def api(base: str, path: str, **params: str) -> Any:
