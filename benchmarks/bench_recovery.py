@@ -176,6 +176,9 @@ def main() -> int:
                              "copy)")
     parser.add_argument("--port-base", type=int, default=0,
                         help="first port of the benchmark's own sandbox (default: a free one)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the sandbox's state directory (its logs and the jobs' "
+                             "output) and print where it is")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="sr-bench-recovery-", dir="/tmp"))
     state.chmod(0o755)
@@ -195,7 +198,10 @@ def main() -> int:
                     box.update_resilience_config({"checkpoint": {"buddy_copies": True}})
     finally:
         box.stop()
-        shutil.rmtree(state, ignore_errors=True)
+        if args.keep:
+            print(f"sandbox kept: {state}")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
     med = {spare: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for spare, rs in results.items()}
     print(f"{args.fault}: fault -> first step after restore, median of {args.rounds} "
