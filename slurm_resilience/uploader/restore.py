@@ -12,6 +12,7 @@ from slurm_resilience.checkpoint.prefix import parse_uri
 from slurm_resilience.checkpoint.staging import open_job_dir, set_aside_step
 from slurm_resilience.config import Config
 from slurm_resilience.log import get_logger
+from slurm_resilience.uploader import s3_reach
 from slurm_resilience.uploader.deadline import endpoint_name
 from slurm_resilience.uploader.fetch import FetchJob, FetchSettings, RangeFetcher, parse_ranges
 from slurm_resilience.uploader.journal import (
@@ -86,7 +87,10 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
                 up.abandon_step(rec, step, f"passed over by stage-in and set aside: {why}")
 
             wanted = rec.get("stagein_wanted")
-            if wanted is not None and uri is not None and wanted not in excluded_steps(rec):
+            res = _when_s3_refuses(up, rec, jfd, wanted) if uri is not None else None
+            if res is not None:
+                pass  # the job's nodes gave it: S3 takes no connection now
+            elif wanted is not None and uri is not None and wanted not in excluded_steps(rec):
                 try:  # ckpt.stage: that step or an error
                     res = stage_step(up.s3, uri, jfd, int(rec["uid"]), int(rec["gid"]),
                                      wanted, policy(up.cfg))
@@ -142,6 +146,29 @@ def run_stagein(up: Uploader, rec: JobRecord) -> StageinDoc:
             result["still_uploading"] = exc.step
         log.error("stage-in failed", job_id=job_id, error=error)
     return result
+
+
+def _when_s3_refuses(up: Uploader, rec: JobRecord, jfd: int,
+                     wanted: int | None) -> StageinResult | None:
+    """The step from the job's nodes at once when S3's endpoint takes no connection now
+    (s3_reach.py), instead of retrying S3 for stagein_retry_s first; None when S3 takes
+    connections, or the job's nodes can't give the step (S3 is then tried as always)."""
+    if up.buddy is None or excluded_steps(rec):
+        return None  # the job's nodes would not know which steps the restore found corrupt
+    ck = up.cfg.checkpoint
+    why = s3_reach.refusing(ck.s3_endpoint)
+    if not why:
+        return None
+    up.fetcher.note_s3_unreachable()  # the ranks' fetches: peers first too
+    endpoint = endpoint_name(ck.s3_endpoint, ck.s3_region)
+    log.warning("stage-in: S3 takes no connection; asking the job's nodes first",
+                job_id=int(rec["job_id"]), endpoint=endpoint, error=why)
+    got = _through_buddies(up, rec, jfd, set(),
+                           f"S3 endpoint {endpoint} takes no connection: {why}",
+                           force=wanted is not None)
+    if got is None or (wanted is not None and got.step != wanted):
+        return None
+    return got
 
 
 def _through_buddies(up: Uploader, rec: JobRecord, jfd: int, s3_steps: set[int],

@@ -32,7 +32,7 @@ import pytest
 from agent_state import BuddyWatcher, JobNodes
 from conftest import free_port, rclone
 
-from slurm_resilience import events
+from slurm_resilience import events, log
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import Peer
 from slurm_resilience.checkpoint.blocks import BLOCK_SIZE, covering
@@ -53,7 +53,9 @@ from slurm_resilience.checkpoint.staging import create_job_dir
 from slurm_resilience.config import Config, load_text
 from slurm_resilience.sandbox.s3faults import S3FaultProxy
 from slurm_resilience.uploader.announce import announce_now
+from slurm_resilience.uploader.buddy_peers import Staged
 from slurm_resilience.uploader.buddy_service import BuddyService
+from slurm_resilience.uploader.buddy_source import Choice
 from slurm_resilience.uploader.buddy_store import JobFacts, Offer
 from slurm_resilience.uploader.records import BackOff
 from slurm_resilience.uploader.s3 import S3
@@ -709,3 +711,54 @@ def test_moments_after_s3_failed_a_fetch_asks_the_jobs_nodes_before_s3(
         assert asked == [7, 8]
         assert [m for m, p in w.proxy.requests if "step-00000008/COMMIT.json" in p] == ["HEAD"]
     assert _same_bytes(job_dir, steps[7], "rank-00001/data.distcp", 0, FILE)
+
+
+class _Peers:
+    """The buddy service as stage-in uses it, stubbed: the job's nodes hold ``step``
+    whole (what buddy_peers.stage finds and places); records what it was asked."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.asked: list[tuple[int, str]] = []
+
+    def stage(self, job_id: int, jfd: int, gid: int, s3_steps: set[int], s3_error: str, *,
+              force: bool = False) -> Staged:
+        self.asked.append((job_id, s3_error))
+        return Staged(Choice(self.step, (), ()), 0)
+
+    def newer_held(self, job_id: int, step: int | None) -> bool:
+        return False
+
+    def status(self, job_id: int) -> dict[str, object]:
+        return {}
+
+
+def test_a_stage_in_while_s3_refuses_connections_asks_the_jobs_nodes_without_retrying_s3(
+        world: World, test_users: tuple[str, ...], tmp_path: Path) -> None:
+    """A node joining a relaunch while S3 is down: its endpoint refuses the connection, so
+    the stage-in asks the job's nodes at once (they hold the step) instead of retrying S3
+    for stagein_retry_s first, says so, and the ranks' fetches ask them first too. With S3
+    taking connections, S3 is asked first as always and the job's nodes are not."""
+    user, w = test_users[0], world
+    run = f"{user}/refused"
+    peers = _Peers(step=12)
+    log.configure(mode="json", level="info", file=str(tmp_path / "ev.jsonl"))
+    try:
+        with _nodes(w, ["n1"]) as (n1,):
+            n1.up.buddy = peers  # type: ignore[assignment]
+            w.proxy.refuse()
+            st = _start_job(n1, w, 1001, user, f"s3://ckpt/{run}")
+            assert (st["stagein"], st["step"], st["source"]) == ("done", 12, "buddy"), st
+            assert [j for j, _ in peers.asked] == [1001]
+            assert f"S3 endpoint {w.proxy.url} takes no connection: " in peers.asked[0][1]
+            assert n1.up.fetcher.s3_failed_at is not None  # the ranks' fetches: peers first
+            w.proxy.accept()
+            st = _start_job(n1, w, 1002, user, f"s3://ckpt/{run}")
+            assert (st["stagein"], st["step"]) == ("done", None), st
+            assert [j for j, _ in peers.asked] == [1001]
+    finally:
+        log.reset()
+    said = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [e.get("job_id") for e in said if e["event"] == "stage-in: S3 takes no connection; "
+            "asking the job's nodes first"] == [1001]
+    assert not [e for e in said if e["event"].startswith("stage-in: S3 request failed")]
