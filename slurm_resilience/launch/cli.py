@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from slurm_resilience.heartbeat.attempt import MAX_RELAUNCHES
 from slurm_resilience.launch import plan as P
+from slurm_resilience.launch import returning
+from slurm_resilience.launch.returning import Seen
 from slurm_resilience.launch.supervise import Launcher, Settings, say
+
+if TYPE_CHECKING:
+    from slurm_resilience.slurm.adapter import SlurmAdapter
 
 
 def register(sub: Any) -> None:
@@ -27,6 +33,9 @@ def register(sub: Any) -> None:
     p.add_argument("--end-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long the old step may take to end before srun is killed "
                         "(default: 60)")
+    p.add_argument("--return-poll", type=float, default=30.0, metavar="SECONDS",
+                   help="how often to ask Slurm whether a node an incident took out is back "
+                        "in service, to have it as a spare again (default: 30)")
     p.add_argument("--srun", default="srun", help="the srun program (default: srun on PATH)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
                    help="what srun runs on every task")
@@ -64,6 +73,17 @@ class SocketAgent:
                     relaunch=self.relaunch, status=max(-255, min(255, status)))
 
 
+def nodes_seen(adapter: SlurmAdapter, job_id: int, names: Sequence[str]) -> dict[str, Seen]:
+    """What Slurm shows of ``names`` for the launcher's nodes waiting to be spares again:
+    one ``scontrol show node``, and the job's nodes only when one of them is in service."""
+    infos = adapter.show_nodes(names)
+    in_job = set(adapter.show_job(job_id).nodes) if any(
+        returning.seen(i.drained, i.down, i.state, True) is Seen.IN_SERVICE
+        for i in infos.values()) else set(names)
+    return {n: returning.seen(i.drained, i.down, i.state, n in in_job)
+            for n, i in infos.items()}
+
+
 def run(args: argparse.Namespace) -> int:
     from slurm_resilience import config
     from slurm_resilience.cli import UsageError
@@ -98,9 +118,13 @@ def run(args: argparse.Namespace) -> int:
     def start(argv: list[str], step_env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, env=step_env)
 
-    settings = Settings(args.spares, args.max_restarts, args.poll, args.end_timeout)
+    if args.return_poll <= 0:
+        raise UsageError("launch: --return-poll must be above 0 seconds")
+    settings = Settings(args.spares, args.max_restarts, args.poll, args.end_timeout,
+                        return_poll_s=args.return_poll)
     launcher = Launcher(alloc, command, settings, SocketAgent(socket_path, alloc.job_id),
-                        start, end_step, env, srun=args.srun)
+                        start, end_step, env, srun=args.srun,
+                        nodes_seen=functools.partial(nodes_seen, adapter, alloc.job_id))
     code = launcher.run()
     say(f"step ended with status {code} (relaunch {launcher.place.relaunch})")
     return code

@@ -95,6 +95,13 @@ def after(current: Placement, relaunch: int, nodes: Sequence[str]) -> Placement:
                      tuple(s for s in current.spares if s not in joined), joined)
 
 
+def with_spares(place: Placement, nodes: Sequence[str]) -> Placement:
+    """``place`` with ``nodes`` among its spares again, after those it has (nodes of the
+    step or spares already are left as they are)."""
+    new = tuple(n for n in dict.fromkeys(nodes) if n not in place.nodes and n not in place.spares)
+    return Placement(place.relaunch, place.nodes, place.spares + new, place.joined)
+
+
 def srun_argv(srun: str, alloc: Allocation, place: Placement, command: Sequence[str],
               extra: Sequence[str] = ()) -> list[str]:
     n = len(place.nodes)

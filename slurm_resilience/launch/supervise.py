@@ -21,6 +21,7 @@ from typing import Protocol
 
 from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.launch import plan as P
+from slurm_resilience.launch.returning import Returning, Seen
 
 
 class Agent(Protocol):
@@ -51,6 +52,9 @@ class Settings:
     poll_s: float = 1.0
     end_timeout_s: float = 60.0  # from the order to the old step gone
     gone_grace_s: float = 3.0  # the same when a node of the step is gone (see _end)
+    # How often Slurm is asked about nodes a relaunch took out, while any waits to be a
+    # spare again (returning.py): one ``scontrol show node`` of them per look.
+    return_poll_s: float = 30.0
 
 
 # A launcher past the wait the agent announced ends anyway (an agent that keeps saying wait).
@@ -66,7 +70,8 @@ class Launcher:
     def __init__(self, alloc: P.Allocation, command: Sequence[str], settings: Settings,
                  agent: Agent, start: Callable[[list[str], dict[str, str]], Step],
                  end_step: Callable[[int], None], env: Mapping[str, str], srun: str = "srun",
-                 clock: Clock = SystemClock()):
+                 clock: Clock = SystemClock(),
+                 nodes_seen: Callable[[Sequence[str]], Mapping[str, Seen]] | None = None):
         self.alloc = alloc
         self.command = list(command)
         self.settings = settings
@@ -78,6 +83,11 @@ class Launcher:
         self.clock = clock
         self.place = P.first(alloc, settings.spares)
         self.agent_ok = True
+        # Nodes taken out, until Slurm shows them back in service (None: never asked).
+        self.nodes_seen = nodes_seen
+        self.returning = Returning()
+        self.next_look = 0.0
+        self.look_failed = False
 
     def _register(self) -> None:
         try:
@@ -130,6 +140,7 @@ class Launcher:
             order = self._poll()
             if order is not None:
                 return order
+            self._look_for_returns()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 step.wait(timeout=self.settings.poll_s)
         return None
@@ -221,8 +232,37 @@ class Launcher:
         if not isinstance(relaunch, int) or not isinstance(nodes, list) or \
                 relaunch != self.place.relaunch + 1:
             raise P.PlanError(f"the node agent's order is not the next relaunch: {order}")
+        before = self.place
         self.place = P.after(self.place, relaunch, [str(n) for n in nodes])
+        self.returning.add(n for n in before.nodes if n not in self.place.nodes)
         say(f"incident: {order.get('reason', '')}")
+
+    def _look_for_returns(self) -> None:
+        """Every ``return_poll_s`` while a node taken out waits: the nodes Slurm shows back
+        in service become spares again, and the agent is told (see returning.py)."""
+        if self.nodes_seen is None or not self.returning.waiting:
+            return
+        now = self.clock.monotonic()
+        if now < self.next_look:
+            return
+        self.next_look = now + self.settings.return_poll_s
+        try:
+            shown = self.nodes_seen(sorted(self.returning.waiting))
+        except Exception as exc:  # noqa: BLE001 - said once; they wait for the next look
+            if not self.look_failed:
+                say(f"WARNING: couldn't ask Slurm about the nodes taken out ({exc}); they "
+                    "are not spares until it answers")
+            self.look_failed = True
+            return
+        self.look_failed = False
+        back, left = self.returning.update(shown)
+        for node in left:
+            say(f"{node} is no longer in the job's allocation: not a spare any more")
+        if back:
+            self.place = P.with_spares(self.place, back)
+            say(f"{' '.join(back)} back in service: a spare again (spares "
+                f"{' '.join(self.place.spares)})")
+            self._register()
 
 
 def _say_gone(order: Mapping[str, object]) -> None:

@@ -23,6 +23,8 @@ from hang_jobs import (
     wait_for_decision,
 )
 
+from slurm_resilience.launch.cli import nodes_seen
+from slurm_resilience.launch.returning import Seen
 from slurm_resilience.sandbox import faults
 from slurm_resilience.sandbox.handle import Sandbox
 
@@ -127,6 +129,11 @@ def test_a_spare_that_fails_the_gate_is_not_used(
     try:
         faults.inject(sandbox.layout.state_dir, spare, "gpu-xid:3:79")
         wait_for(lambda: sandbox.adapter().show_node(spare).drained, 120, "the spare drained")
+        # How the launcher sees nodes waiting to be spares again (launch/returning.py).
+        step_node = next(n for n in running.nodes if n != spare)
+        outside = next(n for n in sandbox.nodes if n not in running.nodes)
+        assert nodes_seen(sandbox.adapter(), job_id, [spare, step_node, outside]) == {
+            spare: Seen.OUT, step_node: Seen.IN_SERVICE, outside: Seen.LEFT_JOB}
         trigger.write_text("")  # only now: the gate has spoken before the hang
         report = wait_for_decision(sandbox, work, job_id)
         assert report["decision"]["action"] == "requeue", report  # type: ignore[index]

@@ -5,7 +5,7 @@ fake agent and fake steps, attempts, and the restore agreement of a spare that j
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -18,6 +18,7 @@ from slurm_resilience.hang.incidentrecords import Action, Decision, NodeCall, No
 from slurm_resilience.hang.launches import STALE_S, Launch, Launches, Order
 from slurm_resilience.heartbeat import attempt as A
 from slurm_resilience.launch import plan as P
+from slurm_resilience.launch.returning import Returning, Seen, seen
 from slurm_resilience.launch.supervise import Launcher, Settings
 from slurm_resilience.testing import FakeClock
 
@@ -259,6 +260,73 @@ def test_launcher_refuses_an_order_that_is_not_the_next_relaunch() -> None:
     launcher.settings = Settings(1, 3, end_timeout_s=0.01)
     with pytest.raises(P.PlanError, match="not the next relaunch"):
         launcher.run()
+
+
+def test_a_node_taken_out_is_a_spare_again_once_slurm_had_it_out_and_shows_it_back() -> None:
+    w = Returning()
+    w.add(["n2", "n4", "n5"])
+    # n2 not yet marked (lost moments ago), n4 only avoided, n5 drained: none comes back.
+    assert w.update({"n2": Seen.IN_SERVICE, "n4": Seen.IN_SERVICE, "n5": Seen.OUT}) == ([], [])
+    assert w.update({"n2": Seen.OUT, "n4": Seen.IN_SERVICE}) == ([], [])
+    # n5 resumed, n2 still out; Slurm didn't show n4 this time: it waits as it was.
+    assert w.update({"n2": Seen.OUT, "n5": Seen.IN_SERVICE}) == (["n5"], [])
+    assert w.update({"n2": Seen.LEFT_JOB}) == ([], ["n2"])
+    assert w.waiting == {"n4": False}
+    assert seen(True, False, "IDLE", True) is Seen.OUT
+    assert seen(False, True, "ALLOCATED", True) is Seen.OUT
+    assert seen(False, False, "FAIL", True) is Seen.OUT
+    assert seen(False, False, "ALLOCATED", True) is Seen.IN_SERVICE
+    assert seen(False, False, "IDLE", False) is Seen.LEFT_JOB
+    place = P.Placement(1, ("n1", "n3"), ("n6",), ("n3",))
+    assert P.with_spares(place, ["n2", "n3", "n6", "n2"]) == P.Placement(
+        1, ("n1", "n3"), ("n6", "n2"), ("n3",))
+
+
+class TickingStep(FakeStep):
+    """A step running for ``looks`` waits of ``seconds`` each on ``clock``, then done."""
+
+    def __init__(self, clock: FakeClock, looks: int, seconds: float):
+        super().__init__(None)
+        self.clock, self.left, self.seconds = clock, looks, seconds
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:
+            self.clock.sleep(self.seconds)
+            self.left -= 1
+            if self.left <= 0:
+                self.code = 0
+            raise subprocess.TimeoutExpired("srun", timeout or 0)
+        return self.code
+
+
+def test_launcher_has_a_node_it_took_out_as_a_spare_once_slurm_shows_it_back(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """n2 leaves the step for the spare n3. Slurm shows it in service at first (not yet
+    marked), then out, then in service again: only then is it a spare, and the agent is
+    told. Slurm is asked every return_poll_s (30 s) of the step's time, and not once
+    nothing waits."""
+    clock = FakeClock()
+    first = FakeStep()
+    steps = [first, TickingStep(clock, looks=12, seconds=10.0)]
+    agent = FakeAgent([None, {"relaunch": 1, "nodes": ["n1", "n3"], "reason": "hang"}])
+    shown = [{"n2": Seen.IN_SERVICE}, {"n2": Seen.OUT}, {"n2": Seen.IN_SERVICE}]
+    asked: list[tuple[float, list[str]]] = []
+
+    def nodes_seen(names: Sequence[str]) -> dict[str, Seen]:
+        asked.append((clock.monotonic(), list(names)))
+        return shown.pop(0)
+
+    def end_step(relaunch: int) -> None:
+        first.code = -9
+
+    launcher = Launcher(P.allocation(ENV), ["python", "t.py"], Settings(1, 3, poll_s=0.01),
+                        agent, lambda argv, env: steps.pop(0), end_step, {}, clock=clock,
+                        nodes_seen=nodes_seen)
+    assert launcher.run() == 0
+    assert [t for t, _ in asked] == [0.0, 30.0, 60.0] and asked[0][1] == ["n2"]
+    assert agent.registered[-1] == P.Placement(1, ("n1", "n3"), ("n2",), ("n3",))
+    assert len(agent.registered) == 3  # relaunch 0, relaunch 1, then n2 back
+    assert "n2 back in service: a spare again (spares n2)" in capsys.readouterr().err
 
 
 # -- the restore of a spare that joined --------------------------------------------------------
