@@ -114,7 +114,9 @@ class CheckpointSection:
     stagein_retry_s: float = setting(
         120.0, min=0, max=86400,
         help="how long stage-in retries transient S3 errors (5xx, throttling, timeouts, "
-             "refused connections) before it fails with the cause",
+             "refused connections) before it fails with the cause; with buddy copies on, an "
+             "endpoint that refuses the first connection or doesn't answer it is not retried "
+             "first: the job's nodes are asked at once",
     )
     requeue_announce_wait_s: float = setting(
         30.0, min=0, max=3600,
