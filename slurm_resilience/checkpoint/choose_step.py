@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from slurm_resilience.checkpoint.catch_up import agree_ranks
-from slurm_resilience.checkpoint.commit import COMMIT, committed_steps, step_name
+from slurm_resilience.checkpoint.commit import (
+    COMMIT,
+    CheckpointError,
+    committed_steps,
+    read_marker,
+    saved_in_this_run,
+    step_name,
+)
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
 from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
 
@@ -32,6 +39,11 @@ def latest_step(mgr: CheckpointManager, exclude: Mapping[int, str] | None = None
     status = mgr.wait_stagein()
     local = [s for s in committed_steps(mgr.job_dir) if s not in bad]
     candidate = status.step if status.step is not None else (local[-1] if local else -1)
+    # A relaunch inside the allocation: this run's own commits since its stage-in are newer
+    # than what the stage-in found at the run's start (retention may have removed that one).
+    ours = [s for s in local if s > candidate and _saved_in_this_run(mgr, s)]
+    if ours:
+        candidate = ours[-1]
     error = status.error if status.state == "failed" else None
     if error is None and candidate in bad:
         error = (f"stage-in chose step {candidate} again although this restore found it "
@@ -76,3 +88,12 @@ def latest_step(mgr: CheckpointManager, exclude: Mapping[int, str] | None = None
         return None
     mgr._trusted.add(hi)  # the caller loads it (load_latest, or dcp.load by hand)
     return hi
+
+
+def _saved_in_this_run(mgr: CheckpointManager, step: int) -> bool:
+    """The step's commit marker names a save of this job's current run."""
+    try:
+        marker = read_marker(mgr.job_dir / step_name(step))
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return saved_in_this_run(marker.save_id)

@@ -76,18 +76,32 @@ def parse_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def new_save_id(env: dict[str, str] | None = None) -> str:
+def _run_tag(env: Mapping[str, str]) -> str:
+    """``j<job>.r<restart count>``: the job's run (a relaunch inside the allocation keeps it)."""
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "none"
+    restart = env.get("SLURM_RESTART_COUNT") or "0"
+    job = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:40]
+    restart = re.sub(r"[^0-9]", "", restart)[:10] or "0"
+    return f"j{job}.r{restart}"
+
+
+def new_save_id(env: Mapping[str, str] | None = None) -> str:
     """A fresh save id: ``<time_ns, 16 hex>-j<job>.r<restart count>.<nonce>``.
 
     Ids of one step compare in the order the saves started (the time comes first, fixed
     width), so an agent can tell an earlier save of a step from a later one.
     """
-    env = dict(os.environ if env is None else env)
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "none"
-    restart = env.get("SLURM_RESTART_COUNT") or "0"
-    job = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:40]
-    restart = re.sub(r"[^0-9]", "", restart)[:10] or "0"
-    return f"{time.time_ns():016x}-j{job}.r{restart}.{secrets.token_hex(4)}"
+    tag = _run_tag(os.environ if env is None else env)
+    return f"{time.time_ns():016x}-{tag}.{secrets.token_hex(4)}"
+
+
+def saved_in_this_run(save_id: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``save_id`` is of a save this job's current run made (the same job and
+    requeue count: relaunches inside the allocation included); False for "" (legacy)."""
+    if not save_id:
+        return False
+    _, _, rest = save_id.partition("-")
+    return rest.rsplit(".", 1)[0] == _run_tag(os.environ if env is None else env)
 
 
 def check_save_id(value: object, where: str) -> str:

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from slurm_resilience.checkpoint.commit import CheckpointError, committed_steps
+from slurm_resilience.checkpoint.commit import (
+    CheckpointError,
+    committed_steps,
+    read_marker,
+    saved_in_this_run,
+)
 from slurm_resilience.checkpoint.manager import CheckpointManager
+from slurm_resilience.checkpoint.stagein_status import StageinStatus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -330,3 +336,32 @@ def test_from_env_without_uri_uses_local_steps_and_never_waits_for_stage_in(
     mgr.save(4, {"w": torch.ones(2)})
     loaded = mgr.load_latest()
     assert loaded is not None and loaded.step == 4
+
+
+def test_a_relaunch_resumes_this_runs_newest_commit_not_the_step_its_stage_in_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeued run staged step 5 in at its start, then committed 10 and 15. A relaunch
+    inside the allocation (same job, same requeue count) resumes from 15: the stage-in's
+    answer is from before this run's own commits (retention may even have removed step 5).
+    A newer local step of another run (20, left by an earlier run) is not taken on its own
+    word: only the stage-in chooses among those."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    first = CheckpointManager(tmp_path)
+    first.save(5, _state(5.0))
+    first.save(20, _state(20.0))
+    first.wait()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    run = CheckpointManager(tmp_path)
+    run.save(10, _state(10.0))
+    run.save(15, _state(15.0))
+    run.wait()
+    relaunched = CheckpointManager(tmp_path)
+    monkeypatch.setattr(relaunched, "wait_stagein",
+                        lambda: StageinStatus("done", step=5, source="s3"))
+    loaded = relaunched.load_latest()
+    assert loaded is not None and loaded.step == 15
+    assert float(loaded.state["model"]["w"][0, 0]) == 15.0
+    assert saved_in_this_run(read_marker(tmp_path / "step-00000015").save_id)
+    assert not saved_in_this_run(read_marker(tmp_path / "step-00000020").save_id)
+    assert not saved_in_this_run("")
