@@ -4,10 +4,10 @@ Xid that ends the ranks of its node (as a GPU fallen off the bus does), the loss
 (its slurmd and every process of it killed), an S3 outage (the endpoint stopped for 60 s)
 and a node agent's restart.
 
-The job runs ``examples/train.py`` under ``slurm-resilience launch --spares 2`` on 4 of the
-sandbox's 6 nodes. A node a fault took out is repaired a minute later, as an operator would
-(the stand-in hardware healed, slurmd started again, our drain resumed), so the storm does
-not run out of nodes.
+The job runs ``examples/train.py`` under ``slurm-resilience launch --spares 2 --max-restarts
+10`` on 4 of the sandbox's 6 nodes. A node a fault took out is repaired a minute later, as an
+operator would (the stand-in hardware healed, slurmd started again, our drain resumed), so
+the storm does not run out of nodes, and one the job still holds is a spare again.
 
 Reported: goodput (productive over allocated time) from the project's own
 ``slurm-resilience goodput JOB --json``, cross-checked against the job's own step log
@@ -192,7 +192,12 @@ def main() -> int:
     parser.add_argument("--user", default="srtest1", help="the unprivileged user running the "
                                                           "job (default: srtest1)")
     parser.add_argument("--keep", type=Path, default=None,
-                        help="a directory to write the job's output and goodput's JSON to")
+                        help="a directory to write the job's output, goodput's JSON and the "
+                             "sandbox's logs to")
+    parser.add_argument("--max-restarts", type=int, default=10,
+                        help="the launcher's --max-restarts (default: 10, so that every fault "
+                             "of a 20-minute storm may take the spare path; the launcher's "
+                             "own default is 3)")
     parser.add_argument("--port-base", type=int, default=0,
                         help="first port of the benchmark's own sandbox (default: a free one)")
     args = parser.parse_args()
@@ -209,6 +214,7 @@ def main() -> int:
             box, args.user, work,
             f"--steps {steps} --ckpt-every {every} --step-seconds {STEP_S} --hang-rank 1 "
             f"--hang-on-file {trigger} --fault-every-run", nodes=4, spares=2,
+            launch_args=f"--max-restarts {args.max_restarts}",
             sbatch_args=("--no-kill",))
         print(f"job {job_id}: {steps} steps of about {STEP_S} s, a checkpoint every {every}; "
               f"a fault every {args.every:g} s", flush=True)
@@ -229,6 +235,10 @@ def main() -> int:
         storm.finish()
         final = box.job(job_id)
         out = output(work, job_id)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            (args.keep / f"slurm-{job_id}.out").write_text(out)
+            shutil.copytree(box.layout.log_dir, args.keep / "log", dirs_exist_ok=True)
         got = subprocess.run(
             [sys.executable, "-m", "slurm_resilience", "--config",
              str(box.layout.resilience_conf), "goodput", str(job_id), "--json"],
@@ -237,8 +247,6 @@ def main() -> int:
             raise RuntimeError(f"goodput failed: {got.stderr}")
         g = json.loads(got.stdout)
         if args.keep is not None:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            (args.keep / f"slurm-{job_id}.out").write_text(out)
             (args.keep / "goodput.json").write_text(got.stdout)
     finally:
         box.stop()
