@@ -12,6 +12,8 @@ polling (its batch host lost), the agent requeues the job as it does for any job
 from __future__ import annotations
 
 import contextlib
+import functools
+import queue
 import subprocess
 import sys
 import threading
@@ -71,7 +73,8 @@ class Launcher:
                  agent: Agent, start: Callable[[list[str], dict[str, str]], Step],
                  end_step: Callable[[int], None], env: Mapping[str, str], srun: str = "srun",
                  clock: Clock = SystemClock(),
-                 nodes_seen: Callable[[Sequence[str]], Mapping[str, Seen]] | None = None):
+                 nodes_seen: Callable[[Sequence[str]], Mapping[str, Seen]] | None = None,
+                 run_aside: Callable[[Callable[[], None]], None] | None = None):
         self.alloc = alloc
         self.command = list(command)
         self.settings = settings
@@ -88,6 +91,9 @@ class Launcher:
         self.returning = Returning()
         self.next_look = 0.0
         self.look_failed = False
+        self.looking = False
+        self.looked: queue.SimpleQueue[Mapping[str, Seen] | Exception] = queue.SimpleQueue()
+        self.run_aside = run_aside or _on_a_thread
 
     def _register(self) -> None:
         try:
@@ -239,18 +245,39 @@ class Launcher:
 
     def _look_for_returns(self) -> None:
         """Every ``return_poll_s`` while a node taken out waits: the nodes Slurm shows back
-        in service become spares again, and the agent is told (see returning.py)."""
-        if self.nodes_seen is None or not self.returning.waiting:
+        in service become spares again, and the agent is told (see returning.py). Slurm is
+        asked aside (``run_aside``): a slow slurmctld must not stop the polls that keep
+        this launcher live for its agent and let it find a lost node."""
+        if self.nodes_seen is None:
+            return
+        self._take_look()
+        if self.looking or not self.returning.waiting:
             return
         now = self.clock.monotonic()
         if now < self.next_look:
             return
         self.next_look = now + self.settings.return_poll_s
+        self.looking = True
+        self.run_aside(functools.partial(self._ask_slurm, sorted(self.returning.waiting)))
+        self._take_look()  # at once when it ran inline
+
+    def _ask_slurm(self, names: list[str]) -> None:
+        assert self.nodes_seen is not None
         try:
-            shown = self.nodes_seen(sorted(self.returning.waiting))
-        except Exception as exc:  # noqa: BLE001 - said once; they wait for the next look
+            self.looked.put(self.nodes_seen(names))
+        except Exception as exc:  # noqa: BLE001 - said by _take_look
+            self.looked.put(exc)
+
+    def _take_look(self) -> None:
+        """Act on the answer of the look in flight, if it came."""
+        try:
+            shown = self.looked.get_nowait()
+        except queue.Empty:
+            return
+        self.looking = False
+        if isinstance(shown, Exception):
             if not self.look_failed:
-                say(f"WARNING: couldn't ask Slurm about the nodes taken out ({exc}); they "
+                say(f"WARNING: couldn't ask Slurm about the nodes taken out ({shown}); they "
                     "are not spares until it answers")
             self.look_failed = True
             return
@@ -263,6 +290,9 @@ class Launcher:
             say(f"{' '.join(back)} back in service: a spare again (spares "
                 f"{' '.join(self.place.spares)})")
             self._register()
+
+def _on_a_thread(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name="launch-returns", daemon=True).start()
 
 
 def _say_gone(order: Mapping[str, object]) -> None:

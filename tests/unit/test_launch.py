@@ -5,7 +5,7 @@ fake agent and fake steps, attempts, and the restore agreement of a spare that j
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
@@ -321,12 +321,44 @@ def test_launcher_has_a_node_it_took_out_as_a_spare_once_slurm_shows_it_back(
 
     launcher = Launcher(P.allocation(ENV), ["python", "t.py"], Settings(1, 3, poll_s=0.01),
                         agent, lambda argv, env: steps.pop(0), end_step, {}, clock=clock,
-                        nodes_seen=nodes_seen)
+                        nodes_seen=nodes_seen, run_aside=lambda fn: fn())
     assert launcher.run() == 0
     assert [t for t, _ in asked] == [0.0, 30.0, 60.0] and asked[0][1] == ["n2"]
     assert agent.registered[-1] == P.Placement(1, ("n1", "n3"), ("n2",), ("n3",))
     assert len(agent.registered) == 3  # relaunch 0, relaunch 1, then n2 back
     assert "n2 back in service: a spare again (spares n2)" in capsys.readouterr().err
+
+
+def test_the_launcher_keeps_polling_its_agent_while_slurm_is_slow_to_answer() -> None:
+    """Slurm is asked aside: while its answer is pending the loop polls its agent as
+    always (what keeps the launcher live and lets the agent find a lost node), and starts
+    no second look; the answer is acted on when it comes."""
+    clock = FakeClock()
+    first = FakeStep()
+    steps = [first, TickingStep(clock, looks=12, seconds=10.0)]
+    agent = FakeAgent([None, {"relaunch": 1, "nodes": ["n1", "n3"], "reason": "hang"}])
+    pending: list[Callable[[], None]] = []
+    polls: list[float] = []
+    answers = iter([{"n2": Seen.OUT}, {"n2": Seen.IN_SERVICE}])
+    real_poll = agent.poll
+
+    def poll() -> Mapping[str, object] | None:
+        polls.append(clock.monotonic())
+        if len(polls) == 8:  # Slurm answers the first look only now (at 60 s)
+            pending.pop(0)()
+        return real_poll()
+
+    def end_step(relaunch: int) -> None:
+        first.code = -9
+
+    agent.poll = poll  # type: ignore[method-assign]
+    launcher = Launcher(P.allocation(ENV), ["python", "t.py"], Settings(1, 3, poll_s=0.01),
+                        agent, lambda argv, env: steps.pop(0), end_step, {}, clock=clock,
+                        nodes_seen=lambda names: next(answers), run_aside=pending.append)
+    assert launcher.run() == 0
+    assert len(polls) >= 13  # every 10 s of the step, the answer pending or not
+    assert len(pending) == 1  # the second look, started once the first was acted on
+    assert agent.registered[-1].spares == ()  # its answer never came: n2 is not back
 
 
 # -- the restore of a spare that joined --------------------------------------------------------
