@@ -60,7 +60,7 @@ class Endpoint:
             [rclone(), "serve", "s3", str(self.dir), "--addr", f"127.0.0.1:{self.port}",
              "--auth-key", f"{self.key},{self.secret}", "--config", "/dev/null"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port),
                                                                          timeout=0.5):

@@ -114,7 +114,7 @@ def world(test_users: tuple[str, ...]) -> Iterator[World]:
         [rclone(), "serve", "s3", str(s3_dir), "--addr", f"127.0.0.1:{port}",
          "--auth-key", f"{key},{secret}", "--config", "/dev/null"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
             break

@@ -174,7 +174,7 @@ def test_no_requeue_job_is_left_or_cancelled_and_drains_nothing(
     job_id, _ = _deadlocked_job(sandbox, user, "norequeue-cancel", requeue=False)
     report = wait_for(lambda: _decided(sandbox, job_id, 0), 90, "the decision")
     assert report["decision"]["action"] == "cancel"
-    assert sandbox.wait_job(job_id, timeout=30).state == "CANCELLED"
+    assert sandbox.wait_job(job_id, timeout=60).state == "CANCELLED"
     assert _drained(sandbox) == []
 
 

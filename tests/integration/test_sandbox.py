@@ -50,7 +50,7 @@ def test_adapter_drains_and_resumes_a_node(sandbox: Sandbox) -> None:
     node = ctl.show_node("node2")
     assert not node.drained and node.state == "IDLE"
     # slurmctld pings a resumed node first (IDLE+NOT_RESPONDING for a moment).
-    sandbox.wait_nodes_ready(timeout=15)
+    sandbox.wait_nodes_ready(timeout=60)
     assert reason_in_sinfo(sandbox, "node2") == ""
 
 
@@ -71,14 +71,14 @@ def test_adapter_requeues_a_running_batch_job_which_runs_again(sandbox: Sandbox)
     """A requeued running job starts again: Restarts=1 and its appended output shows two runs."""
     job = sandbox.sbatch("echo run $SLURM_RESTART_COUNT on $SLURMD_NODENAME\nsleep 300\n",
                          args=["--open-mode=append", "--requeue", "-N1"])
-    sandbox.wait_job(job, {"RUNNING"}, timeout=30)
-    deadline = time.monotonic() + 10
+    sandbox.wait_job(job, {"RUNNING"}, timeout=60)
+    deadline = time.monotonic() + 60
     while "run" not in sandbox.output(job) and time.monotonic() < deadline:
         time.sleep(0.1)
     sandbox.adapter().requeue(job)
     info = sandbox.wait_job(job, {"RUNNING"}, timeout=90, poll=0.5)
     assert info.restarts == 1
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while sandbox.output(job).count("run") < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = [ln for ln in sandbox.output(job).splitlines() if ln.startswith("run")]
@@ -108,7 +108,7 @@ def _detached(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
 def running_job_steps(box: Sandbox, node: str) -> tuple[int, list[sweep.Proc]]:
     """A job running on ``node``, and its slurmstepd processes."""
     job = box.sbatch("sleep 300\n", args=["-N1", "-w", node])
-    box.wait_job(job, {"RUNNING"}, timeout=30)
+    box.wait_job(job, {"RUNNING"}, timeout=60)
     steps: list[sweep.Proc] = []
     deadline = time.monotonic() + 30
     while not steps and time.monotonic() < deadline:

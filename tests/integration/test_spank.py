@@ -33,7 +33,7 @@ def test_options_reach_the_tasks_and_the_prolog(sandbox: Sandbox) -> None:
     assert "SLURM_RESILIENCE_HANG_TIMEOUT=90" in out
     assert "SLURM_RESILIENCE_LEAF_PIN=off" in out
     assert "SLURM_RESILIENCE_HANG=observe" in out
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not (events := _hook_events(sandbox, job)) and time.monotonic() < deadline:
         time.sleep(0.2)
     prolog = [e for e in events if e["hook"] == "prolog"]

@@ -107,9 +107,9 @@ def test_batch_host_asks_silent_nodes_to_join(munge_socket: str) -> None:
     agents = _agents(cfg, nodes, munge_socket)
     try:
         agents["c1"].publish(9, 1, "b", nodes, _piece("c1"))
-        got = agents["b"].gather(9, 1, nodes, time.monotonic() + 1.5)
+        got = agents["b"].gather(9, 1, nodes, time.monotonic() + 4)
         assert set(got) == {"c1"}
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         seen: set[str] = set()
         while time.monotonic() < deadline and seen != {"c2", "c3"}:
             for n in ("c2", "c3"):
@@ -288,7 +288,7 @@ def test_listener_caps_connections_and_cuts_slow_senders(munge_socket: str) -> N
     port = cfg.port_of("b")
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while b.listener.stats.refused_peer_cap < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert b.listener.stats.refused_peer_cap == 2 and b.listener.stats.peak_open == 2
