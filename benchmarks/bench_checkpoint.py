@@ -78,10 +78,13 @@ def timed(fn: Callable[[], object]) -> float:
 def line(name: str, ours: list[float], ref: list[float], goal: str, unit: str = "ms",
          scale: float = 1e3) -> str:
     """Medians of ours and the reference, and the median of the per-run ratios (each run's
-    ours over the reference measured right next to it: steadier on a shared machine)."""
-    paired = median([o / r for o, r in zip(ours, ref, strict=True)])
+    ours over the reference measured right next to it: steadier on a shared machine), with
+    their range in brackets."""
+    ratios = [o / r for o, r in zip(ours, ref, strict=True)]
+    spread = f" [{min(ratios):.2f}-{max(ratios):.2f}]" if len(ratios) > 1 else ""
     return (f"{name:<40} ours {median(ours) * scale:9.1f} {unit:<4} ref "
-            f"{median(ref) * scale:9.1f} {unit:<4} ratio {paired:6.3f}  (goal {goal})")
+            f"{median(ref) * scale:9.1f} {unit:<4} ratio {median(ratios):6.3f}{spread}  "
+            f"(goal {goal})")
 
 
 def drop_file(path: Path) -> None:

@@ -36,7 +36,7 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
 
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     joined = node in os.environ.get(ENV_JOINED, "").split(",")
-    mine = RankView(mgr.rank, node, candidate, status.source == "s3", tuple(local), joined)
+    mine = rank_view(mgr.rank, node, candidate, status, local, joined)
     views: list[Any] = [None] * mgr.world_size
     dist.all_gather_object(views, mine, group=mgr.group)
     result = agree(views)
@@ -61,6 +61,15 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
     log.warning("ranks disagree on the newest committed step; resuming from an older one",
                 step=result.step, newest=result.newest, rank=mgr.rank, detail=result.warning)
     return result.step
+
+
+def rank_view(rank: int, node: str, candidate: int, status: StageinStatus,
+              local: list[int], joined: bool) -> RankView:
+    """This rank's view for agree(). The stage-in's source speaks for its own step only: a
+    relaunch's candidate can be this run's own newer commit (choose_step.py), which S3 may
+    not hold yet, and saying it came from S3 would send the lagging nodes to wait there."""
+    from_s3 = status.source == "s3" and status.step == candidate
+    return RankView(rank, node, candidate, from_s3, tuple(local), joined)
 
 
 def _fetch(mgr: CheckpointManager, node: str, result: Agreement) -> str:

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from slurm_resilience.checkpoint.agree import RankView, agree
 from slurm_resilience.checkpoint.arrival import ArrivalCheck
+from slurm_resilience.checkpoint.catch_up import rank_view
 from slurm_resilience.checkpoint.errors import CheckpointError
+from slurm_resilience.checkpoint.stagein_status import StageinStatus
 
 
 def test_nodes_disagreeing_resume_from_the_newest_step_every_node_has(tmp_path: Path) -> None:
@@ -64,6 +66,22 @@ def test_agree_takes_a_step_committed_in_s3_and_names_the_nodes_to_fetch_it() ->
     assert "step 10 is committed in S3 (staged in for ranks 0, 1 on a)" in got.warning
     assert "stage-in for rank 2 on b; rank 3 on c chose step 5, step 7" in got.warning
     assert "fetching step 10 from S3 on b, c" in got.warning
+
+
+def test_a_relaunchs_own_newer_commit_is_not_said_to_come_from_s3() -> None:
+    """After a requeue, the run's stage-in found step 5 in S3; the run then committed 15.
+    At a relaunch the survivors take 15 (choose_step.py) and the spare, whose stage-in found
+    5, joined: the spare fetches its share of 15 as a relaunch's spare, and nobody is told
+    that step 15 came from S3 (its upload may not have landed)."""
+    staged = StageinStatus("done", step=5, source="s3")
+    survivor = rank_view(0, "a", 15, staged, [5, 10, 15], joined=False)
+    spare = rank_view(1, "s", 5, staged, [5], joined=True)
+    assert not survivor.from_s3 and spare.from_s3
+    got = agree([survivor, spare])
+    assert (got.step, got.fetch) == (15, ("s",))
+    assert "committed in S3" not in got.warning
+    assert "rank 1 on s joined the step at a relaunch: fetching their share of step 15" \
+        in got.warning
 
 
 def test_agree_ignores_steps_above_a_nodes_stagein_choice() -> None:
