@@ -4,7 +4,10 @@ An incident that blames a node by heuristics only drains it with a ``suspect`` r
 node's own agent sees that reason (it polls its node's state often for a while after taking
 part in an incident, and rarely otherwise), waits until the hung job has left the node, and
 verifies it: the health gate's checks, then the loopback all-reduce test of idle verification
-(``slurm_resilience.nccl``), under the node lock. Then:
+(``slurm_resilience.nccl``), under the node lock. A job under ``launch`` keeps the node in
+its allocation after a relaunch took it out of the step: once the job runs nothing there
+(no other job, none of its steps), the node is verified at once, and a pass returns it to
+the job as a spare; a failure then drains nothing and waits for the job to leave. Then:
 
 * a failed check drains the node with a reason naming it (measured against expected);
 * suspicion from jobs of ``suspect_threshold`` different users within ``suspect_window_s``
@@ -323,6 +326,7 @@ class SuspectWatch:
         self.busy_until = -1.0  # monotonic end of the fast-poll window
         self.fast_poll_s = cfg.heartbeat.verify_poll_s  # set per incident (its job's size)
         self.failures = 0  # looks at the node's state that failed in a row (backoff)
+        self.held_failed = -1  # the job whose held node failed its early verification
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
         self.thread: threading.Thread | None = None
         self.last: dict[str, Any] = {}
@@ -395,24 +399,51 @@ class SuspectWatch:
         parsed = policy.parse_reason(info.reason) if info.drained else None
         if parsed is None or not parsed.suspect or not self.adapter.ours(info.reason):
             return "not a suspect"
-        if info.alloc_cpus > 0 or "COMPLETING" in info.flags:
+        held = info.alloc_cpus > 0
+        if "COMPLETING" in info.flags or (held and not self._held_idle(parsed)):
             # The hung job is still leaving (or another job was already placed): look again
             # soon. A requeued job frees its CPUs at once but its processes stay until they
             # exit or KillWait ends them (COMPLETING): verifying then would test a node still
             # running them, and return it before its drain was ever complete.
             self.next_poll = self.clock.monotonic() + self._jittered(hb.verify_poll_s)
             return "suspect still allocated"
-        return self.handle(info, parsed)
+        return self.handle(info, parsed, held=held)
 
-    def handle(self, info: NodeInfo, parsed: policy.HangReason) -> str:
+    def _held_idle(self, parsed: policy.HangReason) -> bool:
+        """The suspect's own job still holds the node but runs nothing on it: a relaunch
+        under ``launch`` took it out of the step, and the job keeps its allocation. It is
+        verified now, so that it can return to the job as a spare (launch/returning.py)
+        rather than wait for the job's end. Not again for the same job once it failed."""
+        job = parsed.job_id
+        if job is None or job == self.held_failed:
+            return False
+        try:
+            use = self.adapter.node_in_use(self.node, job)
+        except SlurmError as exc:
+            log.info("heartbeat: suspect: couldn't read what runs on the node; verifying "
+                     "once the job has left it", node=self.node, job_id=job, error=str(exc))
+            return False
+        if use:
+            return False
+        log.info("heartbeat: suspect: the job holds the node but runs nothing on it: "
+                 "verifying it now", node=self.node, job_id=job)
+        return True
+
+    def handle(self, info: NodeInfo, parsed: policy.HangReason, *, held: bool = False) -> str:
         """Verify (deeper when several users' jobs suspected the node), then drain the node
-        on a failed check or return it; returns what was done."""
+        on a failed check or return it; returns what was done. ``held``: the suspect's job
+        still holds the node (see :meth:`_held_idle`), so only a pass counts now: a failure
+        is verified again once the job has left (a step the user started there meanwhile
+        could have failed it, and a user must not drain a node)."""
         hb = self.cfg.heartbeat
         job = parsed.job_id if parsed.job_id is not None else -1
-        log.warning("heartbeat: suspect: verifying node", job_id=job, reason=info.reason)
+        log.warning("heartbeat: suspect: verifying node", job_id=job, reason=info.reason,
+                    held_by_job=held)
         result = self.verifier(self.cfg, self.node)
         if result.retry:
             return self._postpone(result)
+        if held and not result.passed:
+            return self._failed_while_held(job, result)
         now = self.clock.time()
         # A reason naming no job (an earlier release's "suspect of jobs") adds no suspicion.
         items = (self.history.add(now, job, parsed.user) if parsed.job_id is not None
@@ -426,6 +457,8 @@ class SuspectWatch:
             deep = self.deep_verifier(self.cfg, self.node)
             if deep.retry:
                 return self._postpone(deep)
+            if held and not deep.passed:
+                return self._failed_while_held(job, deep)
         if not result.passed:
             outcome = self._drain(policy.drain_reason(
                 job, parsed.user, now, f"verification failed: {result.failure}"))
@@ -445,6 +478,13 @@ class SuspectWatch:
                     checks=[f"{c.name}: {c.detail}" for c in checks],
                     seconds=round(seconds, 3), outcome=outcome)
         return outcome
+
+    def _failed_while_held(self, job: int, result: Verification) -> str:
+        self.held_failed = job
+        log.warning("heartbeat: suspect: verification failed while the job still holds the "
+                    "node: verifying again once it has left", node=self.node, job_id=job,
+                    checks=[f"{c.name}: {c.detail}" for c in result.checks])
+        return "verification failed while held: again once the job has left"
 
     def _postpone(self, result: Verification) -> str:
         self.next_poll = self.clock.monotonic() + self.cfg.heartbeat.verify_poll_s

@@ -35,6 +35,7 @@ from slurm_resilience.slurm.parse import (
     JobRun,
     NodeInfo,
     collect_hostlist,
+    expand_hostlist,
     parse_job,
     parse_node,
     parse_partition_preempt_mode,
@@ -388,6 +389,25 @@ class SlurmAdapter:
             if _STEP_ID.match(step):
                 steps.append((step, name))
         return steps
+
+    def node_in_use(self, node: str, job_id: int) -> str:
+        """Whether anything but job ``job_id``'s bare allocation uses ``node``: "" when that
+        job is the only one on it and none of its steps (the batch script included; its
+        ``extern`` step holds no work) runs there, else what does. Two squeue calls."""
+        name = _check_node_name(node)
+        out = self._run("list jobs on node", ["squeue", f"--nodelist={name}", "--noheader",
+                                              "--format=%A"])
+        others = sorted({j.strip() for j in out.stdout.split()} - {str(job_id)})
+        if others:
+            return f"job {', '.join(others)} on {node}"
+        out = self._run("list job steps", ["squeue", "--steps",
+                                           f"--jobs={_check_job_id(job_id)}", "--noheader",
+                                           "--format=%i|%N"])
+        for line in out.stdout.splitlines():
+            step, _, nodes = line.strip().partition("|")
+            if step and not step.endswith(".extern") and node in expand_hostlist(nodes):
+                return f"step {step} on {node}"
+        return ""
 
     def signal_step(self, step_id: str, signal: str = "KILL") -> None:
         """Send ``signal`` to every task of one step (the caller's own: scancel checks)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hang_jobs import wait_for
 
 from slurm_resilience.proc import STATS
 from slurm_resilience.sandbox.handle import Sandbox
@@ -63,4 +64,19 @@ def test_list_jobs_filters_by_node(sandbox: Sandbox) -> None:
     on_node2 = [j.job_id for j in ctl.list_jobs(node="node2")]
     on_node3 = [j.job_id for j in ctl.list_jobs(node="node3")]
     assert job in on_node2 and job not in on_node3
+    sandbox.run(["scancel", str(job)])
+
+
+def test_node_in_use_names_a_step_but_not_a_bare_allocation(sandbox: Sandbox) -> None:
+    """What the suspect verifier asks before verifying a node its job still holds: a step of
+    the job on the node (the batch script's included) is named; a node the job holds with
+    no step on it is not in use (its extern step aside)."""
+    ctl = sandbox.adapter()
+    job = sandbox.sbatch("srun -N1 -n1 -w node3 sleep 300\n", args=["-N3", "-w", "node[2-4]"])
+    sandbox.wait_job(job, {"RUNNING"}, timeout=60)
+    wait_for(lambda: ctl.node_in_use("node3", job) != "", 60, "the srun step on node3")
+    assert ctl.node_in_use("node3", job) == f"step {job}.0 on node3"
+    assert ctl.node_in_use("node2", job) == f"step {job}.batch on node2"
+    assert ctl.node_in_use("node4", job) == ""
+    assert ctl.node_in_use("node4", job + 1) == f"job {job} on node4"
     sandbox.run(["scancel", str(job)])

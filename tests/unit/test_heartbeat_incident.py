@@ -62,10 +62,13 @@ class SlurmStandIn:
     of calls (each raising a timeout, as when slurmctld is stopped); records every argv."""
 
     def __init__(self, *, restarts: int = 0, down_calls: int = 0, node_reason: str = "",
-                 alloc: int = 0, completing: bool = False):
+                 alloc: int = 0, completing: bool = False,
+                 on_node: Sequence[str] = ("42",), steps: Sequence[str] = ("42.0|node1",)):
         self.restarts, self.down_calls = restarts, down_calls
         self.node_reason, self.alloc = node_reason, alloc
         self.completing = completing
+        # squeue: the jobs on node1 (%A) and job 42's steps (%i|%N)
+        self.on_node, self.steps = list(on_node), list(steps)
         self.state = "RUNNING"
         self.node_comment = ""
         self.calls: list[list[str]] = []
@@ -79,7 +82,9 @@ class SlurmStandIn:
             return Completed(tuple(argv), 0, "slurm 22.05.8\n", "", 0.0)
         self.calls.append(list(argv))
         out = ""
-        if argv[1:3] == ["show", "job"]:
+        if argv[0].endswith("squeue"):
+            out = "\n".join(self.steps if "--steps" in argv else self.on_node)
+        elif argv[1:3] == ["show", "job"]:
             out = (f"JobId=42 JobName=t UserId=alice(1000) JobState={self.state} "
                    f"Restarts={self.restarts} BatchHost=node1 NodeList=node1 NumNodes=1 "
                    "Requeue=1 AdminComment=(null)")
@@ -582,6 +587,51 @@ def test_a_suspect_is_verified_only_after_the_job_left(tmp_path: Path) -> None:
     slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2)
     watch = _suspect_watch(tmp_path, slurm, Check("health gate", True, "ok"))
     assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
+
+
+def test_a_suspect_its_job_holds_but_runs_nothing_on_is_verified_and_returned(
+        tmp_path: Path) -> None:
+    """A relaunch under ``launch`` took the node out of the step; the job keeps it in its
+    allocation (CPUs allocated) but runs no step there, and no other job is on it: the node
+    is verified at once and returned, to come back to the job as a spare. A step of the job
+    on it (the batch script's included), or another job, keeps it waiting; its extern step
+    does not."""
+    ok = Check("health gate", True, "ok")
+    for on_node, steps in ((["42"], ["42.0|node1"]), (["42", "77"], ["42.1|node2"]),
+                           (["42"], ["42.batch|node1", "42.1|node2"])):
+        slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2, on_node=on_node, steps=steps)
+        watch = _suspect_watch(tmp_path, slurm, ok)
+        assert watch.poll() == "suspect still allocated" and slurm.node_reason == SUSPECT
+    slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2, on_node=["42"],
+                         steps=["42.extern|node[1-3]", "42.1|node[2-3]"])
+    watch = _suspect_watch(tmp_path, slurm, ok)
+    assert watch.poll() == "returned to service" and slurm.node_reason == ""
+    squeue = [c for c in slurm.calls if c[0].endswith("squeue")]
+    assert [c[1:] for c in squeue] == [
+        ["--nodelist=node1", "--noheader", "--format=%A"],
+        ["--steps", "--jobs=42", "--noheader", "--format=%i|%N"]]
+
+
+def test_a_held_suspect_that_fails_is_drained_only_once_its_job_has_left(
+        tmp_path: Path) -> None:
+    """A failure while the job still holds the node drains nothing (a step the user started
+    there could have caused it): the node stays a suspect, is not verified again while
+    held, and is verified again (and drained on the failure) once the job has left."""
+    ran: list[int] = []
+
+    def failing(cfg: Config, node: str) -> Verification:
+        ran.append(1)
+        return Verification((Check("loopback test", False, "0.002 GB/s < 0.01"),), 0.1)
+
+    slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2, steps=["42.1|node2"])
+    watch = SuspectWatch(_cfg(tmp_path), "node1", SlurmAdapter(runner=slurm),
+                         FakeClock(real=True), str(tmp_path / "hb"), failing)
+    assert watch.poll() == "verification failed while held: again once the job has left"
+    assert slurm.node_reason == SUSPECT and ran == [1]
+    assert watch.poll() == "suspect still allocated" and ran == [1]
+    slurm.alloc, slurm.on_node, slurm.steps = 0, [], []
+    assert watch.poll().startswith("drained: ") and ran == [1, 1]
+    assert "verification failed: loopback test: 0.002 GB/s < 0.01" in slurm.node_reason
 
 
 def test_a_suspect_is_not_verified_while_the_requeued_job_is_completing(
