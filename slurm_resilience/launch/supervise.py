@@ -241,6 +241,10 @@ class Launcher:
         before = self.place
         self.place = P.after(self.place, relaunch, [str(n) for n in nodes])
         self.returning.add(n for n in before.nodes if n not in self.place.nodes)
+        # Look at once: the agent drained the nodes it took out before its order, and a
+        # suspect may be verified and back within seconds (hang/suspect.py); a look that
+        # never saw it out of service would keep it out of the step for good.
+        self.next_look = 0.0
         say(f"incident: {order.get('reason', '')}")
 
     def _look_for_returns(self) -> None:

@@ -21,6 +21,7 @@ from hang_jobs import (
     submit_launch,
     wait_for,
     wait_for_decision,
+    wait_for_output,
 )
 
 from slurm_resilience.launch.cli import nodes_seen
@@ -91,6 +92,45 @@ def test_hang_is_relaunched_on_the_spare_inside_the_allocation(
     # run 0 ranks' time from their start to the order (start-up, 12 steps, detection).
     first = min(float(t) for t in re.findall(r"rank \d+ started at=([\d.]+)", out))
     assert g["runs"][1]["allocated_s"] < done - first, (g, done - ordered, done - first)
+
+
+def test_a_suspect_verified_while_the_job_holds_it_is_a_spare_again(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """Rank 1 hangs (when a file the test creates exists): its node is taken out as a
+    suspect and the step relaunched on the spare. The suspect's own agent verifies it while
+    the job still holds it (no step of the job runs there) and returns it, the launcher
+    has it as a spare again, and a second hang is relaunched onto it: no requeue."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "returned")
+    trigger = work / "hang-now"
+    job_id = submit_launch(sandbox, user, work, "--steps 5000 --ckpt-every 5 --hang-rank 1 "
+                                                f"--fault-every-run --hang-on-file {trigger}",
+                           launch_args="--return-poll 1")
+
+    def hang_once(run: int) -> None:
+        # After a commit of this run (the hang timeout before the first one is longer).
+        this_run = rf"rank 1 running step=\d+ at=[\d.]+ restarts={run} [\s\S]*"
+        wait_for_output(sandbox, work, job_id, this_run + r"checkpoint step=\d+", 300,
+                        f"run {run}'s first checkpoint")
+        trigger.touch()
+        wait_for_output(sandbox, work, job_id, this_run + r"rank 1 hanging at step=", 120,
+                        f"run {run}'s hang")
+        trigger.unlink()  # the rank is stuck for good; the next run must not hang at once
+
+    try:
+        hang_once(0)
+        first = _node_of(output(work, job_id), 1, 0)
+        wait_for_output(sandbox, work, job_id, rf"{first} back in service: a spare again",
+                        300, "the suspect back as a spare")
+        assert not sandbox.adapter().show_node(first).drained
+        hang_once(1)
+        wait_for_output(sandbox, work, job_id, r"rank 1 running step=\d+ at=[\d.]+ "
+                                               r"restarts=2 ", 300, "the second relaunch")
+        out = output(work, job_id)
+        assert _node_of(out, 1, 2) == first, out
+        assert sandbox.job(job_id).restarts == 0
+    finally:
+        sandbox.run(["scancel", str(job_id)], check=False)
 
 
 def test_without_a_spare_the_job_is_requeued_as_before(

@@ -329,6 +329,32 @@ def test_launcher_has_a_node_it_took_out_as_a_spare_once_slurm_shows_it_back(
     assert "n2 back in service: a spare again (spares n2)" in capsys.readouterr().err
 
 
+def test_after_an_order_the_launcher_looks_at_slurm_at_once() -> None:
+    """A suspect can be verified and back in service within seconds of its drain: the look
+    after an order comes at once, not return_poll_s after the last one, so that it sees the
+    node out of service (a node never seen out would stay out of the step for good)."""
+    clock = FakeClock()
+    first = FakeStep()
+    second = TickingStep(clock, looks=100, seconds=10.0)
+    steps = [first, second, TickingStep(clock, looks=1, seconds=10.0)]
+    agent = FakeAgent([None, {"relaunch": 1, "nodes": ["n1", "n3"], "reason": "hang"},
+                       None, {"relaunch": 2, "nodes": ["n1", "n3"], "reason": "hang"}])
+    asked: list[tuple[float, list[str]]] = []
+
+    def nodes_seen(names: Sequence[str]) -> dict[str, Seen]:
+        asked.append((clock.monotonic(), list(names)))
+        return {n: Seen.OUT for n in names}
+
+    def end_step(relaunch: int) -> None:
+        (first if relaunch == 0 else second).code = -9
+
+    launcher = Launcher(P.allocation(ENV), ["python", "t.py"], Settings(1, 3, poll_s=0.01),
+                        agent, lambda argv, env: steps.pop(0), end_step, {}, clock=clock,
+                        nodes_seen=nodes_seen, run_aside=lambda fn: fn())
+    assert launcher.run() == 0
+    assert asked == [(0.0, ["n2"]), (10.0, ["n2"])]
+
+
 def test_the_launcher_keeps_polling_its_agent_while_slurm_is_slow_to_answer() -> None:
     """Slurm is asked aside: while its answer is pending the loop polls its agent as
     always (what keeps the launcher live and lets the agent find a lost node), and starts
