@@ -10,6 +10,7 @@ longer held.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -241,6 +242,31 @@ def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
     return f"recorded the take-out of {node} in its Comment"
 
 
+# Slurm refuses updates of a job it resized (a lost node taken out of a --no-kill job) until
+# accounting gives it a new record, and without accounting for the job's life: "Job update
+# not available right now, the DB index is being set, try again in a bit".
+_RESIZED = re.compile(r"DB index is being set", re.IGNORECASE)
+# How long a comment Slurm refuses so waits before the plan goes on without it.
+RESIZED_WAIT_S = 15.0
+
+
+def _comment(what: str, call: Callable[[], str], deadline: float, clock: Clocked) -> str:
+    """A COMMENT step: retried as any step, except that Slurm's refusal of a resized job's
+    update ends it after RESIZED_WAIT_S, said, and the plan goes on. The comment carries the
+    hang ledger (a requeue's count), but a job left hung for it is worse: before this, a
+    hang after a node loss was neither relaunched nor requeued (seen in the fault storm)."""
+    try:
+        return str(retry(what, call, min(deadline, clock.now() + RESIZED_WAIT_S), clock))
+    except DeadlinePassed as exc:
+        if not _RESIZED.search(str(exc.__cause__ or "")):
+            return str(retry(what, call, deadline, clock))
+        log.error("heartbeat: act: Slurm refuses to update the job's AdminComment (a job it "
+                  "resized after a lost node); going on without it: the hang ledger of this "
+                  "incident is not recorded there", what=what, error=str(exc.__cause__))
+        return (f"couldn't {what}: {exc.__cause__} (Slurm refuses updates of a job it "
+                "resized until accounting records it); went on without it")
+
+
 def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], done: int,
             deadline: float, clock: Clocked,
             progress: Callable[[int], None],
@@ -255,11 +281,12 @@ def execute(adapter: SlurmAdapter, job_id: int, run: int, plan: Sequence[Step], 
     for i in range(done, len(plan)):
         step = plan[i]
         try:
-            actions.append(said + retry(step.describe(job_id),
-                                        lambda s=step: run_step(adapter, job_id, run, s,  # type: ignore[misc]
-                                                                released=released,
-                                                                relaunch=relaunch),
-                                        deadline, clock))
+            call = functools.partial(run_step, adapter, job_id, run, step, released=released,
+                                     relaunch=relaunch)
+            if step.kind is StepKind.COMMENT:
+                actions.append(said + _comment(step.describe(job_id), call, deadline, clock))
+            else:
+                actions.append(said + retry(step.describe(job_id), call, deadline, clock))
         except DeadlinePassed as exc:
             actions.append(str(exc))
             return actions, False

@@ -214,7 +214,8 @@ def decide(job_id: int, *, run: int, user: str, requeue_allowed: bool, admin_com
 def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool,
          relaunch: Step | None = None) -> tuple[Step, ...]:
     """The Slurm steps of a decision, in order: nodes first (so no other job lands on a node
-    under suspicion), then the job's ledger, then the job. ``relaunch``: the step that hands
+    under suspicion), then the job's ledger, then the job (a relaunch: the job, then its
+    comment). ``relaunch``: the step that hands
     a RELAUNCH decision's order to the job's launcher (see :mod:`relaunch`)."""
     steps: list[Step] = []
     if decision.action in (Action.REQUEUE, Action.HOLD, Action.RELAUNCH) and drain:
@@ -240,7 +241,9 @@ def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool,
     elif decision.action is Action.RELAUNCH:
         if relaunch is None:
             raise ValueError("a relaunch decision needs its launcher's order")
-        steps += [Step(StepKind.COMMENT, text=comment), relaunch]
+        # The recovery first: the comment is bookkeeping (a relaunch moves no count), and
+        # Slurm refuses updates of a job it resized after a lost node (actions.py).
+        steps += [relaunch, Step(StepKind.COMMENT, text=comment)]
     elif decision.action is Action.HOLD:
         steps.append(Step(StepKind.REQUEUE_HOLD, text=comment))
         if decision.exclude:

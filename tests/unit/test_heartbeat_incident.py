@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,24 @@ class SlurmStandIn:
             else:
                 self.node_reason = argv[4].removeprefix("Reason=")
         return Completed(tuple(argv), 0, out, "", 0.0)
+
+
+class ResizedJobSlurm(SlurmStandIn):
+    """Refuses every update of the job's AdminComment as Slurm does for a job it resized
+    after a lost node (without accounting, for the job's life)."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.comment_refusals = 0
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
+            input_text: str | None = None, env: dict[str, str] | None = None) -> Completed:
+        if argv[1:3] == ["update", "JobId=42"] and argv[3].startswith("AdminComment="):
+            self.comment_refusals += 1
+            message = ("Job update not available right now, the DB index is being set, try "
+                       "again in a bit for job 42")
+            raise CommandError(argv, "exit 1", Completed(tuple(argv), 1, "", message, 0.0))
+        return super().run(argv, timeout=timeout, check=check, input_text=input_text, env=env)
 
 
 def _node(name: str, reason: str) -> NodeInfo:
@@ -534,6 +553,28 @@ def _suspect_watch(tmp_path: Path, slurm: SlurmStandIn, *checks: Check,
 
 
 SUSPECT = "SR: " + policy.suspect_reason(42, "alice", time.time(), "rank 1 stalled first")
+
+
+def test_a_comment_slurm_refuses_for_a_resized_job_does_not_stop_the_recovery() -> None:
+    """After a lost node, Slurm refuses updates of the resized job ("the DB index is being
+    set"). The plan's comment is then given up after RESIZED_WAIT_S, said, and the requeue
+    still happens; before, the incident retried it until its deadline and the hung job was
+    neither relaunched nor requeued. Other failures of the comment still hold the plan."""
+    slurm = ResizedJobSlurm()
+    clock = actions.Clocked(FakeClock(wall=0.0))
+    plan = [Step(StepKind.COMMENT, text="[sr-hang n=1 ckpt=10 restart=0] hang"),
+            Step(StepKind.REQUEUE)]
+    done, complete = actions.execute(SlurmAdapter(runner=slurm), 42, 0, plan, 0,
+                                     deadline=90.0, clock=clock, progress=lambda i: None)
+    assert complete and slurm.restarts == 1, done
+    assert "DB index is being set" in done[0] and "went on without it" in done[0]
+    assert done[1] == "requeued job 42"
+    assert actions.RESIZED_WAIT_S <= clock.now() < 90.0
+    away = SlurmStandIn(down_calls=1000)
+    done, complete = actions.execute(SlurmAdapter(runner=away), 42, 0, plan, 0,
+                                     deadline=90.0, clock=actions.Clocked(FakeClock(wall=0.0)),
+                                     progress=lambda i: None)
+    assert not complete and "gave up at the incident's deadline" in done[0]
 
 
 def test_a_suspect_that_passes_verification_returns_to_service(tmp_path: Path) -> None:
