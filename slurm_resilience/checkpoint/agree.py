@@ -19,7 +19,10 @@ another), each rank's view is gathered and one pure decision is taken here:
 * a relaunch inside the allocation (``slurm-resilience launch``): the nodes lacking the
   newest step are all spares that just joined, and the nodes that kept running committed
   it (a commit on any node means every rank's save returned): the spares fetch their share
-  of it (``ckpt.stage`` waits for its upload to land), the others read their own NVMe;
+  of it (``ckpt.stage`` waits for its upload to land, or takes it from the job's nodes),
+  the others read their own NVMe. When it can't be had (a node lost right after the
+  commit, before its part reached S3 or its buddy), the next older step the others
+  committed is fetched instead, loudly (``older``);
 * no step is committed on every node: an error naming each node's newest step.
 """
 
@@ -53,6 +56,10 @@ class Agreement:
     warning: str = ""
     passed_over: tuple[int, ...] = ()  # steps above ``step`` some node has: never loaded
     fetch: tuple[str, ...] = ()  # nodes whose agent must stage ``step`` in from S3 first
+    # A relaunch's spares: the older steps every other node committed, newest first, to
+    # fetch instead when ``step`` can't be had (its part died with a lost node before it
+    # reached S3 or its buddy).
+    older: tuple[int, ...] = ()
 
 
 def _where(views: list[RankView]) -> str:
@@ -82,7 +89,10 @@ def agree(views: list[RankView]) -> Agreement:
         # A relaunch inside the allocation: the nodes that kept running committed the
         # step, so every rank saved it before the fault; the spares fetch their share.
         fetch = tuple(sorted({v.node for v in lacking}))
-        return Agreement(newest, newest, fetch=fetch, warning=(
+        kept = set.intersection(*(steps for v, steps in zip(views, usable, strict=True)
+                                  if v in having))
+        older = tuple(sorted((s for s in kept if s < newest), reverse=True))
+        return Agreement(newest, newest, fetch=fetch, older=older, warning=(
             f"step {newest} is committed for {_where(having)}; {_where(lacking)} joined "
             f"the step at a relaunch: fetching their share of step {newest} on "
             f"{', '.join(fetch)}"))

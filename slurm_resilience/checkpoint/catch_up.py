@@ -12,8 +12,11 @@ A step that fails verification while loading is passed over the same way on ever
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from slurm_resilience.checkpoint.agree import Agreement, RankView, agree
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
     from slurm_resilience.checkpoint.manager import CheckpointManager
 
 log = get_logger("checkpoint.restore")
+
+# At a relaunch, how many older steps the spares try when the newest can't be had.
+MAX_OLDER = 2
 
 
 def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
@@ -49,13 +55,14 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
         log.warning("ranks disagree on the newest committed step; the nodes that lack it "
                     "fetch it from S3", step=result.step, nodes=list(result.fetch),
                     rank=mgr.rank, detail=result.warning)
-        failed = _fetch(mgr, node, result)
+        step, failed = fetch_newest_or_older(mgr, result, functools.partial(_fetch, mgr, node))
         if failed:
+            where = "on the nodes that kept running" if result.older else "in S3"
             mgr._fresh_or_raise(f"checkpoint: load: ranks disagree on the newest committed "
-                                f"step: step {result.step} is committed in S3 but couldn't "
-                                f"be staged in on {failed}")
+                                f"step: step {result.step} is committed {where} but "
+                                f"couldn't be staged in on {failed}")
             return None
-        return result.step
+        return step
     for step in result.passed_over:  # a later save(step) sets it aside, never skips it
         mgr._passed_over[step] = f"not committed on every node; resumed from {result.step}"
     log.warning("ranks disagree on the newest committed step; resuming from an older one",
@@ -70,6 +77,32 @@ def rank_view(rank: int, node: str, candidate: int, status: StageinStatus,
     not hold yet, and saying it came from S3 would send the lagging nodes to wait there."""
     from_s3 = status.source == "s3" and status.step == candidate
     return RankView(rank, node, candidate, from_s3, tuple(local), joined)
+
+
+def fetch_newest_or_older(mgr: CheckpointManager, result: Agreement,
+                          fetch: Callable[[Agreement], str]) -> tuple[int, str]:
+    """The step the lagging nodes could fetch: ``result.step``, or at a relaunch the newest
+    of ``result.older`` (said on rank 0's stderr and in the log; the newer steps are
+    passed over); with what failed where when none could be had. A collective."""
+    assert result.step is not None
+    failed = fetch(result)
+    for older in result.older[:MAX_OLDER] if failed else ():
+        if mgr.rank == 0:
+            print(f"checkpoint: load: WARNING: step {result.step} can't be had on "
+                  f"{', '.join(result.fetch)} ({failed}): its part on a lost node reached "
+                  f"neither S3 nor its buddy. Resuming from OLDER step {older}, the newest "
+                  "the other nodes committed", file=sys.stderr, flush=True)
+        log.warning("relaunch: the newest step can't be had on the spares; fetching an "
+                    "older one", step=result.step, older=older, nodes=list(result.fetch),
+                    error=failed, rank=mgr.rank)
+        again = fetch(replace(result, step=older, newest=older))
+        if not again:  # a later save() of these sets the stale local copies aside
+            for step in (result.step, *(s for s in result.older if s > older)):
+                mgr._passed_over[step] = (f"its part on a lost node was never saved elsewhere; "
+                                          f"resumed from {older}")
+            return older, ""
+        failed = f"{failed}; step {older}: {again}"
+    return result.step, failed
 
 
 def _fetch(mgr: CheckpointManager, node: str, result: Agreement) -> str:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import dcp_ranks
 import dcp_ranks_dead_ends as scenarios
+import pytest
 import torch.distributed as dist
 
-from slurm_resilience.checkpoint.agree import RankView, agree
+from slurm_resilience.checkpoint.agree import Agreement, RankView, agree
 from slurm_resilience.checkpoint.arrival import ArrivalCheck
-from slurm_resilience.checkpoint.catch_up import rank_view
+from slurm_resilience.checkpoint.catch_up import fetch_newest_or_older, rank_view
 from slurm_resilience.checkpoint.errors import CheckpointError
 from slurm_resilience.checkpoint.stagein_status import StageinStatus
 
@@ -82,6 +84,35 @@ def test_a_relaunchs_own_newer_commit_is_not_said_to_come_from_s3() -> None:
     assert "committed in S3" not in got.warning
     assert "rank 1 on s joined the step at a relaunch: fetching their share of step 15" \
         in got.warning
+
+
+def test_a_relaunch_falls_back_to_an_older_step_when_the_newest_cant_be_had(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Seen in the fault storm: a node lost right after committing step 1500, before its part
+    reached S3 or its buddy. The spare can't fetch 1500, so the relaunch takes the newest
+    older step both survivors committed (1440), loudly, instead of failing the relaunch;
+    1500 is passed over (a later save(1500) sets the stale local copy aside)."""
+    staged = StageinStatus("done", step=1200, source="s3")
+    views = [rank_view(0, "a", 1500, staged, [1380, 1440, 1500], joined=False),
+             rank_view(1, "b", 1500, staged, [1440, 1500], joined=False),
+             rank_view(2, "s", -1, StageinStatus("done"), [], joined=True)]
+    got = agree(views)
+    assert (got.step, got.fetch, got.older) == (1500, ("s",), (1440,))
+    asked: list[int] = []
+
+    def fetch(result: Agreement) -> str:
+        asked.append(int(result.newest))
+        return "" if result.step == 1440 else "s: step 1500 is not committed in s3://x"
+
+    mgr = SimpleNamespace(rank=0, _passed_over={})
+    step, failed = fetch_newest_or_older(mgr, got, fetch)  # type: ignore[arg-type]
+    assert (step, failed, asked) == (1440, "", [1500, 1440])
+    assert set(mgr._passed_over) == {1500}
+    err = capsys.readouterr().err
+    assert "step 1500 can't be had on s (s: step 1500 is not committed" in err
+    assert "Resuming from OLDER step 1440" in err
+    step, failed = fetch_newest_or_older(mgr, got, lambda r: f"s: no {r.step}")  # type: ignore[arg-type]
+    assert step == 1500 and failed == "s: no 1500; step 1440: s: no 1440"
 
 
 def test_agree_ignores_steps_above_a_nodes_stagein_choice() -> None:
