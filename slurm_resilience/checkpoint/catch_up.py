@@ -87,21 +87,23 @@ def fetch_newest_or_older(mgr: CheckpointManager, result: Agreement,
     assert result.step is not None
     failed = fetch(result)
     for older in result.older[:MAX_OLDER] if failed else ():
+        log.warning("relaunch: the newest step can't be had on the spares; fetching an "
+                    "older one", step=result.step, older=older, nodes=list(result.fetch),
+                    error=failed, rank=mgr.rank)
+        again = fetch(replace(result, step=older, newest=older))
+        if again:
+            failed = f"{failed}; step {older}: {again}"
+            continue
         if mgr.rank == 0:
             print(f"checkpoint: load: WARNING: step {result.step} can't be had on "
                   f"{', '.join(result.fetch)} ({failed}): its part on a lost node reached "
                   f"neither S3 nor its buddy. Resuming from OLDER step {older}, the newest "
                   "the other nodes committed", file=sys.stderr, flush=True)
-        log.warning("relaunch: the newest step can't be had on the spares; fetching an "
-                    "older one", step=result.step, older=older, nodes=list(result.fetch),
-                    error=failed, rank=mgr.rank)
-        again = fetch(replace(result, step=older, newest=older))
-        if not again:  # a later save() of these sets the stale local copies aside
-            for step in (result.step, *(s for s in result.older if s > older)):
-                mgr._passed_over[step] = (f"its part on a lost node was never saved elsewhere; "
-                                          f"resumed from {older}")
-            return older, ""
-        failed = f"{failed}; step {older}: {again}"
+        for step in (result.step, *(s for s in result.older if s > older)):
+            # A later save() of these sets the stale local copies aside.
+            mgr._passed_over[step] = (f"its part on a lost node was never saved elsewhere; "
+                                      f"resumed from {older}")
+        return older, ""
     return result.step, failed
 
 
