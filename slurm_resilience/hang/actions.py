@@ -24,6 +24,7 @@ from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.slurm.errors import (
     ForeignDrain,
     JobNotFound,
+    JobUpdateRefused,
     NodeNotFound,
     SlurmError,
     SlurmTimeout,
@@ -242,23 +243,20 @@ def record_takeout(adapter: SlurmAdapter, node: str, reason: str) -> str:
     return f"recorded the take-out of {node} in its Comment"
 
 
-# Slurm refuses updates of a job it resized (a lost node taken out of a --no-kill job) until
-# accounting gives it a new record, and without accounting for the job's life: "Job update
-# not available right now, the DB index is being set, try again in a bit".
-_RESIZED = re.compile(r"DB index is being set", re.IGNORECASE)
-# How long a comment Slurm refuses so waits before the plan goes on without it.
+# How long a comment Slurm refuses for now (JobUpdateRefused: a job it resized after a lost
+# node, for the job's life without accounting) waits before the plan goes on without it.
 RESIZED_WAIT_S = 15.0
 
 
 def _comment(what: str, call: Callable[[], str], deadline: float, clock: Clocked) -> str:
-    """A COMMENT step: retried as any step, except that Slurm's refusal of a resized job's
-    update ends it after RESIZED_WAIT_S, said, and the plan goes on. The comment carries the
-    hang ledger (a requeue's count), but a job left hung for it is worse: before this, a
-    hang after a node loss was neither relaunched nor requeued (seen in the fault storm)."""
+    """A COMMENT step: retried as any step, except that Slurm's refusal to update the job
+    ends it after RESIZED_WAIT_S, said, and the plan goes on. The comment carries the hang
+    ledger (a requeue's count), but a job left hung for it is worse: before this, a hang
+    after a node loss was neither relaunched nor requeued (seen in the fault storm)."""
     try:
         return str(retry(what, call, min(deadline, clock.now() + RESIZED_WAIT_S), clock))
     except DeadlinePassed as exc:
-        if not _RESIZED.search(str(exc.__cause__ or "")):
+        if not isinstance(exc.__cause__, JobUpdateRefused):
             return str(retry(what, call, deadline, clock))
         log.error("heartbeat: act: Slurm refuses to update the job's AdminComment (a job it "
                   "resized after a lost node); going on without it: the hang ledger of this "

@@ -215,8 +215,8 @@ def plan(job_id: int, decision: Decision, admin_comment: str, *, drain: bool,
          relaunch: Step | None = None) -> tuple[Step, ...]:
     """The Slurm steps of a decision, in order: nodes first (so no other job lands on a node
     under suspicion), then the job's ledger, then the job (a relaunch: the job, then its
-    comment). ``relaunch``: the step that hands
-    a RELAUNCH decision's order to the job's launcher (see :mod:`relaunch`)."""
+    comment). ``relaunch``: the step that hands a RELAUNCH decision's order to the job's
+    launcher (see :mod:`relaunch`)."""
     steps: list[Step] = []
     if decision.action in (Action.REQUEUE, Action.HOLD, Action.RELAUNCH) and drain:
         # Each suspect take-out is then recorded in the node's Comment, where it outlives a

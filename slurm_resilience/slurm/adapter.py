@@ -25,6 +25,7 @@ from slurm_resilience.proc import CommandError, CommandTimeout, Completed, Runne
 from slurm_resilience.slurm.errors import (
     ForeignDrain,
     JobNotFound,
+    JobUpdateRefused,
     NodeNotFound,
     SlurmError,
     SlurmTimeout,
@@ -53,6 +54,7 @@ _STEP_ID = re.compile(r"^\d+\.\d+$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-\[\],]*$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _NOT_FOUND = re.compile(r"(invalid node name|node .* not found|invalid job id)", re.IGNORECASE)
+_UPDATE_REFUSED = re.compile(r"DB index is being set", re.IGNORECASE)
 _VERSION = re.compile(r"\b(\d+)\.(\d+)(?:\.\d+)?\b")
 # The first release whose scontrol prints JSON (data_parser v0.0.39).
 JSON_SINCE = (23, 2)
@@ -128,6 +130,8 @@ class SlurmAdapter:
             if _NOT_FOUND.search(message):
                 kind = JobNotFound if "job" in operation else NodeNotFound
                 raise kind(operation, message) from exc
+            if _UPDATE_REFUSED.search(message):
+                raise JobUpdateRefused(operation, message) from exc
             raise SlurmError(operation, message) from exc
         log.info("slurm call", operation=operation, argv=argv, seconds=round(result.seconds, 3))
         return result
@@ -380,15 +384,17 @@ class SlurmAdapter:
     def job_steps(self, job_id: int | str) -> list[tuple[str, str]]:
         """The job's running steps as (``JOB.STEP``, name); the job's own launcher reads
         them (as the job's user) to end the step it started."""
-        jid = _check_job_id(job_id)
-        out = self._run("list job steps", ["squeue", "--steps", f"--jobs={jid}",
-                                           "--noheader", "--format=%i|%j"])
-        steps = []
-        for line in out.stdout.splitlines():
-            step, _, name = line.strip().partition("|")
-            if _STEP_ID.match(step):
-                steps.append((step, name))
-        return steps
+        return [(step, name) for step, name in self._step_rows(job_id, "%j")
+                if _STEP_ID.match(step)]
+
+    def _step_rows(self, job_id: int | str, field: str) -> list[tuple[str, str]]:
+        """The job's running steps (batch and extern included) as (``JOB.STEP``, ``field``
+        of squeue's step format)."""
+        out = self._run("list job steps", ["squeue", "--steps",
+                                           f"--jobs={_check_job_id(job_id)}", "--noheader",
+                                           f"--format=%i|{field}"])
+        rows = [line.strip().partition("|") for line in out.stdout.splitlines()]
+        return [(step, value) for step, _, value in rows if step]
 
     def node_in_use(self, node: str, job_id: int) -> str:
         """Whether anything but job ``job_id``'s bare allocation uses ``node``: "" when that
@@ -400,12 +406,8 @@ class SlurmAdapter:
         others = sorted({j.strip() for j in out.stdout.split()} - {str(job_id)})
         if others:
             return f"job {', '.join(others)} on {node}"
-        out = self._run("list job steps", ["squeue", "--steps",
-                                           f"--jobs={_check_job_id(job_id)}", "--noheader",
-                                           "--format=%i|%N"])
-        for line in out.stdout.splitlines():
-            step, _, nodes = line.strip().partition("|")
-            if step and not step.endswith(".extern") and node in expand_hostlist(nodes):
+        for step, nodes in self._step_rows(job_id, "%N"):
+            if not step.endswith(".extern") and node in expand_hostlist(nodes):
                 return f"step {step} on {node}"
         return ""
 

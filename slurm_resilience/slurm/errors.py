@@ -26,3 +26,10 @@ class JobNotFound(SlurmError):
 
 class ForeignDrain(SlurmError):
     """The node is drained or down by someone else; we leave it alone."""
+
+
+class JobUpdateRefused(SlurmError):
+    """Slurm refuses to update the job for now: "Job update not available right now, the DB
+    index is being set". After a requeue that lasts until its new accounting record is set
+    up; for a job Slurm resized (a lost node taken out of a --no-kill job) without
+    accounting, for the job's life."""
