@@ -55,7 +55,7 @@ class Agreement:
     error: str = ""
     warning: str = ""
     passed_over: tuple[int, ...] = ()  # steps above ``step`` some node has: never loaded
-    fetch: tuple[str, ...] = ()  # nodes whose agent must stage ``step`` in from S3 first
+    fetch: tuple[str, ...] = ()  # nodes whose agent must stage ``step`` in first (peers, S3)
     # A relaunch's spares: the older steps every other node committed, newest first, to
     # fetch instead when ``step`` can't be had (its part died with a lost node before it
     # reached S3 or its buddy).

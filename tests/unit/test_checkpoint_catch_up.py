@@ -145,7 +145,7 @@ def test_a_node_behind_a_step_committed_in_s3_fetches_it_and_every_rank_loads_it
                "for rank 1 on b chose step 5; fetching step 10 from S3 on b" in err, err
     said = events_saying(events, "staging the step the job's ranks agreed on")
     assert [(e["step"], e["staged"]) for e in said] == [(10, 5)], said
-    ranks = events_saying(events, "the nodes that lack it fetch it from S3")
+    ranks = events_saying(events, "the nodes that lack it stage it in through their node agent")
     assert sorted((e["rank"], e["step"], tuple(e["nodes"])) for e in ranks) == \
         [(0, 10, ("b",)), (1, 10, ("b",))], ranks
 
