@@ -61,6 +61,12 @@ DEEP_FILE = "suspicion-verified.json"
 # Each wait between looks is drawn from [1 - JITTER, 1 + JITTER] times the interval, so the
 # agents of one incident, which all start polling at once, don't reach slurmctld in step.
 JITTER = 0.2
+# A suspect its job still holds (a relaunch's spare-to-be) that fails its verification is
+# verified again after HELD_RETRY_S, then twice that, HELD_RETRIES times in all: a check
+# that failed once for a passing cause (a user's step still leaving the node) need not
+# keep a good spare out of the job until it ends. After that, once the job has left.
+HELD_RETRIES = 2
+HELD_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,16 @@ def backed_off(interval: float, failures: int, cap: float) -> float:
     return min(interval * 2.0 ** min(failures, 16), max(interval, cap))
 
 
+@dataclass(frozen=True)
+class HeldFailures:
+    """Failed verifications while ``job`` held the node: how many, and when to try again
+    (monotonic)."""
+
+    job: int
+    count: int
+    next_at: float
+
+
 class SuspectWatch:
     """Polls this node's Slurm state for a suspect drain and verifies the node."""
 
@@ -326,7 +342,7 @@ class SuspectWatch:
         self.busy_until = -1.0  # monotonic end of the fast-poll window
         self.fast_poll_s = cfg.heartbeat.verify_poll_s  # set per incident (its job's size)
         self.failures = 0  # looks at the node's state that failed in a row (backoff)
-        self.held_failed = -1  # the job whose held node failed its early verification
+        self.held_failures: HeldFailures | None = None  # while its job holds the node
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
         self.thread: threading.Thread | None = None
         self.last: dict[str, Any] = {}
@@ -413,9 +429,14 @@ class SuspectWatch:
         """The suspect's own job still holds the node but runs nothing on it: a relaunch
         under ``launch`` took it out of the step, and the job keeps its allocation. It is
         verified now, so that it can return to the job as a spare (launch/returning.py)
-        rather than wait for the job's end. Not again for the same job once it failed."""
+        rather than wait for the job's end. After a failure, again only once the backoff has
+        passed, and not after HELD_RETRIES more."""
         job = parsed.job_id
-        if job is None or job == self.held_failed:
+        if job is None:
+            return False
+        failed = self.held_failures
+        if failed is not None and failed.job == job and (
+                failed.count > HELD_RETRIES or self.clock.monotonic() < failed.next_at):
             return False
         try:
             use = self.adapter.node_in_use(self.node, job)
@@ -433,8 +454,8 @@ class SuspectWatch:
         """Verify (deeper when several users' jobs suspected the node), then drain the node
         on a failed check or return it; returns what was done. ``held``: the suspect's job
         still holds the node (see :meth:`_held_idle`), so only a pass counts now: a failure
-        is verified again once the job has left (a step the user started there meanwhile
-        could have failed it, and a user must not drain a node)."""
+        is verified again later, and finally once the job has left (a step the user
+        started there meanwhile could have failed it, and a user must not drain a node)."""
         hb = self.cfg.heartbeat
         job = parsed.job_id if parsed.job_id is not None else -1
         log.warning("heartbeat: suspect: verifying node", job_id=job, reason=info.reason,
@@ -480,11 +501,20 @@ class SuspectWatch:
         return outcome
 
     def _failed_while_held(self, job: int, result: Verification) -> str:
-        self.held_failed = job
+        before = self.held_failures
+        count = before.count + 1 if before is not None and before.job == job else 1
+        wait = HELD_RETRY_S * 2 ** (count - 1)
+        self.held_failures = HeldFailures(job, count, self.clock.monotonic() + wait)
+        checks = [f"{c.name}: {c.detail}" for c in result.checks]
+        if count > HELD_RETRIES:
+            log.warning("heartbeat: suspect: verification failed while the job still holds "
+                        "the node: verifying again once it has left", node=self.node,
+                        job_id=job, failures=count, checks=checks)
+            return "verification failed while held: again once the job has left"
         log.warning("heartbeat: suspect: verification failed while the job still holds the "
-                    "node: verifying again once it has left", node=self.node, job_id=job,
-                    checks=[f"{c.name}: {c.detail}" for c in result.checks])
-        return "verification failed while held: again once the job has left"
+                    "node: verifying again later", node=self.node, job_id=job,
+                    failures=count, next_in_s=wait, checks=checks)
+        return f"verification failed while held: again in {wait:.0f} s"
 
     def _postpone(self, result: Verification) -> str:
         self.next_poll = self.clock.monotonic() + self.cfg.heartbeat.verify_poll_s

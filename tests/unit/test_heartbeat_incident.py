@@ -656,8 +656,11 @@ def test_a_suspect_its_job_holds_but_runs_nothing_on_is_verified_and_returned(
 def test_a_held_suspect_that_fails_is_drained_only_once_its_job_has_left(
         tmp_path: Path) -> None:
     """A failure while the job still holds the node drains nothing (a step the user started
-    there could have caused it): the node stays a suspect, is not verified again while
-    held, and is verified again (and drained on the failure) once the job has left."""
+    there could have caused it): the node stays a suspect, is verified again after
+    HELD_RETRY_S and twice that while held, then not until the job has left, and is
+    drained on a failure then."""
+    from slurm_resilience.hang.suspect import HELD_RETRIES, HELD_RETRY_S
+
     ran: list[int] = []
 
     def failing(cfg: Config, node: str) -> Verification:
@@ -665,14 +668,47 @@ def test_a_held_suspect_that_fails_is_drained_only_once_its_job_has_left(
         return Verification((Check("loopback test", False, "0.002 GB/s < 0.01"),), 0.1)
 
     slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2, steps=["42.1|node2"])
-    watch = SuspectWatch(_cfg(tmp_path), "node1", SlurmAdapter(runner=slurm),
-                         FakeClock(real=True), str(tmp_path / "hb"), failing)
-    assert watch.poll() == "verification failed while held: again once the job has left"
+    clock = FakeClock(real=True)
+    watch = SuspectWatch(_cfg(tmp_path), "node1", SlurmAdapter(runner=slurm), clock,
+                         str(tmp_path / "hb"), failing)
+    assert HELD_RETRIES == 2
+    assert watch.poll() == f"verification failed while held: again in {HELD_RETRY_S:.0f} s"
     assert slurm.node_reason == SUSPECT and ran == [1]
     assert watch.poll() == "suspect still allocated" and ran == [1]
+    clock.advance(HELD_RETRY_S)
+    assert watch.poll() == \
+        f"verification failed while held: again in {2 * HELD_RETRY_S:.0f} s"
+    clock.advance(2 * HELD_RETRY_S - 1)
+    assert watch.poll() == "suspect still allocated" and ran == [1, 1]
+    clock.advance(1)
+    assert watch.poll() == "verification failed while held: again once the job has left"
+    clock.advance(3600)
+    assert watch.poll() == "suspect still allocated" and ran == [1, 1, 1]
+    assert slurm.node_reason == SUSPECT
     slurm.alloc, slurm.on_node, slurm.steps = 0, [], []
-    assert watch.poll().startswith("drained: ") and ran == [1, 1]
+    assert watch.poll().startswith("drained: ") and ran == [1, 1, 1, 1]
     assert "verification failed: loopback test: 0.002 GB/s < 0.01" in slurm.node_reason
+
+
+def test_a_held_suspect_that_fails_once_returns_as_a_spare_when_it_passes_later(
+        tmp_path: Path) -> None:
+    """One failed verification while held (a transient cause) doesn't keep a good node out
+    of its job until the job ends: it is verified again after HELD_RETRY_S and returned."""
+    from slurm_resilience.hang.suspect import HELD_RETRY_S
+
+    results = [False, True]
+
+    def flaky(cfg: Config, node: str) -> Verification:
+        ok = results.pop(0)
+        return Verification((Check("loopback test", ok, "ok" if ok else "timed out"),), 0.1)
+
+    slurm = SlurmStandIn(node_reason=SUSPECT, alloc=2, steps=["42.1|node2"])
+    clock = FakeClock(real=True)
+    watch = SuspectWatch(_cfg(tmp_path), "node1", SlurmAdapter(runner=slurm), clock,
+                         str(tmp_path / "hb"), flaky)
+    assert watch.poll().startswith("verification failed while held: again in ")
+    clock.advance(HELD_RETRY_S)
+    assert watch.poll() == "returned to service" and slurm.node_reason == "" and not results
 
 
 def test_a_suspect_is_not_verified_while_the_requeued_job_is_completing(
