@@ -55,8 +55,8 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
         # The agent takes the step from the job's nodes that hold it (their own or buddy
         # copies) before S3: a spare joined at a relaunch usually never touches S3.
         log.warning("ranks disagree on the newest committed step; the nodes that lack it "
-                    "stage it in through their node agent", step=result.step, nodes=list(result.fetch),
-                    rank=mgr.rank, detail=result.warning)
+                    "stage it in through their node agent", step=result.step,
+                    nodes=list(result.fetch), rank=mgr.rank, detail=result.warning)
         step, failed = fetch_newest_or_older(mgr, result, functools.partial(_fetch, mgr, node))
         if failed:
             where = "on the nodes that kept running" if result.older else "in S3"
