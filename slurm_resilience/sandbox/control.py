@@ -271,7 +271,7 @@ def up(layout: Layout, *, install: bool = True, wait_s: float = 40.0,
         for stage in STAGES:
             stage.start(layout, env)
         _wait_idle(layout, wait_s - (time.monotonic() - start))
-        _wait_hook_servers(layout, wait_s - (time.monotonic() - start))
+        _wait_agents(layout, wait_s - (time.monotonic() - start))
     except Exception:
         try:
             down(layout)
@@ -413,8 +413,10 @@ def _check_started(layout: Layout, started: list[Daemon]) -> None:
             raise failed(daemon.name, "exited while starting", _daemon_logs(layout, daemon))
 
 
-def _wait_hook_servers(layout: Layout, wait_s: float) -> None:
-    """Wait until each node agent's hook server listens (``hooks.server: agent`` here)."""
+def _wait_agents(layout: Layout, wait_s: float) -> None:
+    """Wait until each node agent's hook server (``hooks.server: agent`` here) and its own
+    socket listen. The hook server comes up first: a job started between the two had its
+    prolog find no agent (no staging dir; its ranks then failed to register)."""
     from slurm_resilience.hooks import endpoint
 
     if not agent_extras(layout):
@@ -422,11 +424,12 @@ def _wait_hook_servers(layout: Layout, wait_s: float) -> None:
     real = os.path.realpath(layout.resilience_conf)
     deadline = time.monotonic() + max(wait_s, 10.0)
     for node in layout.node_names:
-        if not daemons.wait_for(Path(endpoint.socket_path(real, node)),
-                                deadline - time.monotonic()):
-            agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
-            raise failed(agent.name, "its hook server did not listen",
-                         _daemon_logs(layout, agent))
+        for what, path in (("its hook server", Path(endpoint.socket_path(real, node))),
+                           ("its socket", resilience_conf.agent_socket(layout, node))):
+            if not daemons.wait_for(path, deadline - time.monotonic()):
+                agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
+                raise failed(agent.name, f"{what} did not listen at {path}",
+                             _daemon_logs(layout, agent))
 
 
 def _wait_idle(layout: Layout, wait_s: float) -> None:

@@ -7,9 +7,17 @@ The file is validated with :func:`slurm_resilience.config.load` when written.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from slurm_resilience.sandbox.layout import Layout
+
+AGENT_SOCKET = "run/agent.sock"  # under each node's directory
+
+
+def agent_socket(layout: Layout, node: str) -> Path:
+    """Where ``node``'s agent listens (``agent.socket`` below)."""
+    return layout.node_dir(node) / AGENT_SOCKET
 
 
 def sections(layout: Layout) -> dict[str, dict[str, Any]]:
@@ -78,7 +86,7 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             # Answered by the node's `systemctl` stand-in (an HGX node runs Fabric Manager).
             "services": {"units": ["nvidia-fabricmanager"]},
         },
-        "agent": {"socket": f"{node_root}/run/agent.sock"},
+        "agent": {"socket": f"{node_root}/{AGENT_SOCKET}"},
         # No systemd here: each node's agent runs its hook server.
         "hooks": {"server": "agent"},
         "heartbeat": {
