@@ -426,7 +426,7 @@ def _wait_agents(layout: Layout, wait_s: float) -> None:
     for node in layout.node_names:
         for what, path in (("its hook server", Path(endpoint.socket_path(real, node))),
                            ("its socket", resilience_conf.agent_socket(layout, node))):
-            if not daemons.wait_for(path, deadline - time.monotonic()):
+            if not daemons.wait_listening(path, deadline - time.monotonic()):
                 agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
                 raise failed(agent.name, f"{what} did not listen at {path}",
                              _daemon_logs(layout, agent))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -198,3 +199,19 @@ def wait_for(predicate_path: Path, timeout: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def wait_listening(path: Path, timeout: float) -> bool:
+    """Wait until a Unix socket at ``path`` accepts a connection. Its file alone says
+    nothing: one left by a daemon killed outright outlives it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            try:
+                sock.connect(str(path))
+                return True
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

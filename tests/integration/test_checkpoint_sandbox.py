@@ -14,7 +14,7 @@ import pytest
 from hang_jobs import s3_stopped
 
 from slurm_resilience.agent import client
-from slurm_resilience.sandbox import control, daemons
+from slurm_resilience.sandbox import control, daemons, resilience_conf
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -178,7 +178,7 @@ def _restart_agent(sandbox: Sandbox, node: str, sig: int = signal.SIGTERM) -> No
                   env={**control.daemon_env(sandbox.layout), **extra.env})
     # The old agent's socket file can outlive it (SIGKILL): only an answer to a ping says
     # the new one listens (a job started before that would find no agent).
-    sock = str(sandbox.layout.node_dir(node) / "run" / "agent.sock")
+    sock = str(resilience_conf.agent_socket(sandbox.layout, node))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

@@ -25,7 +25,7 @@ import pytest
 
 from slurm_resilience.agent.client import call
 from slurm_resilience.health.steps import LOOK_EVERY_PASSES
-from slurm_resilience.sandbox import control, daemons, faults
+from slurm_resilience.sandbox import control, daemons, faults, resilience_conf
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = pytest.mark.sandbox
@@ -155,7 +155,7 @@ def restart_agent(box: Sandbox, node: str, sig: int) -> None:
 
 
 def agent_socket(box: Sandbox, node: str) -> str:
-    return str(box.layout.node_dir(node) / "run" / "agent.sock")
+    return str(resilience_conf.agent_socket(box.layout, node))
 
 
 def agent_answers(box: Sandbox, node: str) -> bool:
