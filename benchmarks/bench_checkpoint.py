@@ -385,8 +385,16 @@ def bench_s3(mb: int, base: Path, runs: int, part_mb: int, concurrency: int) -> 
             drop_file(dst)
             os.sync()
 
-        for ours, ref, fns in (("up", "s5_up", (ours_up, s5_up)),
-                               ("down", "s5_down", (ours_down, s5_down))):
+        # The download is measured twice: in alternating pairs, and with each measured
+        # transfer right after an unmeasured one by the same client. In the pairs, ours
+        # follows s5cmd in three runs of four, and on the 2-core reference VM a download of
+        # ours right after s5cmd's took 5.3-7.6 s against 3.8-4.4 s after one of ours
+        # (4 GiB; s5cmd 4.3-4.9 s after either). That state outlives a 15 s pause and a
+        # sync; what s5cmd leaves behind we did not find.
+        for ours, ref, fns, after_own in (
+                ("up", "s5_up", (ours_up, s5_up), False),
+                ("down", "s5_down", (ours_down, s5_down), False),
+                ("down_own", "s5_down_own", (ours_down, s5_down), True)):
             if ours == "down":  # unmeasured: both objects in the server's cache alike
                 for fn in fns:
                     settle()
@@ -394,24 +402,13 @@ def bench_s3(mb: int, base: Path, runs: int, part_mb: int, concurrency: int) -> 
             for run in range(runs):  # alternating which goes first
                 pairs = list(zip((ours, ref), fns, strict=True))
                 for name, fn in pairs if run % 2 == 0 else pairs[::-1]:
+                    if after_own:
+                        settle()
+                        fn()
                     settle()
                     before = cpu_s()
                     times[name].append(timed(fn))
                     cpu[name].append(cpu_s() - before)
-        # The download again, each measured transfer right after an unmeasured one by the
-        # same client. Above, ours follows s5cmd in three runs of four, and on the 2-core
-        # reference VM a download of ours right after s5cmd's took 5.3-7.6 s against
-        # 3.8-4.4 s after one of ours (4 GiB; s5cmd 4.3-4.9 s after either). That state
-        # outlives a 15 s pause and a sync; what s5cmd leaves behind we did not find.
-        for run in range(runs):
-            pairs = list(zip(("down_own", "s5_down_own"), (ours_down, s5_down), strict=True))
-            for name, fn in pairs if run % 2 == 0 else pairs[::-1]:
-                settle()
-                fn()
-                settle()
-                before = cpu_s()
-                times[name].append(timed(fn))
-                cpu[name].append(cpu_s() - before)
         drop_file(dst)
         mib = size / 2**20
 
