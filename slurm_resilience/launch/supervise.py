@@ -230,6 +230,12 @@ class Launcher:
         try:
             self.end_step(relaunch)
         except Exception as exc:  # noqa: BLE001 - killing srun still ends it
+            if step.poll() is not None:
+                # Asked aside after a node was lost: srun was killed after its grace while
+                # slurmctld still held the answer. Nothing is left to end.
+                say(f"Slurm's answer to signalling relaunch {relaunch}'s step came late "
+                    f"({exc}); the step had already ended")
+                return
             say(f"WARNING: couldn't signal the step through Slurm ({exc}); killing srun")
             step.kill()
 

@@ -510,6 +510,32 @@ def test_a_step_with_a_gone_node_gets_a_short_grace_then_srun_is_killed() -> Non
         assert waits[0] == expected and step.code == -9
 
 
+def test_slurms_late_answer_about_a_step_already_ended_is_no_warning(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The signal of a step with a gone node is asked aside; when scancel's answer comes
+    after srun was killed at the end of the grace, the launcher says so and kills nothing.
+    While srun still runs, a failed scancel is a warning and srun is killed."""
+    def timed_out(relaunch: int) -> None:
+        raise RuntimeError("scancel: timed out after 10s")
+
+    launcher = Launcher(P.allocation(ENV), ["t"], Settings(1, 3), Agent([WAIT]),
+                        lambda argv, env: Step(0), timed_out, {}, clock=FakeClock())
+    ended = Step(-9)
+    launcher._signal(ended, 2)
+    err = capsys.readouterr().err
+    assert "Slurm's answer to signalling relaunch 2's step came late (scancel: timed out " \
+           "after 10s); the step had already ended" in err and "WARNING" not in err
+
+    class Running(Step):
+        def poll(self) -> int | None:
+            return None if self.code != -9 else self.code
+
+    running = Running(0)
+    launcher._signal(running, 2)
+    assert "WARNING: couldn't signal the step through Slurm" in capsys.readouterr().err
+    assert running.code == -9
+
+
 def test_ranks_died_means_all_ended_and_one_died() -> None:
     detect = JobVerdict(1, "act", (RankState(0, "dead", 1, "step", 0, 1),
                                    RankState(1, "done", 1, "step", 0, 1)))
