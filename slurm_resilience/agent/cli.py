@@ -7,7 +7,7 @@ import signal
 from typing import Any
 
 from slurm_resilience import config, events, log
-from slurm_resilience.agent.daemon import Agent, load_services
+from slurm_resilience.agent.daemon import Agent, bind_server, load_services
 from slurm_resilience.agent.service import AgentContext
 from slurm_resilience.config import lastgood
 from slurm_resilience.config.paths import node_name
@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     adapter = from_config(cfg)
     adapter.events_path = events.path_for(cfg.node.state_dir, node)
     ctx = AgentContext(cfg=cfg, node=node, adapter=adapter)
-    agent = Agent(ctx, load_services(ctx))
+    server = bind_server(ctx)  # before the services: the hook server's prologs call it
+    agent = Agent(ctx, load_services(ctx), server)
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
     agent.run()

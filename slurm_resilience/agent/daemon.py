@@ -41,19 +41,29 @@ def load_services(ctx: AgentContext, specs: list[str] | None = None) -> list[Ser
     return services
 
 
+def bind_server(ctx: AgentContext) -> AgentServer:
+    """The agent's socket, listening, before any service starts.
+
+    The first service starts the hook server, and a prolog it runs asks this socket for the
+    job's staging. Listening from the start, the kernel queues such a request until the
+    loop accepts it (the prolog's own timeout bounds the wait), where a socket bound after
+    the services would refuse it while they start (at boot, or an agent restart)."""
+    a = ctx.cfg.agent
+    return AgentServer(node_path(a.socket, ctx.node), max_bytes=a.max_request_bytes,
+                       io_timeout=a.request_timeout_s, max_connections=a.max_connections,
+                       max_per_uid=a.max_connections_per_uid,
+                       newcomer_reserve=a.newcomer_reserve)
+
+
 class Agent:
     """Runs services' ``tick`` on one loop thread and their handlers on socket threads."""
 
-    def __init__(self, ctx: AgentContext, services: list[Service]):
+    def __init__(self, ctx: AgentContext, services: list[Service],
+                 server: AgentServer | None = None):
         self.ctx = ctx
         self.services = services
         self.stop_event = threading.Event()
-        a = ctx.cfg.agent
-        self.server = AgentServer(node_path(a.socket, ctx.node), max_bytes=a.max_request_bytes,
-                                  io_timeout=a.request_timeout_s,
-                                  max_connections=a.max_connections,
-                                  max_per_uid=a.max_connections_per_uid,
-                                  newcomer_reserve=a.newcomer_reserve)
+        self.server = server if server is not None else bind_server(ctx)
         for svc in services:
             for op, handler in svc.handlers().items():
                 self.server.route(op, handler)

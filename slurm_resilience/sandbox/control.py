@@ -27,6 +27,8 @@ from typing import Any
 import yaml
 
 from slurm_resilience import config
+from slurm_resilience.agent.client import AgentUnavailable
+from slurm_resilience.agent.client import call as agent_call
 from slurm_resilience.fakes import nvml
 from slurm_resilience.health.nvlink_domain import GpuFabric, NodeFabric
 from slurm_resilience.log import get_logger
@@ -414,9 +416,9 @@ def _check_started(layout: Layout, started: list[Daemon]) -> None:
 
 
 def _wait_agents(layout: Layout, wait_s: float) -> None:
-    """Wait until each node agent's hook server (``hooks.server: agent`` here) and its own
-    socket listen. The hook server comes up first: a job started between the two had its
-    prolog find no agent (no staging dir; its ranks then failed to register)."""
+    """Wait until each node agent's hook server (``hooks.server: agent`` here) listens and
+    its own socket answers a ping. The socket listens before the services start, and the
+    ping is answered once they have: a test's first call never waits on their start."""
     from slurm_resilience.hooks import endpoint
 
     if not agent_extras(layout):
@@ -426,10 +428,22 @@ def _wait_agents(layout: Layout, wait_s: float) -> None:
     for node in layout.node_names:
         for what, path in (("its hook server", Path(endpoint.socket_path(real, node))),
                            ("its socket", resilience_conf.agent_socket(layout, node))):
-            if not daemons.wait_listening(path, deadline - time.monotonic()):
+            if not daemons.wait_listening(path, deadline - time.monotonic()) or (
+                    what == "its socket" and not _pinged(path, deadline)):
                 agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
                 raise failed(agent.name, f"{what} did not listen at {path}",
                              _daemon_logs(layout, agent))
+
+
+def _pinged(path: Path, deadline: float) -> bool:
+    while True:
+        try:
+            agent_call(str(path), "ping", timeout=max(0.1, deadline - time.monotonic()))
+            return True
+        except AgentUnavailable:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _wait_idle(layout: Layout, wait_s: float) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slurm_resilience.agent import client
-from slurm_resilience.agent.daemon import Agent
+from slurm_resilience.agent.daemon import Agent, bind_server
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
 from slurm_resilience.config import Config, load_text
@@ -253,3 +253,28 @@ def test_agent_ticks_services_and_serves_their_ops(tmp_path: Path) -> None:
         agent.stop_event.set()
         thread.join(5)
     assert svc.closed
+
+
+def test_a_request_sent_while_services_start_is_answered_once_the_agent_runs(
+        tmp_path: Path) -> None:
+    """The socket listens before any service starts (the hook server, the first of them,
+    runs prologs that call it): a request sent then waits in the kernel's queue and is
+    answered, instead of finding no socket."""
+    cfg = load_text(Config, f"agent:\n  socket: {tmp_path}/{{node}}.sock\n  tick_s: 0.05\n")
+    ctx = AgentContext(cfg, "node1", SlurmAdapter())
+    server = bind_server(ctx)
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    early.settimeout(10)
+    early.connect(str(tmp_path / "node1.sock"))  # no service yet, no accept loop
+    early.sendall(json.dumps({"op": "count"}).encode() + b"\n")
+    svc = _Counter()
+    agent = Agent(ctx, [svc], server)  # the services started
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        answer = json.loads(early.makefile("rb").readline())
+        assert answer["ok"] and isinstance(answer["ticks"], int)
+    finally:
+        early.close()
+        agent.stop_event.set()
+        thread.join(5)
