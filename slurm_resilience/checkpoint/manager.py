@@ -47,6 +47,7 @@ from slurm_resilience.checkpoint.stagein_status import (
     wait_stagein,
 )
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
+from slurm_resilience.heartbeat import attempt
 
 MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
@@ -388,7 +389,9 @@ class CheckpointManager:
             return
         from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
 
-        run = _env_int(os.environ, "SLURM_RESTART_COUNT", default=0)
+        # The attempt (requeues and relaunches), as the heartbeat slots number the runs: a
+        # relaunch's stalls are its own run's, not the first run's.
+        run = attempt.from_env(os.environ)
         try:
             call(self.agent_socket, "metrics.ckpt_saved", timeout=5.0, job_id=self.job_id,
                  step=step, run=run, stall_s=round(stall_s, 6), write_s=round(write_s, 6))

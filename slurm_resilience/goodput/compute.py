@@ -20,7 +20,8 @@ Its losses, in the order they happen:
 
 Productive time is measured on its own, from step times: the steps a run kept (all of them,
 or for a failed run those up to its last checkpoint, not counting the first step, whose
-time is start-up) times the run's median step time. Every category above is an interval of
+time is start-up) times the run's mean step time (beat to beat, less the checkpoint stalls:
+the kept steps took their slow ones' time too). Every category above is an interval of
 the run's timeline, so ``unexplained`` (allocated minus productive minus the losses) is what
 the measurements do not cover: time lost in a way the suite does not measure (slow steps
 outside checkpoints, a stall outside ``section("checkpoint")``), or, when negative, time two
@@ -63,7 +64,7 @@ class Run:
     hang: Hang | None = None
     steps: int | None = None  # steps completed after the first one (None: not recorded)
     steps_at_checkpoint: int | None = None  # of those, the ones the last checkpoint kept
-    step_time_s: float | None = None  # the run's median step time
+    step_time_s: float | None = None  # the run's mean step time
     planned: bool = False  # stopped on purpose (time limit ahead, preemption) after a save
 
 

@@ -11,9 +11,10 @@ the retention are removed by :meth:`Ledger.cleanup`.
 
 Productive time comes from step times (see :mod:`slurm_resilience.goodput.compute`): per run
 the node's lowest rank's beat count, its beat count at the last checkpoint (less the steps it
-had done past the checkpoint's step when the tick saw it), and up to
-:data:`MAX_STEP_SAMPLES` of its latest step times, one per tick (the run's median step time
-is their median).
+had done past the checkpoint's step when the tick saw it), and the run's mean step time: from
+the first beat a tick saw to the latest, less the checkpoint stalls between, over the beats
+between. (Ledgers kept before that span was recorded have up to :data:`MAX_STEP_SAMPLES`
+step times, one per tick, and use their median.)
 
 Resolution: a checkpoint's time is the exit of the ``checkpoint`` section that saved it
 when there is one, else the tick that saw the step change; a checkpoint section shorter
@@ -69,6 +70,23 @@ class RunTimes:
     beats: int = 0  # the lowest rank's beats
     beats_at_checkpoint: int | None = None
     step_times: list[float] = field(default_factory=list)  # its latest step times, one a tick
+    # The mean step time's span: the lowest rank's first beat seen after its first step
+    # (count, wall time, and the run's checkpoint stall by then) and its latest beat.
+    anchor_beats: int = 0
+    anchor_at: float | None = None
+    anchor_stall_s: float = 0.0
+    last_beat_at: float | None = None
+
+    def mean_step_s(self) -> float | None:
+        """The run's mean step time from beat to beat, less the checkpoint stalls between
+        (None before two beats were seen). A median would leave out the tail of the steps'
+        times, and the kept steps took that time too."""
+        if self.anchor_at is None or self.last_beat_at is None or \
+                self.beats <= self.anchor_beats:
+            return None
+        stalls = max(0.0, self.checkpoint_stall_s - self.anchor_stall_s)
+        span = max(0.0, self.last_beat_at - self.anchor_at - stalls)
+        return span / (self.beats - self.anchor_beats)
 
     def to_run(self) -> Run:
         hang = None
@@ -81,7 +99,9 @@ class RunTimes:
             steps = max(0, self.beats - 1)
             if self.beats_at_checkpoint is not None:
                 kept = max(0, self.beats_at_checkpoint - 1)
-            step_time = statistics.median(self.step_times) if self.step_times else 0.0
+            step_time = self.mean_step_s()
+            if step_time is None:  # a ledger kept before the span was: its sampled steps
+                step_time = statistics.median(self.step_times) if self.step_times else 0.0
         return Run(self.run, self.start, self.end, self.first_step_at, self.last_progress_at,
                    self.last_checkpoint_at, self.stagein_s, self.checkpoint_stall_s, self.done,
                    hang, steps, kept, step_time, self.planned)
@@ -144,6 +164,8 @@ def merge(parts: Iterable[JobTimes]) -> JobTimes | None:
             if r.steps_recorded and (not m.steps_recorded or r.beats > m.beats):
                 # Ranks step together: the node that saw the most steps tells them.
                 m.steps_recorded, m.beats, m.step_times = True, r.beats, list(r.step_times)
+                m.anchor_beats, m.anchor_at = r.anchor_beats, r.anchor_at
+                m.anchor_stall_s, m.last_beat_at = r.anchor_stall_s, r.last_beat_at
             if r.beats_at_checkpoint is not None:
                 m.beats_at_checkpoint = max(m.beats_at_checkpoint or 0, r.beats_at_checkpoint)
     return out
@@ -318,6 +340,11 @@ class Ledger:
                     r.step_times.append(lead.last_dt)
                     del r.step_times[:-MAX_STEP_SAMPLES]
                 r.beats = lead.beats
+                if lead.beats >= 1:  # from a beat on: not the first one's start-up
+                    if r.anchor_at is None or lead.beats < r.anchor_beats:
+                        r.anchor_beats, r.anchor_at = lead.beats, lead.wall(lead.last_beat)
+                        r.anchor_stall_s = r.checkpoint_stall_s
+                    r.last_beat_at = lead.wall(lead.last_beat)
             if r.stall_reported:
                 r.in_section_since = None  # save() reports its stalls: no sampling
             ckpt = max(v.ckpt_step for v in slots)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from slurm_resilience.agent.service import Peer, RequestError
+from slurm_resilience.heartbeat import attempt
 
 MAX_JOBS = 1024
 MAX_SECONDS = 1e6
@@ -60,7 +61,8 @@ class SaveBook:
         if peer.uid not in (0, owner_uid):
             raise RequestError(f"metrics: ckpt_saved: job {job_id} belongs to uid {owner_uid}, "
                                f"not to you (uid {peer.uid})")
-        run, step = _count(request, "run", 100000), _count(request, "step", 2**62)
+        run = _count(request, "run", attempt.RELAUNCH_STRIDE * (attempt.MAX_RELAUNCHES + 1))
+        step = _count(request, "step", 2**62)
         stall, write = _seconds(request, "stall_s"), _seconds(request, "write_s")
         with self.lock:
             st = self.jobs.get(job_id)

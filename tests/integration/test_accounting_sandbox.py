@@ -17,7 +17,7 @@ hang, done). Tolerances, from those resolutions plus one agent tick (0.5 s):
 * productive: 28 kept steps (2..10, then 12..30) of 0.1 s sleep plus compute: between 2.8 s
   and 14 s (0.5 s a step);
 * all of them together explain the allocated time but for the gap between the steps' time
-  on the job's clock and goodput's estimate of it (the kept steps times their median step
+  on the job's clock and goodput's estimate of it (the kept steps times their mean step
   time), within 4 s (each run's first step, and sacct's whole seconds at each end of both
   runs).
 
@@ -159,15 +159,15 @@ def check_goodput(box: Sandbox, job_id: int, b: dict[str, Any], out: str) -> Non
     kept = (ckpt10 - clock["running"][0]) + (ckpt30 - clock["running"][1]) \
         - sum(s for _, s in clock["checkpoints"].values())
     # Goodput counts each run's first step as start-up (before_first_step), so it keeps one
-    # step fewer per run than this clock, and it multiplies the steps by their median time
-    # (a loaded machine's slow steps lie above it): two step times and 15% besides.
+    # step fewer per run than this clock, and it multiplies the steps by their mean time
+    # (measured from the beats an agent tick saw): two step times and 15% besides.
     step = (ckpt30 - clock["running"][1]) / 20
     assert abs(b["productive_s"] - kept) <= 2.0 + 2 * step + 0.15 * kept, (
         b["productive_s"], kept, step, b)
-    # Productive time is the steps times their median: the gap between the steps' time on
-    # the job's own clock and that estimate is what goes unexplained (slow steps on a loaded
-    # machine, or a median above the mean). Everything else is explained, to the runs'
-    # first steps and sacct's whole seconds (a second at each end of each run).
+    # Productive time is the steps times their mean: the gap between the steps' time on the
+    # job's own clock and that estimate is what goes unexplained (the beats' stamps against
+    # the job's printed ones). Everything else is explained, to the runs' first steps and
+    # sacct's whole seconds (a second at each end of each run).
     gap = clock_minus_productive_s(clock, b["productive_s"])
     assert abs(b["unexplained_s"] - gap) <= 4.0, (b["unexplained_s"], gap, b)
 

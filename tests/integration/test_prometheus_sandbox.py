@@ -4,7 +4,7 @@ After an injected Xid, a hang and a checkpointed job, PromQL against that server
 drain, incident, goodput and upload-backlog series. The job hung once and resumed; its
 `goodput` over the nodes it ran on accounts for all its allocated time but the gap between
 the steps' time on the job's clock and goodput's estimate of it (the kept steps times their
-median step time), within 3 s, and the losses match the
+mean step time), within 3 s, and the losses match the
 job's own printed clock (examples/train.py's ``at=`` stamps) and its hang report, to one
 agent tick (heartbeat.interval_s = 0.5 s) plus the stamp's distance from the event:
 
@@ -373,8 +373,8 @@ def test_prometheus_sees_drain_incident_goodput_and_backlog_and_goodput_adds_up(
     clock = job_clock(out)
     print(f"job clock: {clock}")
     # All the allocation is explained but the gap between the steps' time on the job's own
-    # clock and goodput's estimate of it (a loaded machine's slow steps, or a median above
-    # the mean), to the runs' first steps and an agent tick at each end of each run.
+    # clock and goodput's estimate of it (each run's mean step time, beat to beat, times its
+    # kept steps), to the runs' first steps and an agent tick at each end of each run.
     gap = clock_minus_productive_s(clock, b["productive_s"])
     assert abs(b["unexplained_s"] - gap) <= 3.0, (b["unexplained_s"], gap, b)
     (hang_step, hung_at), = clock["hangs"]

@@ -59,6 +59,27 @@ def test_a_save_reports_its_stall_and_write_time(tmp_path: Path,
     assert st.last_write_s > 0
 
 
+def test_a_relaunchs_saves_are_reported_as_its_own_run(
+        tmp_path: Path, book_server: tuple[SaveBook, AgentServer],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``launch``, relaunch 2 of a job requeued once is attempt 2001, the run its
+    heartbeat slots and the goodput ledger name: its stalls are charged there, not to the
+    allocation's first run."""
+    book, srv = book_server
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_RESILIENCE_RELAUNCH", "2")
+    staging = tmp_path / "job"
+    staging.mkdir()
+    mgr = CheckpointManager(staging, job_id=78, agent_socket=srv.path)
+    mgr.save(5, {"w": torch.ones(16, 16)})
+    mgr.wait()
+    deadline = time.monotonic() + 60
+    while book.snapshot().get(78, None) is None:
+        assert time.monotonic() < deadline, "no save report reached the agent"
+        time.sleep(0.05)
+    assert book.snapshot()[78].run == 2001
+
+
 def test_reports_are_checked_and_bounded() -> None:
     book = SaveBook()
     ok = {"job_id": 3, "run": 0, "step": 5, "stall_s": 0.5, "write_s": 1.0}
