@@ -49,8 +49,12 @@ class NodeLossDesk:
 
     def __init__(self, cfg: Callable[[], Config], launches: Launches, adapter: SlurmAdapter,
                  clock: Clock, node: str = "",
-                 probe: Callable[[Sequence[Target]], Mapping[str, Reach]] = probe_nodes):
+                 probe: Callable[[Sequence[Target]], Mapping[str, Reach]] = probe_nodes,
+                 aside: Callable[[Callable[[], None]], None] | None = None):
         self.cfg = cfg
+        # Where the AdminComment of a relaunch is written: off the launcher's request, which
+        # carries the order back (a resized job's update can block for seconds, then fail).
+        self.aside = aside or _on_a_thread
         self.launches = launches
         self.adapter = adapter
         self.clock = clock
@@ -194,7 +198,8 @@ class NodeLossDesk:
                 loss = NL.NodeLoss(NL.Verdict.REQUEUE, f"{loss.reason}; the launcher moved on "
                                                        "or went quiet", loss.out)
             else:
-                self._record(job, ledger, f"node fault on {lost}: {loss.reason}")
+                text = f"node fault on {lost}: {loss.reason}"
+                self.aside(lambda: self._record(job, ledger, text))
                 events.count(self.adapter.events_path, events.NODE_LOSS, "relaunch")
                 log.warning("launch: node lost: relaunch ordered", job_id=job.job_id,
                             lost=lost, reason=loss.reason)
@@ -227,3 +232,9 @@ class NodeLossDesk:
             log.warning("launch: couldn't record the node-loss relaunch in the job's "
                         "AdminComment (the counter and this log keep it)",
                         job_id=job.job_id, error=str(exc))
+
+
+def _on_a_thread(fn: Callable[[], None]) -> None:
+    """One short-lived thread per relaunch ordered (bounded by the launcher's
+    --max-restarts); each Slurm call in it has the adapter's timeout."""
+    threading.Thread(target=fn, name="node-loss-record", daemon=True).start()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,7 +183,12 @@ def desk(tmp_path: Path, states: Mapping[str, str], unreachable_s: float = 5.0,
     return d, slurm, clock
 
 
+def run_now(fn: Callable[[], None]) -> None:
+    fn()
+
+
 def probed_desk(tmp_path: Path, states: Mapping[str, str], unreachable_s: float = 5.0,
+                aside: Callable[[Callable[[], None]], None] = run_now,
                 **register: object) -> tuple[NodeLossDesk, SlurmState, FakeClock, Probes]:
     clock = FakeClock()
     slurm = SlurmState(states)
@@ -195,8 +200,8 @@ def probed_desk(tmp_path: Path, states: Mapping[str, str], unreachable_s: float 
     cfg = Config(heartbeat=HeartbeatSection(node_loss_margin_s=15,
                                             node_unreachable_s=unreachable_s))
     probes = Probes()
-    return (NodeLossDesk(lambda: cfg, launches, adapter, clock, "n1", probes), slurm, clock,
-            probes)
+    return (NodeLossDesk(lambda: cfg, launches, adapter, clock, "n1", probes, aside), slurm,
+            clock, probes)
 
 
 def counted(tmp_path: Path, decision: str) -> int:
@@ -234,6 +239,20 @@ def test_a_lost_node_is_relaunched_on_the_spare_once(tmp_path: Path) -> None:
     assert counted(tmp_path, "relaunch") == 1
     # The launcher's poll sees the same order.
     assert d.launches.poll({"job_id": 42}, OWNER)["order"] == first["order"]
+
+
+def test_the_order_is_answered_before_the_admin_comment_is_written(tmp_path: Path) -> None:
+    """Slurm may hold a resized job's update for seconds before refusing it (seen in the
+    fault storm: 5 s), and the launcher's request carried that wait: the comment is written
+    aside, and the answer with the order does not wait for it."""
+    held: list[Callable[[], None]] = []
+    d, slurm, _, _ = probed_desk(tmp_path, {"n1": "MIXED", "n2": "DOWN+NOT_RESPONDING",
+                                            "n3": "IDLE"}, aside=held.append)
+    answer = d.step_ended(ASK, OWNER)
+    assert answer["verdict"] == "relaunch" and len(held) == 1
+    assert slurm.comment == "(null)"  # not yet
+    held.pop()()
+    assert "node fault on n2" in slurm.comment and "relaunch 1 of 3" in slurm.comment
 
 
 def test_nothing_out_waits_from_the_first_question_then_ends(tmp_path: Path) -> None:
