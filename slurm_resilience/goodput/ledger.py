@@ -13,8 +13,9 @@ Productive time comes from step times (see :mod:`slurm_resilience.goodput.comput
 the node's lowest rank's beat count, its beat count at the last checkpoint (less the steps it
 had done past the checkpoint's step when the tick saw it), and the run's mean step time: from
 the first beat a tick saw to the latest, less the checkpoint stalls between, over the beats
-between. (Ledgers kept before that span was recorded have up to :data:`MAX_STEP_SAMPLES`
-step times, one per tick, and use their median.)
+between. Until a second tick sees a beat, and in ledgers kept before that span was
+recorded, the median of up to :data:`MAX_STEP_SAMPLES` step times sampled one per tick
+stands in.
 
 Resolution: a checkpoint's time is the exit of the ``checkpoint`` section that saved it
 when there is one, else the tick that saw the step change; a checkpoint section shorter
@@ -69,7 +70,9 @@ class RunTimes:
     steps_recorded: bool = False  # the fields below were kept for this run
     beats: int = 0  # the lowest rank's beats
     beats_at_checkpoint: int | None = None
-    step_times: list[float] = field(default_factory=list)  # its latest step times, one a tick
+    # Step times sampled one a tick: the step time until a tick sees beats after the span's
+    # first (a run first seen many beats in), and in ledgers written before the span was.
+    step_times: list[float] = field(default_factory=list)
     # The mean step time's span: the lowest rank's first beat seen after its first step
     # (count, wall time, and the run's checkpoint stall by then) and its latest beat.
     anchor_beats: int = 0
@@ -100,7 +103,7 @@ class RunTimes:
             if self.beats_at_checkpoint is not None:
                 kept = max(0, self.beats_at_checkpoint - 1)
             step_time = self.mean_step_s()
-            if step_time is None:  # a ledger kept before the span was: its sampled steps
+            if step_time is None:  # one tick saw beats, or an older ledger: the samples
                 step_time = statistics.median(self.step_times) if self.step_times else 0.0
         return Run(self.run, self.start, self.end, self.first_step_at, self.last_progress_at,
                    self.last_checkpoint_at, self.stagein_s, self.checkpoint_stall_s, self.done,

@@ -426,16 +426,21 @@ def _wait_agents(layout: Layout, wait_s: float) -> None:
     real = os.path.realpath(layout.resilience_conf)
     deadline = time.monotonic() + max(wait_s, 10.0)
     for node in layout.node_names:
-        for what, path in (("its hook server", Path(endpoint.socket_path(real, node))),
-                           ("its socket", resilience_conf.agent_socket(layout, node))):
-            if not daemons.wait_listening(path, deadline - time.monotonic()) or (
-                    what == "its socket" and not _pinged(path, deadline)):
-                agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
-                raise failed(agent.name, f"{what} did not listen at {path}",
-                             _daemon_logs(layout, agent))
+        hooks = Path(endpoint.socket_path(real, node))
+        sock = resilience_conf.agent_socket(layout, node)
+        if not daemons.wait_listening(hooks, deadline - time.monotonic()):
+            problem = f"its hook server did not listen at {hooks}"
+        elif not _pinged(sock, deadline):
+            problem = f"its socket {sock} did not answer a ping"
+        else:
+            continue
+        agent = next(d for d in extra_daemons(layout) if d.name == f"agent-{node}")
+        raise failed(agent.name, problem, _daemon_logs(layout, agent))
 
 
 def _pinged(path: Path, deadline: float) -> bool:
+    """Until ``deadline``: the agent at ``path`` answers (a socket file left by a killed
+    agent refuses the connection, and one whose services still start queues it)."""
     while True:
         try:
             agent_call(str(path), "ping", timeout=max(0.1, deadline - time.monotonic()))

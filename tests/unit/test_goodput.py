@@ -355,6 +355,12 @@ def test_ledgers_of_several_nodes_merge_into_one_timeline(tmp_path: Path) -> Non
     assert m is not None
     run = m.runs[0].to_run()
     assert (run.steps, run.steps_at_checkpoint, run.step_time_s) == (51, 39, 1.1)
+    # With the span of beats, the same node's span gives the mean: 50 beats after the
+    # anchor in 60 s, less 5 s of stalls since it.
+    b.runs[0].anchor_beats, b.runs[0].anchor_at, b.runs[0].last_beat_at = 2, 20.0, 80.0
+    b.runs[0].anchor_stall_s, b.runs[0].checkpoint_stall_s = 1.0, 6.0
+    m = merge([a, b])
+    assert m is not None and m.runs[0].to_run().step_time_s == pytest.approx(55 / 50)
     assert m.runs[1].to_run().steps is None  # not recorded: productive is the remainder
 
 
