@@ -29,6 +29,7 @@ through the intent records, as after any requeue.
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import sys
 import threading
@@ -163,11 +164,12 @@ def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] 
                  "to resume)" if why.cause == "time_limit" else "")
     else:
         from slurm_resilience.agent.client import AgentRefused, AgentUnavailable, call
+        from slurm_resilience.heartbeat import attempt
 
         try:
             answer = call(mgr.agent_socket, "limits.stopped", timeout=30.0, job_id=mgr.job_id,
                           step=step, cause=why.cause, requeue=why.cause == "time_limit",
-                          seconds_left=why.seconds_left)
+                          seconds_left=why.seconds_left, run=attempt.from_env(os.environ))
             text = str(answer.get("text", text))
             if answer.get("why"):
                 text += f"; not requeued: {answer['why']}"

@@ -274,9 +274,12 @@ class Ledger:
 
     def observe(self, views: Iterable[JobView], now: float,
                 stagein_s: dict[int, float] | None = None,
-                stalls: dict[int, tuple[int, float]] | None = None) -> None:
+                stalls: dict[int, tuple[int, float]] | None = None,
+                stops: Mapping[int, int] | None = None) -> None:
         """One tick: update every present job, flush what changed, close jobs that left.
-        ``stalls``: per job, the run and the total save() stall its training reported."""
+        ``stalls``: per job, the run and the total save() stall its training reported;
+        ``stops``: per job, the run that saved and stopped on purpose (the limits service
+        heard it: its ranks' flag may have gone with the job before a tick read it)."""
         present = set()
         for view in views:
             job_id = view.record.job_id
@@ -292,6 +295,13 @@ class Ledger:
                 changed = True
             if changed or now - job.flushed_at >= FLUSH_EVERY_S:
                 self._flush(job, now)
+        for job_id, run in (stops or {}).items():
+            stopped = self.jobs.get(job_id)
+            r = stopped.runs.get(run) if stopped is not None else None
+            if stopped is not None and r is not None and not r.planned:
+                r.planned = True
+                if job_id in present:
+                    self._flush(stopped, now)
         for job_id in set(self.jobs) - present:
             job = self.jobs.pop(job_id)
             self._flush(job, now)  # its end is the last tick that saw it

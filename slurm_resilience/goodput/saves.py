@@ -61,7 +61,7 @@ class SaveBook:
         if peer.uid not in (0, owner_uid):
             raise RequestError(f"metrics: ckpt_saved: job {job_id} belongs to uid {owner_uid}, "
                                f"not to you (uid {peer.uid})")
-        run = _count(request, "run", attempt.RELAUNCH_STRIDE * (attempt.MAX_RELAUNCHES + 1))
+        run = _count(request, "run", attempt.MAX_ATTEMPT)
         step = _count(request, "step", 2**62)
         stall, write = _seconds(request, "stall_s"), _seconds(request, "write_s")
         with self.lock:

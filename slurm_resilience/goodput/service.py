@@ -57,6 +57,7 @@ class GoodputService:
         self.node = node
         self.watcher = services.get("heartbeat")  # hang.watcher.HangWatcher: job views
         self.uploader = services.get("checkpoint")  # uploader.service.Uploader: stage-ins
+        self.limits = services.get("limits")  # hang.limits.LimitWatch: planned stops
         # As often as the metrics: a run's step times are sampled one per tick.
         self.interval_s = min(cfg.heartbeat.interval_s, cfg.metrics.textfile_interval_s)
         state = node_path(cfg.node.state_dir, node)
@@ -72,7 +73,9 @@ class GoodputService:
         if self.watcher is not None:
             views = list(self.watcher.snapshot().jobs.values())
             stalls = {j: (s.run, s.total_stall_s) for j, s in self.saves.snapshot().items()}
-            self.ledger.observe(views, time.time(), self._stagein_seconds(), stalls)
+            # After the views: a job gone from them stopped (if it did) before this read.
+            stops = self.limits.stopped_runs() if self.limits is not None else {}
+            self.ledger.observe(views, time.time(), self._stagein_seconds(), stalls, stops)
         self.saves.keep_only(self._jobs_here())
         now = time.monotonic()
         if now >= self.next_cleanup:

@@ -30,9 +30,10 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 from slurm_resilience.agent.service import (
@@ -49,6 +50,7 @@ from slurm_resilience.checkpoint.interrupt import stop_text
 from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.config import Config
 from slurm_resilience.hang import evidence, jobrecord
+from slurm_resilience.heartbeat import attempt
 from slurm_resilience.heartbeat import paths as P
 from slurm_resilience.heartbeat.writer import process_start_ticks
 from slurm_resilience.log import get_logger
@@ -64,6 +66,7 @@ SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "URG": signal.SIGURG}
 MAX_JOBS = 256  # armed jobs kept per node
 MAX_PIDS = 1024  # armed processes kept per job (ranks on one node)
 END_REFRESH_S = 30.0  # how often a job's end time is read again from Slurm
+STOP_KEPT_S = 3600.0  # how long a stop is kept for goodput (it reads it within a tick)
 CAUSES = ("time_limit", "preempt")
 GRACE_REQUEUE_SINCE = (24, 5)  # slurmctld requeues a job that ends in its grace time
 _TOKEN = re.compile(r"\[sr-planned n=(\d+) restart=(\d+)\]")
@@ -140,6 +143,9 @@ class LimitWatch:
         self.armed: dict[int, dict[int, Armed]] = {}
         self.ends: dict[int, tuple[float | None, float]] = {}  # job -> (end, read at)
         self.warned: set[tuple[int, int]] = set()
+        # job -> (run, when): the runs that stopped on purpose, for goodput. The ranks' slot
+        # flag says so too, but the job may leave the node before any tick reads it.
+        self.stops: dict[int, tuple[int, float]] = {}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -188,6 +194,9 @@ class LimitWatch:
             job = self.adapter.show_job(job_id)
         except SlurmError as exc:
             raise RequestError(f"couldn't read job {job_id}: {exc}") from exc
+        run = request.get("run")  # the attempt, relaunches included; older clients: Restarts
+        self._note_stop(job_id, run if isinstance(run, int) and not isinstance(run, bool)
+                        and 0 <= run <= attempt.MAX_ATTEMPT else job.restarts)
         if cause == "preempt" and job.state == "CANCELLED":
             # scancel sends SIGTERM too: the step is saved, but no restart follows.
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
@@ -232,6 +241,18 @@ class LimitWatch:
         log.warning(f"limits: job {job_id}: {text}" + (f" (not requeued: {why})" if why else ""),
                     job_id=job_id, step=step, cause=cause)
         return {"requeued": requeue, "text": text, "why": why}
+
+    def _note_stop(self, job_id: int, run: int) -> None:
+        with self.lock:
+            self.stops.pop(job_id, None)
+            while len(self.stops) >= MAX_JOBS:
+                del self.stops[next(iter(self.stops))]  # the oldest
+            self.stops[job_id] = (run, self.clock.monotonic())
+
+    def stopped_runs(self) -> Mapping[int, int]:
+        """Each job's run that saved and stopped on purpose (a frozen copy)."""
+        with self.lock:
+            return MappingProxyType({j: run for j, (run, _) in self.stops.items()})
 
     def _slurm_requeues_preempted(self) -> bool:
         """Whether slurmctld requeues a job that ends within its preemption grace time
@@ -289,6 +310,9 @@ class LimitWatch:
                 del self.armed[job_id]
                 self.ends.pop(job_id, None)
             self.warned = {w for w in self.warned if w[0] in running}
+            # Kept past the job's end: goodput may read a stop after the job left the node.
+            old = self.clock.monotonic() - STOP_KEPT_S
+            self.stops = {j: s for j, s in self.stops.items() if s[1] >= old}
             jobs = {j: list(p.values()) for j, p in self.armed.items()}
         for job_id, procs in jobs.items():
             if lead <= 0 or all((job_id, a.pid) in self.warned for a in procs):

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 RELAUNCH_STRIDE = 1000
 MAX_RELAUNCHES = 999  # relaunches of one run (the launcher's --max-restarts is capped here)
+MAX_ATTEMPT = RELAUNCH_STRIDE * (MAX_RELAUNCHES + 1) - 1
 ENV_RELAUNCH = "SLURM_RESILIENCE_RELAUNCH"
 # Requeues plus relaunches: what a training script compares with 0 to know it restarted.
 ENV_RESTART_COUNT = "SLURM_RESILIENCE_RESTART_COUNT"

@@ -463,6 +463,27 @@ def test_the_ledger_marks_a_run_whose_ranks_stopped_on_purpose(tmp_path: Path) -
     assert b.losses["planned_restart"] > 0 and b.losses["restart"] == 0
 
 
+def test_a_stop_the_limits_service_heard_is_planned_though_no_tick_saw_the_flag(
+        tmp_path: Path) -> None:
+    """The job saved, stopped and was requeued between two ticks (seen in CI): no tick read
+    its ranks' flag. The stop the limits service heard makes the run a planned one, and in
+    the tick that finds the job gone, before the ledger is closed."""
+    ledger = Ledger(str(tmp_path / "goodput"), str(tmp_path / "incidents"))
+    for t in range(0, 50):  # steps to 45, then the save
+        step = min(t, 45)
+        v = view(7, [S.SlotView(**{**slot(rank, step, 1.0, 7).__dict__, "restart_count": 0,
+                                   "last_beat": float(step), "beats": step, "flags": 0,
+                                   "created": 0.0}) for rank in range(2)])
+        object.__setattr__(v.record, "started", 0.0)
+        ledger.observe([v], float(t), stops={8: 0, 7: 3})  # other jobs' and runs' stops
+    ledger.observe([], 60.0, stops={7: 0})
+    saved = ledger.load(7)
+    assert saved is not None and saved.runs[0].planned and sorted(saved.runs) == [0]
+    b = compute.breakdown(7, [r.to_run() for r in saved.runs.values()], last_over=True)
+    assert b.losses["planned_restart"] > 0 and b.losses["restart"] == 0
+    assert b.losses["lost_since_checkpoint"] == 0 and b.productive_s > 0
+
+
 def test_the_goodput_service_keeps_its_own_state_and_hands_out_frozen_snapshots(
         tmp_path: Path) -> None:
     """The agent's goodput service ticks on the watcher's views and the uploader's stage-in

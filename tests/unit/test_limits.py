@@ -117,6 +117,27 @@ def test_a_stop_ahead_of_the_limit_requeues_the_job_and_notes_it(tmp_path: Path)
     assert "[sr-hang n=1 ckpt=5 restart=0]" in comment
 
 
+def test_a_stop_is_kept_for_goodput_by_run_for_an_hour(tmp_path: Path) -> None:
+    """goodput reads the runs that stopped on purpose from here: the attempt the rank sent,
+    or Slurm's Restarts from an older client; kept past the job's end, for an hour."""
+    clock = FakeClock(wall=0.0)
+    watch, _ = service(tmp_path, job(restarts=3), clock, [])
+    me = Peer(os.getpid(), UID, 0)
+    stop = {"job_id": 7, "step": 9, "cause": "time_limit", "requeue": True}
+    watch.handle_stopped(stop, me)
+    assert dict(watch.stopped_runs()) == {7: 3}
+    watch.handle_stopped({**stop, "run": 2003}, me)
+    assert dict(watch.stopped_runs()) == {7: 2003}
+    watch.handle_stopped({**stop, "run": True}, me)  # not a number: Restarts
+    assert dict(watch.stopped_runs()) == {7: 3}
+    clock.advance(3599.0)
+    watch.tick()
+    assert dict(watch.stopped_runs()) == {7: 3}
+    clock.advance(2.0)
+    watch.tick()
+    assert dict(watch.stopped_runs()) == {}
+
+
 def test_a_preempted_job_is_not_requeued_by_us_and_a_done_one_neither(tmp_path: Path) -> None:
     watch, adapter = service(tmp_path, job(), FakeClock(wall=0.0), [])
     me = Peer(os.getpid(), UID, 0)
