@@ -17,6 +17,7 @@ from slurm_resilience.log import get_logger
 from slurm_resilience.logbudget import flush_all
 
 log = get_logger("agent")
+SLOW_TICK_S = 5.0  # a tick longer than this delays every service on the loop: said
 
 Factory = Callable[[AgentContext], "Service | None"]
 
@@ -80,11 +81,16 @@ class Agent:
             if now < self._next[svc.name]:
                 continue
             self._next[svc.name] = now + svc.interval_s
+            started = time.monotonic()
             try:
                 svc.tick()
             except Exception:
                 self.tick_failures[svc.name] = self.tick_failures.get(svc.name, 0) + 1
                 log.exception("service tick failed", service=svc.name)
+            took = time.monotonic() - started
+            if took > SLOW_TICK_S:
+                # Every other service waited as long (a warning ahead of a time limit too).
+                log.warning("service tick was slow", service=svc.name, seconds=round(took, 1))
         flush_all()  # the summary lines of user-triggered warnings held back
 
     def run(self) -> None:

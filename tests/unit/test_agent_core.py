@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import events_saying
 
-from slurm_resilience.agent import client
+from slurm_resilience.agent import client, daemon
 from slurm_resilience.agent.daemon import Agent, bind_server
 from slurm_resilience.agent.server import AgentServer
 from slurm_resilience.agent.service import AgentContext, Handler, Peer, RequestError
@@ -278,3 +279,33 @@ def test_a_request_sent_while_services_start_is_answered_once_the_agent_runs(
         early.close()
         agent.stop_event.set()
         thread.join(5)
+
+
+class _Slow(_Counter):
+    name = "slow"
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def tick(self) -> None:
+        self.clock[0] += 6.0  # six seconds pass in this tick
+
+    def handlers(self) -> dict[str, Handler]:
+        return {}
+
+
+def test_a_slow_tick_is_said_with_its_service(tmp_path: Path, events: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every service waits on the one loop (the warning ahead of a time limit too): a tick
+    longer than SLOW_TICK_S is logged with the service that took it."""
+    clock = [1000.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: clock[0])
+    cfg = load_text(Config, f"agent:\n  socket: {tmp_path}/{{node}}.sock\n")
+    agent = Agent(AgentContext(cfg, "node1", SlurmAdapter()), [_Counter(), _Slow(clock)])
+    try:
+        agent.tick_once()
+    finally:
+        agent.server.server_close()
+    said = events_saying(events, "service tick was slow")
+    assert [(e["service"], e["seconds"]) for e in said] == [("slow", 6.0)]
