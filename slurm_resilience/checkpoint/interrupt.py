@@ -179,10 +179,14 @@ def stop(mgr: CheckpointManager, step: int, why: Stop, state: Mapping[str, Any] 
     return text
 
 
-def stop_text(cause: str, step: int, seconds_left: float | None, requeued: bool) -> str:
-    """``time limit in 120 s: saved step 4,812, requeued``."""
+def stop_text(cause: str, step: int, seconds_left: float | None, requeued: bool, *,
+              reached: bool = False) -> str:
+    """``time limit in 120 s: saved step 4,812, requeued``; ``reached``: the save came
+    after Slurm's SIGTERM at the limit itself (``time limit reached: ...``)."""
     what = "time limit" if cause == "time_limit" else "preempted"
-    if cause == "time_limit" and seconds_left is not None:
+    if cause == "time_limit" and reached:
+        what += " reached"
+    elif cause == "time_limit" and seconds_left is not None:
         what += f" in {max(0, round(seconds_left))} s"
     return f"{what}: saved step {step:,}" + (", requeued" if requeued else "")
 

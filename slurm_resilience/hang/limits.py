@@ -21,7 +21,9 @@ followed.
 asked) or a SIGTERM (preemption: Slurm requeues or cancels it itself). Root requeues a
 running job that asked; the stop is counted in the metrics (``requeue`` with cause
 ``time_limit``, or ``planned`` ``preempt``), noted in the job's AdminComment as
-``[sr-planned n=2 restart=1]`` and its text, never in the hang count.
+``[sr-planned n=2 restart=1]`` and its text, never in the hang count. A "preemption" of
+a job Slurm ended at its limit (the warning came too late) is that limit's SIGTERM: the
+job saved, so it is requeued as after a warning.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ SIGNALS = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2, "URG": signal.SIGURG}
 MAX_JOBS = 256  # armed jobs kept per node
 MAX_PIDS = 1024  # armed processes kept per job (ranks on one node)
 END_REFRESH_S = 30.0  # how often a job's end time is read again from Slurm
+END_RETRY_S = 2.0  # how soon after a failed read
 STOP_KEPT_S = 3600.0  # how long a stop is kept for goodput (it reads it within a tick)
 CAUSES = ("time_limit", "preempt")
 GRACE_REQUEUE_SINCE = (24, 5)  # slurmctld requeues a job that ends in its grace time
@@ -109,6 +112,15 @@ def preempted(job: JobInfo) -> bool:
     if isinstance(value, dict):
         return bool(value.get("set", True)) and bool(value.get("number"))
     return isinstance(value, (int, float)) and value > 0
+
+
+def at_limit(job: JobInfo) -> bool:
+    """Whether Slurm ended ``job`` at its time limit: TIMEOUT, or the reason TimeLimit
+    slurmctld gives it then (the text form shows COMPLETING while the steps end). Never a
+    cancelled job: scancel also sets the end time to now, so the end time can't tell."""
+    if preempted(job):
+        return False
+    return job.state == "TIMEOUT" or job.reason == "TimeLimit"
 
 
 def planned_count(admin_comment: str) -> tuple[int, int]:
@@ -194,6 +206,15 @@ class LimitWatch:
             job = self.adapter.show_job(job_id)
         except SlurmError as exc:
             raise RequestError(f"couldn't read job {job_id}: {exc}") from exc
+        asked = bool(request.get("requeue")) and cause == "time_limit"
+        ended = at_limit(job)
+        reached = cause == "preempt" and ended
+        if reached:
+            # The SIGTERM was Slurm's at the limit itself: the warning came too late (a
+            # step slower than the lead) or not at all (no arm, an agent restarted), and
+            # the ranks saved in KillWait. A job ended so is TIMEOUT, which --requeue does
+            # not restart: requeued here as after a warning, or the run would be lost.
+            cause, asked = "time_limit", True
         run = request.get("run")  # the attempt, relaunches included; older clients: Restarts
         self._note_stop(job_id, run if isinstance(run, int) and not isinstance(run, bool)
                         and 0 <= run <= attempt.MAX_ATTEMPT else job.restarts)
@@ -201,7 +222,7 @@ class LimitWatch:
             # scancel sends SIGTERM too: the step is saved, but no restart follows.
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
             return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
-        requeue = bool(request.get("requeue")) and cause == "time_limit"
+        requeue = asked
         mode = self._preempt_mode(job) if cause == "preempt" and preempted(job) else ""
         if "REQUEUE" in mode:
             # Up to 23.11 a job that ends within its grace time ends by its exit code, not
@@ -209,12 +230,15 @@ class LimitWatch:
             # just ends.
             requeue = True
         why = ""
-        if requeue and job.state != "RUNNING":
+        # Past the limit Slurm has ended the job already (TIMEOUT, shown COMPLETING while
+        # its steps end): root may requeue it still, as long as slurmctld keeps its record.
+        if requeue and job.state not in (("RUNNING", "COMPLETING", "TIMEOUT") if ended
+                                         else ("RUNNING",)):
             requeue, why = False, f"the job is {job.state}"
         elif requeue and not job.requeue:
             requeue, why = False, "the job is not requeueable (--no-requeue)"
         n, last = planned_count(job.admin_comment)
-        text = stop_text(cause, step, seconds_left, requeue)
+        text = stop_text(cause, step, seconds_left, requeue, reached=reached)
         if "CANCEL" in mode:
             text += ", the job ends (PreemptMode=CANCEL)"
         if requeue and cause == "preempt" and self._slurm_requeues_preempted():
@@ -227,7 +251,7 @@ class LimitWatch:
                 self.adapter.requeue(job_id, cause=cause)
             except SlurmError as exc:
                 requeue, why = False, f"requeue failed: {exc}"
-                text = stop_text(cause, step, seconds_left, False)
+                text = stop_text(cause, step, seconds_left, False, reached=reached)
         from slurm_resilience import events
 
         events.count(self.adapter.events_path, events.PLANNED, cause)
@@ -296,7 +320,11 @@ class LimitWatch:
         except SlurmError as exc:
             log.warning("limits: couldn't read the job's end time", job_id=job_id,
                         error=str(exc))
+            # Read again in END_RETRY_S, not END_REFRESH_S: a job whose end is unknown
+            # gets no warning meanwhile.
             end = known[0] if known else None
+            self.ends[job_id] = (end, now - END_REFRESH_S + END_RETRY_S)
+            return end
         self.ends[job_id] = (end, now)
         return end
 

@@ -100,3 +100,36 @@ def check_hook_environments(box: Sandbox, scratch: Path) -> None:
     for node, lines in hc.items():
         assert f"SLURMD_NODENAME={node}" in lines
         assert not any(line.startswith(("SLURM_CONF=", "PATH=")) for line in lines)
+
+
+# Stays in its steps' end for a while after the limit's SIGTERM, like a rank that saves.
+OVER_LIMIT = """#!/bin/sh
+if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
+    trap 'echo got TERM; sleep 3; exit 0' TERM
+    while :; do sleep 1; done
+fi
+echo ran again
+"""
+
+
+def test_a_job_ended_at_its_time_limit_says_so_and_root_can_requeue_it(
+        sandbox: Sandbox) -> None:
+    """At the limit slurmctld ends the job (TIMEOUT; the reason TimeLimit, shown while its
+    steps still end) and signals it; root can requeue it then, and it runs again. The
+    agent's limits service relies on both for a run that saved at that SIGTERM."""
+    adapter = sandbox.adapter()
+    job_id = sandbox.sbatch(OVER_LIMIT, args=["--time=1", "--requeue", "--open-mode=append"])
+    deadline = time.monotonic() + 240
+    while True:
+        job = adapter.show_job(job_id)
+        if job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
+            break
+        assert time.monotonic() < deadline, f"job {job_id} still {job.state}"
+        time.sleep(0.2)
+    assert job.state in ("COMPLETING", "TIMEOUT"), job
+    assert job.state == "TIMEOUT" or job.reason == "TimeLimit", job
+    adapter.requeue(job_id, cause="time_limit")
+    final = sandbox.wait_job(job_id, timeout=240)
+    assert final.state == "COMPLETED" and final.restarts == 1, final
+    out = sandbox.output(job_id)
+    assert "DUE TO TIME LIMIT" in out and out.index("got TERM") < out.index("ran again"), out

@@ -278,3 +278,69 @@ def test_from_2405_slurm_requeues_a_preempted_job_that_saved_not_us(tmp_path: Pa
                                   Peer(os.getpid(), UID, 0))
     assert answer["text"] == "preempted: saved step 9, requeued" and answer["requeued"]
     assert [c for c, _ in adapter.calls] == ["comment"]
+
+
+def test_a_save_at_the_limits_own_sigterm_is_requeued_as_a_time_limit(tmp_path: Path
+                                                                        ) -> None:
+    """No warning came in time (a step slower than the lead, no arm): the ranks took
+    Slurm's SIGTERM at the limit for a preemption and saved in KillWait. Slurm ended the job
+    TIMEOUT, which --requeue does not restart, so the agent requeues it, as a planned stop
+    at the limit. A warned rank whose report comes after the kill is requeued too."""
+    me = Peer(os.getpid(), UID, 0)
+    for state, reason in (("COMPLETING", "TimeLimit"), ("TIMEOUT", "None")):
+        j = replace(job(state=state), reason=reason)
+        watch, adapter = service(tmp_path, j, FakeClock(wall=0.0), [])
+        answer = watch.handle_stopped({"job_id": 7, "step": 64, "cause": "preempt"}, me)
+        assert answer == {"requeued": True, "why": "",
+                          "text": "time limit reached: saved step 64, requeued"}
+        assert adapter.calls[0] == ("requeue", "time_limit")
+        assert adapter.calls[1][1].startswith("[sr-planned n=1 restart=0] time limit reached")
+        answer = watch.handle_stopped({"job_id": 7, "step": 64, "cause": "time_limit",
+                                       "requeue": True, "seconds_left": 3.0}, me)
+        assert answer["requeued"], answer
+
+
+def test_a_cancelled_or_preempted_job_near_its_end_is_not_taken_for_a_time_limit(
+        tmp_path: Path) -> None:
+    """scancel sets the end time to now as well: only Slurm's TIMEOUT (or its TimeLimit
+    reason) says the limit ended the job; a preempted one keeps its own path."""
+    me = Peer(os.getpid(), UID, 0)
+    cancelled = job(state="COMPLETING", end="1970-01-01T00:00:00")
+    watch, adapter = service(tmp_path, cancelled, FakeClock(wall=0.0), [])
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
+    assert not answer["requeued"] and answer["text"] == "preempted: saved step 9"
+    assert "requeue" not in [c for c, _ in adapter.calls]
+    both = replace(job(), reason="TimeLimit", raw={"EndTime": "Unknown",
+                                                   "PreemptTime": "2026-11-27T22:25:25"})
+    watch, adapter = service(tmp_path, both, FakeClock(wall=0.0), [])
+    adapter.version = (24, 11)
+    answer = watch.handle_stopped({"job_id": 7, "step": 9, "cause": "preempt"}, me)
+    assert answer["text"] == "preempted: saved step 9, requeued"
+    assert "requeue" not in [c for c, _ in adapter.calls]
+
+
+def test_an_end_time_slurm_did_not_give_is_read_again_soon(tmp_path: Path) -> None:
+    """A failed read leaves the job without a warning until the next one: retried in two
+    seconds, not at the half-minute refresh."""
+    end = end_time(job())
+    assert end is not None
+    clock, kills = FakeClock(wall=end - 100.0), []
+    watch, adapter = service(tmp_path, job(), clock, kills)
+    real = adapter.show_job
+    calls: list[float] = []
+
+    def flaky(job_id: int) -> JobInfo:
+        calls.append(clock.time())
+        if len(calls) == 1:
+            raise SlurmError("show job", "Socket timed out on send/recv operation")
+        return real(job_id)
+
+    adapter.show_job = flaky  # type: ignore[method-assign]
+    watch.handle_arm({"job_id": 7, "signal": "USR1"}, Peer(os.getpid(), UID, os.getgid()))
+    watch.tick()
+    clock.advance(1.0)
+    watch.tick()
+    assert len(calls) == 1
+    clock.advance(1.0)
+    watch.tick()
+    assert len(calls) == 2 and kills == [(os.getpid(), signal.SIGUSR1)]
