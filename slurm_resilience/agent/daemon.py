@@ -57,7 +57,8 @@ def bind_server(ctx: AgentContext) -> AgentServer:
 
 
 class Agent:
-    """Runs services' ``tick`` on one loop thread and their handlers on socket threads."""
+    """Runs services' ``tick`` on one loop thread (a service with ``own_thread`` on one of
+    its own) and their handlers on socket threads."""
 
     def __init__(self, ctx: AgentContext, services: list[Service],
                  server: AgentServer | None = None):
@@ -70,33 +71,52 @@ class Agent:
                 self.server.route(op, handler)
         self._next: dict[str, float] = {svc.name: 0.0 for svc in services}
         self.tick_failures: dict[str, int] = {}  # for the metrics
+        # A service with a deadline (``own_thread = True``: the warning ahead of a time
+        # limit) ticks on a thread of its own: a slow tick on the loop (a Slurm call up to
+        # its timeout, a host starved of CPU) must not make it late.
+        self.own_thread = [s for s in services if getattr(s, "own_thread", False)]
+        self.looped = [s for s in services if not getattr(s, "own_thread", False)]
         for svc in services:
             attach = getattr(svc, "attach", None)
             if attach is not None:
                 attach(self)
 
     def tick_once(self) -> None:
+        """One turn of the loop: each looped service whose interval has passed ticks."""
         now = time.monotonic()
-        for svc in self.services:
+        for svc in self.looped:
             if now < self._next[svc.name]:
                 continue
             self._next[svc.name] = now + svc.interval_s
-            started = time.monotonic()
-            try:
-                svc.tick()
-            except Exception:
-                self.tick_failures[svc.name] = self.tick_failures.get(svc.name, 0) + 1
-                log.exception("service tick failed", service=svc.name)
-            took = time.monotonic() - started
-            if took > SLOW_TICK_S:
-                # Every other service waited as long (a warning ahead of a time limit too).
-                log.warning("service tick was slow", service=svc.name, seconds=round(took, 1))
+            self._tick(svc)
         flush_all()  # the summary lines of user-triggered warnings held back
+
+    def _tick(self, svc: Service) -> None:
+        started = time.monotonic()
+        try:
+            svc.tick()
+        except Exception:
+            # Each key is written by the one thread that ticks its service.
+            self.tick_failures[svc.name] = self.tick_failures.get(svc.name, 0) + 1
+            log.exception("service tick failed", service=svc.name)
+        took = time.monotonic() - started
+        if took > SLOW_TICK_S:
+            # Every other service on its thread waited as long.
+            log.warning("service tick was slow", service=svc.name, seconds=round(took, 1))
+
+    def _run_own(self, svc: Service) -> None:
+        while not self.stop_event.is_set():
+            self._tick(svc)
+            self.stop_event.wait(svc.interval_s)
 
     def run(self) -> None:
         thread = threading.Thread(target=self.server.serve_forever, name="agent-socket",
                                   daemon=True)
         thread.start()
+        own = [threading.Thread(target=self._run_own, args=(svc,), name=f"agent-{svc.name}",
+                                daemon=True) for svc in self.own_thread]
+        for t in own:
+            t.start()
         log.info("agent running", socket=self.server.path,
                  services=[s.name for s in self.services])
         try:
@@ -104,6 +124,9 @@ class Agent:
                 self.tick_once()
                 self.stop_event.wait(self.ctx.cfg.agent.tick_s)
         finally:
+            self.stop_event.set()
+            for t in own:
+                t.join(timeout=15.0)  # one tick's Slurm call at most
             self.server.shutdown()
             self.server.server_close()
             for svc in self.services:

@@ -68,8 +68,10 @@ class Service(Protocol):
     """A unit of work inside the agent.
 
     ``tick`` runs on the agent's loop thread every ``interval_s`` and must not block
-    for long (hand long work to a thread of its own). ``handlers`` maps request
-    ``op`` names to functions answering socket requests.
+    for long (hand long work to a thread of its own). A service with a deadline sets
+    ``own_thread = True`` and ticks on a thread of its own instead, then shares its state
+    with its handlers under a lock. ``handlers`` maps request ``op`` names to functions
+    answering socket requests.
     """
 
     name: str

@@ -141,6 +141,9 @@ class LimitWatch:
 
     name = "limits"
     interval_s = 1.0
+    # The warning has a deadline: no other service's slow tick may hold it back. The tick
+    # shares armed/stops with the handlers under the lock; ends and warned are its own.
+    own_thread = True
 
     def __init__(self, cfg: Config, node: str, adapter: SlurmAdapter, *,
                  clock: Clock = SystemClock(),

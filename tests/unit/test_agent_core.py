@@ -309,3 +309,53 @@ def test_a_slow_tick_is_said_with_its_service(tmp_path: Path, events: Path,
         agent.server.server_close()
     said = events_saying(events, "service tick was slow")
     assert [(e["service"], e["seconds"]) for e in said] == [("slow", 6.0)]
+
+
+class _Stuck:
+    """A looped service whose tick blocks until released (a Slurm call at its timeout)."""
+
+    name = "stuck"
+    interval_s = 0.0
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def tick(self) -> None:
+        self.entered.set()
+        self.release.wait(30)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {}
+
+    def close(self) -> None:
+        self.release.set()
+
+
+class _Deadline(_Stuck):
+    name = "deadline"
+    own_thread = True
+
+    def tick(self) -> None:
+        if self.release.is_set():  # set by the test once the loop is stuck
+            self.entered.set()
+
+
+def test_a_service_with_a_deadline_ticks_while_the_loop_is_stuck(tmp_path: Path) -> None:
+    """The limits service's warning must not wait for another service's slow tick: a
+    service with own_thread ticks on its own thread while the loop's tick blocks."""
+    cfg = load_text(Config, f"agent:\n  socket: {tmp_path}/{{node}}.sock\n  tick_s: 0.05\n")
+    stuck, deadline = _Stuck(), _Deadline()
+    agent = Agent(AgentContext(cfg, "node1", SlurmAdapter()), [stuck, deadline])
+    assert agent.looped == [stuck] and agent.own_thread == [deadline]
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert stuck.entered.wait(30)
+        deadline.release.set()  # from here on its tick says it ran
+        assert deadline.entered.wait(30)
+        assert not stuck.release.is_set()  # the loop is still inside its stuck tick
+    finally:
+        agent.stop_event.set()
+        stuck.release.set()
+        thread.join(30)
+    assert not thread.is_alive()
