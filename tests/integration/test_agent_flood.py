@@ -82,9 +82,13 @@ def test_a_flood_from_one_user_does_not_shut_out_another(
                                **as_user(flooder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True) for _ in range(3)]
     try:
-        for proc in floods:
+        held = []
+        for proc in floods:  # each has made its 1,000 tries
             assert proc.stdout is not None
-            assert int(proc.stdout.readline()) > 0  # its connections are open (or refused)
+            held.append(int(proc.stdout.readline()))
+        # The flood holds connections. One flooder may hold none: once the others fill the
+        # listen queue faster than a loaded host accepts and refuses, its connects fail.
+        assert sum(held) > 0, held
         ask = subprocess.run([SYSTEM_PYTHON, "-c", ASK, agent.path], **as_user(other),
                              capture_output=True, text=True, timeout=60, check=True)
         assert json.loads(ask.stdout) == {"ok": True, "uid": pwd.getpwnam(other).pw_uid}

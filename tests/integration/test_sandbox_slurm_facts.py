@@ -116,19 +116,29 @@ def test_a_job_ended_at_its_time_limit_says_so_and_root_can_requeue_it(
         sandbox: Sandbox) -> None:
     """At the limit slurmctld ends the job (TIMEOUT; the reason TimeLimit, shown while its
     steps still end) and signals it; root can requeue it then, and it runs again. The
-    agent's limits service relies on both for a run that saved at that SIGTERM."""
+    agent's limits service relies on both for a run that saved at that SIGTERM. The limit
+    is cut to the time already run (``scontrol update TimeLimit``, as an admin may) rather
+    than waited for: slurmctld ends the job at its next check of the limits."""
     adapter = sandbox.adapter()
-    job_id = sandbox.sbatch(OVER_LIMIT, args=["--time=1", "--requeue", "--open-mode=append"])
+    job_id = sandbox.sbatch(OVER_LIMIT, args=["--time=10", "--requeue", "--open-mode=append"])
     deadline = time.monotonic() + 240
+    cut = False
     while True:
         job = adapter.show_job(job_id)
-        if job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
+        if job.state == "RUNNING" and not cut:
+            sandbox.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=0"])
+            cut = True
+        elif job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
             break
         assert time.monotonic() < deadline, f"job {job_id} still {job.state}"
         time.sleep(0.2)
     assert job.state in ("COMPLETING", "TIMEOUT"), job
     assert job.state == "TIMEOUT" or job.reason == "TimeLimit", job
     adapter.requeue(job_id, cause="time_limit")
+    # The next run under a limit again. The requeued job still ends its steps (and then
+    # waits out the credentials' lifetime) before it may start again; before the requeue
+    # Slurm refuses this ("Job has already finished").
+    sandbox.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"])
     final = sandbox.wait_job(job_id, timeout=240)
     assert final.state == "COMPLETED" and final.restarts == 1, final
     out = sandbox.output(job_id)
