@@ -139,9 +139,10 @@ def sections(layout: Layout) -> dict[str, dict[str, Any]]:
             "s3_endpoint": layout.s3_endpoint,
             "s3_credentials_file": str(layout.s3_keys_file),
             "part_size": "5MiB",
-            # Sandbox jobs with a time limit have one minute (Slurm's smallest), much of it
-            # spent starting on a loaded host: warned 15 s ahead (a save here takes ~1 s).
-            "limit_lead_s": 15.0,
+            # Sandbox jobs with a time limit have one minute (Slurm's smallest): warned
+            # 35 s ahead, so a run stops about 25 s after its start (a save here takes
+            # ~1 s; a start on a loaded host up to ~10 s) and the tests' runs are short.
+            "limit_lead_s": 35.0,
             "retry_initial_s": 0.5,
             "retry_max_s": 5.0,
             "upload_interval_s": 0.5,

@@ -29,9 +29,9 @@ from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
               pytest.mark.skipif(not TRAIN.exists(), reason="needs examples/train.py")]
-# 48 s of steps: more than any one-minute run leaves after its start, so every job meets
-# its limit at least once whatever the load.
-STEPS = 96
+# 30 s of steps: more than any one-minute run leaves before its warning (the sandbox warns
+# 35 s ahead), so every job meets its limit at least once whatever the load.
+STEPS = 60
 TORCHRUN = PYTHON.parent / "torchrun"
 
 

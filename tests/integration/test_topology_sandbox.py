@@ -140,7 +140,8 @@ def test_randomized_jobs_stay_in_one_leaf_and_control_reports_baseline(box: Sand
     configure(box, mode="tree", wait4switch_s=WAIT4SWITCH_S)
     pinned = campaign(box, seed=11)
     configure(box, mode="off")
-    control = campaign(box, seed=11)
+    # The control only shows the baseline (no job pinned): half as many jobs say it.
+    control = campaign(box, seed=11, batches=5)
     print("\n" + pinned.line("leaf-pin tree") + "\n" + control.line("control (plugin off)"))
     assert pinned.submitted >= 100
     assert pinned.pinned == pinned.multi
