@@ -209,7 +209,7 @@ class LimitWatch:
             job = self.adapter.show_job(job_id)
         except SlurmError as exc:
             raise RequestError(f"couldn't read job {job_id}: {exc}") from exc
-        asked = bool(request.get("requeue")) and cause == "time_limit"
+        requeue = bool(request.get("requeue")) and cause == "time_limit"
         ended = at_limit(job)
         reached = cause == "preempt" and ended
         if reached:
@@ -217,7 +217,7 @@ class LimitWatch:
             # step slower than the lead) or not at all (no arm, an agent restarted), and
             # the ranks saved in KillWait. A job ended so is TIMEOUT, which --requeue does
             # not restart: requeued here as after a warning, or the run would be lost.
-            cause, asked = "time_limit", True
+            cause, requeue = "time_limit", True
         run = request.get("run")  # the attempt, relaunches included; older clients: Restarts
         self._note_stop(job_id, run if isinstance(run, int) and not isinstance(run, bool)
                         and 0 <= run <= attempt.MAX_ATTEMPT else job.restarts)
@@ -225,7 +225,6 @@ class LimitWatch:
             # scancel sends SIGTERM too: the step is saved, but no restart follows.
             log.warning(f"limits: job {job_id}: cancelled: saved step {step:,}", job_id=job_id)
             return {"requeued": False, "text": f"cancelled: saved step {step:,}", "why": ""}
-        requeue = asked
         mode = self._preempt_mode(job) if cause == "preempt" and preempted(job) else ""
         if "REQUEUE" in mode:
             # Up to 23.11 a job that ends within its grace time ends by its exit code, not

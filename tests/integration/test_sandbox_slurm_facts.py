@@ -135,9 +135,9 @@ def test_a_job_ended_at_its_time_limit_says_so_and_root_can_requeue_it(
     assert job.state in ("COMPLETING", "TIMEOUT"), job
     assert job.state == "TIMEOUT" or job.reason == "TimeLimit", job
     adapter.requeue(job_id, cause="time_limit")
-    # The next run under a limit again. The requeued job still ends its steps (and then
-    # waits out the credentials' lifetime) before it may start again; before the requeue
-    # Slurm refuses this ("Job has already finished").
+    # The next run under a limit again: the requeued job still ends its steps (COMPLETING)
+    # before it may start again. Before the requeue Slurm refuses this ("Job has already
+    # finished").
     sandbox.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"])
     final = sandbox.wait_job(job_id, timeout=240)
     assert final.state == "COMPLETED" and final.restarts == 1, final
