@@ -3,7 +3,7 @@ them, and the relaunch orders the incident handling leaves for them.
 
 A launcher runs in the job's batch script, on the batch host, whose agent decides the job's
 incidents. It registers its step's nodes and its spare nodes (``launch.register``) and asks
-for an order about once a second (``launch.poll``); an incident decided for the job while a
+for an order four times a second (``launch.poll``); an incident decided for the job while a
 live launcher with a usable spare is registered becomes a relaunch order instead of a
 requeue. Both requests are checked against the caller's kernel credentials: only the job's
 owner (or root) registers or polls, for a job watched on this node, and nothing a launcher

@@ -109,12 +109,14 @@ class NodeLossDesk:
             since = self.unreachable[key] = UnreachableSince()
             while len(self.unreachable) > MAX_TRACKED_STEPS:
                 self.unreachable.popitem(last=False)
-        probes = self.probe(targets)
-        now = self.clock.monotonic()
-        since.update(probes, now)
-        by_node = {t.node: t for t in targets}
+        if since.due(self.clock.monotonic()):
+            since.update(self.probe(targets), self.clock.monotonic())
+        # Lost as of the newest round: unreachable in every probe from its first miss to then.
+        assert since.probed_at is not None
+        probes, by_node = since.last, {t.node: t for t in targets}
         return {n: f"unreachable for {held:.0f}s ({probes[n].describe(by_node[n])})"
-                for n, held in since.lost(now, after_s).items() if n in probes}
+                for n, held in since.lost(since.probed_at, after_s).items()
+                if n in probes and n in by_node}
 
     def ranks_died(self, job_id: int) -> None:
         """The job's ranks on this node died while its step still runs. srun waits for a

@@ -10,10 +10,10 @@ enough: a node counts as lost once it stayed unreachable through every probe for
 ``heartbeat.node_unreachable_s``. A lost node found this way is only left out of the
 relaunched step; nothing here drains it (Slurm marks it itself).
 
-Cost at 1,024 nodes: while one job's failed step is decided (seconds, about one round a
-second as its launcher asks), two connects per step node a round, 64 at a time, each at
-most a second: about 2,000 connects a round on the batch host, none to
-slurmctld.
+Cost at 1,024 nodes: while one job's failed step is decided (seconds), at most one round a
+second (``PROBE_EVERY_S``, however often its launcher polls), two connects per step node a
+round, 64 at a time, each at most a second: about 2,000 connects a round on the batch host,
+none to slurmctld.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from slurm_resilience.transport.reach import CONNECT_TIMEOUT_S, connect_errors
 
 DEFAULT_SLURMD_PORT = 6818  # Slurm's, for a node whose Port Slurm doesn't show
+# A round of probes at most this often per failed step: the launcher polls faster than this
+# (to take an order within a fraction of a second), and a 1,024-node round is 2,000 connects.
+PROBE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,16 @@ class UnreachableSince:
 
     def __init__(self) -> None:
         self.since: dict[str, float] = {}
+        self.probed_at: float | None = None
+        self.last: Mapping[str, Reach] = {}
+
+    def due(self, now: float) -> bool:
+        """Whether a new round of probes is due (the first at once, then one a
+        ``PROBE_EVERY_S``)."""
+        return self.probed_at is None or now - self.probed_at >= PROBE_EVERY_S
 
     def update(self, probes: Mapping[str, Reach], now: float) -> None:
+        self.probed_at, self.last = now, dict(probes)
         for node, reach in probes.items():
             if reach.unreachable:
                 self.since.setdefault(node, now)

@@ -28,8 +28,10 @@ def register(sub: Any) -> None:
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="relaunches inside this allocation; past them an incident requeues "
                         "the job (default: 3)")
-    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
-                   help="how often to ask the node agent for an order (default: 1)")
+    p.add_argument("--poll", type=float, default=0.25, metavar="SECONDS",
+                   help="how often to ask this node's agent for an order, over its local "
+                        "socket; a decided incident waits half of this on average "
+                        "(default: 0.25)")
     p.add_argument("--end-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long the old step may take to end before srun is killed "
                         "(default: 60)")
@@ -118,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     def start(argv: list[str], step_env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, env=step_env)
 
+    if args.poll <= 0:
+        raise UsageError("launch: --poll must be above 0 seconds")
     if args.return_poll <= 0:
         raise UsageError("launch: --return-poll must be above 0 seconds")
     settings = Settings(args.spares, args.max_restarts, args.poll, args.end_timeout,

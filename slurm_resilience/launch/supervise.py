@@ -1,6 +1,7 @@
-"""The launcher's loop: start the step with srun, ask the node agent for an order about once
-a second, and when an incident of this job was decided as a relaunch, end the step (bounded)
-and start it again on the nodes the order names, inside the same allocation.
+"""The launcher's loop: start the step with srun, ask the node agent for an order four times
+a second (a local socket; the agent answers from memory), and when an incident of this job
+was decided as a relaunch, end the step (bounded) and start it again on the nodes the order
+names, inside the same allocation.
 
 The agent on the batch host is the only one that decides (the launcher never judges a hang
 itself): it takes the bad node out as it would for a requeue (drained on evidence, or a
@@ -51,9 +52,17 @@ class Step(Protocol):
 class Settings:
     spares: int
     max_restarts: int
-    poll_s: float = 1.0
+    # Each poll is a call to the local agent, answered from memory: a decided incident waits
+    # half of this on average before its relaunch starts.
+    poll_s: float = 0.25
     end_timeout_s: float = 60.0  # from the order to the old step gone
-    gone_grace_s: float = 3.0  # the same when a node of the step is gone (see _end)
+    # The same when a node of the step is gone (see _end): srun then waits for that node's
+    # tasks until Slurm marks it, so any wait here is lost time.
+    gone_grace_s: float = 0.5
+    # A failed step's question to the agent (two Slurm reads each): again after 0.25 s, then
+    # doubling up to this; most node faults are decided in the first seconds (a drain by
+    # the node's own gate, a node unreachable for 5 s), Slurm's own mark takes minutes.
+    loss_poll_s: float = 1.0
     # How often Slurm is asked about nodes a relaunch took out, while any waits to be a
     # spare again (returning.py): one ``scontrol show node`` of them per look.
     return_poll_s: float = 30.0
@@ -61,6 +70,7 @@ class Settings:
 
 # A launcher past the wait the agent announced ends anyway (an agent that keeps saying wait).
 WAIT_GRACE_S = 30.0
+FIRST_LOSS_POLL_S = 0.25
 MAX_LOSS_WAIT_S = 1800.0
 
 
@@ -152,12 +162,14 @@ class Launcher:
         return None
 
     def _node_lost(self, code: int) -> Mapping[str, object] | None:
-        """The step failed: ask the agent whether Slurm shows a node of it lost, about once
-        a second while it says to wait (Slurm marks a dead node only after SlurmdTimeout).
+        """The step failed: ask the agent whether Slurm shows a node of it lost, again and
+        again (0.25 s, then doubling to ``loss_poll_s``) while it says to wait (Slurm marks a
+        dead node only after SlurmdTimeout).
         A relaunch order, or None: end with srun's status (after a requeue Slurm ends this
         script; waited for up to ``end_timeout_s``)."""
         started = self.clock.monotonic()
         deadline: float | None = None
+        pause = FIRST_LOSS_POLL_S
         while True:
             try:
                 answer = self.agent.step_ended(code)
@@ -188,7 +200,9 @@ class Launcher:
                     deadline = max(deadline, now + left + WAIT_GRACE_S)
                 deadline = min(deadline, started + MAX_LOSS_WAIT_S)
                 if now < deadline:
-                    self.clock.sleep(self.settings.poll_s)
+                    pause = min(pause, self.settings.loss_poll_s)
+                    self.clock.sleep(pause)
+                    pause *= 2
                     continue
                 say(f"the node agent kept waiting past {left:.0f}s; ending with srun's status")
                 return None
