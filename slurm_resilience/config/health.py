@@ -401,6 +401,12 @@ class HealthSection:
         help="the epilog requeues a requeueable job that ended non-zero on a node it finds "
              "faulty (away from the node) at most this many times per job; its own cap, "
              "apart from the hang requeues; 0: never")
+    check_on_rank_death_s: float = setting(
+        30.0, min=0, max=86400,
+        help="when a job's rank on this node dies (its process gone before it finished), the "
+             "agent runs the node's HealthCheckProgram at once, at most once per this many "
+             "seconds, so a fault that killed it (an Xid) drains the node in seconds, not at "
+             "the next HealthCheckInterval; 0: never")
     gpu: GpuCheckSection = setting(default_factory=GpuCheckSection, help="GPU checks")
     xid: XidCheckSection = setting(default_factory=XidCheckSection, help="Xid checks")
     kernel_log: KernelLogCheckSection = setting(

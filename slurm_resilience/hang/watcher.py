@@ -31,6 +31,7 @@ from slurm_resilience.config import Config
 from slurm_resilience.config.paths import node_path
 from slurm_resilience.hang import detect, evidence, jobrecord, orphans, socketapi
 from slurm_resilience.hang import rendezvous as RV
+from slurm_resilience.hang.deathcheck import DeathCheck
 from slurm_resilience.hang.incidentflow import IncidentRunner
 from slurm_resilience.hang.incidentrecords import Clock, SystemClock
 from slurm_resilience.hang.launches import Launches
@@ -102,6 +103,7 @@ class HangWatcher:
         self.node_loss = NodeLossDesk(lambda: self.cfg, self.launches, adapter, self.clock,
                                       node)
         self.suspects = SuspectWatch(cfg, node, adapter, self.clock, self.state_dir, verifier)
+        self.death_check = DeathCheck(lambda: self.cfg, node, adapter, self.clock)
         self.next_cleanup = 0.0
         self.next_orphan_check = 0.0
         self.orphan_thread: threading.Thread | None = None
@@ -238,6 +240,11 @@ class HangWatcher:
         with self.lock:
             previous = self.jobs.get(rec.job_id)
             self.jobs[rec.job_id] = view
+        if previous is not None and verdict.mode != "off":
+            running = {r.rank for r in previous.verdict.ranks if r.state in ("ok", "hung")}
+            died = [r.rank for r in verdict.ranks if r.state == "dead" and r.rank in running]
+            if died:  # what killed them may be the node's (an Xid): its gate runs now
+                self.death_check.rank_died(rec.job_id, died)
         changed = previous is None or previous.verdict.stragglers != verdict.stragglers
         if changed and verdict.stragglers:
             self.straggler_log.log(f"job {rec.job_id}", "straggler ranks", job_id=rec.job_id,

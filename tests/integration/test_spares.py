@@ -8,7 +8,13 @@ with ``-s`` to see them.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import signal
+import time
+from pathlib import Path
 
 import pytest
 from hang_jobs import (
@@ -18,6 +24,7 @@ from hang_jobs import (
     goodput,
     output,
     reports,
+    step_nodes,
     submit_launch,
     wait_for,
     wait_for_decision,
@@ -26,7 +33,7 @@ from hang_jobs import (
 
 from slurm_resilience.launch.cli import nodes_seen
 from slurm_resilience.launch.returning import Seen
-from slurm_resilience.sandbox import faults
+from slurm_resilience.sandbox import faults, nodekill
 from slurm_resilience.sandbox.handle import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow,
@@ -181,6 +188,57 @@ def test_a_spare_that_fails_the_gate_is_not_used(
     finally:
         sandbox.run(["scancel", str(job_id)])
         faults.heal(sandbox.layout.state_dir, spare)
+
+
+def test_an_xid_that_kills_a_step_nodes_ranks_relaunches_on_the_spare_at_once(
+        sandbox: Sandbox, test_users: tuple[str, ...]) -> None:
+    """A GPU of a step node falls off the bus (Xid 79) and its rank dies with it. That
+    node's agent sees the rank die and runs the node's HealthCheckProgram at once
+    (hang/deathcheck.py), not at Slurm's next HealthCheckInterval: the gate drains the node
+    with the Xid as its reason, and the launcher's question about the failed step gets a
+    relaunch on the survivor plus the spare, inside the allocation (Restarts=0)."""
+    user = test_users[0]
+    work = sandbox.user_dir(user, "xidstep")
+    job_id = submit_launch(sandbox, user, work, "--steps 100000 --ckpt-every 5")
+    _host, other = step_nodes(sandbox, work, job_id)
+    wait_for_output(sandbox, work, job_id, r"checkpoint step=5 ", 240, "the first checkpoint")
+    try:
+        since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())  # the log's UTC stamps
+        faults.inject(sandbox.layout.state_dir, other, "gpu-xid:0:79")
+        killed = [pid for pid in nodekill.node_processes(sandbox.layout, other)
+                  if b"train.py" in _cmdline(pid)]
+        assert killed, f"no rank of job {job_id} on {other}"
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for_output(sandbox, work, job_id, r"rank \d+ running step=\d+ at=\S+ restarts=1 ",
+                        240, "the relaunched step")
+        out = output(work, job_id)
+        assert re.search(rf"incident: node fault in job {job_id} \({other} drained \(SR: "
+                         r"health: gpu0 XID 79", out), out
+        assert other not in re.findall(r"relaunch 1: (.*) at=", out)[0].split(), out
+        assert sandbox.job(job_id).restarts == 0
+        # The node's own agent ran the gate when the rank died, and the node was drained no
+        # later than that run's end (the periodic HealthCheckProgram may come first).
+        events = [json.loads(line) for line in
+                  (sandbox.layout.log_dir / "slurm-resilience.jsonl").read_text().splitlines()
+                  if f'"{other}"' in line]
+        ran = [e["timestamp"] for e in events if e["event"] == "HealthCheckProgram finished "
+               "after a rank died" and e.get("job_id") == job_id]
+        drained = [e["timestamp"] for e in events if e["event"] == "node drained"
+                   and "XID 79" in str(e.get("reason")) and e["timestamp"] >= since]
+        assert ran and drained and drained[0] <= ran[0], (ran, drained)
+    finally:
+        sandbox.run(["scancel", str(job_id)], check=False)
+        faults.heal(sandbox.layout.state_dir, other)
+        sandbox.run(["scontrol", "update", f"NodeName={other}", "State=RESUME"], check=False)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # Each task runs torchrun with one worker; the static rendezvous's port is the job's, the

@@ -551,3 +551,38 @@ def test_a_registered_launcher_is_ordered_to_relaunch_instead_of_a_requeue(
     watcher.handle_launch_register({"job_id": 42, "relaunch": 1, "nodes": order["nodes"],
                                     "spares": [], "max_restarts": 3}, owner)
     assert watcher.handle_launch_poll({"job_id": 42}, owner) == {"order": None}
+
+
+class _Deaths:
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def rank_died(self, job_id: int, ranks: Sequence[int]) -> bool:
+        self.seen.append((job_id, list(ranks)))
+        return True
+
+
+def test_a_rank_that_dies_here_has_the_node_checked_once(tmp_path: Path) -> None:
+    """Running, then its process gone before it finished: the node's health check is asked
+    for (deathcheck.py). A rank already dead when first seen (an agent that started after
+    the job's end) asks nothing; nor does a rank seen dead again."""
+    cfg = _cfg(tmp_path)
+    clock = FrozenClock()
+    watcher = _watcher(cfg, FakeRunner(42, NODE), clock)
+    deaths = watcher.death_check = _Deaths()  # type: ignore[assignment]
+    proc = _hanging_job(tmp_path, cfg)
+    try:
+        watcher.tick()
+        assert [r.state for r in watcher.jobs[42].verdict.ranks] == ["ok"]
+    finally:
+        proc.kill()
+        proc.wait()
+    watcher.tick()
+    assert [r.state for r in watcher.jobs[42].verdict.ranks] == ["dead"]
+    watcher.tick()
+    assert deaths.seen == [(42, [0])]
+    late = _watcher(cfg, FakeRunner(42, NODE), clock)
+    late.death_check = _Deaths()  # type: ignore[assignment]
+    late.tick()
+    late.tick()
+    assert late.death_check.seen == []  # type: ignore[attr-defined]
