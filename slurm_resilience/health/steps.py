@@ -270,6 +270,8 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         except SlurmError as exc:
             logger.warning("couldn't read the node's gres; GPU count not checked", error=str(exc))
     problems = _gate(ctx, "healthcheck", expected)
+    if ctx.after_rank_death:
+        return problems  # drain on evidence; the periodic runs keep the streak and the rest
     problems += _idle_diag(ctx)
     if h.release_held_jobs:
         # Whether or not this node is healthy now: the node is drained, so a released

@@ -63,6 +63,11 @@ class HookNotes(TypedDict, total=False):
     config_invalid: str
 
 
+# Set by the node agent when it runs HealthCheckProgram because a job's rank died on the
+# node (hang/deathcheck.py); slurmd's own runs never carry it.
+ENV_AFTER_RANK_DEATH = "SLURM_RESILIENCE_AFTER_RANK_DEATH"
+
+
 @dataclass
 class HookContext:
     """Inputs of one hook run. Everything from the job is untrusted."""
@@ -82,6 +87,15 @@ class HookContext:
     _adapter: SlurmAdapter | None = field(default=None, repr=False)
     notes: HookNotes = field(default_factory=lambda: HookNotes())
     _refused: set[str] = field(default_factory=set, repr=False)  # logged once per hook run
+
+    @property
+    def after_rank_death(self) -> bool:
+        """A healthcheck the node agent ran because a job's rank died here: it drains on
+        what it finds, and leaves the bookkeeping of slurmd's periodic runs alone (the
+        streak of passes that resumes a drained node, idle tests, held jobs), so that runs
+        a user's dying ranks ask for never bring a drained node back sooner. HealthCheck-
+        Program's environment is slurmd's or the agent's, never a job's."""
+        return self.kind == "healthcheck" and self.env.get(ENV_AFTER_RANK_DEATH) == "1"
 
     def job_option(self, name: str) -> str:
         """A per-job option of our SPANK plugin (``--hang-timeout`` → ``HANG_TIMEOUT``),

@@ -268,11 +268,15 @@ def healthcheck(ctx: HookContext) -> list[Problem]:
         return []
     fresh, entry = current_freshness(ctx)
     problems: list[Problem] = []
-    if entry is not None and entry.get("verdict") == "fail" and not entry.get("invalidated"):
+    failed = entry is not None and entry.get("verdict") == "fail" and \
+        not entry.get("invalidated")
+    if entry is not None and failed:
         problems = cached_failure(ctx, entry)
         if not problems:
             fresh, entry = current_freshness(ctx)
-    elif fresh.fresh and os.path.exists(drains_path(ctx)):
+    if ctx.after_rank_death:
+        return problems  # no resume and no idle test from a run a job's death asked for
+    if not failed and fresh.fresh and os.path.exists(drains_path(ctx)):
         maybe_resume(ctx)
     if not s.idle_verify or not schedule.idle_due(fresh=fresh.fresh, age_s=fresh.age_s,
                                                   interval_s=s.idle_interval_s):

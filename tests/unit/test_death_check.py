@@ -12,6 +12,7 @@ import pytest
 from slurm_resilience import log
 from slurm_resilience.config import Config
 from slurm_resilience.hang.deathcheck import GRACE_S, PLAIN_PATH, DeathCheck
+from slurm_resilience.hooks.context import ENV_AFTER_RANK_DEATH
 from slurm_resilience.proc import CommandError, Completed
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeClock
@@ -76,7 +77,8 @@ def test_a_death_runs_slurms_health_check_program_as_slurmd_would() -> None:
     cfg, slurm, program, clock = Config(), Slurm(), Program(), FakeClock()
     d = check(cfg, slurm, program, clock)
     assert d.rank_died(42, [1])
-    assert program.runs == [([PROGRAM], {"SLURMD_NODENAME": "node1", "PATH": PLAIN_PATH},
+    assert program.runs == [([PROGRAM], {"SLURMD_NODENAME": "node1", "PATH": PLAIN_PATH,
+                                         ENV_AFTER_RANK_DEATH: "1"},
                              cfg.hooks.healthcheck_timeout_s + GRACE_S)]
     # A user decides when their ranks die: one run per check_on_rank_death_s (30 s).
     clock.advance(29)

@@ -10,7 +10,7 @@ import yaml
 
 from slurm_resilience import config, events, log
 from slurm_resilience.health import steps
-from slurm_resilience.hooks.context import HookContext
+from slurm_resilience.hooks.context import ENV_AFTER_RANK_DEATH, HookContext
 from slurm_resilience.sandbox import faults, hardware
 from slurm_resilience.slurm.adapter import SlurmAdapter
 from slurm_resilience.testing import FakeRunner, completed
@@ -86,6 +86,27 @@ def test_healthcheck_resumes_our_drain_after_n_passes(cfg_path: Path) -> None:
     assert steps.healthcheck(ctx(cfg_path, "healthcheck", first)) == []
     assert first.calls == []  # one pass is not enough
     second = resume_runner("IDLE+DRAIN", "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]")
+    assert steps.healthcheck(ctx(cfg_path, "healthcheck", second)) == []
+    assert second.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
+
+
+def test_a_healthcheck_after_a_rank_died_drains_but_never_resumes(cfg_path: Path) -> None:
+    """The agent's run after a job's rank died here (hang/deathcheck.py) fails on a fault
+    like any run, but its passes don't count toward the streak that resumes our drain: a
+    user whose ranks keep dying can't bring the node back sooner."""
+    death = {ENV_AFTER_RANK_DEATH: "1"}
+    faults.inject(cfg_path.parent, NODE, "ib-down:mlx5_3:1")
+    assert steps.healthcheck(ctx(cfg_path, "healthcheck", env=death))
+    faults.heal(cfg_path.parent, NODE)
+    drained = "SR: health: mlx5_3 port1 DOWN (expected ACTIVE) [root@t]"
+    for _ in range(3):
+        runner = resume_runner("IDLE+DRAIN", drained)
+        assert steps.healthcheck(ctx(cfg_path, "healthcheck", runner, env=death)) == []
+        assert ["scontrol", "update", "NodeName=node1", "State=RESUME"] not in runner.calls
+    first = resume_runner("IDLE+DRAIN", drained)  # slurmd's own runs: still two to resume
+    assert steps.healthcheck(ctx(cfg_path, "healthcheck", first)) == []
+    assert first.calls == []
+    second = resume_runner("IDLE+DRAIN", drained)
     assert steps.healthcheck(ctx(cfg_path, "healthcheck", second)) == []
     assert second.calls[-1] == ["scontrol", "update", "NodeName=node1", "State=RESUME"]
 

@@ -223,3 +223,28 @@ def test_a_job_takes_the_node_from_a_manual_nccl_test(tmp_path: Path) -> None:
     assert "n1: ABORTED" in out
     assert cache.read(str(tmp_path / "state" / "n1" / cache.FILENAME)) is None
     assert ranks() == [], "ranks of the stopped test are still running"
+
+
+def test_a_healthcheck_after_a_rank_died_reports_but_never_resumes_or_tests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node agent's run after a job's rank died (hang/deathcheck.py) still reports a
+    cached failure, but neither resumes our drain nor starts an idle test: those follow
+    slurmd's own runs only."""
+    from slurm_resilience.hooks.context import ENV_AFTER_RANK_DEATH
+
+    calls: list[str] = []
+    monkeypatch.setattr(steps, "maybe_resume", lambda ctx: calls.append("resume"))
+    monkeypatch.setattr(steps, "start_idle_verification", lambda ctx: calls.append("test"))
+    cfg = load_text(Config, config_text(tmp_path).replace("idle_verify: false",
+                                                          "idle_verify: true"))
+    death = HookContext(kind="healthcheck", cfg=cfg, node="n1",
+                        env={ENV_AFTER_RANK_DEATH: "1"}, job_id=None)
+    cache.store(steps.cache_path(death), {"verdict": "fail", "reasons": ["nccl x < y"],
+                                          "fingerprint": cache.fingerprint(cfg.nccl)})
+    assert [p.reason for p in steps.healthcheck(death)] == ["nccl x < y"]
+    fresh_pass(death)
+    cache.store(steps.drains_path(death), {"reasons": ["nccl x < y"]})
+    assert steps.healthcheck(death) == [] and calls == []
+    periodic = HookContext(kind="healthcheck", cfg=cfg, node="n1", env={}, job_id=None)
+    steps.healthcheck(periodic)
+    assert calls[:1] == ["resume"]
