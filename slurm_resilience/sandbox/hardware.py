@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -172,8 +173,15 @@ def exchange(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
+# A reader whose path walk had passed ``target`` before a swap goes on in the old tree: it is
+# kept this long (renamed aside), not removed at once, so such a reader never finds a
+# half-deleted HCA (a CI run saw one with no ports). Longer than a collector may run.
+RETIRED_KEEP_S = 30.0
+
+
 def swap_in(fresh: Path, target: Path) -> None:
-    """Put the directory ``fresh`` at ``target`` in one step and remove what was there."""
+    """Put the directory ``fresh`` at ``target`` in one step; what was there is set aside
+    and removed at a later swap, once older than ``RETIRED_KEEP_S``."""
     if not target.exists():
         os.rename(fresh, target)
         return
@@ -189,7 +197,20 @@ def swap_in(fresh: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(fresh, target)
         fresh = old
-    shutil.rmtree(fresh)
+    now = time.time()
+    prefix = f".{target.name}.retired-"
+    mine = target.with_name(f"{prefix}{now:.6f}-{uuid.uuid4().hex[:8]}")
+    os.rename(fresh, mine)
+    for path in target.parent.glob(prefix + "*"):
+        if path == mine:
+            continue
+        stamp = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            old_enough = now - float(stamp) > RETIRED_KEEP_S
+        except ValueError:
+            old_enough = True  # not ours to read: a name we never write
+        if old_enough:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def prepare_node_hardware(state_dir: Path, nodes: list[str],
