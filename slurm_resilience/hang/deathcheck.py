@@ -125,12 +125,13 @@ class DeathCheck:
         if self.program is not None:
             return self.program
         try:
-            value = self.adapter.show_config().get("HealthCheckProgram", "").strip()
+            # parse_show_config reads Slurm's "(null)" as "".
+            value = self.adapter.show_config().get("HealthCheckProgram", "")
         except SlurmError as exc:
             log.warning("couldn't read HealthCheckProgram after a rank died; asked again at "
                         "the next death", error=str(exc))
             return None
-        if value in ("", "(null)") or not os.path.isabs(value):
+        if not os.path.isabs(value):  # unset, or a path slurmd itself would not run
             if not self.said_none:
                 log.warning("no HealthCheckProgram in Slurm's configuration: a rank that died "
                             "here is not followed by a health check", value=value)
