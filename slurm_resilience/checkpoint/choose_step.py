@@ -21,6 +21,7 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
 )
 from slurm_resilience.checkpoint.dcp_layout import METADATA_RELPATH
+from slurm_resilience.checkpoint.rescue_restore import local_step, take
 from slurm_resilience.checkpoint.stagein_status import warn_fallbacks
 
 if TYPE_CHECKING:
@@ -54,8 +55,15 @@ def latest_step(mgr: CheckpointManager, exclude: Mapping[int, str] | None = None
     failed = error is not None
     if not failed and mgr.rank == 0:
         warn_fallbacks(status)
-    hi, neg_lo, any_failed = mgr._all_max([candidate, -candidate, int(failed)])
+    # The same all-reduce finds the newest save at a fault (rescue.py) on any node.
+    rescue_on = mgr._rescue is not None
+    hi, neg_lo, any_failed, *rescued = mgr._all_max(
+        [candidate, -candidate, int(failed)] + ([local_step(mgr)] if rescue_on else []))
     lo = -neg_lo
+    mgr._rescued_step = None
+    if rescued and rescued[0] > hi and not any_failed and take(mgr, rescued[0]):
+        mgr._rescued_step = rescued[0]  # newer than every committed step: load it
+        return rescued[0]
     if any_failed:
         cause = f"stage-in failed: {error}" if failed else \
             "stage-in failed on another node (its ranks' error names the cause)"

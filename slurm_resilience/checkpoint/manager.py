@@ -18,15 +18,13 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurm_resilience.checkpoint import choose_step as choose
-from slurm_resilience.checkpoint import interrupt
+from slurm_resilience.checkpoint import interrupt, loading
 from slurm_resilience.checkpoint.app_state import train_state
 from slurm_resilience.checkpoint.arrival import ArrivalCheck, for_group
-from slurm_resilience.checkpoint.catch_up import pass_over
 from slurm_resilience.checkpoint.commit import (
     COMMIT,
     CheckpointError,
@@ -36,43 +34,32 @@ from slurm_resilience.checkpoint.commit import (
     step_name,
     write_commit_marker,
 )
-from slurm_resilience.checkpoint.dcp_failures import corrupt_message, failure_cause
 from slurm_resilience.checkpoint.dcp_state import Snapshot, check_state, resolve_stateful
+from slurm_resilience.checkpoint.loading import Loaded
 from slurm_resilience.checkpoint.optin import ENV_ALLOW_FRESH, ENV_ALLOW_OLDER, env_flag
 from slurm_resilience.checkpoint.quota import check_before_save
 from slurm_resilience.checkpoint.ranges import LocalRanges, RangeSource
+from slurm_resilience.checkpoint.rescue import (
+    ENV_RESCUE,
+    SHARDED,
+    Rescue,
+    drop_upto,
+    keys_hash,
+    rescue_root,
+)
 from slurm_resilience.checkpoint.stagein_status import (
     Fallen,
     StageinStatus,
     wait_stagein,
 )
-from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
 from slurm_resilience.heartbeat import attempt
 
-MAX_FALLBACKS = 8  # corrupt steps one restore may pass over before it gives up
 ENV_URI = "SLURM_RESILIENCE_CKPT_URI"
 ENV_DIR = "SLURM_RESILIENCE_CKPT_DIR"
 
 # dcp.save/load without a process group (one process, no torch.distributed) warn on every call.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
                         "uninitialized", category=UserWarning)
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """The step ``load_latest`` loaded: its number, its step dir, and the state.
-
-    ``state`` is the caller's state dict (loaded in place), the objects' entries without
-    one, or for ``load_latest()`` a new dict of full CPU tensors and plain values.
-    """
-
-    step: int
-    path: Path
-    state: Any = None
-
-
-class PartlyLoaded(CheckpointError):
-    """A load that failed after the step verified and its bytes began to fill the state."""
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
@@ -92,7 +79,8 @@ class CheckpointManager:
                  stagein_timeout_s: float = 600.0, barrier_timeout_s: float = 600.0,
                  ranges: RangeSource | None = None, allow_fresh_start: bool = False,
                  keep_buffers: bool = True, allow_older_step: bool = False,
-                 arrival_timeout_s: float = 30.0, quota_fraction: float | None = None):
+                 arrival_timeout_s: float = 30.0, quota_fraction: float | None = None,
+                 rescue: bool = False):
         self.job_dir = Path(job_dir)
         # checkpoint.job_quota_fraction: a save past the job's share of the disk is refused.
         self.quota_fraction = quota_fraction
@@ -131,6 +119,11 @@ class CheckpointManager:
         self._arrival: ArrivalCheck | None = None  # every rank calls save(), or it fails fast
         self.last_stall_s = 0.0  # the last save()'s stall, and the part of it spent
         self.last_wait_s = 0.0  # waiting for the previous save's write
+        # A save at the fault (rescue.py): this node's rescues, and the step a restore took
+        # from one (its reads then come from the rescue dir).
+        self._rescue: Rescue | None = None
+        self._rescue_rejected: set[int] = set()
+        self._rescued_step: int | None = None
         if _dist_ready():
             dist = sys.modules["torch"].distributed
             self.rank, self.world_size = int(dist.get_rank()), int(dist.get_world_size())
@@ -144,6 +137,19 @@ class CheckpointManager:
         elif world_size > 1:
             raise CheckpointError("checkpoint: world_size > 1 needs torch.distributed "
                                   "initialised before the CheckpointManager is created")
+        if rescue:
+            self._start_rescue()
+
+    def _start_rescue(self) -> None:
+        from slurm_resilience import heartbeat
+
+        hb = heartbeat.current()
+        if hb is None:
+            print("checkpoint: rescue: off: this rank has no heartbeat (the rescue saves the "
+                  "step of the last heartbeat.beat(step))", file=sys.stderr, flush=True)
+            return
+        self._rescue = Rescue(self, hb)
+        self._rescue.start()
 
     # -- construction from the job's environment -------------------------------------------
 
@@ -152,6 +158,7 @@ class CheckpointManager:
         """Job id, rank, staging dir (config) and run URI from the environment."""
         env = dict(os.environ if env is None else env)
         allow_fresh, allow_older = env_flag(env, ENV_ALLOW_FRESH), env_flag(env, ENV_ALLOW_OLDER)
+        rescue = env_flag(env, ENV_RESCUE)
         from slurm_resilience import config
         from slurm_resilience.config.paths import node_name, node_path
 
@@ -199,7 +206,7 @@ class CheckpointManager:
                   stagein_timeout_s=ck.stagein_timeout_s, ranges=ranges,
                   allow_fresh_start=allow_fresh, allow_older_step=allow_older,
                   arrival_timeout_s=ck.save_arrival_timeout_s,
-                  quota_fraction=ck.job_quota_fraction)
+                  quota_fraction=ck.job_quota_fraction, rescue=rescue)
         if uri is not None and agent_socket is not None and job_id is not None:
             mgr._register(node_name(cfg.node.name, env), ck.agent_unreachable,
                           cfg.agent.request_timeout_s)
@@ -278,13 +285,18 @@ class CheckpointManager:
         self._meet(step)
         problem: CheckpointError | None = None
         state: dict[Any, Any] = {}
+        keys = SHARDED
         try:
             if not isinstance(state_dict, (Mapping, type(None))):
                 raise CheckpointError(f"checkpoint: save: the state must be a mapping, not "
                                       f"{type(state_dict).__name__}")
-            state = resolve_stateful(train_state(state_dict, model=model, optimizer=optimizer,
-                                                 scheduler=scheduler))
+            template = train_state(state_dict, model=model, optimizer=optimizer,
+                                   scheduler=scheduler)
+            state = resolve_stateful(template)
             check_state(state)
+            if self._rescue is not None:
+                self._rescue.remember(template)
+                keys = keys_hash(state)
             if self.quota_fraction is not None:
                 check_before_save(str(self.job_dir), self.job_id or 0, state,
                                   self.quota_fraction)
@@ -293,7 +305,11 @@ class CheckpointManager:
         # One decision for every rank: a node that already holds the step committed, or a
         # rank whose state can't be saved, stops the save everywhere.
         here = (self.job_dir / step_name(step) / COMMIT).exists()
-        committed, bad = self._all_max([int(here), int(problem is not None)])
+        # With the rescue on, the same all-reduce compares the states' keys (rescue.py).
+        committed, bad, *agreed = self._all_max([int(here), int(problem is not None)] + (
+            [keys, -keys] if self._rescue is not None else []))
+        if self._rescue is not None:
+            self._rescue.agree(*agreed)
         if bad:
             raise problem or CheckpointError(
                 f"checkpoint: save: step {step}: another rank's state can't be saved (its "
@@ -326,9 +342,12 @@ class CheckpointManager:
         host copy of this rank's state ``save()`` keeps anyway. What can't be saved raises
         here, as in ``save()``; tensors added or reshaped later get buffers then."""
         self.wait()
-        state = resolve_stateful(train_state(state_dict, model=model, optimizer=optimizer,
-                                             scheduler=scheduler))
+        template = train_state(state_dict, model=model, optimizer=optimizer,
+                               scheduler=scheduler)
+        state = resolve_stateful(template)
         check_state(state)
+        if self._rescue is not None:
+            self._rescue.remember(template)
         self._snap.take(state)  # allocates and writes every page: none faults in a save
         from slurm_resilience.checkpoint import dcp_writer  # noqa: F401 - not in the stall
 
@@ -379,6 +398,8 @@ class CheckpointManager:
             # part in the step dir could be left over from an abandoned save).
             save_id = read_manifest(part_dirs(self.job_dir, step, self.rank)[1]).save_id
             write_commit_marker(self.job_dir, step, self.world_size, save_id)
+        if self.local_leader and self._rescue is not None:
+            drop_upto(rescue_root(self.job_dir), step)  # a newer step is committed
         self.last_saved = step
         self._trusted.add(step)
 
@@ -466,6 +487,8 @@ class CheckpointManager:
         """A DCP StorageReader for committed ``step``, reading through this job's RangeSource."""
         from slurm_resilience.checkpoint.dcp_reader import StagingReader
 
+        if step == self._rescued_step:  # every byte is on this node: rescue_restore.py
+            return StagingReader(rescue_root(self.job_dir), step)
         return StagingReader(self.job_dir, step, self.ranges)
 
     # -- loading ---------------------------------------------------------------------------
@@ -502,75 +525,18 @@ class CheckpointManager:
         tensors and plain values, shaped exactly as saved. A committed step that can't be
         loaded (stage-in failed, files missing, ranks disagreeing on the step) raises a
         CheckpointError naming the step and the cause, unless ``allow_fresh_start``.
+        A save at the fault newer than every committed step is loaded instead (rescue.py).
         """
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        template = None
-        if state is not None or model is not None or optimizer is not None or \
-                scheduler is not None:
-            template = train_state(state, model=model, optimizer=optimizer, scheduler=scheduler)
-        bad: dict[int, str] = {}
-        while True:
-            step = self.latest_step(exclude=bad)
-            if step is None:
-                return None
-            try:
-                loaded = self._dcp_load(step, template)
-            except TemplateMismatch:
-                raise  # the caller's code to fix: no fallback, no fresh start
-            except PartlyLoaded as exc:  # every rank had begun reading (DCP's read phase)
-                raise CheckpointError(
-                    f"checkpoint: load: couldn't load committed step {step}: "
-                    f"{failure_cause(exc.__cause__ or exc)}; it failed after its verified bytes "
-                    "began to fill the state, which now holds part of the step: neither "
-                    "a fallback nor a fresh start can use it, restart the job") from exc
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
-                # DCP hands every rank the same gathered failures, so all ranks take the same
-                # branch here without another collective.
-                corrupt = corrupt_message(exc)
-                if corrupt is not None and len(bad) < MAX_FALLBACKS:
-                    bad[step] = corrupt
-                    pass_over(self, step, corrupt)
-                    continue
-                self._fresh_or_raise(f"checkpoint: load: couldn't load committed step {step}: "
-                                     f"{failure_cause(exc)}")
-                return None
-            break
-        self.last_saved = step
-        if state is not None:  # DCP replaced the template's plain top-level values
-            state.update({k: loaded[k] for k in state})
-            loaded = state
-        return Loaded(step=step, path=self.job_dir / step_name(step), state=loaded)
-
-    def _dcp_load(self, step: int, state: dict[str, Any] | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint import state_dict_loader
-
-        reader = self.storage_reader(step)
-        if state is None:
-            from torch.distributed.checkpoint.state_dict_loader import (
-                _load_state_dict_from_keys,
-            )
-
-            loaded = _load_state_dict_from_keys(storage_reader=reader,
-                                                process_group=self._group)
-            from slurm_resilience.checkpoint.structure import rebuild
-
-            return rebuild(loaded, reader.metadata, step)
-        check_template(step, state, reader.read_metadata, self._all_max)
-        try:
-            state_dict_loader.load(state, storage_reader=reader, process_group=self._group,
-                                   no_dist=self._group is None)
-        except BaseException as exc:
-            if reader.reading:  # the step verified; the state may hold part of it
-                raise PartlyLoaded(str(exc)) from exc
-            raise
-        return state
+        return loading.load_latest(self, state, model=model, optimizer=optimizer,
+                                   scheduler=scheduler)
 
     def close(self) -> None:
         """Finish the pending save (call before exiting); a warning ahead of the time limit
         arriving from now on is ignored."""
         self.wait()
         interrupt.disarm()
+        if self._rescue is not None:
+            self._rescue.stop()  # the loop is over: nothing left to save at a fault
 
 
 def _warn(message: str) -> None:

@@ -13,6 +13,7 @@ import mmap
 import os
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from slurm_resilience.clock import Clock, SystemClock
 from slurm_resilience.heartbeat import slot as S
@@ -27,6 +28,20 @@ def process_start_ticks(pid: int | str = "self") -> int:
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     rest = data[data.rindex(b")") + 2:].split()
     return int(rest[19])
+
+
+class Progress(NamedTuple):
+    """A rank's loop as its own process sees it: beats so far, the last beat's step and
+    monotonic time, the smoothed step time, whether it is inside a section, whether the
+    loop is over (done, or stopping on purpose), and the job's own step timeout (0: none)."""
+
+    beats: int
+    step: int
+    last: float
+    step_s: float
+    in_section: bool
+    over: bool
+    step_timeout_s: float
 
 
 class Heartbeat:
@@ -65,6 +80,8 @@ class Heartbeat:
         self._seq = 0
         self._last = now
         self._beats = 0
+        self._step = -1
+        self.step_timeout_s = step_timeout_s
         self._ewma = self._min = self._max = 0.0
         self._sections: list[tuple[str, float]] = []
         self._seq_pack = S.SEQ.pack_into
@@ -78,6 +95,7 @@ class Heartbeat:
         dt = now - self._last
         self._last = now
         n = self._beats + 1
+        self._step = step  # before the count: a reader that sees n beats sees this step
         self._beats = n
         if n > 2:
             self._ewma += _EWMA_ALPHA * (dt - self._ewma)
@@ -93,6 +111,17 @@ class Heartbeat:
         self._seq_pack(mm, 96, seq - 1)
         self._beat_pack(mm, 104, step, now, n, dt, self._ewma, self._min, self._max)
         self._seq_pack(mm, 96, seq)
+
+    def progress(self) -> Progress:
+        """Where the loop is, for a thread of this process (checkpoint/rescue.py): plain
+        attribute reads, retried until the beat count is the same before and after."""
+        while True:
+            beats = self._beats
+            got = Progress(beats, self._step, self._last, self._ewma, bool(self._sections),
+                           bool(self._flags & (S.FLAG_DONE | S.FLAG_STOPPED)),
+                           self.step_timeout_s)
+            if self._beats == beats:
+                return got
 
     # -- rarer events ----------------------------------------------------------------------------
 
