@@ -366,6 +366,11 @@ class Ledger:
                 # the step was saved, closer than this tick.
                 exited = lead.wall(lead.section_start) if lead.section_start > 0 else 0.0
                 at = exited if not lead.section and r.start <= exited <= now else now
+                beat_at = lead.wall(lead.last_beat)
+                if ckpt == lead.step and exited < beat_at and r.start <= beat_at <= now:
+                    # Saved at a fault (checkpoint/rescue.py): the state of the last beat,
+                    # outside any section.
+                    at = beat_at
                 r.ckpt_step, r.last_checkpoint_at = ckpt, at
                 # The beats the checkpoint kept: less those past its step by this tick.
                 r.beats_at_checkpoint = max(0, lead.beats - max(0, lead.step - ckpt))

@@ -201,6 +201,51 @@ def test_the_ledger_follows_the_slots_and_the_requeue(tmp_path: Path) -> None:
     assert abs(b.unexplained_s) <= 3 * TICK and b.explained
 
 
+def test_a_save_at_the_fault_keeps_the_work_up_to_the_last_beat(tmp_path: Path) -> None:
+    """As above, run 0 hangs after step 372 (its last beat at 399), but its ranks saved that
+    step at the fault (checkpoint/rescue.py: the checkpoint step becomes the last beat's,
+    outside any section, at 402): the checkpoint counts from the last beat, so no work is
+    lost since it and every step up to 372 is kept."""
+    incidents = tmp_path / "incidents"
+    ledger = Ledger(str(tmp_path / "goodput"), str(incidents))
+    job = 8
+
+    def slots(step: int, at: float, ckpt: int, section_start: float) -> list[S.SlotView]:
+        out = []
+        for rank in range(2):
+            v = slot(rank, step, 1.0, job)
+            out.append(S.SlotView(**{**v.__dict__, "restart_count": 0, "last_beat": at,
+                                     "beats": step, "ckpt_step": ckpt, "section": "",
+                                     "section_start": section_start, "flags": 0,
+                                     "created": at - step}))
+        return out
+
+    t = 0.0
+    while t < 480:
+        if t < 20:
+            vs = slots(0, t, -1, 0.0)
+        elif t < 300:
+            vs = slots(int(t - 19), t, -1, 0.0)
+        elif t < 400:
+            vs = slots(int(t - 19), t, 281, 300.0)  # step 281 saved in its section
+        elif t < 402:
+            vs = slots(380, 399.0, 281, 300.0)  # hung: the last beat at 399
+        else:
+            vs = slots(380, 399.0, 380, 300.0)  # the rescue of step 380
+        views = [view(job, vs)]
+        object.__setattr__(views[0].record, "started", 0.0)
+        ledger.observe(views, t, None)
+        t += TICK
+    write_report(incidents, job, 0, started=399.0, detected=460.0)
+    ledger.observe([], 480.0, None)
+    saved = ledger.load(job)
+    assert saved is not None
+    assert saved.runs[0].last_checkpoint_at == pytest.approx(399.0, abs=TICK)
+    b = compute.breakdown(job, [r.to_run() for r in saved.runs.values()], last_over=True)
+    assert b.losses["lost_since_checkpoint"] == pytest.approx(0.0, abs=TICK), b.losses
+    assert b.productive_s == pytest.approx(379, abs=TICK)  # beats 2..380 of 1 s each
+
+
 def test_productive_time_counts_the_kept_steps_slow_ones_too(tmp_path: Path) -> None:
     """Steps of 1 s with every tenth taking 2 s (the tail a loaded node's steps have), and a
     save at step 50 stalling 3 s: the run's step time is the mean of the 99 steps after the
