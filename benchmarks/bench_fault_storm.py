@@ -202,6 +202,10 @@ def main() -> int:
                         help="the launcher's --max-restarts (default: 10, so that every fault "
                              "of a 20-minute storm may take the spare path; the launcher's "
                              "own default is 3)")
+    parser.add_argument("--rescue", action=argparse.BooleanOptionalAction, default=True,
+                        help="the job saves its last finished step at each fault "
+                             "(SLURM_RESILIENCE_CKPT_RESCUE; --no-rescue: the last checkpoint "
+                             "only, as before)")
     parser.add_argument("--port-base", type=int, default=0,
                         help="first port of the benchmark's own sandbox (default: a free one)")
     args = parser.parse_args()
@@ -219,7 +223,8 @@ def main() -> int:
             f"--steps {steps} --ckpt-every {every} --step-seconds {STEP_S} --hang-rank 1 "
             f"--hang-on-file {trigger} --fault-every-run", nodes=4, spares=2,
             launch_args=f"--max-restarts {args.max_restarts}",
-            sbatch_args=("--no-kill",))
+            sbatch_args=("--no-kill",),
+            exports=(("SLURM_RESILIENCE_CKPT_RESCUE", "on" if args.rescue else "off"),))
         print(f"job {job_id}: {steps} steps of about {STEP_S} s, a checkpoint every {every}; "
               f"a fault every {args.every:g} s", flush=True)
         wait_for(lambda: "running step=" in output(work, job_id), 300, "the first step")
@@ -280,8 +285,18 @@ def main() -> int:
         half = every * step_s / 2
         at_random = (g["productive_s"] + lost - faulted * half) / g["allocated_s"]
         print(f"  work lost since the last checkpoint: {lost:.0f} s at {faulted} faults "
-              f"({lost / faulted:.1f} s each); at random fault times, half an interval each "
-              f"({half:.1f} s): goodput {at_random:.1%}")
+              f"({lost / faulted:.1f} s each); " + (
+                  "without the saves at the fault, " if args.rescue else
+                  "at random fault times, ") +
+              f"half an interval each ({half:.1f} s): goodput {at_random:.1%}")
+    writes = [float(t) for t in re.findall(r"checkpoint: rescue: saved step \d+ at the fault "
+                                           r".*? in ([\d.]+)s:", out)]
+    if args.rescue:
+        resumed = len(re.findall(r"checkpoint: load: resuming from step \d+, saved at the "
+                                 r"fault", out))
+        print(f"  saves at the fault: {len(writes)} written (each node's local leader; "
+              f"median {statistics.median(writes) if writes else 0:.2f} s), "
+              f"{resumed} relaunches resumed from one")
     for r in g["runs"]:
         lost = ", ".join(f"{k} {v:.1f}" for k, v in r["losses"].items() if v)
         print(f"    run {r['restarts']} relaunch {r['relaunch']}: {r['allocated_s']:.1f} s "

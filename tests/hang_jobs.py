@@ -43,12 +43,15 @@ def submit(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int 
 
 def submit_launch(sandbox: Sandbox, user: str, workdir: Path, args: str, *, nodes: int = 3,
                   spares: int = 1, launch_args: str = "", train: Path = TRAIN,
-                  runner: str = "", sbatch_args: tuple[str, ...] = ()) -> int:
+                  runner: str = "", sbatch_args: tuple[str, ...] = (),
+                  exports: tuple[tuple[str, str], ...] = ()) -> int:
     """Submit examples/train.py under ``slurm-resilience launch --spares``: one task per
     node, requeueable (the fallback) and appending, as the README says. ``runner``:
-    what each task runs the script with (default: the venv's python)."""
+    what each task runs the script with (default: the venv's python); ``exports``: more
+    of the job's environment."""
     uri = f"s3://ckpt/{user}/{workdir.name}"
-    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n"
+    more = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in exports)
+    script = (f"#!/bin/sh\nexport SLURM_RESILIENCE_CKPT_URI={uri}\n{more}"
               f"exec {PYTHON} -m slurm_resilience launch --spares {spares} {launch_args} -- "
               f"{runner or f'{PYTHON} -u'} {shlex.quote(str(train))} --state-mb 1 {args}\n")
     return sandbox.sbatch(script, user=user, args=[

@@ -9,6 +9,7 @@ with ``-s`` to see them.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -196,12 +197,19 @@ def test_an_xid_that_kills_a_step_nodes_ranks_relaunches_on_the_spare_at_once(
     node's agent sees the rank die and runs the node's HealthCheckProgram at once
     (hang/deathcheck.py), not at Slurm's next HealthCheckInterval: the gate drains the node
     with the Xid as its reason, and the launcher's question about the failed step gets a
-    relaunch on the survivor plus the spare, inside the allocation (Restarts=0)."""
+    relaunch on the survivor plus the spare, inside the allocation (Restarts=0).
+
+    The job saves at the fault (SLURM_RESILIENCE_CKPT_RESCUE=on): the survivor's all-reduce
+    raises when its peer dies, and as the exception leaves the script its last finished
+    step is saved; the relaunch resumes from that step, the spare getting it from the
+    survivor, not from the last checkpoint."""
     user = test_users[0]
     work = sandbox.user_dir(user, "xidstep")
-    job_id = submit_launch(sandbox, user, work, "--steps 100000 --ckpt-every 5")
+    job_id = submit_launch(sandbox, user, work, "--steps 100000 --ckpt-every 5",
+                           exports=(("SLURM_RESILIENCE_CKPT_RESCUE", "on"),))
     _host, other = step_nodes(sandbox, work, job_id)
     wait_for_output(sandbox, work, job_id, r"checkpoint step=5 ", 240, "the first checkpoint")
+    _past_the_death_check_throttle(sandbox, other)
     try:
         since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())  # the log's UTC stamps
         faults.inject(sandbox.layout.state_dir, other, "gpu-xid:0:79")
@@ -218,6 +226,14 @@ def test_an_xid_that_kills_a_step_nodes_ranks_relaunches_on_the_spare_at_once(
                          r"health: gpu0 XID 79", out), out
         assert other not in re.findall(r"relaunch 1: (.*) at=", out)[0].split(), out
         assert sandbox.job(job_id).restarts == 0
+        saved = re.search(r"checkpoint: rescue: saved step (\d+) at the fault \(the training "
+                          r"raised", out)
+        assert saved, out
+        step = int(saved.group(1))
+        spare = re.findall(r"relaunch 1: (.*) at=", out)[0].split()[-1]
+        assert f"resuming from step {step}, saved at the fault by 1 rank(s); sent to " \
+               f"{spare}" in out, out
+        assert re.search(rf"rank \d+ running step={step + 1} at=\S+ restarts=1 ", out), out
         # The node's own agent ran the gate when the rank died, and the node was drained no
         # later than that run's end (the periodic HealthCheckProgram may come first).
         events = [json.loads(line) for line in
@@ -232,6 +248,22 @@ def test_an_xid_that_kills_a_step_nodes_ranks_relaunches_on_the_spare_at_once(
         sandbox.run(["scancel", str(job_id)], check=False)
         faults.heal(sandbox.layout.state_dir, other)
         sandbox.run(["scontrol", "update", f"NodeName={other}", "State=RESUME"], check=False)
+
+
+def _past_the_death_check_throttle(sandbox: Sandbox, node: str) -> None:
+    """A node runs its gate after a rank death at most once per check_on_rank_death_s (30 s):
+    an earlier test's relaunch that killed ranks there must be that far behind, or this
+    death finds the gate throttled (seen when this test ran right after the hang test)."""
+    from slurm_resilience import config
+
+    every = config.load(str(sandbox.resilience_config)).health.check_on_rank_death_s
+    log = sandbox.layout.log_dir / "slurm-resilience.jsonl"
+    ran = [e["timestamp"] for e in (json.loads(line) for line in log.read_text().splitlines()
+                                    if f'"{node}"' in line)
+           if str(e.get("event", "")).startswith("a job's rank died here: running")]
+    if ran:
+        last = datetime.datetime.fromisoformat(ran[-1].replace("Z", "+00:00")).timestamp()
+        time.sleep(max(0.0, last + every + 1 - time.time()))
 
 
 def _cmdline(pid: int) -> bytes:
