@@ -140,6 +140,47 @@ def test_a_rescue_is_refused_mid_optimizer_step_after_an_unbeaten_step_and_unagr
     assert R.rescued_steps(R.rescue_root(mgr.job_dir)) == []
 
 
+def test_a_rescue_the_loop_outran_is_thrown_away_and_one_that_fails_to_load_is_passed_over(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr, rescue, hb = _one_rank(tmp_path)
+    _train(model, opt, hb, range(1, 3))
+    mgr.save(2, model=model, optimizer=opt)
+    mgr.wait()
+    _train(model, opt, hb, range(3, 5))
+    real = hb.progress
+    calls = {"n": 0}
+
+    def moving() -> Progress:
+        calls["n"] += 1
+        p = real()
+        return p if calls["n"] == 1 else p._replace(beats=p.beats + 1)
+
+    # The loop beats again while the rescue is written: what it wrote is not step 4.
+    rescue.hb.progress = moving  # type: ignore[method-assign]
+    assert rescue.now("outrun") is None
+    assert "step 4 thrown away (outrun): the loop moved on" in capfd.readouterr().err
+    assert R.rescued_steps(R.rescue_root(mgr.job_dir)) == []
+    rescue.hb.progress = real  # type: ignore[method-assign]
+
+    hb.beat(5)
+    got = rescue.now("kept")
+    assert got is not None and got.step == 5
+    data = got.path / "rank-00000" / "data.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a bit flipped on the disk
+    data.write_bytes(bytes(raw))
+    again = CheckpointManager(mgr.job_dir)
+    again._rescue = R.Rescue(again, hb)
+    fresh = torch.nn.Linear(4, 3)
+    loaded = again.load_latest(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1))
+    assert loaded is not None and loaded.step == 2  # the committed step, loudly
+    err = capfd.readouterr().err
+    assert "couldn't load the rescue of step 5 (saved at the fault)" in err, err
+    assert "every rank resumes from the newest committed step instead" in err
+
+
 # -- two ranks: a hang, and a crash --------------------------------------------------------------
 
 def _env(work: Path, rank: int, node: str) -> None:
