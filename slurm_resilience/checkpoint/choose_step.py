@@ -56,7 +56,7 @@ def latest_step(mgr: CheckpointManager, exclude: Mapping[int, str] | None = None
     if not failed and mgr.rank == 0:
         warn_fallbacks(status)
     # The same all-reduce finds the newest save at a fault (rescue.py) on any node.
-    rescue_on = mgr._rescue is not None
+    rescue_on = mgr._rescue_wanted  # the same on every rank: the lists must match
     hi, neg_lo, any_failed, *rescued = mgr._all_max(
         [candidate, -candidate, int(failed)] + ([local_step(mgr)] if rescue_on else []))
     lo = -neg_lo

@@ -18,7 +18,7 @@ from slurm_resilience.checkpoint.catch_up import pass_over
 from slurm_resilience.checkpoint.commit import CheckpointError, step_name
 from slurm_resilience.checkpoint.dcp_failures import corrupt_message, failure_cause
 from slurm_resilience.checkpoint.dcp_state import resolve_stateful
-from slurm_resilience.checkpoint.rescue import keys_hash, rescue_root
+from slurm_resilience.checkpoint.rescue import SHARDED, keys_hash, rescue_root
 from slurm_resilience.checkpoint.template import TemplateMismatch, check_template
 
 if TYPE_CHECKING:
@@ -104,10 +104,14 @@ def load_latest(mgr: CheckpointManager, state: dict[str, Any] | None = None, *,
     path = mgr.job_dir / step_name(step)
     if step == mgr._rescued_step:
         path = rescue_root(mgr.job_dir) / step_name(step)
-    if mgr._rescue is not None and template is not None:
-        mgr._rescue.remember(template)
-        keys = keys_hash(resolve_stateful(template))
-        mgr._rescue.agree(*mgr._all_max([keys, -keys]))
+    if mgr._rescue_wanted and template is not None:
+        keys = SHARDED
+        if mgr._rescue is not None:
+            mgr._rescue.remember(template)
+            keys = keys_hash(resolve_stateful(template))
+        agreed = mgr._all_max([keys, -keys])  # a rank without a rescue turns it off for all
+        if mgr._rescue is not None:
+            mgr._rescue.agree(*agreed)
     return Loaded(step=step, path=path, state=loaded)
 
 def _load_rescue(mgr: CheckpointManager, step: int, template: dict[str, Any] | None

@@ -122,6 +122,10 @@ class CheckpointManager:
         # A save at the fault (rescue.py): this node's rescues, and the step a restore took
         # from one (its reads then come from the rescue dir).
         self._rescue: Rescue | None = None
+        # Asked for on every rank (the job's environment): the all-reduces that carry the
+        # rescue's values have the same length everywhere, even on a rank that couldn't
+        # start one (its values then turn it off for all).
+        self._rescue_wanted = rescue
         self._rescue_rejected: set[int] = set()
         self._rescued_step: int | None = None
         if _dist_ready():
@@ -307,8 +311,8 @@ class CheckpointManager:
         here = (self.job_dir / step_name(step) / COMMIT).exists()
         # With the rescue on, the same all-reduce compares the states' keys (rescue.py).
         committed, bad, *agreed = self._all_max([int(here), int(problem is not None)] + (
-            [keys, -keys] if self._rescue is not None else []))
-        if self._rescue is not None:
+            [keys, -keys] if self._rescue_wanted else []))
+        if self._rescue is not None and agreed:
             self._rescue.agree(*agreed)
         if bad:
             raise problem or CheckpointError(

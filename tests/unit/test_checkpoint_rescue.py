@@ -68,7 +68,7 @@ def _one_rank(tmp_path: Path) -> tuple[CheckpointManager, R.Rescue, Heartbeat]:
     hb = Heartbeat(str(tmp_path / "slot"), rank=0, world_size=1)
     mgr = CheckpointManager(job)
     rescue = R.Rescue(mgr, hb)
-    mgr._rescue = rescue
+    mgr._rescue, mgr._rescue_wanted = rescue, True
     return mgr, rescue, hb
 
 
@@ -101,7 +101,7 @@ def test_a_rescue_saves_the_last_beat_and_a_restore_takes_it_over_an_older_commi
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.Adam(fresh.parameters())
     again = CheckpointManager(mgr.job_dir)
-    again._rescue = R.Rescue(again, hb)
+    again._rescue, again._rescue_wanted = R.Rescue(again, hb), True
     loaded = again.load_latest(model=fresh, optimizer=fresh_opt)
     assert loaded is not None and loaded.step == 5
     assert loaded.path == R.rescue_root(mgr.job_dir) / step_name(5)
@@ -172,7 +172,7 @@ def test_a_rescue_the_loop_outran_is_thrown_away_and_one_that_fails_to_load_is_p
     raw[len(raw) // 2] ^= 0xFF  # a bit flipped on the disk
     data.write_bytes(bytes(raw))
     again = CheckpointManager(mgr.job_dir)
-    again._rescue = R.Rescue(again, hb)
+    again._rescue, again._rescue_wanted = R.Rescue(again, hb), True
     fresh = torch.nn.Linear(4, 3)
     loaded = again.load_latest(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1))
     assert loaded is not None and loaded.step == 2  # the committed step, loudly
@@ -291,3 +291,34 @@ def test_a_peer_crash_is_rescued_as_the_exception_leaves_the_script(
     err = capfd.readouterr().err
     assert codes[0] == 0, (codes, err[-3000:])
     assert "checkpoint: rescue: saved step 5 at the fault (the training raised" in err, err
+
+
+def one_rank_without_heartbeat(rank: int, world: int, job: Path) -> None:
+    """Rank 1 has no heartbeat (its node's run dir is missing), so no rescue: saves and a
+    restore (one staging dir, as on one node) still meet in the same all-reduces, and the
+    rescue is off on rank 0 too."""
+    work = job.parent
+    _env(work, rank, "ab"[rank])
+    if rank == 1:
+        heartbeat._disabled = True
+    model, opt = _ddp()
+    ckpt = CheckpointManager(job, rank=rank, world_size=world, rescue=True)
+    assert (ckpt._rescue is None) == (rank == 1)
+    _loop(model, opt, range(1, 3))
+    ckpt.save(2, model=model, optimizer=opt)
+    ckpt.close()
+    if ckpt._rescue is not None:
+        assert ckpt._rescue.agreed == R.SHARDED
+    again = CheckpointManager(job, rank=rank, world_size=world, rescue=True)
+    got = again.load_latest(model=model, optimizer=opt)
+    assert got is not None and got.step == 2
+    print(f"OK {rank}", flush=True)
+
+
+def test_a_rank_that_could_not_start_its_rescue_turns_it_off_for_every_rank(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    codes = dcp_ranks.run_ranks(one_rank_without_heartbeat, 2, tmp_path, timeout_s=90)
+    err = capfd.readouterr().err
+    assert codes == [0, 0], err[-3000:]
+    assert "checkpoint: rescue: off: this rank has no heartbeat" in err, err
+    assert "checkpoint: rescue: off for this state" in err, err
