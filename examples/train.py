@@ -13,6 +13,10 @@ same on GPUs) and uses:
 * ``slurm_resilience.heartbeat``: one ``beat(step)`` per iteration and a
   ``section("checkpoint")`` around saves, so the agent can tell a hang from a
   slow phase;
+* with ``SLURM_RESILIENCE_CKPT_RESCUE=on`` in the job's environment, the last finished
+  step is saved at a fault (a hang, a peer's death) and a relaunch under
+  ``slurm-resilience launch`` resumes from it: ``beat(step)`` comes after the optimizer's
+  and scheduler's steps, as below;
 * ``ckpt.stop_requested(step)`` at each step boundary: warned ahead of the time limit
   (or preempted), every rank saves the same step with ``ckpt.stop(...)`` and the job is
   requeued, resuming from that step.
