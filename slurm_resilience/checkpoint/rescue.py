@@ -18,9 +18,13 @@ When a rescue is written, by each node's local leader:
 What is written is exactly the last step the loop finished, or nothing:
 
 * the state is the one ``save()``/``prepare()``/``load_latest()`` were given, read live;
-* the step is the last ``beat(step)``; the optimizer must not be inside a step, nor have
-  stepped after that beat (hooks on the optimizer tell), and no beat or optimizer step
-  may come while the rescue writes: else it is thrown away;
+* the step is the last ``beat(step)``, which must have come right after the optimizer's
+  last step (hooks on the optimizer tell: not inside a step, no step past the beat, no
+  beats of micro-batches since), and no beat or optimizer step may come while the rescue
+  writes: else nothing is kept;
+* the state is in host memory: a GPU's work is queued ahead by the host, so after a
+  collective that never ends the last beat does not name the step the device holds
+  (saving GPU state at the fault needs CUDA events on the optimizer's steps: not built);
 * every rank's state has the same keys and none is sharded (a DTensor: FSDP2), agreed at
   each ``save()`` and restore: one rank's copy is then what a collective save keeps.
 
@@ -113,6 +117,7 @@ class OptimizerWatch:
         self._beats = beats  # () -> the loop's beat count
         self._seen: set[int] = set()
         self._handles: list[Any] = []
+        self.watched = False
         self.inside = 0
         self.stepped_at = -1  # the beat count when the last step ended
 
@@ -120,6 +125,7 @@ class OptimizerWatch:
         if id(optimizer) in self._seen or not hasattr(optimizer, "register_step_pre_hook"):
             return
         self._seen.add(id(optimizer))
+        self.watched = True
         self._handles.append(optimizer.register_step_pre_hook(self._pre))
         self._handles.append(optimizer.register_step_post_hook(self._post))
 
@@ -262,9 +268,12 @@ class Rescue:
             return f"step {p.step} is saved already"
         if self.opt.inside:
             return "the optimizer is inside a step"
-        if self.opt.stepped_at == p.beats:
-            return (f"the optimizer stepped after the last beat (step {p.step}); call "
-                    "heartbeat.beat(step) after the optimizer's step")
+        if self.opt.watched and self.opt.stepped_at != p.beats - 1:
+            # The state is the last beat's only when that beat closed the optimizer's last
+            # step: after it (stepped past the beat), or beats in between (micro-batches of
+            # an accumulation), the step the state holds has no beat of its own.
+            return (f"the last beat (step {p.step}) did not come right after the optimizer's "
+                    "last step; beat(step) once per optimizer step, after it")
         return ""
 
     def now(self, why: str) -> Rescued | None:
@@ -290,9 +299,9 @@ class Rescue:
                 log.warning("rescue failed", step=p.step, why=why, error=str(exc))
                 return None
             if isinstance(done, str):
-                print(f"checkpoint: rescue: step {p.step} thrown away ({why}): {done}",
-                      file=sys.stderr, flush=True)
-                log.warning("rescue thrown away", step=p.step, why=why, cause=done)
+                print(f"checkpoint: rescue: step {p.step} not saved at the fault ({why}): "
+                      f"{done}", file=sys.stderr, flush=True)
+                log.warning("rescue not saved", step=p.step, why=why, cause=done)
                 return None
             self.last = done
             self.hb.checkpointed(done.step)
@@ -315,6 +324,13 @@ class Rescue:
         state = resolve_stateful(self._template)
         if keys_hash(state) != self.agreed:
             return "its keys are not the ones every rank agreed on at the last save"
+        device = _device_of(state)
+        if device:
+            # The host queues a GPU's work ahead of it: after a collective that never ends,
+            # the loop may have beaten steps the device never ran, so the last beat does
+            # not name the step the device's memory holds.
+            return (f"the state is on {device}: the last beat does not tell which step the "
+                    "device holds (only host-memory states are saved at the fault)")
         check_state(state, "rescue")
         if self.mgr.quota_fraction is not None:
             check_before_save(str(self.mgr.job_dir), self.mgr.job_id or 0, state,
@@ -324,11 +340,11 @@ class Rescue:
         shutil.rmtree(incoming, ignore_errors=True)
         incoming.mkdir(mode=0o700)
         try:
-            with _side_stream(state):
-                state_dict_saver.save(state, storage_writer=StagingWriter(incoming, p.step),
-                                      no_dist=True, planner=StructurePlanner())
+            state_dict_saver.save(state, storage_writer=StagingWriter(incoming, p.step),
+                                  no_dist=True, planner=StructurePlanner())
             after = self.hb.progress()
-            if after.beats != p.beats or self.opt.inside or self.opt.stepped_at == p.beats:
+            if after.beats != p.beats or self.opt.inside or \
+                    (self.opt.stepped_at != p.beats - 1 and self.opt.watched):
                 return "the loop moved on while it was written"
             final = self.root / step_name(p.step)
             if final.exists():
@@ -348,23 +364,21 @@ class Rescue:
             print(text, file=sys.stderr, flush=True)
 
 
-class _side_stream:
-    """Copies of GPU tensors on a stream of their own: the default stream may be queued
-    behind a collective that never ends."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        self._ctx: Any = None
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._ctx = torch.cuda.stream(torch.cuda.Stream())
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+def _device_of(state: Any) -> str:
+    """The first non-CPU device a tensor of ``state`` is on ("" when all are in host memory)."""
+    if isinstance(state, Mapping):
+        values: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        device = getattr(state, "device", None)
+        kind = getattr(device, "type", "cpu")
+        return "" if kind == "cpu" else str(device)
+    for v in values:
+        found = _device_of(v)
+        if found:
+            return found
+    return ""
 
 
 def _fsync_dir(path: Path) -> None:

@@ -62,6 +62,11 @@ def _dtensor_hash(rank: int, world: int, job: Path) -> None:
     assert R.keys_hash({"w": distribute_tensor(torch.zeros(4), mesh, [Shard(0)])}) == R.SHARDED
 
 
+def test_a_state_in_device_memory_is_named_and_never_saved_at_the_fault() -> None:
+    assert R._device_of({"m": {"w": torch.zeros(2)}, "n": [1, torch.ones(1)]}) == ""
+    assert R._device_of({"m": {"w": torch.zeros(2, device="meta")}}) == "meta"
+
+
 def _one_rank(tmp_path: Path) -> tuple[CheckpointManager, R.Rescue, Heartbeat]:
     job = tmp_path / "job"
     job.mkdir()
@@ -127,20 +132,25 @@ def test_a_rescue_is_refused_mid_optimizer_step_after_an_unbeaten_step_and_unagr
     _train(model, opt, hb, range(3, 4))
     assert rescue.refusal(hb.progress()) == ""
     opt.step()  # a step the loop has not beaten yet: the state is past step 3
-    assert "optimizer stepped after the last beat" in rescue.refusal(hb.progress())
+    assert "did not come right after the optimizer's last step" in \
+        rescue.refusal(hb.progress())
     hb.beat(4)
+    hb.beat(5)  # a micro-batch's beat: two beats since the optimizer's step
+    assert "did not come right after" in rescue.refusal(hb.progress())
+    opt.step()
+    hb.beat(6)
+    assert rescue.refusal(hb.progress()) == ""
     rescue.opt.inside = 1  # as the pre-hook leaves it while a step runs
     assert rescue.refusal(hb.progress()) == "the optimizer is inside a step"
     assert rescue.now("mid-step") is None
     assert "not saving at the fault (mid-step): the optimizer is inside" in capfd.readouterr().err
     rescue.opt.inside = 0
     rescue.agree(R.SHARDED, -R.SHARDED)
-    hb.beat(5)
     assert rescue.refusal(hb.progress()) == "the state is sharded or differs between ranks"
     assert R.rescued_steps(R.rescue_root(mgr.job_dir)) == []
 
 
-def test_a_rescue_the_loop_outran_is_thrown_away_and_one_that_fails_to_load_is_passed_over(
+def test_a_rescue_the_loop_outran_is_not_kept_and_one_that_fails_to_load_is_passed_over(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -160,11 +170,12 @@ def test_a_rescue_the_loop_outran_is_thrown_away_and_one_that_fails_to_load_is_p
     # The loop beats again while the rescue is written: what it wrote is not step 4.
     rescue.hb.progress = moving  # type: ignore[method-assign]
     assert rescue.now("outrun") is None
-    assert "step 4 thrown away (outrun): the loop moved on" in capfd.readouterr().err
+    assert "step 4 not saved at the fault (outrun): the loop moved on" in \
+        capfd.readouterr().err
     assert R.rescued_steps(R.rescue_root(mgr.job_dir)) == []
     rescue.hb.progress = real  # type: ignore[method-assign]
 
-    hb.beat(5)
+    _train(model, opt, hb, range(5, 6))
     got = rescue.now("kept")
     assert got is not None and got.step == 5
     data = got.path / "rank-00000" / "data.distcp"
