@@ -47,17 +47,8 @@ class PartlyLoaded(CheckpointError):
 def load_latest(mgr: CheckpointManager, state: dict[str, Any] | None = None, *,
                 model: Any = None, optimizer: Any = None, scheduler: Any = None
                 ) -> Loaded | None:
-    """Load the newest committed step in place (any world size) into ``model``,
-    ``optimizer``, ``scheduler`` (restored whole: :func:`train_state`) and ``state``.
-
-    A ``state`` that can't take the step whole (a copy of an optimizer's state, no
-    place for saved entries) raises a TemplateMismatch naming them, before anything
-    loads. Returns a :class:`Loaded`, or None only when the run has no committed step
-    anywhere; with nothing to load into, ``Loaded.state`` is a new dict of full CPU
-    tensors and plain values, shaped exactly as saved. A committed step that can't be
-    loaded (stage-in failed, files missing, ranks disagreeing on the step) raises a
-    CheckpointError naming the step and the cause, unless ``allow_fresh_start``.
-    """
+    """``CheckpointManager.load_latest`` (its docstring says what it promises): one step
+    chosen, loaded, and on a corrupt committed step or a failed rescue the next choice."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     template = None
