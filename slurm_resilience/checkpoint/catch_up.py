@@ -40,7 +40,7 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
     CheckpointError naming why there is none. A collective: every rank calls it."""
     import torch.distributed as dist
 
-    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    node = this_node()
     joined = node in os.environ.get(ENV_JOINED, "").split(",")
     mine = rank_view(mgr.rank, node, candidate, status, local, joined)
     views: list[Any] = [None] * mgr.world_size
@@ -70,6 +70,11 @@ def agree_ranks(mgr: CheckpointManager, candidate: int, status: StageinStatus,
     log.warning("ranks disagree on the newest committed step; resuming from an older one",
                 step=result.step, newest=result.newest, rank=mgr.rank, detail=result.warning)
     return result.step
+
+
+def this_node() -> str:
+    """This rank's node: Slurm's name for it, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
 
 
 def rank_view(rank: int, node: str, candidate: int, status: StageinStatus,

@@ -25,7 +25,7 @@ def _fmt(path: Path) -> str:
     return "".join(f"[{k!r}]" for k in path)
 
 
-def _is_dtensor(obj: Any) -> bool:
+def is_dtensor(obj: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(obj, DTensor)
@@ -35,7 +35,7 @@ def _tensor_problem(t: Any) -> str | None:
     """Why DCP through our writer can't save this tensor, or None."""
     import torch
 
-    if _is_dtensor(t):
+    if is_dtensor(t):
         return _tensor_problem(t.to_local())
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return f"a tensor subclass ({type(t).__module__}.{type(t).__qualname__})"

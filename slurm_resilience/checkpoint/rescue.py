@@ -42,20 +42,21 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from slurm_resilience.checkpoint.commit import (
-    COMMIT,
     CheckpointError,
-    parse_step,
+    committed_steps,
+    fsync_dir,
     read_marker,
     saved_in_this_run,
     step_name,
 )
+from slurm_resilience.checkpoint.dcp_state import is_dtensor
 from slurm_resilience.heartbeat.writer import Heartbeat, Progress
 from slurm_resilience.log import get_logger
 
@@ -86,28 +87,26 @@ def due(p: Progress, now: float, rescued_beats: int) -> bool:
             and now - p.last >= silence_after(p))
 
 
+def _leaves(prefix: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """Every leaf of a state with its path (keys typed: 0 and "0" differ)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _leaves(f"{prefix}/{type(k).__name__}:{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(f"{prefix}/{i}", v)
+    else:
+        yield prefix, value
+
+
 def keys_hash(state: Mapping[Any, Any]) -> int:
     """One number for the keys of a resolved state (SHARDED when it holds a DTensor):
     ranks with equal numbers save the same entries."""
-    paths: list[str] = []
-    sharded = False
-
-    def walk(prefix: str, value: Any) -> None:
-        nonlocal sharded
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(f"{prefix}/{type(k).__name__}:{k}", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{prefix}/{i}", v)
-        else:
-            paths.append(prefix)
-            sharded = sharded or type(value).__name__ == "DTensor"
-
-    walk("", state)
-    if sharded:
+    leaves = list(_leaves("", state))
+    if any(is_dtensor(v) for _, v in leaves):
         return SHARDED
-    return zlib.crc32("\n".join(sorted(paths)).encode()) + 1  # 1..2**32: never SHARDED or 0
+    paths = sorted(path for path, _ in leaves)
+    return zlib.crc32("\n".join(paths).encode()) + 1  # 1..2**32: never SHARDED or 0
 
 
 class OptimizerWatch:
@@ -155,13 +154,7 @@ def rescue_root(job_dir: Path) -> Path:
 
 def rescued_steps(root: Path) -> list[int]:
     """Steps rescued on this node (a commit marker in place), oldest first."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    return sorted(s for s in map(parse_step, names)
-                  if s is not None and (root / step_name(s) / COMMIT).is_file()
-                  and not (root / step_name(s)).is_symlink())
+    return committed_steps(root)
 
 
 def newest_of_this_run(root: Path, rejected: set[int]) -> int:
@@ -350,12 +343,10 @@ class Rescue:
             if final.exists():
                 shutil.rmtree(final)  # an earlier rescue of the same step: this one is newer
             os.rename(incoming / step_name(p.step), final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
-        for old in rescued_steps(self.root):
-            if old < p.step:
-                shutil.rmtree(self.root / step_name(old), ignore_errors=True)
+        drop_upto(self.root, p.step - 1)  # one rescue kept: the newest
         return Rescued(p.step, final, time.monotonic() - started)
 
     def _say_once(self, key: str, text: str) -> None:
@@ -366,27 +357,11 @@ class Rescue:
 
 def _device_of(state: Any) -> str:
     """The first non-CPU device a tensor of ``state`` is on ("" when all are in host memory)."""
-    if isinstance(state, Mapping):
-        values: Any = state.values()
-    elif isinstance(state, (list, tuple)):
-        values = state
-    else:
-        device = getattr(state, "device", None)
-        kind = getattr(device, "type", "cpu")
-        return "" if kind == "cpu" else str(device)
-    for v in values:
-        found = _device_of(v)
-        if found:
-            return found
+    for _, v in _leaves("", state):
+        device = getattr(v, "device", None)
+        if getattr(device, "type", "cpu") != "cpu":
+            return str(device)
     return ""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["ENV_RESCUE", "RESCUE_DIR", "OptimizerWatch", "Rescue", "Rescued", "drop_upto",

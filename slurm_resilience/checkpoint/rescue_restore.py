@@ -22,11 +22,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slurm_resilience.checkpoint.catch_up import this_node
 from slurm_resilience.checkpoint.commit import (
     CheckpointError,
     check_relpath,
-    rank_name,
-    read_marker,
     step_name,
     verify_step,
 )
@@ -57,7 +56,7 @@ def take(mgr: CheckpointManager, step: int) -> bool:
     root = rescue_root(mgr.job_dir)
     if mgr.group is None:  # one process: its own node's rescue or none
         return local_step(mgr) == step
-    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    node = this_node()
     has = local_step(mgr) == step
     views: list[Any] = [None] * mgr.world_size
     dist.all_gather_object(views, (node, has), group=mgr.group)
@@ -167,13 +166,10 @@ def _receive(mgr: CheckpointManager, root: Path, step: int, sender: int) -> None
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        marker = read_marker(target)
-        if marker.step != step or marker.world_size != 1:
-            raise CheckpointError(f"checkpoint: rescue: the received marker says step "
-                                  f"{marker.step} of world size {marker.world_size}")
-        verify_step(tmp, step, ranks=[0])  # every file against its manifest's CRC32C
-        if not (target / rank_name(0)).is_dir():
-            raise CheckpointError("checkpoint: rescue: no part in the received rescue")
+        marker = verify_step(tmp, step, ranks=[0])  # every file against its manifest's CRC32C
+        if marker.world_size != 1:
+            raise CheckpointError(f"checkpoint: rescue: the received step {step} was saved "
+                                  f"at world size {marker.world_size}, not by one rank")
         final = root / step_name(step)
         if final.exists():
             shutil.rmtree(final)
